@@ -1,0 +1,40 @@
+"""Typed, validated run configuration. Imports no JAX: the CLI reads configs first."""
+
+from rlax_tpu.config.base import ConfigBase, ConfigError
+from rlax_tpu.config.loader import load_config
+from rlax_tpu.config.run import (
+    DEFAULT_LOGICAL_AXIS_RULES,
+    AlgorithmConfig,
+    ControllerConfig,
+    DatasetConfig,
+    InferenceConfig,
+    MeshConfig,
+    ModelConfig,
+    ParamServerConfig,
+    RopeScalingConfig,
+    RunConfig,
+    StalenessConfig,
+    StorageConfig,
+    TrainerConfig,
+    VerifierConfig,
+)
+
+__all__ = [
+    "DEFAULT_LOGICAL_AXIS_RULES",
+    "AlgorithmConfig",
+    "ConfigBase",
+    "ConfigError",
+    "ControllerConfig",
+    "DatasetConfig",
+    "InferenceConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "ParamServerConfig",
+    "RopeScalingConfig",
+    "RunConfig",
+    "StalenessConfig",
+    "StorageConfig",
+    "TrainerConfig",
+    "VerifierConfig",
+    "load_config",
+]

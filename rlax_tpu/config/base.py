@@ -1,0 +1,318 @@
+"""Typed, validated configuration objects: the base class and its machinery.
+
+Every part of a run is a frozen, keyword-only dataclass deriving from `ConfigBase`.
+Types are checked on construction, each class validates its own values in
+`validate()`, and overrides (`--set a.b=value`) are parsed by the field's type and
+applied with `dataclasses.replace`, so validation runs again on every change.
+This module imports nothing heavy (no JAX), so the CLI can read a config before it
+decides how JAX should start.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal, Self
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or impossible; the message names the field and the fix.
+
+    `field` is the dotted path of the offending field relative to where the error was last
+    re-raised; `section` names the config class while no enclosing path is known yet.
+    """
+
+    def __init__(self, detail: str, *, field: str = "", section: str = "") -> None:
+        self.detail, self.field, self.section = detail, field, section
+        where = ".".join(p for p in (section, field) if p)
+        super().__init__(f"{where}: {detail}" if where else detail)
+
+    def within(self, path: str) -> ConfigError:
+        """The same error seen from the enclosing section `path`."""
+        if not path:
+            return self
+        return ConfigError(self.detail, field=_join(path, self.field) if self.field else path)
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple[{_type_name(args[0])}, ...]"
+        return "tuple[" + ", ".join(_type_name(a) for a in args) + "]"
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether `value` is exactly of type `hint` (no coercion but int -> float)."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in typing.get_args(hint))
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    raise TypeError(f"unsupported config type hint {hint!r}")
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Turn JSON-ish data (lists, dicts, ints for floats) into a value of type `hint`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError:
+                continue
+        raise ConfigError(
+            f"expected {_type_name(hint)}, got {value!r} ({type(value).__name__})", field=path
+        )
+    if isinstance(hint, type) and issubclass(hint, ConfigBase):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, Mapping):
+            return hint.from_dict(value, path=path)
+        raise ConfigError(f"expected a {hint.__name__} section, got {value!r}", field=path)
+    if origin is tuple and isinstance(value, (list, tuple)):
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(
+                f"expected {_type_name(hint)} ({len(args)} items), got {value!r}", field=path
+            )
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if _conforms(value, hint):
+        return value
+    raise ConfigError(
+        f"expected {_type_name(hint)}, got {value!r} ({type(value).__name__})", field=path
+    )
+
+
+def _parse_text(text: str, hint: Any, path: str) -> Any:
+    """Parse a command-line override value by the type of the field it sets."""
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+    if type(None) in options and text.strip().lower() in ("none", "null"):
+        return None
+    sections = [o for o in options if isinstance(o, type) and issubclass(o, ConfigBase)]
+    for section in sections:
+        if text in section.PRESETS:
+            return section.PRESETS[text]()
+    scalar_hints = [o for o in options if o is not type(None) and o not in sections]
+    errors: list[ConfigError] = []
+    for h in scalar_hints:
+        try:
+            parsed = _literal(text, h)
+        except ValueError:
+            continue
+        try:
+            return _coerce(parsed, h, path)
+        except ConfigError as e:
+            errors.append(e)
+    if len(errors) == 1 and errors[0].field != path:
+        raise errors[0]  # the value parsed, and a field inside it is wrong: say which
+    presets = sorted({p for s in sections for p in s.PRESETS})
+    hint_text = f"; presets: {', '.join(presets)}" if presets else ""
+    raise ConfigError(f"cannot read {text!r} as {_type_name(hint)}{hint_text}", field=path)
+
+
+def _literal(text: str, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(hint))):
+        return text
+    if hint is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ValueError(f"not a boolean: {text!r} (use true or false)")
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            # A bare word inside a tuple, e.g. (data,fsdp): read it as strings.
+            if origin is tuple:
+                return tuple(p.strip() for p in text.strip("()[] ").split(",") if p.strip())
+            raise ValueError(f"cannot parse {text!r}") from None
+
+
+def _unknown_key(cls: type, key: str, path: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    suggestion = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(
+        f"unknown key {key!r}; {suggestion}valid keys: {', '.join(names)}",
+        field=path,
+        section="" if path else cls.__name__,
+    )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ConfigBase:
+    """Base of every config section. Subclasses override `validate`, never `__post_init__`."""
+
+    # Named ready-made values of the whole section, selectable with `--set section=NAME`.
+    PRESETS: ClassVar[dict[str, Callable[[], Any]]] = {}
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            hint = hints[f.name]
+            if not _conforms(value, hint):
+                try:
+                    coerced = _coerce(value, hint, "")
+                except ConfigError as e:
+                    raise ConfigError(e.detail, field=_join(f.name, e.field), section=_cls_name(self)) from None
+                object.__setattr__(self, f.name, coerced)
+        try:
+            self.validate()
+        except ConfigError as e:
+            if e.section or not e.field:
+                raise
+            raise ConfigError(e.detail, field=e.field, section=_cls_name(self)) from None
+
+    def validate(self) -> None:
+        """Check values; raise ConfigError naming the field and the fix."""
+
+    # -- conversion ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            out[f.name] = _to_plain(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, path: str = "") -> Self:
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in data.items():
+            if key not in names:
+                raise _unknown_key(cls, key, path)
+            kwargs[key] = _coerce(value, hints[key], _join(path, key))
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise _relocate(e, path) from None
+
+    # -- overrides ----------------------------------------------------------------
+    def override(self, dotted_key: str, value: Any, *, _path: str = "") -> Self:
+        """Return a copy with `dotted_key` (e.g. "trainer.learning_rate") set to `value`.
+
+        A string value is parsed by the field's type; a section accepts a preset name.
+        """
+        head, _, rest = dotted_key.partition(".")
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if head not in fields:
+            raise _unknown_key(type(self), head, _path)
+        hint = typing.get_type_hints(type(self))[head]
+        path = _join(_path, head)
+        current = getattr(self, head)
+        if rest:
+            if not isinstance(current, ConfigBase):
+                if current is None:
+                    raise ConfigError(
+                        f"is None, so {path}.{rest} cannot be set; "
+                        f"set {path} to a preset or a value first",
+                        field=path,
+                    )
+                raise ConfigError(f"is a {_type_name(hint)}, it has no field {rest!r}", field=path)
+            new_value = current.override(rest, value, _path=path)
+        elif isinstance(value, str):
+            new_value = _parse_text(value, hint, path)
+        else:
+            new_value = _coerce(value, hint, path)
+        try:
+            return dataclasses.replace(self, **{head: new_value})
+        except ConfigError as e:
+            raise _relocate(e, _path) from None
+
+    def apply_overrides(self, overrides: list[str] | tuple[str, ...]) -> Self:
+        """Apply "key=value" strings in order (as given by `--set`)."""
+        config = self
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            config = config.override(key.strip(), value.strip())
+        return config
+
+    # -- text form ----------------------------------------------------------------
+    def flat_items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        items: list[tuple[str, Any]] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            key = _join(prefix, f.name)
+            if isinstance(value, ConfigBase):
+                items.extend(value.flat_items(key))
+            else:
+                items.append((key, value))
+        return items
+
+    def to_text(self) -> str:
+        """One `key = value` line per leaf, in declaration order: stable, diffable text."""
+        lines = [f"{key} = {json.dumps(_to_plain(v))}" for key, v in self.flat_items()]
+        return "\n".join(lines) + "\n"
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, ConfigBase):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _cls_name(obj: Any) -> str:
+    return type(obj).__name__
+
+
+def _relocate(error: ConfigError, path: str) -> ConfigError:
+    """An error raised by a section's own checks, re-addressed by the section's dotted path."""
+    if not path:
+        return ConfigError(error.detail, field=error.field)
+    return error.within(path)
+
+
+def require(condition: bool, field: str, message: str) -> None:
+    """Raise ConfigError naming `field` unless `condition` holds."""
+    if not condition:
+        raise ConfigError(message, field=field)

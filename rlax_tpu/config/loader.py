@@ -1,0 +1,50 @@
+"""Loading runnable configs (`configs/*.py` with `get_config()`, or a run's config.json dump)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from rlax_tpu.config.base import ConfigError
+from rlax_tpu.config.run import RunConfig
+
+
+def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a config from a Python file exposing `get_config()` or from a JSON dump, then
+    apply `key=value` overrides in order."""
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {source!r} does not exist; pass a configs/*.py file or a run's "
+            "config.json"
+        )
+    if path.suffix == ".py":
+        config = _from_python(path)
+    elif path.suffix == ".json":
+        config = RunConfig.from_dict(json.loads(path.read_text()))
+    else:
+        raise ConfigError(f"config file {source!r} must end in .py or .json")
+    return config.apply_overrides(overrides)
+
+
+def _from_python(path: Path) -> RunConfig:
+    module_name = f"rlax_tpu_config_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(module_name, None)
+    get_config = getattr(module, "get_config", None)
+    if get_config is None:
+        raise ConfigError(f"{path} has no get_config() function returning a RunConfig")
+    config = get_config()
+    if not isinstance(config, RunConfig):
+        raise ConfigError(
+            f"{path}: get_config() returned {type(config).__name__}, expected RunConfig"
+        )
+    return config

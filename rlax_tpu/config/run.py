@@ -1,0 +1,471 @@
+"""The config sections of a run and the `RunConfig` that holds them.
+
+Sizes that depend on each other are named once and derived (global batch =
+prompts_per_batch × samples_per_prompt; the parameter server's hot-version count
+defaults to N + η + 1). Cross-section rules live in `RunConfig.validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Literal
+
+from rlax_tpu.config.base import ConfigBase, ConfigError, require
+
+DType = Literal["float32", "bfloat16"]
+
+# Logical axis name -> mesh axes (a tuple, possibly empty = replicated). The model
+# annotates every parameter and activation with logical names; these rules place them.
+DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", ()),
+    ("embed", ("fsdp",)),
+    ("vocab", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("mlp", ("tensor",)),
+    ("norm", ()),
+    ("value", ()),
+    ("act_embed", ()),
+    ("act_heads", ("tensor",)),
+    ("act_mlp", ("tensor",)),
+    ("act_vocab", ("tensor",)),
+)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RopeScalingConfig(ConfigBase):
+    """RoPE frequency scaling. `llama3` is Llama 3.1's piecewise scaling; `linear` divides positions."""
+
+    type: Literal["llama3", "linear"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    PRESETS = {"llama3": lambda: RopeScalingConfig()}
+
+    def validate(self) -> None:
+        require(self.factor >= 1.0, "factor", f"must be >= 1, got {self.factor}")
+        if self.type == "llama3":
+            require(
+                self.high_freq_factor > self.low_freq_factor,
+                "high_freq_factor",
+                f"must exceed low_freq_factor ({self.low_freq_factor}), got {self.high_freq_factor}",
+            )
+            require(
+                self.original_max_position_embeddings > 0,
+                "original_max_position_embeddings",
+                "must be positive",
+            )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ModelConfig(ConfigBase):
+    """A decoder-only transformer of the Llama 3 / Qwen2 / Qwen3 family."""
+
+    # Hugging Face architecture name, used on export ("LlamaForCausalLM", ...).
+    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"] = (
+        "LlamaForCausalLM"
+    )
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
+    value_head: bool = False  # scalar value head for PPO/GAE
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"  # compute dtype of matmuls; norms, softmax and logits stay float32
+    # Where the initial weights come from: "" = random init from the run seed, else a
+    # Hugging Face checkpoint directory (local path or gs://) with config.json + safetensors.
+    hf_checkpoint: str = ""
+    # Directory with tokenizer.json (and tokenizer_config.json for the chat template);
+    # "" = the hf_checkpoint directory.
+    tokenizer: str = ""
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"must divide num_heads ({self.num_heads}) for grouped-query attention, "
+            f"got {self.num_kv_heads}",
+        )
+        require(self.rope_theta > 0, "rope_theta", "must be positive")
+        require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MeshConfig(ConfigBase):
+    """A device mesh with axes (data, fsdp, tensor). One size may be -1: all remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_LOGICAL_AXIS_RULES
+
+    AXES = ("data", "fsdp", "tensor")
+
+    def validate(self) -> None:
+        sizes = [self.data, self.fsdp, self.tensor]
+        for axis, size in zip(self.AXES, sizes):
+            require(size == -1 or size >= 1, axis, f"must be >= 1 or -1 (the rest), got {size}")
+        require(
+            sizes.count(-1) <= 1,
+            "fsdp",
+            "at most one mesh axis may be -1 (meaning: all remaining devices)",
+        )
+        seen = set()
+        for logical, mesh_axes in self.logical_axis_rules:
+            require(logical not in seen, "logical_axis_rules", f"{logical!r} appears twice")
+            seen.add(logical)
+            for axis in mesh_axes:
+                require(
+                    axis in self.AXES,
+                    "logical_axis_rules",
+                    f"rule for {logical!r} names mesh axis {axis!r}; mesh axes are {self.AXES}",
+                )
+
+    def shape_for(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes for `num_devices` devices, resolving -1; raises if they don't fit."""
+        sizes = {axis: getattr(self, axis) for axis in self.AXES}
+        fixed = 1
+        for size in sizes.values():
+            fixed *= size if size != -1 else 1
+        for axis, size in sizes.items():
+            if size == -1:
+                if num_devices % fixed:
+                    raise ConfigError(
+                        f"mesh {sizes} cannot fill {num_devices} devices: the fixed axes "
+                        f"({fixed}) must divide the device count",
+                        field=axis,
+                    )
+                sizes[axis] = num_devices // fixed
+        total = 1
+        for size in sizes.values():
+            total *= size
+        if total != num_devices:
+            raise ConfigError(
+                f"mesh {sizes} needs {total} devices but {num_devices} are available; "
+                "set one axis to -1 or change the sizes",
+                field="fsdp",
+            )
+        return sizes
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class StalenessConfig(ConfigBase):
+    """The two staleness knobs (DESIGN §2).
+
+    reload_every (η): inference workers load only versions that are multiples of η.
+    max_staleness (N): batch s trains only on rollouts of versions v with s - v <= N.
+    """
+
+    reload_every: int = 1
+    max_staleness: int = 0
+    schedule: Literal["deterministic", "freshest"] = "deterministic"
+
+    PRESETS = {
+        "on_policy": lambda: StalenessConfig(reload_every=1, max_staleness=0),
+        "one_step_off_policy": lambda: StalenessConfig(reload_every=1, max_staleness=1),
+        # RLAX's main run: workers reload every 16 versions, rollouts up to 32 versions old.
+        "off_policy": lambda: StalenessConfig(reload_every=16, max_staleness=32),
+    }
+
+    def validate(self) -> None:
+        require(
+            self.reload_every >= 1,
+            "reload_every",
+            f"η must be >= 1 (1 = workers may load every version), got {self.reload_every}",
+        )
+        require(
+            self.max_staleness >= 0,
+            "max_staleness",
+            f"N must be >= 0 (0 = on-policy), got {self.max_staleness}",
+        )
+        require(
+            self.max_staleness >= self.reload_every - 1,
+            "max_staleness",
+            f"N={self.max_staleness} < η-1={self.reload_every - 1}: workers that reload only "
+            f"every {self.reload_every} versions produce rollouts up to {self.reload_every - 1} "
+            f"versions old, which could never be trained on; set max_staleness >= "
+            f"{self.reload_every - 1} or lower reload_every",
+        )
+
+    @property
+    def paradigm(self) -> str:
+        if (self.reload_every, self.max_staleness) == (1, 0):
+            return "on_policy"
+        if (self.reload_every, self.max_staleness) == (1, 1):
+            return "one_step_off_policy"
+        return "off_policy"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class AlgorithmConfig(ConfigBase):
+    """The modular RL objective (DESIGN §6): an algorithm is a choice of its parts."""
+
+    name: str = "grpo"
+    aggregation: str = "sequence_mean"
+    importance_weight: str = "token"
+    advantage: str = "group_mean_std"
+    gradient_mask: str = "ppo_clip"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_estimator: Literal["none", "k1", "k2", "k3"] = "k3"
+    kl_beta: float = 0.0
+    entropy_coef: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high", "kl_beta"):
+            require(getattr(self, name) >= 0, name, "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TrainerConfig(ConfigBase):
+    mesh: MeshConfig = MeshConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    # Sequences per optimizer update; the global batch is split into global/mini updates.
+    mini_batch_size: int = 8
+    # Sequences per forward/backward pass; gradients accumulate over mini/micro passes.
+    micro_batch_size: int = 8
+    max_seq_len: int = 256
+    learning_rate: float = 1e-6
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    # Which behaviour log-probs enter the importance weight: the trainer's recomputed
+    # π_old (RLAX §5, default) or the inference workers' cached ones.
+    behaviour_logprobs: Literal["recomputed", "cached"] = "recomputed"
+    checkpoint_every: int = 16
+    max_checkpoints_to_keep: int = 3
+
+    def validate(self) -> None:
+        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        require(
+            self.mini_batch_size % self.micro_batch_size == 0,
+            "micro_batch_size",
+            f"must divide mini_batch_size ({self.mini_batch_size}), got {self.micro_batch_size}",
+        )
+        require(self.max_seq_len >= 2, "max_seq_len", "must be >= 2")
+        require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(0 <= self.adam_b1 < 1, "adam_b1", "must be in [0, 1)")
+        require(0 <= self.adam_b2 < 1, "adam_b2", "must be in [0, 1)")
+        require(self.grad_clip_norm > 0, "grad_clip_norm", "must be > 0")
+        require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        require(self.max_checkpoints_to_keep >= 1, "max_checkpoints_to_keep", "must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class InferenceConfig(ConfigBase):
+    mesh: MeshConfig = MeshConfig(data=1, fsdp=1, tensor=-1)
+    num_workers: int = 1
+    max_decode_slots: int = 8
+    page_size: int = 16
+    # Bytes of device memory given to the KV page pool (per worker).
+    kv_cache_bytes: int = 64 * 2**20
+    prefill_buckets: tuple[int, ...] = (32, 64, 128, 256)
+    max_prompt_len: int = 128
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    stop_token_ids: tuple[int, ...] = ()
+    # Behaviour log-probs are of the temperature-scaled full distribution ("full") or
+    # of the top-k/top-p truncated distribution actually sampled from ("sampled").
+    logprobs_of: Literal["full", "sampled"] = "full"
+    attention_backend: Literal["auto", "jax", "pallas"] = "auto"
+
+    def validate(self) -> None:
+        require(self.num_workers >= 1, "num_workers", "must be >= 1")
+        require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
+        require(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            "page_size",
+            f"must be a power of two, got {self.page_size}",
+        )
+        require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
+        require(
+            list(self.prefill_buckets) == sorted(set(self.prefill_buckets))
+            and all(b > 0 for b in self.prefill_buckets),
+            "prefill_buckets",
+            f"must be positive and strictly increasing, got {self.prefill_buckets}",
+        )
+        require(
+            bool(self.prefill_buckets) and self.prefill_buckets[-1] >= self.max_prompt_len,
+            "prefill_buckets",
+            f"the largest bucket must hold max_prompt_len ({self.max_prompt_len})",
+        )
+        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ParamServerConfig(ConfigBase):
+    num_replicas: int = 1
+    # Versions kept in memory (K); None = N + η + 1 from the staleness knobs.
+    hot_versions: int | None = None
+    chunk_bytes: int = 2 * 2**20
+    host: str = "127.0.0.1"
+    # Environment variable holding the shared auth token of all components.
+    auth_token_env: str = "RLAX_TPU_AUTH_TOKEN"
+
+    def validate(self) -> None:
+        require(self.num_replicas >= 1, "num_replicas", "must be >= 1")
+        require(
+            self.hot_versions is None or self.hot_versions >= 1, "hot_versions", "must be >= 1"
+        )
+        require(
+            2**10 <= self.chunk_bytes <= 64 * 2**20,
+            "chunk_bytes",
+            f"must be between 1 KiB and 64 MiB, got {self.chunk_bytes}",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class VerifierConfig(ConfigBase):
+    num_workers: int = 2
+    # "" = verify in-process pools started by the run; else host:port of a verifier service.
+    address: str = ""
+    math_answer_extraction: tuple[str, ...] = ("boxed", "hash", "the_answer_is", "last_number")
+    math_timeout_s: float = 5.0
+    code_languages: tuple[str, ...] = ("python", "cpp")
+    code_time_limit_s: float = 2.0
+    code_memory_limit_bytes: int = 512 * 2**20
+    code_output_limit_bytes: int = 1 * 2**20
+    code_reward: Literal["all_passed", "fraction_passed"] = "all_passed"
+    # Running untrusted code without the bubblewrap sandbox is refused unless this is set.
+    allow_unsandboxed: bool = False
+
+    def validate(self) -> None:
+        require(self.num_workers >= 1, "num_workers", "must be >= 1")
+        for name in ("math_timeout_s", "code_time_limit_s"):
+            require(getattr(self, name) > 0, name, "must be > 0")
+        require(self.code_memory_limit_bytes > 0, "code_memory_limit_bytes", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class DatasetConfig(ConfigBase):
+    path: str  # JSONL or Parquet, local or gs://
+    weight: float = 1.0
+    verifier: Literal["math", "code", "none"] = "math"
+
+    def validate(self) -> None:
+        require(bool(self.path), "path", "must name a JSONL or Parquet file")
+        require(self.weight > 0, "weight", f"must be > 0, got {self.weight}")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ControllerConfig(ConfigBase):
+    num_steps: int = 10
+    prompts_per_batch: int = 4
+    samples_per_prompt: int = 2  # G: responses per prompt (the group of GRPO)
+    datasets: tuple[DatasetConfig, ...] = ()
+    # Snapshots are written at every weight-reload boundary (every η steps).
+    keep_snapshots: int = 3
+
+    def validate(self) -> None:
+        require(self.num_steps >= 1, "num_steps", "must be >= 1")
+        require(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1")
+        require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
+        require(self.keep_snapshots >= 1, "keep_snapshots", "must be >= 1")
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per train step: prompts_per_batch × samples_per_prompt."""
+        return self.prompts_per_batch * self.samples_per_prompt
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class StorageConfig(ConfigBase):
+    # Root of everything a run persists (checkpoints, snapshots, rollout log, params):
+    # a local directory or gs://bucket/path.
+    run_dir: str = "runs/default"
+
+    def validate(self) -> None:
+        require(bool(self.run_dir), "run_dir", "must name a directory or gs:// URL")
+        if "://" in self.run_dir:
+            scheme = self.run_dir.split("://", 1)[0]
+            require(
+                scheme in ("gs", "file"),
+                "run_dir",
+                f"scheme {scheme!r} is not supported; use a local path, file:// or gs://",
+            )
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.run_dir.rstrip("/"), *parts])
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RunConfig(ConfigBase):
+    """Everything a run needs. Built by a `configs/*.py` file's `get_config()`."""
+
+    name: str = "run"
+    seed: int = 0
+    # On the CPU platform, how many virtual devices JAX should expose (0 = leave as is).
+    cpu_devices: int = 0
+    model: ModelConfig = ModelConfig()
+    staleness: StalenessConfig = StalenessConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    inference: InferenceConfig = InferenceConfig()
+    param_server: ParamServerConfig = ParamServerConfig()
+    verifiers: VerifierConfig = VerifierConfig()
+    controller: ControllerConfig = ControllerConfig()
+    storage: StorageConfig = StorageConfig()
+
+    def validate(self) -> None:
+        require(self.cpu_devices >= 0, "cpu_devices", "must be >= 0")
+        global_batch = self.controller.global_batch_size
+        require(
+            global_batch % self.trainer.mini_batch_size == 0,
+            "trainer.mini_batch_size",
+            f"must divide the global batch (controller.prompts_per_batch × "
+            f"controller.samples_per_prompt = {global_batch}), got {self.trainer.mini_batch_size}",
+        )
+        hot = self.param_server.hot_versions
+        need = self.staleness.max_staleness + self.staleness.reload_every
+        require(
+            hot is None or hot >= need,
+            "param_server.hot_versions",
+            f"K={hot} cannot hold every version a batch may still need: need K >= N + η = {need}",
+        )
+        require(
+            self.inference.max_prompt_len + self.inference.max_new_tokens
+            <= self.model.max_position_embeddings,
+            "inference.max_new_tokens",
+            f"max_prompt_len + max_new_tokens exceeds model.max_position_embeddings "
+            f"({self.model.max_position_embeddings})",
+        )
+
+    @property
+    def hot_versions(self) -> int:
+        """K: versions the parameter server keeps in memory."""
+        if self.param_server.hot_versions is not None:
+            return self.param_server.hot_versions
+        return self.staleness.max_staleness + self.staleness.reload_every + 1
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON form: the identity of this config."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
