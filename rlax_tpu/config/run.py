@@ -31,6 +31,7 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("value", ()),
     ("act_embed", ()),
     ("act_heads", ("tensor",)),
+    ("act_kv_heads", ("tensor",)),
     ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
 )
