@@ -298,7 +298,7 @@ def _to_plain(value: Any) -> Any:
 
 
 def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
+    return ".".join(p for p in (prefix, key) if p)
 
 
 def _cls_name(obj: Any) -> str:

@@ -1,0 +1,77 @@
+"""Llama 3.1 8B on a TPU v5p-64 trainer slice, RLAX-style off-policy (η=16, N=32).
+
+  rlax-tpu run configs/llama3_1_8b_tpu_v5p_64.py \
+      --set model.hf_checkpoint=gs://BUCKET/Llama-3.1-8B-Instruct \
+      --set storage.run_dir=gs://BUCKET/runs/llama3_8b
+"""
+
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ControllerConfig,
+    InferenceConfig,
+    MeshConfig,
+    ModelConfig,
+    RopeScalingConfig,
+    RunConfig,
+    StalenessConfig,
+    StorageConfig,
+    TrainerConfig,
+)
+
+
+def get_config() -> RunConfig:
+    return RunConfig(
+        name="llama3_1_8b_tpu_v5p_64",
+        model=ModelConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=500_000.0,
+            rope_scaling=RopeScalingConfig(
+                type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            param_dtype="float32",
+            dtype="bfloat16",
+            hf_checkpoint="gs://rlax-tpu-models/Llama-3.1-8B-Instruct",
+        ),
+        staleness=StalenessConfig.PRESETS["off_policy"](),
+        trainer=TrainerConfig(
+            # 32 chips (v5p-64 = 32 chips): fsdp over 8, tensor 4.
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=4),
+            algorithm=AlgorithmConfig(
+                name="aipo", importance_weight="token_truncated", gradient_mask="none"
+            ),
+            mini_batch_size=256,
+            micro_batch_size=32,
+            max_seq_len=16384,
+            learning_rate=1e-6,
+            lr_schedule="constant",
+            warmup_steps=20,
+            weight_decay=0.1,
+        ),
+        inference=InferenceConfig(
+            mesh=MeshConfig(data=1, fsdp=1, tensor=4),
+            num_workers=16,
+            max_decode_slots=256,
+            page_size=64,
+            kv_cache_bytes=48 * 2**30,
+            prefill_buckets=(512, 1024, 2048),
+            max_prompt_len=2048,
+            max_new_tokens=14336,
+            temperature=1.0,
+            stop_token_ids=(128001, 128008, 128009),
+        ),
+        controller=ControllerConfig(num_steps=2000, prompts_per_batch=128, samples_per_prompt=16),
+        storage=StorageConfig(run_dir="gs://rlax-tpu-runs/llama3_1_8b"),
+    )

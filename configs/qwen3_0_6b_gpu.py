@@ -1,0 +1,63 @@
+"""Qwen3-0.6B on one GPU, one-step off-policy (η=1, N=1): a small real-model recipe.
+
+Point model.hf_checkpoint at a local or gs:// copy of the Hugging Face checkpoint:
+  rlax-tpu run configs/qwen3_0_6b_gpu.py --set model.hf_checkpoint=gs://BUCKET/Qwen3-0.6B
+"""
+
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ControllerConfig,
+    InferenceConfig,
+    MeshConfig,
+    ModelConfig,
+    RunConfig,
+    StalenessConfig,
+    StorageConfig,
+    TrainerConfig,
+)
+
+
+def get_config() -> RunConfig:
+    return RunConfig(
+        name="qwen3_0_6b_gpu",
+        model=ModelConfig(
+            architecture="Qwen3ForCausalLM",
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=40960,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            param_dtype="float32",
+            dtype="bfloat16",
+            hf_checkpoint="/data/models/Qwen3-0.6B",
+        ),
+        staleness=StalenessConfig.PRESETS["one_step_off_policy"](),
+        trainer=TrainerConfig(
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+            algorithm=AlgorithmConfig(name="grpo", clip_eps_high=0.28),
+            mini_batch_size=64,
+            micro_batch_size=8,
+            max_seq_len=4096,
+            learning_rate=1e-6,
+            warmup_steps=10,
+            weight_decay=0.01,
+        ),
+        inference=InferenceConfig(
+            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
+            max_decode_slots=128,
+            page_size=32,
+            kv_cache_bytes=16 * 2**30,
+            prefill_buckets=(256, 512, 1024),
+            max_prompt_len=1024,
+            max_new_tokens=3072,
+        ),
+        controller=ControllerConfig(num_steps=500, prompts_per_batch=32, samples_per_prompt=8),
+        storage=StorageConfig(run_dir="runs/qwen3_0_6b_gpu"),
+    )

@@ -1,0 +1,210 @@
+"""Config validation, overrides, round trips and the golden text of every shipped config."""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlax_tpu.config import (
+    ConfigError,
+    MeshConfig,
+    ModelConfig,
+    RunConfig,
+    StalenessConfig,
+    TrainerConfig,
+    load_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "configs").glob("*.py"))
+GOLDEN = Path(__file__).with_name("golden")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_config_matches_golden_text(path):
+    """A changed default or recipe shows up in review as a golden diff.
+
+    Regenerate with RLAX_TPU_UPDATE_GOLDEN=1 after an intended change.
+    """
+    text = load_config(str(path)).to_text()
+    golden = GOLDEN / f"{path.stem}.txt"
+    if os.environ.get("RLAX_TPU_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert golden.exists(), f"no golden file for {path.name}; run with RLAX_TPU_UPDATE_GOLDEN=1"
+    assert text == golden.read_text()
+
+
+def test_every_golden_file_has_a_shipped_config():
+    assert {p.stem for p in GOLDEN.glob("*.txt")} == {p.stem for p in SHIPPED}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_config_round_trips_through_json(path):
+    config = load_config(str(path))
+    again = RunConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config
+    assert again.digest() == config.digest()
+
+
+def test_override_parses_by_field_type():
+    config = RunConfig().apply_overrides(
+        [
+            "trainer.learning_rate=1e-5",
+            "controller.num_steps=7",
+            "model.tie_word_embeddings=true",
+            "inference.stop_token_ids=(3, 5)",
+            "trainer.mesh.logical_axis_rules=(('batch', ('data',)),)",
+            "model.param_dtype=bfloat16",
+        ]
+    )
+    assert config.trainer.learning_rate == 1e-5
+    assert config.controller.num_steps == 7
+    assert config.model.tie_word_embeddings is True
+    assert config.inference.stop_token_ids == (3, 5)
+    assert config.trainer.mesh.logical_axis_rules == (("batch", ("data",)),)
+    assert config.model.param_dtype == "bfloat16"
+
+
+def test_overrides_apply_in_order_and_section_presets_replace_the_section():
+    config = RunConfig().apply_overrides(
+        ["staleness=off_policy", "staleness.max_staleness=20", "model.rope_scaling=llama3"]
+    )
+    assert (config.staleness.reload_every, config.staleness.max_staleness) == (16, 20)
+    assert config.model.rope_scaling.type == "llama3"
+    assert RunConfig().apply_overrides(["model.rope_scaling=none"]).model.rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    "override, field, words",
+    [
+        ("trainer.learnin_rate=1", "trainer", "did you mean 'learning_rate'"),
+        ("nosuch=1", "RunConfig", "unknown key 'nosuch'"),
+        ("trainer.learning_rate=fast", "trainer.learning_rate", "cannot read 'fast' as float"),
+        ("controller.num_steps=1.5", "controller.num_steps", "cannot read '1.5' as int"),
+        ("model.tie_word_embeddings=maybe", "model.tie_word_embeddings", "bool"),
+        ("model.param_dtype=float16", "model.param_dtype", "'float32' | 'bfloat16'"),
+        ("staleness=sometimes", "staleness", "presets: off_policy, on_policy"),
+        ("model.rope_scaling.factor=2", "model.rope_scaling", "set model.rope_scaling to a preset"),
+        ("trainer.learning_rate=0", "trainer.learning_rate", "must be > 0"),
+        ("trainer.micro_batch_size=3", "trainer.micro_batch_size", "must divide mini_batch_size"),
+        ("model.num_kv_heads=3", "model.num_kv_heads", "must divide num_heads"),
+        ("trainer.mesh.fsdp=0", "trainer.mesh.fsdp", "must be >= 1 or -1"),
+        ("controller.prompts_per_batch=3", "trainer.mini_batch_size", "must divide the global"),
+        ("param_server.hot_versions=0", "param_server.hot_versions", "must be >= 1"),
+        ("storage.run_dir=s3://bucket/x", "storage.run_dir", "use a local path, file:// or gs://"),
+        ("controller.datasets=[{'path': 'a.jsonl', 'weight': -2}]", "controller.datasets[0].weight",
+         "must be > 0"),
+        ("trainer.learning_rate", None, "key=value"),
+    ],
+)
+def test_bad_override_names_the_field_and_the_fix(override, field, words):
+    with pytest.raises(ConfigError) as info:
+        RunConfig().apply_overrides([override])
+    message = str(info.value)
+    if field is not None:
+        assert message.startswith(f"{field}") or message.startswith(f"RunConfig.{field}"), message
+    assert words in message
+
+
+def test_reload_every_must_be_positive():
+    with pytest.raises(ConfigError, match=r"reload_every: η must be >= 1"):
+        StalenessConfig(reload_every=0, max_staleness=0)
+
+
+def test_max_staleness_must_be_non_negative():
+    with pytest.raises(ConfigError, match=r"max_staleness: N must be >= 0"):
+        StalenessConfig(reload_every=1, max_staleness=-1)
+
+
+def test_max_staleness_below_reload_every_minus_one_is_rejected_with_the_fix():
+    with pytest.raises(ConfigError, match=r"set max_staleness >= 3 or lower reload_every"):
+        StalenessConfig(reload_every=4, max_staleness=2)
+
+
+@given(eta=st.integers(1, 64), n=st.integers(0, 128))
+def test_staleness_knobs_are_valid_exactly_when_n_covers_eta(eta, n):
+    if n >= eta - 1:
+        assert StalenessConfig(reload_every=eta, max_staleness=n).max_staleness == n
+    else:
+        with pytest.raises(ConfigError):
+            StalenessConfig(reload_every=eta, max_staleness=n)
+
+
+def test_staleness_presets_are_the_three_paradigms():
+    presets = {name: make() for name, make in StalenessConfig.PRESETS.items()}
+    assert (presets["on_policy"].reload_every, presets["on_policy"].max_staleness) == (1, 0)
+    one_step = presets["one_step_off_policy"]
+    assert (one_step.reload_every, one_step.max_staleness) == (1, 1)
+    assert presets["off_policy"].max_staleness >= presets["off_policy"].reload_every - 1
+    assert {name: p.paradigm for name, p in presets.items()} == {
+        name: name for name in presets
+    }
+
+
+def test_wrong_type_in_python_construction_is_rejected():
+    with pytest.raises(ConfigError, match=r"ModelConfig.hidden_size: expected int, got '64'"):
+        ModelConfig(hidden_size="64")
+    with pytest.raises(ConfigError, match=r"TrainerConfig.mesh: expected a MeshConfig"):
+        TrainerConfig(mesh=3)
+
+
+def test_configs_are_immutable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig().seed = 3
+
+
+def test_digest_changes_with_any_field():
+    base = RunConfig()
+    assert base.digest() == RunConfig().digest()
+    assert base.digest() != base.apply_overrides(["trainer.adam_eps=1e-7"]).digest()
+
+
+def test_hot_versions_below_n_plus_eta_is_rejected():
+    with pytest.raises(ConfigError, match=r"param_server.hot_versions: K=40 .* need K >= N \+ η = 48"):
+        RunConfig().apply_overrides(["staleness=off_policy", "param_server.hot_versions=40"])
+
+
+def test_hot_versions_default_is_n_plus_eta_plus_one():
+    config = RunConfig().apply_overrides(["staleness=off_policy"])
+    assert config.hot_versions == 32 + 16 + 1
+
+
+@pytest.mark.parametrize(
+    "sizes, devices, expected",
+    [
+        ((1, -1, 1), 8, {"data": 1, "fsdp": 8, "tensor": 1}),
+        ((2, -1, 2), 8, {"data": 2, "fsdp": 2, "tensor": 2}),
+        ((2, 2, 2), 8, {"data": 2, "fsdp": 2, "tensor": 2}),
+        ((1, 1, -1), 1, {"data": 1, "fsdp": 1, "tensor": 1}),
+    ],
+)
+def test_mesh_shape_resolves_the_rest_axis(sizes, devices, expected):
+    data, fsdp, tensor = sizes
+    assert MeshConfig(data=data, fsdp=fsdp, tensor=tensor).shape_for(devices) == expected
+
+
+@pytest.mark.parametrize("sizes, devices", [((3, -1, 1), 8), ((2, 2, 1), 8), ((2, 2, 4), 8)])
+def test_mesh_that_does_not_fit_the_devices_is_rejected(sizes, devices):
+    data, fsdp, tensor = sizes
+    with pytest.raises(ConfigError, match="devices"):
+        MeshConfig(data=data, fsdp=fsdp, tensor=tensor).shape_for(devices)
+
+
+def test_load_config_rejects_missing_file_and_file_without_get_config(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.py"))
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="no get_config"):
+        load_config(str(bad))
+
+
+def test_load_config_reads_a_json_dump(tmp_path):
+    config = load_config(str(SHIPPED[0]), ["seed=5"])
+    dump = tmp_path / "config.json"
+    dump.write_text(json.dumps(config.to_dict()))
+    assert load_config(str(dump)) == config
