@@ -174,6 +174,9 @@ class Transformer(nnx.Module):
     # -- pieces ---------------------------------------------------------------------
     def _embed(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(_dtype(self.config.dtype))
+        # The gather comes out sharded like the table (embed over fsdp); gathering it whole
+        # first makes the move to batch sharding a local slice (and says so to XLA).
+        x = constrain(x, (None, None, None))
         return constrain(x, ("batch", "length", "act_embed"))
 
     def _logits(self, h: jax.Array) -> jax.Array:

@@ -1,0 +1,5 @@
+import sys
+
+from rlax_tpu.cli import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""The `rlax-tpu` command line: one entry point for every job and component.
+
+Commands that later parts of the system implement say so until they land, so the
+command set users script against is stable from the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rlax_tpu.config import ConfigError, load_config
+
+# Command -> (help, the piece of the system that implements it when not yet built).
+_COMMANDS = {
+    "run": ("start a run from a config (the main job)", None),
+    "resume": ("resume a run from its run directory after preemption", "the controller"),
+    "serve": ("serve one component over gRPC (param_server, inference, trainer, verifier)",
+              "the component services"),
+    "sft": ("supervised fine-tuning to warm-start a policy", "the trainer"),
+    "eval": ("evaluate a checkpoint on datasets with the verifiers", "the controller"),
+    "config": ("show the resolved config (`config show CONFIG [--set k=v ...]`)", None),
+    "bench": ("run a benchmark from tools/ and print its table", "the benchmarks"),
+}
+COMPONENTS = ("param_server", "inference", "trainer", "verifier")
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="configs/*.py file with get_config(), or a config.json")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set trainer.learning_rate=1e-6 "
+        "or --set staleness=one_step_off_policy (repeatable, applied in order)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlax-tpu",
+        description="JAX RL post-training for LLMs on TPU pods, GPUs and CPUs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, _) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name in ("run", "sft", "eval"):
+            _add_config_args(p)
+        elif name == "resume":
+            p.add_argument("run_dir", help="the run directory (local path or gs://)")
+        elif name == "serve":
+            p.add_argument("component", choices=COMPONENTS)
+            _add_config_args(p)
+        elif name == "config":
+            action = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+            show = action.add_parser("show", help="print the resolved config")
+            _add_config_args(show)
+            show.add_argument("--format", choices=("text", "json"), default="text")
+        elif name == "bench":
+            p.add_argument("name", nargs="?", help="benchmark name")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as e:
+        print(f"rlax-tpu: config error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "config":
+        config = load_config(args.config, args.overrides)
+        if args.format == "json":
+            print(json.dumps(config.to_dict(), indent=2))
+        else:
+            sys.stdout.write(config.to_text())
+            print(f"# paradigm: {config.staleness.paradigm}; digest: {config.digest()}")
+        return 0
+    if args.command == "run":
+        from rlax_tpu.cli.run import run
+
+        return run(load_config(args.config, args.overrides))
+    provider = _COMMANDS[args.command][1]
+    print(
+        f"rlax-tpu {args.command}: not available yet; it arrives with {provider}. "
+        "Until then `rlax-tpu run CONFIG` runs the foundation job.",
+        file=sys.stderr,
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
