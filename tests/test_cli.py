@@ -76,3 +76,15 @@ def test_run_job_dumps_config_and_checks_trainer_against_inference(tmp_path):
     other = _run_cli("run", TINY, "--set", f"storage.run_dir={run_dir}", "--set", "seed=1")
     assert other.returncode == 2
     assert "holds a run with config digest" in other.stderr
+
+
+def test_run_job_writes_its_run_dir_to_gcs(gcs_bucket):
+    from rlax_tpu import storage
+
+    run_dir = f"{gcs_bucket}/runs/tiny"
+    result = _run_cli("run", TINY, "--set", f"storage.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    config = load_config(TINY, [f"storage.run_dir={run_dir}"])
+    assert storage.read_text(f"{run_dir}/config.sha256").strip() == config.digest()
+    assert json.loads(storage.read_text(f"{run_dir}/config.json")) == config.to_dict()
+    assert "train_nll" in json.loads(storage.read_text(f"{run_dir}/foundation_job.json"))

@@ -16,14 +16,14 @@ from rlax_tpu.config import ConfigError, load_config
 _COMMANDS = {
     "run": ("start a run from a config (the main job)", None),
     "resume": ("resume a run from its run directory after preemption", "the controller"),
-    "serve": ("serve one component over gRPC (param_server, inference, trainer, verifier)",
+    "serve": ("serve one component over gRPC (param-server, inference, trainer, verifier)",
               "the component services"),
     "sft": ("supervised fine-tuning to warm-start a policy", "the trainer"),
     "eval": ("evaluate a checkpoint on datasets with the verifiers", "the controller"),
     "config": ("show the resolved config (`config show CONFIG [--set k=v ...]`)", None),
     "bench": ("run a benchmark from tools/ and print its table", "the benchmarks"),
 }
-COMPONENTS = ("param_server", "inference", "trainer", "verifier")
+COMPONENTS = ("param-server", "inference", "trainer", "verifier")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
