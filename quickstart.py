@@ -28,7 +28,11 @@ def _bin(name: str) -> Path:
 
 def _install_inputs_digest(extra: str) -> str:
     h = hashlib.sha256(extra.encode())
-    files = [ROOT / "pyproject.toml", ROOT / "setup.py", *sorted((ROOT / "protos").rglob("*.proto"))]
+    files = [
+        ROOT / "pyproject.toml",
+        ROOT / "setup.py",
+        *sorted((ROOT / "protos").rglob("*.proto")),
+    ]
     for path in files:
         h.update(path.relative_to(ROOT).as_posix().encode())
         h.update(path.read_bytes())
@@ -36,7 +40,7 @@ def _install_inputs_digest(extra: str) -> str:
 
 
 def ensure_installed(extra: str) -> None:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - this file runs on any python3
         sys.exit(f"rlax_tpu needs Python >= 3.11; this is {sys.version.split()[0]}")
     if not _bin("python").exists():
         print(f"creating virtual environment {VENV}", flush=True)

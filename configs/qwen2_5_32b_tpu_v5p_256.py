@@ -1,6 +1,6 @@
 """Qwen2.5-32B on a TPU v5p-256 trainer slice (128 chips), one-step off-policy.
 
-  rlax-tpu run configs/qwen2_5_32b_tpu_v5p_256.py --set storage.run_dir=gs://BUCKET/runs/q32b
+rlax-tpu run configs/qwen2_5_32b_tpu_v5p_256.py --set storage.run_dir=gs://BUCKET/runs/q32b
 """
 
 from rlax_tpu.config import (

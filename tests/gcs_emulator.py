@@ -6,9 +6,7 @@ tests/conftest.py wraps it in fixtures: `gcs_emulator` (one process per session)
 
 from __future__ import annotations
 
-import ctypes
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -25,10 +23,16 @@ ENV_VARS = (
 )
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: on Linux, SIGTERM it if pytest dies without teardown."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Started as `python -c _LAUNCHER args…`: on Linux the child asks to get SIGTERM if pytest
+# dies without teardown, then runs the emulator. (Doing this in preexec_fn would fork a
+# multithreaded JAX process, which can deadlock.)
+_LAUNCHER = (
+    "import ctypes, runpy, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "sys.argv = ['gcp-storage-emulator', *sys.argv[1:]]\n"
+    "runpy.run_module('gcp_storage_emulator', run_name='__main__')\n"
+)
 
 
 def _free_port() -> int:
@@ -44,11 +48,9 @@ class GcsEmulator:
         self._log = tempfile.TemporaryFile()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "gcp_storage_emulator", "start"]
+        cmd = [sys.executable, "-c", _LAUNCHER, "start"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--in-memory", "--quiet"]
-        self.process = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
-        )
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready(start_timeout_s)
         except BaseException:

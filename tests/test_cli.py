@@ -1,5 +1,6 @@
 """The rlax-tpu command line: help, config show, overrides, and the foundation run job."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -25,8 +26,20 @@ def test_help_lists_every_command(capsys):
 
 
 def test_config_show_prints_the_resolved_config_with_overrides(capsys):
-    assert main(["config", "show", TINY, "--set", "trainer.learning_rate=3e-5",
-                 "--set", "staleness=one_step_off_policy"]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "show",
+                TINY,
+                "--set",
+                "trainer.learning_rate=3e-5",
+                "--set",
+                "staleness=one_step_off_policy",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "trainer.learning_rate = 3e-05\n" in out
     assert "staleness.max_staleness = 1\n" in out
@@ -54,8 +67,12 @@ def test_commands_of_later_components_say_so(capsys):
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     return subprocess.run(
-        [sys.executable, "-m", "rlax_tpu", *args], capture_output=True, text=True, env=env,
-        cwd=ROOT, timeout=300,
+        [sys.executable, "-m", "rlax_tpu", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
     )
 
 
@@ -88,3 +105,32 @@ def test_run_job_writes_its_run_dir_to_gcs(gcs_bucket):
     assert storage.read_text(f"{run_dir}/config.sha256").strip() == config.digest()
     assert json.loads(storage.read_text(f"{run_dir}/config.json")) == config.to_dict()
     assert "train_nll" in json.loads(storage.read_text(f"{run_dir}/foundation_job.json"))
+
+
+def test_run_job_on_a_hugging_face_checkpoint(tmp_path):
+    from hf_fixtures import make_hf_model
+
+    from rlax_tpu.models import load_hf_config
+
+    checkpoint = tmp_path / "qwen3"
+    make_hf_model("Qwen3ForCausalLM").save_pretrained(checkpoint)
+    base = load_config(TINY, [f"storage.run_dir={tmp_path / 'run'}"])
+    config = dataclasses.replace(base, model=load_hf_config(str(checkpoint)))
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(config.to_dict()))
+
+    result = _run_cli("run", str(config_file))
+    assert result.returncode == 0, result.stderr
+    assert "foundation job: OK" in result.stdout
+
+    # A config that disagrees with the checkpoint is refused, naming the field.
+    wrong = _run_cli(
+        "run",
+        str(config_file),
+        "--set",
+        "model.rope_theta=10.0",
+        "--set",
+        f"storage.run_dir={tmp_path / 'run2'}",
+    )
+    assert wrong.returncode == 2
+    assert "model.rope_theta = 10.0 but the checkpoint has 1000.0" in wrong.stderr

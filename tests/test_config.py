@@ -96,8 +96,11 @@ def test_overrides_apply_in_order_and_section_presets_replace_the_section():
         ("controller.prompts_per_batch=3", "trainer.mini_batch_size", "must divide the global"),
         ("param_server.hot_versions=0", "param_server.hot_versions", "must be >= 1"),
         ("storage.run_dir=s3://bucket/x", "storage.run_dir", "use a local path, file:// or gs://"),
-        ("controller.datasets=[{'path': 'a.jsonl', 'weight': -2}]", "controller.datasets[0].weight",
-         "must be > 0"),
+        (
+            "controller.datasets=[{'path': 'a.jsonl', 'weight': -2}]",
+            "controller.datasets[0].weight",
+            "must be > 0",
+        ),
         ("trainer.learning_rate", None, "key=value"),
     ],
 )
@@ -140,9 +143,7 @@ def test_staleness_presets_are_the_three_paradigms():
     one_step = presets["one_step_off_policy"]
     assert (one_step.reload_every, one_step.max_staleness) == (1, 1)
     assert presets["off_policy"].max_staleness >= presets["off_policy"].reload_every - 1
-    assert {name: p.paradigm for name, p in presets.items()} == {
-        name: name for name in presets
-    }
+    assert {name: p.paradigm for name, p in presets.items()} == {name: name for name in presets}
 
 
 def test_wrong_type_in_python_construction_is_rejected():
@@ -164,7 +165,9 @@ def test_digest_changes_with_any_field():
 
 
 def test_hot_versions_below_n_plus_eta_is_rejected():
-    with pytest.raises(ConfigError, match=r"param_server.hot_versions: K=40 .* need K >= N \+ η = 48"):
+    with pytest.raises(
+        ConfigError, match=r"param_server.hot_versions: K=40 .* need K >= N \+ η = 48"
+    ):
         RunConfig().apply_overrides(["staleness=off_policy", "param_server.hot_versions=40"])
 
 

@@ -79,7 +79,7 @@ def test_sharded_forward_and_gradient_equal_single_device(reference, data, fsdp,
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5)
     flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
     assert len(flat) == len(ref_flat)
-    for g, r in zip(flat, ref_flat):
+    for g, r in zip(flat, ref_flat, strict=True):
         # Reduction order differs across shardings: compare relative to each leaf's scale.
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(np.abs(r).max()))
 

@@ -16,8 +16,10 @@ from rlax_tpu.config import ConfigError, load_config
 _COMMANDS = {
     "run": ("start a run from a config (the main job)", None),
     "resume": ("resume a run from its run directory after preemption", "the controller"),
-    "serve": ("serve one component over gRPC (param-server, inference, trainer, verifier)",
-              "the component services"),
+    "serve": (
+        "serve one component over gRPC (param-server, inference, trainer, verifier)",
+        "the component services",
+    ),
     "sft": ("supervised fine-tuning to warm-start a policy", "the trainer"),
     "eval": ("evaluate a checkpoint on datasets with the verifiers", "the controller"),
     "config": ("show the resolved config (`config show CONFIG [--set k=v ...]`)", None),
@@ -84,8 +86,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "run":
         from rlax_tpu.cli.run import run
+        from rlax_tpu.models import CheckpointError
 
-        return run(load_config(args.config, args.overrides))
+        config = load_config(args.config, args.overrides)
+        try:
+            return run(config)
+        except (CheckpointError, FileNotFoundError) as e:
+            print(f"rlax-tpu run: {e}", file=sys.stderr)
+            return 2
     provider = _COMMANDS[args.command][1]
     print(
         f"rlax-tpu {args.command}: not available yet; it arrives with {provider}. "

@@ -42,9 +42,9 @@ def build_model(config: RunConfig):
     from rlax_tpu.models import Transformer
 
     if config.model.hf_checkpoint:
-        from rlax_tpu.models.hf import load_hf_model
+        from rlax_tpu.models.hf import load_model_for_config
 
-        return load_hf_model(config.model.hf_checkpoint, config=config.model, seed=config.seed)
+        return load_model_for_config(config.model, seed=config.seed)
     return Transformer(config.model, rngs=nnx.Rngs(config.seed))
 
 
@@ -133,8 +133,11 @@ def greedy_generate(model, prompt_tokens, prompt_lens, max_new_tokens: int):
     batch, max_prompt = prompt_tokens.shape
     lens = jnp.asarray(prompt_lens, jnp.int32)
     cache = DenseKVCache.create(
-        num_layers=cfg.num_layers, batch=batch, max_len=max_prompt + max_new_tokens,
-        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        num_layers=cfg.num_layers,
+        batch=batch,
+        max_len=max_prompt + max_new_tokens,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
         dtype={"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.dtype],
     )
 

@@ -72,7 +72,9 @@ def _conforms(value: Any, hint: Any) -> bool:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_conforms(v, args[0]) for v in value)
-        return len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+        if len(value) != len(args):
+            return False
+        return all(_conforms(v, a) for v, a in zip(value, args, strict=True))
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
@@ -108,7 +110,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             raise ConfigError(
                 f"expected {_type_name(hint)} ({len(args)} items), got {value!r}", field=path
             )
-        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in pairs)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if _conforms(value, hint):
@@ -148,7 +151,9 @@ def _parse_text(text: str, hint: Any, path: str) -> Any:
 
 def _literal(text: str, hint: Any) -> Any:
     origin = typing.get_origin(hint)
-    if hint is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(hint))):
+    if hint is str or (
+        origin is Literal and all(isinstance(a, str) for a in typing.get_args(hint))
+    ):
         return text
     if hint is bool:
         lowered = text.strip().lower()
@@ -196,7 +201,9 @@ class ConfigBase:
                 try:
                     coerced = _coerce(value, hint, "")
                 except ConfigError as e:
-                    raise ConfigError(e.detail, field=_join(f.name, e.field), section=_cls_name(self)) from None
+                    raise ConfigError(
+                        e.detail, field=_join(f.name, e.field), section=_cls_name(self)
+                    ) from None
                 object.__setattr__(self, f.name, coerced)
         try:
             self.validate()

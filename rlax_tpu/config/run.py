@@ -39,7 +39,10 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RopeScalingConfig(ConfigBase):
-    """RoPE frequency scaling. `llama3` is Llama 3.1's piecewise scaling; `linear` divides positions."""
+    """RoPE frequency scaling.
+
+    `llama3` is Llama 3.1's piecewise scaling; `linear` divides positions by `factor`.
+    """
 
     type: Literal["llama3", "linear"] = "llama3"
     factor: float = 8.0
@@ -55,7 +58,8 @@ class RopeScalingConfig(ConfigBase):
             require(
                 self.high_freq_factor > self.low_freq_factor,
                 "high_freq_factor",
-                f"must exceed low_freq_factor ({self.low_freq_factor}), got {self.high_freq_factor}",
+                f"must exceed low_freq_factor ({self.low_freq_factor}), "
+                f"got {self.high_freq_factor}",
             )
             require(
                 self.original_max_position_embeddings > 0,
@@ -97,8 +101,16 @@ class ModelConfig(ConfigBase):
     tokenizer: str = ""
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         require(
             self.num_heads % self.num_kv_heads == 0,
@@ -123,7 +135,7 @@ class MeshConfig(ConfigBase):
 
     def validate(self) -> None:
         sizes = [self.data, self.fsdp, self.tensor]
-        for axis, size in zip(self.AXES, sizes):
+        for axis, size in zip(self.AXES, sizes, strict=True):
             require(size == -1 or size >= 1, axis, f"must be >= 1 or -1 (the rest), got {size}")
         require(
             sizes.count(-1) <= 1,
@@ -334,9 +346,7 @@ class ParamServerConfig(ConfigBase):
 
     def validate(self) -> None:
         require(self.num_replicas >= 1, "num_replicas", "must be >= 1")
-        require(
-            self.hot_versions is None or self.hot_versions >= 1, "hot_versions", "must be >= 1"
-        )
+        require(self.hot_versions is None or self.hot_versions >= 1, "hot_versions", "must be >= 1")
         require(
             2**10 <= self.chunk_bytes <= 64 * 2**20,
             "chunk_bytes",

@@ -44,9 +44,7 @@ class KVCache(Protocol):
         ...
 
 
-def grouped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
-) -> jax.Array:
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention with grouped-query heads.
 
     q: [batch, tq, q_heads, d]; k, v: [batch, tk, kv_heads, d]; mask: bool[batch, tq, tk].
@@ -78,7 +76,13 @@ class DenseKVCache:
 
     @classmethod
     def create(
-        cls, *, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
         dtype: jnp.dtype,
     ) -> DenseKVCache:
         shape = (batch, max_len, kv_heads, head_dim)
@@ -95,8 +99,8 @@ class DenseKVCache:
         index = jnp.where(valid, positions, self.max_len)
         rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, new))
         keys = self.keys[layer].at[rows, index].set(k.astype(self.keys[layer].dtype), mode="drop")
-        values = self.values[layer].at[rows, index].set(
-            v.astype(self.values[layer].dtype), mode="drop"
+        values = (
+            self.values[layer].at[rows, index].set(v.astype(self.values[layer].dtype), mode="drop")
         )
         keys = constrain(keys, ("batch", "length", "act_kv_heads", "head_dim"))
         values = constrain(values, ("batch", "length", "act_kv_heads", "head_dim"))

@@ -73,7 +73,10 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x: [batch, seq, heads, head_dim] by positions: int32[batch, seq] (half-split layout)."""
+    """Rotate x: [batch, seq, heads, head_dim] by positions: int32[batch, seq].
+
+    Half-split layout (the first and second halves of head_dim form the pairs), as in HF.
+    """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, s, d/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
@@ -87,14 +90,26 @@ class Attention(nnx.Module):
         c = config
         pd = _dtype(c.param_dtype)
         self.config = c
-        self.wq = _param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), pd)
-        self.wk = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
-        self.wv = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd)
-        self.wo = _param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd)
+        self.wq = _param(
+            rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), pd
+        )
+        self.wk = _param(
+            rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd
+        )
+        self.wv = _param(
+            rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pd
+        )
+        self.wo = _param(
+            rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd
+        )
         if c.qkv_bias:
             self.bq = _param(rngs, (c.num_heads, c.head_dim), ("heads", "head_dim"), pd, "zeros")
-            self.bk = _param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd, "zeros")
-            self.bv = _param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd, "zeros")
+            self.bk = _param(
+                rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd, "zeros"
+            )
+            self.bv = _param(
+                rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pd, "zeros"
+            )
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
@@ -277,7 +292,10 @@ class Transformer(nnx.Module):
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log softmax(logits)[targets]: float32[batch, seq, vocab], int32[batch, seq] -> [batch, seq]."""
+    """log softmax(logits)[targets].
+
+    logits: float[batch, seq, vocab]; targets: int32[batch, seq] -> float32[batch, seq].
+    """
     logits = logits.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)

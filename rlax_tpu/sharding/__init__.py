@@ -75,11 +75,18 @@ def logical_to_spec(
                 else:
                     _log.info(
                         "dimension %d (%s, size %d) is not divisible by mesh axis %s (%d); "
-                        "replicating it along that axis", dim, name, shape[dim], axis, axis_size
+                        "replicating it along that axis",
+                        dim,
+                        name,
+                        shape[dim],
+                        axis,
+                        axis_size,
                     )
             mesh_axes = kept
         used.update(mesh_axes)
-        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes))
+        spec.append(
+            None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
+        )
     return PartitionSpec(*spec)
 
 
@@ -129,7 +136,7 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules) -> nnx.Module:
     """Place every variable of `model` on `mesh` by its logical axes (in place; returns it)."""
     state = nnx.state(model)
     shardings = state_shardings(state, mesh, rules)
-    for variable, sharding in zip(_variables(state), jax.tree.leaves(shardings)):
+    for variable, sharding in zip(_variables(state), jax.tree.leaves(shardings), strict=True):
         variable.set_value(jax.device_put(variable.get_value(), sharding))
     nnx.update(model, state)
     return model
