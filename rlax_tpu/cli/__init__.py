@@ -28,8 +28,12 @@ _COMMANDS = {
 COMPONENTS = ("param-server", "inference", "trainer", "verifier")
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="configs/*.py file with get_config(), or a config.json")
+def _add_config_args(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    parser.add_argument(
+        "config",
+        nargs="?" if optional else None,
+        help="configs/*.py file with get_config(), or a config.json",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -38,6 +42,36 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set trainer.learning_rate=1e-6 "
         "or --set staleness=one_step_off_policy (repeatable, applied in order)",
+    )
+
+
+def _add_param_server_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `serve param-server`; they override the config (rlax_tpu.param_server.server)."""
+    group = parser.add_argument_group("param-server")
+    group.add_argument(
+        "--storage",
+        metavar="URL",
+        help="persistent copy of every version: a directory, file:// or gs:// URL "
+        "(default with a CONFIG: {storage.run_dir}/params)",
+    )
+    group.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="keep versions in memory only (tests, benchmarks): nothing survives a restart",
+    )
+    group.add_argument("--host", help="address to bind (default: param_server.host, 127.0.0.1)")
+    group.add_argument("--port", type=int, default=0, help="port to bind (default 0: any free)")
+    group.add_argument(
+        "--hot-versions", type=int, metavar="K", help="versions kept in memory (default N + η + 1)"
+    )
+    group.add_argument("--replica", type=int, default=0, metavar="I", help="this replica's index")
+    group.add_argument("--num-replicas", type=int, metavar="R", help="replicas in total")
+    group.add_argument("--chunk-bytes", type=int, metavar="B", help="bytes per streamed chunk")
+    group.add_argument(
+        "--pull-cache-bytes",
+        type=int,
+        metavar="B",
+        help="serialized chunks of the newest pulled version kept for other pulls (0 = off)",
     )
 
 
@@ -55,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("run_dir", help="the run directory (local path or gs://)")
         elif name == "serve":
             p.add_argument("component", choices=COMPONENTS)
-            _add_config_args(p)
+            _add_config_args(p, optional=True)
+            _add_param_server_args(p)
         elif name == "config":
             action = p.add_subparsers(dest="action", metavar="ACTION", required=True)
             show = action.add_parser("show", help="print the resolved config")
@@ -94,6 +129,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         except (CheckpointError, FileNotFoundError) as e:
             print(f"rlax-tpu run: {e}", file=sys.stderr)
             return 2
+    if args.command == "serve" and args.component == "param-server":
+        from rlax_tpu.param_server.server import main as serve_param_server
+
+        return serve_param_server(args)
     provider = _COMMANDS[args.command][1]
     print(
         f"rlax-tpu {args.command}: not available yet; it arrives with {provider}. "

@@ -340,6 +340,9 @@ class ParamServerConfig(ConfigBase):
     # Versions kept in memory (K); None = N + η + 1 from the staleness knobs.
     hot_versions: int | None = None
     chunk_bytes: int = 2 * 2**20
+    # Serialized chunks of the newest pulled version kept to serve every worker's pull of
+    # it without re-reading (0 = off). Costs up to one version of extra host memory.
+    pull_cache_bytes: int = 4 * 2**30
     host: str = "127.0.0.1"
     # Environment variable holding the shared auth token of all components.
     auth_token_env: str = "RLAX_TPU_AUTH_TOKEN"
@@ -347,6 +350,7 @@ class ParamServerConfig(ConfigBase):
     def validate(self) -> None:
         require(self.num_replicas >= 1, "num_replicas", "must be >= 1")
         require(self.hot_versions is None or self.hot_versions >= 1, "hot_versions", "must be >= 1")
+        require(self.pull_cache_bytes >= 0, "pull_cache_bytes", "must be >= 0 (0 = off)")
         require(
             2**10 <= self.chunk_bytes <= 64 * 2**20,
             "chunk_bytes",

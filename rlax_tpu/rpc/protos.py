@@ -39,6 +39,17 @@ def ensure_generated() -> None:
 
 ensure_generated()
 
-from rlax_tpu.rpc.gen.rlax_tpu.v1 import common_pb2, common_pb2_grpc  # noqa: E402
+from rlax_tpu.rpc.gen.rlax_tpu.v1 import (  # noqa: E402
+    common_pb2,
+    common_pb2_grpc,
+    param_server_pb2,
+    param_server_pb2_grpc,
+)
 
-__all__ = ["common_pb2", "common_pb2_grpc", "ensure_generated"]
+__all__ = [
+    "common_pb2",
+    "common_pb2_grpc",
+    "ensure_generated",
+    "param_server_pb2",
+    "param_server_pb2_grpc",
+]

@@ -1,0 +1,439 @@
+"""The parameter-server client used by the trainer (publish) and inference workers (pull).
+
+`publish(version, tree)` sends a pytree of arrays (JAX arrays, sharded or not, or numpy)
+to every replica, each getting the pieces it holds. `pull(version, like)` fills a pytree
+with the shardings of `like`, asking each replica only for the boxes this process's
+devices hold, so a tensor-parallel worker moves only its slices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+
+from rlax_tpu.param_server import layout
+from rlax_tpu.param_server.layout import Box, Piece
+from rlax_tpu.param_server.service import decode_pull_chunk
+from rlax_tpu.param_server.store import ParamServerError
+from rlax_tpu.rpc import make_channel
+from rlax_tpu.rpc.protos import param_server_pb2 as pb
+from rlax_tpu.rpc.protos import param_server_pb2_grpc as pb_grpc
+
+DEFAULT_CHUNK_BYTES = 2 * 2**20
+
+
+# -- trees --------------------------------------------------------------------------------
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def flatten(tree: Any) -> dict[str, Any]:
+    """{"layers/0/attn/wq": leaf, ...} for a pytree (e.g. nnx.to_pure_dict of a model's params)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+    if len(out) != len(leaves):
+        raise ValueError("two leaves of the tree have the same path; paths must be unique")
+    return out
+
+
+def unflatten_like(like: Any, values: Mapping[str, Any]) -> Any:
+    """A tree with the structure of `like` whose leaves are `values[path]`."""
+    paths = list(flatten(like))
+    treedef = jax.tree_util.tree_structure(like)
+    return jax.tree_util.tree_unflatten(treedef, [values[p] for p in paths])
+
+
+# -- replica partitioning -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlan:
+    """Which box of each array each parameter-server replica holds.
+
+    Arrays with a split dimension (usually the tensor-parallel one) are cut into
+    `num_replicas` equal slabs along it, so a tensor-parallel worker pulls each of its
+    shards from the replica that holds it; other arrays (and those that do not divide)
+    go whole to one replica, assigned round-robin in path order.
+    """
+
+    num_replicas: int = 1
+    split_dims: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+
+    def boxes(self, shapes: Mapping[str, Sequence[int]]) -> list[dict[str, Box]]:
+        """For each replica, {path: box} of what it holds."""
+        per_replica: list[dict[str, Box]] = [{} for _ in range(self.num_replicas)]
+        turn = 0
+        for path in sorted(shapes):
+            shape = tuple(shapes[path])
+            full = layout.full_box(shape)
+            dim = self.split_dims.get(path)
+            r = self.num_replicas
+            if r > 1 and dim is not None and shape and shape[dim] % r == 0:
+                step = shape[dim] // r
+                for i in range(r):
+                    box = list(full)
+                    box[dim] = (i * step, (i + 1) * step)
+                    per_replica[i][path] = tuple(box)
+            else:
+                per_replica[turn % r][path] = full
+                turn += 1
+        return per_replica
+
+
+def split_dims_from_logical(
+    logical_axes: Mapping[str, Sequence[str | None]],
+    rules: Sequence[tuple[str, Sequence[str]]],
+    mesh_axis: str = "tensor",
+) -> dict[str, int | None]:
+    """The dimension of each array that the rules shard over `mesh_axis` (None if none)."""
+    table = dict(rules)
+    out: dict[str, int | None] = {}
+    for path, names in logical_axes.items():
+        out[path] = next(
+            (d for d, n in enumerate(names) if n is not None and mesh_axis in table.get(n, ())),
+            None,
+        )
+    return out
+
+
+# -- host data ------------------------------------------------------------------------------
+def _host_box(leaf: Any, box: Box) -> np.ndarray:
+    """The C-contiguous host copy of `box` of `leaf` (a jax.Array, sharded or not, or numpy)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        raise NotImplementedError(
+            "publishing an array that spans several processes needs it gathered to one "
+            "process first (multi-host publishing arrives with multi-host support)"
+        )
+    if isinstance(leaf, jax.Array) and len(leaf.addressable_shards) > 1:
+        out = np.empty(layout.box_shape(box), dtype=leaf.dtype)
+        for shard in leaf.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            shard_box = layout.box_from_slices(shard.index, leaf.shape)
+            common = layout.intersect(shard_box, box)
+            if common is not None:
+                data = np.asarray(shard.data)
+                out[layout.relative(common, box)] = data[layout.relative(common, shard_box)]
+        return out
+    array = np.asarray(leaf)
+    return np.ascontiguousarray(array[layout.relative(box, layout.full_box(array.shape))])
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishReceipt:
+    version: int
+    already_present: bool  # every replica already had this content
+    bytes_sent: int
+
+
+class ParamServerCallError(ParamServerError):
+    """A parameter-server call failed; the message carries the server's explanation and
+    `code` its gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _raise_from(e: grpc.RpcError, what: str) -> ParamServerCallError:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    name = code.name if code is not None else "ERROR"
+    return ParamServerCallError(f"{what}: {name}: {details}", code)
+
+
+class ParamServerClient:
+    """Talks to the replicas of one parameter server (addresses in replica order)."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        auth_token: str,
+        plan: ReplicaPlan | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not addresses:
+            raise ValueError("ParamServerClient needs at least one replica address")
+        self.plan = plan or ReplicaPlan(num_replicas=len(addresses))
+        if self.plan.num_replicas != len(addresses):
+            raise ValueError(
+                f"the replica plan has {self.plan.num_replicas} replicas but "
+                f"{len(addresses)} addresses were given"
+            )
+        self.addresses = list(addresses)
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._channels = [make_channel(a, auth_token=auth_token) for a in addresses]
+        self._stubs = [pb_grpc.ParamServerStub(c) for c in self._channels]
+        # Pull replies are decoded without copying their bytes (see decode_pull_chunk).
+        self._pulls = [
+            c.unary_stream(
+                "/rlax_tpu.v1.ParamServer/Pull",
+                request_serializer=pb.PullRequest.SerializeToString,
+                response_deserializer=decode_pull_chunk,
+            )
+            for c in self._channels
+        ]
+        self._held: list[dict[str, Piece]] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(addresses)))
+        self.bytes_pulled = 0  # payload bytes received by pulls (for benchmarks and metrics)
+        self._count_lock = threading.Lock()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> ParamServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- publish --------------------------------------------------------------------------
+    def publish(self, version: int, tree: Any) -> PublishReceipt:
+        """Publish `tree` as `version` to every replica (atomic per replica; idempotent)."""
+        leaves = flatten(tree)
+        shapes = {path: tuple(np.shape(leaf)) for path, leaf in leaves.items()}
+        held = self.plan.boxes(shapes)
+
+        def one(replica: int) -> tuple[bool, int]:
+            pieces, payload = [], {}
+            for path, box in sorted(held[replica].items()):
+                data = _host_box(leaves[path], box)
+                raw = layout.to_bytes(data)
+                payload[path] = raw
+                pieces.append(
+                    Piece(
+                        path=path,
+                        dtype=layout.dtype_name(data.dtype),
+                        shape=shapes[path],
+                        domain=box,
+                        digest=layout.digest_bytes(raw),
+                    )
+                )
+            requests = self._publish_requests(version, pieces, payload)
+            try:
+                reply = self._stubs[replica].Publish(requests, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                raise _raise_from(
+                    e, f"publish of version {version} to {self.addresses[replica]}"
+                ) from None
+            return reply.already_present, reply.bytes_received
+
+        results = list(self._pool.map(one, range(len(self._stubs))))
+        return PublishReceipt(
+            version=version,
+            already_present=all(present for present, _ in results),
+            bytes_sent=sum(n for _, n in results),
+        )
+
+    def _publish_requests(
+        self, version: int, pieces: list[Piece], payload: Mapping[str, memoryview]
+    ) -> Iterator[pb.PublishRequest]:
+        begin = pb.PublishBegin(version=version, version_digest=layout.version_digest(pieces))
+        for piece in pieces:
+            layout.piece_to_proto(piece, begin.pieces.add())
+        yield pb.PublishRequest(begin=begin)
+        step = self.chunk_bytes
+        for piece in pieces:
+            raw = payload[piece.path]
+            for offset in range(0, len(raw), step):
+                yield pb.PublishRequest(
+                    chunk=pb.PieceChunk(
+                        version=version,
+                        path=piece.path,
+                        offset=offset,
+                        data=bytes(raw[offset : offset + step]),
+                    )
+                )
+        yield pb.PublishRequest(commit=pb.PublishCommit(version=version))
+
+    # -- pull -----------------------------------------------------------------------------
+    def held_pieces(self, refresh: bool = False) -> list[dict[str, Piece]]:
+        """For each replica, {path: piece} it holds (from its layout)."""
+        if self._held is None or refresh:
+            self._held = []
+            for replica, stub in enumerate(self._stubs):
+                try:
+                    reply = stub.ListVersions(pb.ListVersionsRequest(), timeout=self.timeout_s)
+                except grpc.RpcError as e:
+                    raise _raise_from(e, f"listing versions of {self.addresses[replica]}") from None
+                pieces = [layout.piece_from_proto(p) for p in reply.layout]
+                self._held.append({p.path: p for p in pieces})
+        return self._held
+
+    def pull_boxes(
+        self, version: int, wanted: Mapping[str, Sequence[Box]]
+    ) -> dict[tuple[str, Box], np.ndarray]:
+        """Fetch the given boxes of the given arrays: {(path, box): array of the box}.
+
+        Each box is assembled from the replicas that hold parts of it.
+        """
+        held = self.held_pieces()
+        if any(not h for h in held):
+            held = self.held_pieces(refresh=True)  # a replica had no layout yet
+        requests: list[dict[str, list[Box]]] = [{} for _ in self._stubs]
+        out: dict[tuple[str, Box], np.ndarray] = {}
+        for path, boxes in wanted.items():
+            owners = [(r, h[path]) for r, h in enumerate(held) if path in h]
+            if not owners:
+                raise ParamServerCallError(f"no replica holds an array named {path!r}")
+            for box in boxes:
+                out[(path, box)] = np.empty(
+                    layout.box_shape(box), dtype=layout.parse_dtype(owners[0][1].dtype)
+                )
+                for replica, piece in owners:
+                    common = layout.intersect(piece.domain, box)
+                    if common is not None:
+                        requests[replica].setdefault(path, []).append(common)
+
+        targets_of: dict[str, list[tuple[Box, np.ndarray]]] = {}
+        for (path, box), target in out.items():
+            targets_of.setdefault(path, []).append((box, target))
+
+        def target_for(path: str, sub_box: Box) -> tuple[np.ndarray, tuple[slice, ...]]:
+            for want_box, target in targets_of[path]:
+                if layout.contains(want_box, sub_box):
+                    return target, layout.relative(sub_box, want_box)
+            raise ParamServerCallError(f"the server sent an unrequested box of {path!r}")
+
+        futures = [
+            self._pool.submit(self._pull_from, r, version, requests[r], target_for)
+            for r in range(len(self._stubs))
+            if requests[r]
+        ]
+        for future in futures:
+            future.result()
+        return out
+
+    def _pull_from(
+        self,
+        replica: int,
+        version: int,
+        select: Mapping[str, list[Box]],
+        target_for: Callable[[str, Box], tuple[np.ndarray, tuple[slice, ...]]],
+    ) -> None:
+        """Stream the selected boxes from one replica into their targets.
+
+        A box that fills its whole target is written straight into the target's bytes;
+        a part of a target goes through a temporary array of the box.
+        """
+        request = pb.PullRequest(version=version)
+        for path, boxes in select.items():
+            selection = request.select.add(path=path)
+            for box in boxes:
+                layout.box_to_proto(box, selection.domains.add())
+        received = 0
+        flat = None
+        pending: tuple[np.ndarray, tuple[slice, ...], np.ndarray] | None = None
+        try:
+            for header, data in self._pulls[replica](request, timeout=self.timeout_s):
+                if header.HasField("info"):
+                    if pending is not None:
+                        pending[0][pending[1]] = pending[2]
+                        pending = None
+                    info = layout.piece_from_proto(header.info)
+                    target, where = target_for(info.path, info.domain)
+                    if target[where].shape == target.shape:
+                        flat = target.reshape(-1).view(np.uint8)
+                    else:
+                        box = np.empty(layout.box_shape(info.domain), dtype=target.dtype)
+                        pending = (target, where, box)
+                        flat = box.reshape(-1).view(np.uint8)
+                assert flat is not None, "a pull stream starts with a box's info"
+                flat[header.offset : header.offset + len(data)] = np.frombuffer(data, np.uint8)
+                received += len(data)
+        except grpc.RpcError as e:
+            raise _raise_from(
+                e, f"pull of version {version} from {self.addresses[replica]}"
+            ) from None
+        if pending is not None:
+            pending[0][pending[1]] = pending[2]
+        with self._count_lock:
+            self.bytes_pulled += received
+
+    def pull_arrays(
+        self, version: int, paths: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Whole arrays as numpy, {path: array} (all of them by default)."""
+        held = self.held_pieces()
+        shapes = {p: piece.shape for h in held for p, piece in h.items()}
+        if not shapes:
+            held = self.held_pieces(refresh=True)
+            shapes = {p: piece.shape for h in held for p, piece in h.items()}
+        wanted = {p: [layout.full_box(shapes[p])] for p in (paths or sorted(shapes))}
+        return {path: array for (path, _), array in self.pull_boxes(version, wanted).items()}
+
+    def pull(self, version: int, like: Any) -> Any:
+        """A tree like `like` (leaves with .shape, .dtype, .sharding: jax arrays or
+        jax.ShapeDtypeStruct) holding `version`, placed with `like`'s shardings.
+
+        Only the boxes of this process's devices are fetched.
+        """
+        targets = flatten(like)
+        wanted: dict[str, list[Box]] = {}
+        device_boxes: dict[str, dict[Any, Box]] = {}
+        for path, leaf in targets.items():
+            shape = tuple(leaf.shape)
+            index_map = leaf.sharding.addressable_devices_indices_map(shape)
+            boxes = {d: layout.box_from_slices(idx, shape) for d, idx in index_map.items()}
+            device_boxes[path] = boxes
+            wanted[path] = sorted(set(boxes.values()))
+        fetched = self.pull_boxes(version, wanted)
+        values = {}
+        for path, leaf in targets.items():
+            arrays = [
+                jax.device_put(fetched[(path, box)].astype(leaf.dtype, copy=False), device)
+                for device, box in device_boxes[path].items()
+            ]
+            values[path] = jax.make_array_from_single_device_arrays(
+                tuple(leaf.shape), leaf.sharding, arrays
+            )
+        return unflatten_like(like, values)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def list_versions(self, replica: int = 0) -> pb.ListVersionsReply:
+        return self._call(replica, "ListVersions", pb.ListVersionsRequest())
+
+    def versions(self) -> list[int]:
+        """Versions that every replica has (committed)."""
+        common: set[int] | None = None
+        for replica in range(len(self._stubs)):
+            have = {v.version for v in self.list_versions(replica).versions}
+            common = have if common is None else common & have
+        return sorted(common or ())
+
+    def confirm(self, consumer: str, oldest_needed: int) -> None:
+        """Tell every replica that `consumer` no longer needs versions below `oldest_needed`."""
+        request = pb.ConfirmRequest(consumer=consumer, oldest_needed=oldest_needed)
+        for replica in range(len(self._stubs)):
+            self._call(replica, "Confirm", request)
+
+    def garbage_collect(self, oldest_needed: int) -> list[int]:
+        """Ask every replica to delete what no batch and no consumer needs; returns deleted
+        versions (those deleted on every replica)."""
+        deleted: set[int] | None = None
+        for replica in range(len(self._stubs)):
+            reply = self._call(
+                replica, "GarbageCollect", pb.GarbageCollectRequest(oldest_needed=oldest_needed)
+            )
+            deleted = set(reply.deleted) if deleted is None else deleted & set(reply.deleted)
+        return sorted(deleted or ())
+
+    def _call(self, replica: int, method: str, request: Any) -> Any:
+        call: Callable[..., Any] = getattr(self._stubs[replica], method)
+        try:
+            return call(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _raise_from(e, f"{method} on {self.addresses[replica]}") from None

@@ -1,0 +1,129 @@
+"""Real rlax_tpu server processes for tests: start one, wait for its READY line, stop exactly it.
+
+`ServerProcess` runs `python -m rlax_tpu serve COMPONENT ...` on 127.0.0.1; `ProcessGroup`
+starts several and stops every one it started (use it in a fixture). The child gets
+SIGTERM if the test process dies without teardown (PR_SET_PDEATHSIG, set by a `python -c`
+launcher rather than preexec_fn: forking a multithreaded JAX process can deadlock).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+
+_LAUNCHER = (
+    "import ctypes, runpy, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "sys.argv = ['rlax-tpu', *sys.argv[1:]]\n"
+    "runpy.run_module('rlax_tpu', run_name='__main__')\n"
+)
+
+
+class ServerProcess:
+    """One `rlax-tpu serve ...` process; `address` is "host:port" from its READY line."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
+        self.args = list(args)
+        self._stderr = tempfile.TemporaryFile()
+        full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=full_env,
+            text=True,
+        )
+        self.pid = self.process.pid
+        self.stdout_lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        if not self._ready.wait(ready_timeout_s) or not self.address:
+            self.kill()
+            raise RuntimeError(
+                f"{' '.join(self.args)} did not print READY within {ready_timeout_s}s "
+                f"(exit code {self.process.returncode}); stderr:\n{self.stderr()}"
+            )
+
+    @property
+    def address(self) -> str | None:
+        ready = [line for line in self.stdout_lines if line.startswith("READY ")]
+        return ready[0].split(" ", 1)[1] if ready else None
+
+    def _read_stdout(self) -> None:
+        for line in self.process.stdout:
+            self.stdout_lines.append(line.rstrip("\n"))
+            if line.startswith("READY "):
+                self._ready.set()
+        self._ready.set()  # exited: stop waiting
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-6000:]
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM to this pid only; SIGKILL if it has not exited after `timeout_s`."""
+        if self.running():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any cleanup, as in a crash."""
+        if self.running():
+            self.process.kill()
+        self.process.wait()
+
+
+class ProcessGroup:
+    """Starts servers and, at `stop_all`, stops every one of them (and nothing else)."""
+
+    def __init__(self) -> None:
+        self.processes: list[ServerProcess] = []
+
+    def start(self, args: Sequence[str], **kwargs) -> ServerProcess:
+        process = ServerProcess(args, **kwargs)
+        self.processes.append(process)
+        return process
+
+    def start_param_server(
+        self,
+        storage: str | None,
+        *,
+        token: str,
+        token_env: str = "RLAX_TPU_AUTH_TOKEN",
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        **kwargs,
+    ) -> ServerProcess:
+        """`serve param-server --port 0` on `storage` (None: --memory-only), token via env.
+
+        gs:// storage needs the emulator's variables: they are inherited from os.environ
+        (the gcs_bucket fixture sets them) or passed in `env`.
+        """
+        where = ["--memory-only"] if storage is None else ["--storage", storage]
+        command = ["serve", "param-server", *where, "--host", "127.0.0.1", "--port", "0", *args]
+        return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            process.stop()
+        self.processes.clear()

@@ -1,0 +1,199 @@
+"""The parameter-server client against real server processes: pytrees in and out, shardings,
+idempotent publishes, replicas split along the tensor-parallel dimension, retention."""
+
+import secrets
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+from processes import ProcessGroup
+
+from rlax_tpu.config import DEFAULT_LOGICAL_AXIS_RULES, MeshConfig, ModelConfig
+from rlax_tpu.models import Transformer
+from rlax_tpu.param_server import layout
+from rlax_tpu.param_server.client import (
+    ParamServerCallError,
+    ParamServerClient,
+    ReplicaPlan,
+    flatten,
+    split_dims_from_logical,
+)
+from rlax_tpu.sharding import build_mesh, shard_model, state_shardings
+
+TOKEN = secrets.token_hex(8)
+MODEL = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+
+
+@pytest.fixture
+def servers():
+    group = ProcessGroup()
+    yield lambda n=1, storage=None: [
+        group.start_param_server(storage, token=TOKEN).address for _ in range(n)
+    ]
+    group.stop_all()
+
+
+def _params(seed=0):
+    return nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(seed)), nnx.Param))
+
+
+def _logical_axes():
+    abstract = nnx.eval_shape(lambda: Transformer(MODEL, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return dict(
+        zip(flatten(nnx.to_pure_dict(state)), [v.logical_axes for v in variables], strict=True)
+    )
+
+
+def test_sharded_publish_then_pull_into_another_sharding(servers):
+    model = Transformer(MODEL, rngs=nnx.Rngs(0))
+    trainer_mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    shard_model(model, trainer_mesh, DEFAULT_LOGICAL_AXIS_RULES)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    (address,) = servers()
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        client.publish(0, params)
+        worker_mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=-1))
+        shardings = nnx.to_pure_dict(
+            state_shardings(nnx.state(model, nnx.Param), worker_mesh, DEFAULT_LOGICAL_AXIS_RULES)
+        )
+        like = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+        )
+        pulled = client.pull(0, like)
+    for path, value in flatten(pulled).items():
+        original = flatten(params)[path]
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(original), err_msg=path)
+        assert value.sharding == flatten(shardings)[path], path
+
+
+def test_pull_onto_one_device(servers):
+    params = _params()
+    (address,) = servers()
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        client.publish(0, params)
+        device = jax.devices()[3]
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
+            params,
+        )
+        pulled = client.pull(0, like)
+    leaf = pulled["layers"][1]["mlp"]["w_up"]
+    assert leaf.devices() == {device}
+    np.testing.assert_array_equal(leaf, params["layers"][1]["mlp"]["w_up"])
+
+
+def test_republish_is_a_no_op_and_different_content_is_refused(servers):
+    (address,) = servers()
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        first = client.publish(0, _params(0))
+        assert not first.already_present
+        assert client.publish(0, _params(0)).already_present
+        with pytest.raises(ParamServerCallError) as info:
+            client.publish(0, _params(1))
+        assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+        np.testing.assert_array_equal(client.pull_arrays(0)["embed"], _params(0)["embed"])
+
+
+def test_replicas_split_along_the_tensor_dimension(servers):
+    params = _params()
+    split = split_dims_from_logical(_logical_axes(), DEFAULT_LOGICAL_AXIS_RULES)
+    assert split["layers/0/attn/wq"] == 1 and split["layers/0/mlp/w_down"] == 0
+    plan = ReplicaPlan(num_replicas=2, split_dims=split)
+    addresses = servers(2)
+    with ParamServerClient(addresses, auth_token=TOKEN, plan=plan) as client:
+        client.publish(0, params)
+        held = client.held_pieces()
+        assert held[0]["layers/0/attn/wq"].domain == ((0, 32), (0, 2), (0, 8))
+        assert held[1]["layers/0/attn/wq"].domain == ((0, 32), (2, 4), (0, 8))
+        # Every array is held, whole or split, and nothing twice.
+        total = sum(p.nbytes for h in held for p in h.values())
+        assert total == sum(np.asarray(x).nbytes for x in flatten(params).values())
+
+        # A tensor-parallel-2 worker's second shard comes from replica 1 only.
+        box = ((0, 32), (2, 4), (0, 8))
+        before = client.bytes_pulled
+        got = client.pull_boxes(0, {"layers/0/attn/wq": [box]})
+        assert client.bytes_pulled - before == 32 * 2 * 8 * 4
+        wq = np.asarray(params["layers"][0]["attn"]["wq"])
+        np.testing.assert_array_equal(got[("layers/0/attn/wq", box)], wq[:, 2:4, :])
+
+        # A box spanning both replicas is assembled from both.
+        whole = client.pull_arrays(0)
+        for path, value in flatten(params).items():
+            np.testing.assert_array_equal(whole[path], np.asarray(value), err_msg=path)
+
+
+def test_retention_through_the_client(servers, tmp_path):
+    (address,) = servers(storage=str(tmp_path / "params"))
+    tree = {"w": np.arange(6, dtype=np.float32)}
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        for version in range(4):
+            client.publish(version, {"w": tree["w"] + version})
+        client.confirm("worker-0", 1)  # worker-0 still needs version 1
+        assert client.garbage_collect(3) == [0]
+        assert client.versions() == [1, 2, 3]
+        client.confirm("worker-0", 3)
+        assert client.garbage_collect(3) == [1, 2]
+        with pytest.raises(ParamServerCallError) as info:
+            client.pull_arrays(1)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND
+        assert "3" in str(info.value)
+        np.testing.assert_array_equal(client.pull_arrays(3)["w"], tree["w"] + 3)
+
+
+def test_bfloat16_round_trip_is_bit_exact(servers):
+    tree = {
+        "a": jnp.linspace(-3, 3, 96, dtype=jnp.bfloat16).reshape(8, 12),
+        "b": np.arange(10, dtype=np.int32),
+    }
+    (address,) = servers()
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        client.publish(0, tree)
+        out = client.pull_arrays(0)
+    assert out["a"].dtype == jnp.bfloat16
+    assert layout.to_bytes(out["a"]).tobytes() == layout.to_bytes(np.asarray(tree["a"])).tobytes()
+    np.testing.assert_array_equal(out["b"], tree["b"])
+
+
+def test_wrong_token_is_rejected_by_the_client(servers):
+    (address,) = servers()
+    with ParamServerClient([address], auth_token="wrong") as client:
+        with pytest.raises(ParamServerCallError) as info:
+            client.publish(0, {"w": np.zeros(3, np.float32)})
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        assert client.versions() == []
+
+
+def test_repeated_pulls_are_identical_and_gc_beats_the_pull_cache(servers, tmp_path):
+    (address,) = servers(storage=str(tmp_path / "params"))
+    trees = [{"w": np.arange(12, dtype=np.float32).reshape(3, 4) * (v + 1)} for v in range(3)]
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        client.publish(0, trees[0])
+        client.publish(1, trees[1])
+        first = client.pull_arrays(1)["w"]
+        second = client.pull_arrays(1)["w"]  # served from the pull cache
+        np.testing.assert_array_equal(first, trees[1]["w"])
+        np.testing.assert_array_equal(second, trees[1]["w"])
+        half = ((0, 3), (2, 4))
+        got = client.pull_boxes(1, {"w": [half]})[("w", half)]
+        np.testing.assert_array_equal(got, trees[1]["w"][:, 2:4])
+        client.publish(2, trees[2])
+        assert client.garbage_collect(2) == [0, 1]
+        with pytest.raises(ParamServerCallError) as info:
+            client.pull_arrays(1)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND
