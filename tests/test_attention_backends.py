@@ -1,0 +1,157 @@
+"""The attention backends: the Pallas TPU decode kernel (interpreted on CPU) and the Pallas
+GPU decode kernel (interpreted) agree with the pure-JAX gather reference; backend choice."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_tpu.inference import (
+    PagedKVCache,
+    UnsupportedShapeError,
+    gather_pages,
+    paged_attention_jax,
+    paged_decode_attention_gpu,
+    paged_decode_attention_tpu,
+    resolve_backend,
+)
+
+# bf16 keeps 8 bits of mantissa; the TPU kernel reads pages as bf16 whatever their dtype.
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def random_pool(rng, kv_heads, num_pages, page_size, head_dim, dtype):
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    return (
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        jnp.asarray(rng.standard_normal(shape), dtype),
+    )
+
+
+def decode_case(seed, *, kv_heads, q_heads, head_dim, page_size, lengths, pages_per_seq):
+    """Pools with pages scattered in shuffled order, one query per slot."""
+    rng = np.random.default_rng(seed)
+    slots = len(lengths)
+    num_pages = slots * pages_per_seq + 3
+    k_pages, v_pages = random_pool(rng, kv_heads, num_pages, page_size, head_dim, jnp.bfloat16)
+    table = rng.permutation(np.arange(1, num_pages))[: slots * pages_per_seq]
+    table = jnp.asarray(table.reshape(slots, pages_per_seq), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((slots, q_heads, head_dim)), jnp.float32)
+    return q, k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32)
+
+
+def jax_reference(q, k_pages, v_pages, table, lengths):
+    """The JAX path for one query at position length - 1: [slots, q_heads, head_dim]."""
+    positions = (lengths - 1)[:, None]
+    return paged_attention_jax(q[:, None], k_pages, v_pages, table, positions)[:, 0]
+
+
+# Lengths: one token, a full page, one past it, several pages, an empty slot.
+@pytest.mark.parametrize("kv_heads, q_heads", [(2, 4), (1, 8)])
+def test_tpu_decode_kernel_matches_jax_reference(kv_heads, q_heads):
+    lengths = [1, 16, 17, 45, 0]
+    case = decode_case(
+        0,
+        kv_heads=kv_heads,
+        q_heads=q_heads,
+        head_dim=128,
+        page_size=16,
+        lengths=lengths,
+        pages_per_seq=3,
+    )
+    out = paged_decode_attention_tpu(*case)
+    want = jax_reference(*case)
+    live = np.asarray(lengths) > 0
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], **BF16_TOL)
+
+
+def test_gpu_decode_kernel_matches_jax_reference():
+    lengths = [1, 16, 17, 45, 0]
+    case = decode_case(
+        1, kv_heads=2, q_heads=4, head_dim=16, page_size=16, lengths=lengths, pages_per_seq=4
+    )
+    out = paged_decode_attention_gpu(*case)
+    want = jax_reference(*case)
+    live = np.asarray(lengths) > 0
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], **BF16_TOL)
+
+
+def test_pallas_cache_decode_steps_match_jax_cache():
+    """Prefill (JAX path in both) then decode steps through the TPU kernel, bf16 pools."""
+    rng = np.random.default_rng(2)
+    slots, kv_heads, q_heads, head_dim, page_size, pages_per_seq = 3, 2, 4, 128, 16, 3
+    kwargs = dict(
+        num_layers=1,
+        num_pages=slots * pages_per_seq + 1,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        batch_slots=slots,
+        pages_per_seq=pages_per_seq,
+        dtype=jnp.bfloat16,
+    )
+    caches = [
+        PagedKVCache.create(**kwargs, attention_backend=backend) for backend in ("jax", "pallas")
+    ]
+    assert [c.backend for c in caches] == ["jax", "pallas_tpu"]
+    table = rng.permutation(np.arange(1, slots * pages_per_seq + 1)).reshape(slots, -1)
+    caches = [c.with_page_table(table.astype(np.int32)) for c in caches]
+
+    def qkv(new):
+        return [
+            jnp.asarray(rng.standard_normal((slots, new, h, head_dim)), jnp.bfloat16)
+            for h in (q_heads, kv_heads, kv_heads)
+        ]
+
+    lengths = np.array([3, 16, 0])
+    positions = np.broadcast_to(np.arange(16, dtype=np.int32), (slots, 16))
+    steps = [(positions, positions < lengths[:, None])]
+    for i in range(3):
+        active = np.array([True, i != 1, i > 0])  # slot 1 idles once, slot 2 starts late
+        steps.append((lengths[:, None].astype(np.int32), active[:, None]))
+        lengths = lengths + active
+    attend = jax.jit(lambda cache, *args: cache.attend(0, *args))
+    for positions, valid in steps:
+        args = (*qkv(positions.shape[1]), positions, valid)
+        (want, caches[0]), (out, caches[1]) = [attend(c, *args) for c in caches]
+        mask = valid[:, :, None, None]
+        np.testing.assert_allclose(
+            np.where(mask, np.asarray(out, np.float32), 0),
+            np.where(mask, np.asarray(want, np.float32), 0),
+            **BF16_TOL,
+        )
+
+
+def test_gather_pages_puts_position_p_at_index_p():
+    rng = np.random.default_rng(3)
+    k_pages, _ = random_pool(rng, 2, 6, 4, 8, jnp.float32)
+    table = jnp.asarray([[3, 1], [5, 0]], jnp.int32)
+    gathered = np.asarray(gather_pages(k_pages, table))  # [slots, 8, kv_heads, head_dim]
+    np.testing.assert_array_equal(gathered[0, 6], np.asarray(k_pages)[:, 1, 2])
+    np.testing.assert_array_equal(gathered[1, 3], np.asarray(k_pages)[:, 5, 3])
+
+
+@pytest.mark.parametrize(
+    "name, platform, head_dim, dtype, expected",
+    [
+        ("auto", "cpu", 128, "bfloat16", "jax"),
+        ("auto", "gpu", 128, "bfloat16", "jax"),  # the GPU kernel is opt-in
+        ("auto", "tpu", 128, "bfloat16", "pallas_tpu"),
+        ("auto", "tpu", 64, "bfloat16", "jax"),  # shapes the kernel can't take fall back
+        ("auto", "tpu", 128, "float32", "jax"),  # the kernel would round pages to bf16
+        ("jax", "tpu", 128, "bfloat16", "jax"),
+        ("pallas", "tpu", 128, "float32", "pallas_tpu"),
+        ("pallas", "gpu", 64, "bfloat16", "pallas_gpu"),
+        ("pallas", "cpu", 128, "bfloat16", "pallas_tpu"),  # interpreted
+    ],
+)
+def test_resolve_backend(name, platform, head_dim, dtype, expected):
+    got = resolve_backend(name, head_dim=head_dim, page_size=16, dtype=dtype, platform=platform)
+    assert got == expected
+
+
+def test_explicit_pallas_with_unfit_shapes_is_an_error():
+    with pytest.raises(UnsupportedShapeError, match="head_dim"):
+        resolve_backend("pallas", head_dim=64, page_size=16, dtype=jnp.bfloat16, platform="tpu")
+    with pytest.raises(UnsupportedShapeError, match="page_size"):
+        resolve_backend("pallas", head_dim=128, page_size=8, dtype=jnp.bfloat16, platform="tpu")
