@@ -49,9 +49,7 @@ def get_config() -> RunConfig:
         trainer=TrainerConfig(
             # 32 chips (v5p-64 = 32 chips): fsdp over 8, tensor 4.
             mesh=MeshConfig(data=1, fsdp=-1, tensor=4),
-            algorithm=AlgorithmConfig(
-                name="aipo", importance_weight="token_truncated", gradient_mask="none"
-            ),
+            algorithm=AlgorithmConfig(name="aipo"),
             mini_batch_size=256,
             micro_batch_size=32,
             max_seq_len=16384,

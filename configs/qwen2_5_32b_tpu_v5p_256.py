@@ -39,7 +39,7 @@ def get_config() -> RunConfig:
         staleness=StalenessConfig.PRESETS["one_step_off_policy"](),
         trainer=TrainerConfig(
             mesh=MeshConfig(data=1, fsdp=-1, tensor=8),
-            algorithm=AlgorithmConfig(name="dapo", aggregation="token_mean", clip_eps_high=0.28),
+            algorithm=AlgorithmConfig(name="dapo"),
             mini_batch_size=512,
             micro_batch_size=32,
             max_seq_len=20480,

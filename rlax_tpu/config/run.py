@@ -12,6 +12,7 @@ import hashlib
 import json
 from typing import Literal
 
+from rlax_tpu.config.algorithm import AlgorithmConfig
 from rlax_tpu.config.base import ConfigBase, ConfigError, require
 
 DType = Literal["float32", "bfloat16"]
@@ -226,26 +227,6 @@ class StalenessConfig(ConfigBase):
         if (self.reload_every, self.max_staleness) == (1, 1):
             return "one_step_off_policy"
         return "off_policy"
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class AlgorithmConfig(ConfigBase):
-    """The modular RL objective (DESIGN §6): an algorithm is a choice of its parts."""
-
-    name: str = "grpo"
-    aggregation: str = "sequence_mean"
-    importance_weight: str = "token"
-    advantage: str = "group_mean_std"
-    gradient_mask: str = "ppo_clip"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_estimator: Literal["none", "k1", "k2", "k3"] = "k3"
-    kl_beta: float = 0.0
-    entropy_coef: float = 0.0
-
-    def validate(self) -> None:
-        for name in ("clip_eps_low", "clip_eps_high", "kl_beta"):
-            require(getattr(self, name) >= 0, name, "must be >= 0")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

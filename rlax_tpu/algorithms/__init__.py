@@ -1,0 +1,56 @@
+"""The modular RL objective (DESIGN §6): parts, their registries, presets and metrics.
+
+    objective = build_objective(AlgorithmConfig(name="dapo"))
+    loss, metrics = objective(batch, logprobs, values=None, entropy=None, step=step)
+
+`RolloutBatch` is the batch shared with the trainer; gradients flow only through the
+log-probs (and values, entropies) passed next to it. Algorithms are configurations of
+the parts in `parts` (w, ρ, A, M, R); trajectory balance and online DPO are separate
+objectives on the same inputs. `dynamic_sampling_keep` is DAPO's group filter for the
+controller; `reference_reset_due` tells the trainer when to reset π_ref.
+"""
+
+from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
+from rlax_tpu.algorithms.dpo import online_dpo_loss
+from rlax_tpu.algorithms.filters import dynamic_sampling_keep
+from rlax_tpu.algorithms.objective import (
+    Objective,
+    build_objective,
+    describe,
+    objective,
+    policy_gradient_loss,
+)
+from rlax_tpu.algorithms.parts import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    GRADIENT_MASKS,
+    IMPORTANCE_WEIGHTS,
+    KL_ESTIMATORS,
+    gae,
+)
+from rlax_tpu.algorithms.presets import PRESETS, preset
+from rlax_tpu.algorithms.schedules import kl_beta_at, reference_reset_due
+from rlax_tpu.algorithms.trajectory_balance import trajectory_balance_loss
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "GRADIENT_MASKS",
+    "IMPORTANCE_WEIGHTS",
+    "KL_ESTIMATORS",
+    "PRESETS",
+    "MissingInputError",
+    "Objective",
+    "RolloutBatch",
+    "build_objective",
+    "describe",
+    "dynamic_sampling_keep",
+    "gae",
+    "kl_beta_at",
+    "objective",
+    "online_dpo_loss",
+    "policy_gradient_loss",
+    "preset",
+    "reference_reset_due",
+    "trajectory_balance_loss",
+]

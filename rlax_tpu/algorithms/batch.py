@@ -1,0 +1,58 @@
+"""The one batch type shared by the trainer and every objective.
+
+A `RolloutBatch` holds what the rollouts carry (tokens, masks, groups, rewards, the
+behaviour and reference log-probs, versions); the trainer computes the current
+log-probs (and values, entropies) inside its loss function and passes them next to
+the batch, so gradients flow only through those.
+
+Alignment: every per-token array is aligned with the model's log-prob positions
+(`rlax_tpu.models.TrainOutput`): index t scores `targets[b, t] = tokens[b, t + 1]`
+given `tokens[b, :t + 1]`. `response_mask[b, t]` is true where that target is a
+generated response token; prompt and padding positions are false.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+class MissingInputError(ValueError):
+    """An objective was called without an input its configuration needs; says which."""
+
+
+@struct.dataclass
+class RolloutBatch:
+    """A batch of scored rollouts, grouped by prompt.
+
+    tokens: int32[batch, seq] — prompt and response token ids (model inputs).
+    response_mask: bool|float[batch, seq] — 1 where targets[b, t] is a response token.
+    group_ids: int32[batch] — prompt group of each sequence, in [0, batch); groups may
+        be ragged (any size) and need not be contiguous.
+    rewards: float32[batch] — one scalar reward per sequence.
+    behaviour_logprobs: float32[batch, seq] — log μ(targets) of the policy that sampled
+        (the trainer's recomputed π_old, or the inference workers' cached values).
+    versions: int32[batch] — policy version that generated each sequence.
+    reference_logprobs: float32[batch, seq] | None — log π_ref(targets), for the KL
+        term, trajectory balance and DPO.
+    values: float32[batch, seq] | None — value-head predictions at rollout time (GAE).
+    """
+
+    tokens: jax.Array
+    response_mask: jax.Array
+    group_ids: jax.Array
+    rewards: jax.Array
+    behaviour_logprobs: jax.Array
+    versions: jax.Array
+    reference_logprobs: jax.Array | None = None
+    values: jax.Array | None = None
+
+    @property
+    def targets(self) -> jax.Array:
+        """int32[batch, seq]: tokens shifted left by one (0 at the last position)."""
+        return jnp.concatenate([self.tokens[:, 1:], jnp.zeros_like(self.tokens[:, :1])], 1)
+
+    @property
+    def batch_size(self) -> int:
+        return self.response_mask.shape[0]

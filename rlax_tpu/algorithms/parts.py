@@ -1,0 +1,439 @@
+"""The parts of the policy-gradient objective (DESIGN §6), each in a registry by name.
+
+    J = Σ_{i,t} w_{i,t} · sg(ρ_{i,t}) · sg(A_{i,t}) · M_{i,t} · log π_θ(y_{i,t}) − β·R_{i,t}(θ)
+
+w: AGGREGATIONS, ρ: IMPORTANCE_WEIGHTS, A: ADVANTAGES, M: GRADIENT_MASKS, R: KL_ESTIMATORS.
+A part is a pure function of a `PartInputs` (everything but θ is stop-gradient), so a fix
+to one part reaches every preset that uses it. The names are exactly the JAX-free tuples
+on `AlgorithmConfig` (tested). Shapes: [batch, seq] per token, [batch] per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rlax_tpu.algorithms import groups
+from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
+from rlax_tpu.config import AlgorithmConfig
+
+# Added to std denominators (verl's value); groups with equal rewards get exactly A = 0.
+STD_EPS = 1e-6
+# Log-ratios are clamped before exp so ratios stay finite in float32; a ratio beyond
+# e^20 is outside every clip range and truncation bound anyway.
+MAX_LOG_RATIO = 20.0
+
+
+class PartInputs(NamedTuple):
+    """Everything a part may read; all stop-gradient.
+
+    mask: float[batch, seq] response mask; lengths: float[batch] response tokens per row;
+    valid: bool[batch] rows with a response; group_ids: int32[batch]; rewards:
+    float[batch]; logprobs: float[batch, seq] sg(log π_θ); behaviour_logprobs:
+    float[batch, seq] log μ; old_values: float[batch, seq] | None (GAE).
+    """
+
+    mask: jax.Array
+    lengths: jax.Array
+    valid: jax.Array
+    group_ids: jax.Array
+    rewards: jax.Array
+    logprobs: jax.Array
+    behaviour_logprobs: jax.Array
+    old_values: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A registered part: its function, the formula it computes and where it is from."""
+
+    name: str
+    fn: Callable
+    formula: str
+    source: str
+
+
+def _registry(*parts: Part) -> dict[str, Part]:
+    return {p.name: p for p in parts}
+
+
+def _per_token(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """A per-sequence float[batch] broadcast to float[batch, seq], zero off the response."""
+    return x[:, None] * mask
+
+
+# -- w: aggregation weights ---------------------------------------------------------------
+
+
+def _num_rows(p: PartInputs) -> jax.Array:
+    return jnp.maximum(jnp.sum(p.valid), 1).astype(p.mask.dtype)
+
+
+def _sequence_mean(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    return p.mask / (jnp.maximum(p.lengths, 1)[:, None] * _num_rows(p))
+
+
+def _token_mean(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    return p.mask / jnp.maximum(jnp.sum(p.mask), 1)
+
+
+def _group_token_mean(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    group_tokens = groups.group_mean(p.lengths, p.group_ids, p.valid) * groups.group_count(
+        p.group_ids, p.valid
+    )
+    n_groups = jnp.maximum(groups.num_groups(p.group_ids, p.valid), 1)
+    return p.mask / (jnp.maximum(group_tokens, 1)[:, None] * n_groups)
+
+
+def _max_length(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    max_len = c.max_response_len or p.mask.shape[1]
+    return p.mask / (max_len * _num_rows(p))
+
+
+def _sequence_sum(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    return p.mask / _num_rows(p)
+
+
+AGGREGATIONS = _registry(
+    Part(
+        "sequence_mean",
+        _sequence_mean,
+        "w = 1/(B·|y_i|): mean over each sequence's tokens, then over sequences",
+        "GRPO (Shao et al. 2024, Eq. 3)",
+    ),
+    Part(
+        "token_mean",
+        _token_mean,
+        "w = 1/Σ_{j}|y_j|: mean over every response token of the batch",
+        "PPO for LLMs (Huang et al. 2024); verl's token-mean",
+    ),
+    Part(
+        "group_token_mean",
+        _group_token_mean,
+        "w = 1/(#groups·Σ_{j∈g(i)}|y_j|): token mean within each group, then over groups",
+        "DAPO (Yu et al. 2025, Eq. 8); CISPO (Chen et al. 2025, Eq. 4)",
+    ),
+    Part(
+        "max_length",
+        _max_length,
+        "w = 1/(B·L): constant denominator, L = the generation budget",
+        "Dr. GRPO (Liu et al. 2025); RLAX App. A",
+    ),
+    Part(
+        "sequence_sum",
+        _sequence_sum,
+        "w = 1/B: the sequence log-likelihood Σ_t log π, averaged over sequences",
+        "REINFORCE (Williams 1992); RLOO (Kool et al. 2019); AIPO (Wu et al. 2025)",
+    ),
+)
+
+# -- ρ: importance weights (stop-gradient) --------------------------------------------------
+
+
+class Ratio(NamedTuple):
+    """raw: float[batch, seq] π/μ at the weight's level (a sequence ratio is broadcast over
+    its tokens; 1 for "one"); weight: float[batch, seq] ρ after truncation or clipping."""
+
+    raw: jax.Array
+    weight: jax.Array
+
+
+def token_log_ratio(p: PartInputs) -> jax.Array:
+    """float[batch, seq]: log π_θ − log μ per response token (0 elsewhere), clamped."""
+    diff = jnp.clip(p.logprobs - p.behaviour_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return jnp.where(p.mask > 0, diff, 0.0)
+
+
+def sequence_log_ratio(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    """float[batch]: log of the sequence ratio: the mean (GSPO) or sum of token log-ratios."""
+    total = jnp.sum(token_log_ratio(p), axis=1)
+    if c.sequence_ratio == "geometric_mean":
+        total = total / jnp.maximum(p.lengths, 1)
+    return jnp.clip(total, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def _level_ratio(p: PartInputs, c: AlgorithmConfig, level: str) -> jax.Array:
+    if level == "token":
+        return jnp.exp(token_log_ratio(p)) * p.mask
+    return _per_token(jnp.exp(sequence_log_ratio(p, c)), p.mask)
+
+
+def _weight(level: str, transform: str) -> Callable:
+    def fn(p: PartInputs, c: AlgorithmConfig) -> Ratio:
+        raw = _level_ratio(p, c, level)
+        if transform == "truncated":
+            weight = jnp.minimum(raw, c.rho_max)
+        elif transform == "clipped":
+            weight = jnp.clip(raw, c.rho_min, c.rho_max)
+        else:
+            weight = raw
+        return Ratio(raw, weight * p.mask)
+
+    return fn
+
+
+def _one(p: PartInputs, c: AlgorithmConfig) -> Ratio:
+    return Ratio(p.mask, p.mask)
+
+
+IMPORTANCE_WEIGHTS = _registry(
+    Part("one", _one, "ρ = 1 (treats the data as on-policy)", "REINFORCE, RLOO"),
+    Part(
+        "token",
+        _weight("token", "raw"),
+        "ρ_t = π_θ(y_t)/μ(y_t)",
+        "PPO (Schulman et al. 2017); GRPO; RLAX Eq. 3",
+    ),
+    Part(
+        "token_truncated",
+        _weight("token", "truncated"),
+        "ρ_t = min(π_θ(y_t)/μ(y_t), ρ_max)",
+        "AIPO (Wu et al. 2025, §6)",
+    ),
+    Part(
+        "token_clipped",
+        _weight("token", "clipped"),
+        "ρ_t = clip(π_θ(y_t)/μ(y_t), ρ_min, ρ_max)",
+        "CISPO (Chen et al. 2025, Eq. 4: ρ_min = 1−ε_low^IS, ρ_max = 1+ε_high^IS)",
+    ),
+    Part(
+        "sequence",
+        _weight("sequence", "raw"),
+        "ρ_i = (π_θ(y_i)/μ(y_i))^{1/|y_i|} (geometric_mean) or π_θ(y_i)/μ(y_i) (product)",
+        "GSPO (Zheng et al. 2025); Proximal RLOO (Noukhovitch et al. 2024)",
+    ),
+    Part(
+        "sequence_truncated",
+        _weight("sequence", "truncated"),
+        "ρ_i = min(sequence ratio, ρ_max)",
+        "truncated IS at sequence level (AIPO's rule on GSPO's ratio)",
+    ),
+    Part(
+        "sequence_clipped",
+        _weight("sequence", "clipped"),
+        "ρ_i = clip(sequence ratio, ρ_min, ρ_max)",
+        "clipped IS at sequence level (CISPO's rule on GSPO's ratio)",
+    ),
+)
+
+
+def weight_level(name: str) -> str:
+    """ "token", "sequence" or "none" (for "one")."""
+    return "none" if name == "one" else name.split("_")[0]
+
+
+def is_ratio_objective(name: str) -> bool:
+    """Whether the published objective differentiates the ratio itself (PPO family).
+
+    For these (an untransformed ratio) the reported loss is the published clipped
+    surrogate min(ρA, clip(ρ)A), whose gradient is w·ρ·A·M·∇log π; for the others
+    (REINFORCE, AIPO, CISPO) it is the log-π surrogate Σ w·sg(ρ)·A·M·log π itself.
+    """
+    return name in ("token", "sequence")
+
+
+# -- A: advantage estimators ---------------------------------------------------------------
+
+
+def _group_baselined(p: PartInputs, adv: jax.Array) -> jax.Array:
+    """A group whose rewards are all equal carries no signal: exactly 0, not rounding noise."""
+    equal = groups.group_all_equal(p.rewards, p.group_ids, p.valid)
+    return _per_token(jnp.where(equal | ~p.valid, 0.0, adv), p.mask)
+
+
+def _group_mean_std(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    mean = groups.group_mean(p.rewards, p.group_ids, p.valid)
+    std = groups.group_std(p.rewards, p.group_ids, p.valid)
+    return _group_baselined(p, (p.rewards - mean) / (std + STD_EPS))
+
+
+def _group_mean(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    return _group_baselined(p, p.rewards - groups.group_mean(p.rewards, p.group_ids, p.valid))
+
+
+def _leave_one_out(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    n = groups.group_count(p.group_ids, p.valid).astype(p.rewards.dtype)
+    total = groups.group_mean(p.rewards, p.group_ids, p.valid) * n
+    others = (total - p.rewards) / jnp.maximum(n - 1, 1)
+    return _group_baselined(p, jnp.where(n > 1, p.rewards - others, 0.0))
+
+
+def _batch_std(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    n = jnp.maximum(jnp.sum(valid), 1).astype(x.dtype)
+    mean = jnp.sum(jnp.where(valid, x, 0)) / n
+    var = jnp.sum(jnp.where(valid, (x - mean) ** 2, 0)) / jnp.maximum(n - 1, 1)
+    return mean, jnp.sqrt(var)
+
+
+def _batch_norm(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    mean, std = _batch_std(p.rewards, p.valid)
+    return _per_token(jnp.where(p.valid, (p.rewards - mean) / (std + STD_EPS), 0.0), p.mask)
+
+
+def _group_mean_batch_norm(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    centred = p.rewards - groups.group_mean(p.rewards, p.group_ids, p.valid)
+    centred = jnp.where(groups.group_all_equal(p.rewards, p.group_ids, p.valid), 0.0, centred)
+    _, std = _batch_std(centred, p.valid)
+    return _per_token(jnp.where(p.valid, centred / (std + STD_EPS), 0.0), p.mask)
+
+
+def last_token_mask(mask: jax.Array) -> jax.Array:
+    """float[batch, seq]: 1 at each row's last response token."""
+    after = jnp.cumsum(mask[:, ::-1], axis=1)[:, ::-1]  # response tokens at or after t
+    return mask * (after == 1)
+
+
+def gae(
+    mask: jax.Array, rewards: jax.Array, old_values: jax.Array, gamma: float, lam: float
+) -> jax.Array:
+    """float[batch, seq] GAE (Schulman et al. 2015) over the response tokens.
+
+    The sequence reward float[batch] arrives at the last response token; V after it is 0.
+    δ_t = r_t + γ·V_{t+1} − V_t, A_t = δ_t + γλ·A_{t+1}; non-response positions are
+    skipped (their carry passes through) and get A = 0.
+    """
+    token_rewards = last_token_mask(mask) * rewards[:, None]
+
+    def step(carry, x):
+        next_adv, next_value = carry
+        r, v, m = x
+        adv = r + gamma * next_value - v + gamma * lam * next_adv
+        on = m > 0
+        return (jnp.where(on, adv, next_adv), jnp.where(on, v, next_value)), jnp.where(on, adv, 0.0)
+
+    zeros = jnp.zeros_like(rewards)
+    xs = (token_rewards.T, old_values.astype(mask.dtype).T, mask.T)
+    _, adv = jax.lax.scan(step, (zeros, zeros), xs, reverse=True)
+    return adv.T
+
+
+def _gae(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    return gae(p.mask, p.rewards, p.old_values, c.gae_gamma, c.gae_lambda)
+
+
+def _reward(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    return _per_token(jnp.where(p.valid, p.rewards, 0.0), p.mask)
+
+
+ADVANTAGES = _registry(
+    Part(
+        "group_mean_std",
+        _group_mean_std,
+        "A_i = (r_i − mean_g r)/(std_g r + 1e-6), std with n−1",
+        "GRPO (Shao et al. 2024)",
+    ),
+    Part("group_mean", _group_mean, "A_i = r_i − mean_g r", "Dr. GRPO; AIPO (Wu et al. 2025)"),
+    Part(
+        "leave_one_out",
+        _leave_one_out,
+        "A_i = r_i − (Σ_{j∈g, j≠i} r_j)/(n_g − 1)",
+        "RLOO (Kool et al. 2019; Ahmadian et al. 2024)",
+    ),
+    Part(
+        "batch_norm",
+        _batch_norm,
+        "A_i = (r_i − mean_B r)/(std_B r + 1e-6)",
+        "REINFORCE++ (Hu et al. 2025, global normalisation)",
+    ),
+    Part(
+        "group_mean_batch_norm",
+        _group_mean_batch_norm,
+        "Ã_i = r_i − mean_g r; A_i = Ã_i/(std_B Ã + 1e-6)",
+        "REINFORCE++-baseline (Hu et al. 2025); RLAX §4.2",
+    ),
+    Part(
+        "gae",
+        _gae,
+        "A_t = Σ_l (γλ)^l δ_{t+l}, δ_t = r_t + γV_{t+1} − V_t (reward at the last token)",
+        "GAE (Schulman et al. 2015); PPO",
+    ),
+    Part("reward", _reward, "A_i = r_i", "REINFORCE (Williams 1992)"),
+)
+
+# -- M: gradient masks ---------------------------------------------------------------------
+
+
+def clip_mask(raw: jax.Array, adv: jax.Array, mask: jax.Array, c: AlgorithmConfig) -> jax.Array:
+    """float[batch, seq]: 0 where PPO's min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) is flat in θ.
+
+    That is ρ > 1+ε_high with A > 0, or ρ < 1−ε_low with A < 0 (DAPO's clip-higher when
+    ε_high > ε_low). `raw` is the ratio at the importance weight's level (token or sequence).
+    """
+    high = (adv > 0) & (raw > 1 + c.clip_eps_high)
+    low = (adv < 0) & (raw < 1 - c.clip_eps_low)
+    return jnp.where(high | low, 0.0, 1.0) * mask
+
+
+def _keep_all(raw, adv, mask, c) -> jax.Array:
+    return mask
+
+
+GRADIENT_MASKS = _registry(
+    Part("keep_all", _keep_all, "M = 1", "REINFORCE, AIPO, CISPO"),
+    Part(
+        "ppo_clip",
+        clip_mask,
+        "M_t = 0 if (A>0 ∧ ρ_t>1+ε_high) ∨ (A<0 ∧ ρ_t<1−ε_low), else 1",
+        "PPO (Schulman et al. 2017); clip-higher: DAPO; mask form: CISPO Eq. 7, RLAX Eq. 7",
+    ),
+    Part(
+        "sequence_clip",
+        clip_mask,
+        "M_i = 0 if (A>0 ∧ ρ_i>1+ε_high) ∨ (A<0 ∧ ρ_i<1−ε_low), for the whole sequence",
+        "GSPO (Zheng et al. 2025); Proximal RLOO (Noukhovitch et al. 2024)",
+    ),
+)
+
+# -- R: KL estimators of KL(π_θ ‖ π_ref), from samples, d = log π_θ − log π_ref ----------------
+
+
+KL_ESTIMATORS = _registry(
+    Part("k1", lambda d: d, "k1 = d", "Schulman 2020, 'Approximating KL divergence'"),
+    Part("k2", lambda d: 0.5 * d**2, "k2 = d²/2", "Schulman 2020; REINFORCE++"),
+    Part(
+        "k3",
+        lambda d: jnp.exp(-d) - 1 + d,
+        "k3 = π_ref/π_θ − log(π_ref/π_θ) − 1",
+        "Schulman 2020; GRPO (Shao et al. 2024, Eq. 4)",
+    ),
+)
+
+
+def part_inputs(
+    batch: RolloutBatch, logprobs: jax.Array, *, need_old_values: bool = False
+) -> PartInputs:
+    """The stop-gradient view of a `RolloutBatch` and the current log-probs that parts read.
+
+    Computes in float32, or float64 when the log-probs are float64.
+    """
+    dtype = jnp.promote_types(logprobs.dtype, jnp.float32)
+    mask = batch.response_mask.astype(dtype)
+    lengths = jnp.sum(mask, axis=1)
+    valid = lengths > 0
+
+    def on_response(x: jax.Array) -> jax.Array:
+        # Padding may hold anything (-inf, NaN): it must not reach a sum or a gradient.
+        return jax.lax.stop_gradient(jnp.where(mask > 0, x.astype(dtype), 0.0))
+
+    old_values = None
+    if need_old_values:
+        if batch.values is None:
+            raise MissingInputError(
+                "advantage='gae' needs batch.values: the value head's predictions at rollout "
+                "time, float[batch, seq]"
+            )
+        old_values = on_response(batch.values)
+    return PartInputs(
+        mask=mask,
+        lengths=lengths,
+        valid=valid,
+        group_ids=batch.group_ids.astype(jnp.int32),
+        rewards=jnp.where(valid, batch.rewards.astype(dtype), 0.0),
+        logprobs=on_response(logprobs),
+        behaviour_logprobs=on_response(batch.behaviour_logprobs),
+        old_values=old_values,
+    )

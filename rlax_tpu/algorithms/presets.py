@@ -1,0 +1,170 @@
+"""The named presets: each a configuration of the parts, with its paper's defaults.
+
+Every function returns the resolved `AlgorithmConfig` of its preset; its docstring holds
+the formula it implements and the source. The values live in the JAX-free
+`AlgorithmConfig._PRESET_VALUES`, so `--set trainer.algorithm=NAME` works without JAX.
+Notation: group g of prompt x with K samples y_i, reward r_i, r_t = π_θ(y_t)/μ(y_t) the
+token ratio to the behaviour policy μ, sg the stop-gradient, B the number of sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlax_tpu.config import AlgorithmConfig
+
+
+def reinforce() -> AlgorithmConfig:
+    """REINFORCE (Williams 1992; RLAX App. A).
+
+    J = 1/B Σ_i r_i · Σ_t log π_θ(y_{i,t}).  w = 1/B, ρ = 1, A = r, M = 1, no KL.
+    """
+    return AlgorithmConfig.preset("reinforce")
+
+
+def rloo() -> AlgorithmConfig:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024).
+
+    J = 1/B Σ_i (r_i − 1/(K−1) Σ_{j≠i} r_j) · Σ_t log π_θ(y_{i,t}).  w = 1/B, ρ = 1, M = 1.
+    """
+    return AlgorithmConfig.preset("rloo")
+
+
+def proximal_rloo() -> AlgorithmConfig:
+    """Proximal RLOO (Noukhovitch et al. 2024, App. B; TBA Eq. 6 with π_old, not π_ref).
+
+    J = 1/B Σ_i min(ρ_i Â_i, clip(ρ_i, 1−ε, 1+ε) Â_i), ρ_i = π_θ(y_i)/π_old(y_i) (whole-
+    sequence product), Â = leave-one-out, ε = 0.2 (TRL's cliprange).
+    ∇J = 1/B Σ_i sg(ρ_i) Â_i M_i ∇log π_θ(y_i): w = 1/B, ρ = sequence (product),
+    M = sequence clip mask.
+    """
+    return AlgorithmConfig.preset("proximal_rloo")
+
+
+def grpo() -> AlgorithmConfig:
+    """GRPO (Shao et al. 2024, DeepSeekMath Eq. 3; RLAX Eq. 8).
+
+    J = 1/B Σ_i 1/|y_i| Σ_t [min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i) − β D_KL^{k3}],
+    Â_i = (r_i − mean_g r)/std_g r, D^{k3} = π_ref/π_θ − log(π_ref/π_θ) − 1; ε = 0.2, β = 0.04.
+    Parts: w = 1/(B|y_i|), ρ = sg(r_t), A = group mean/std, M = PPO clip mask, R = β·k3.
+    """
+    return AlgorithmConfig.preset("grpo")
+
+
+def dapo() -> AlgorithmConfig:
+    """DAPO (Yu et al. 2025, Eq. 8).
+
+    J = E_x[1/Σ_{i∈g}|y_i| Σ_i Σ_t min(r_t Â_i, clip(r_t, 1−ε_low, 1+ε_high) Â_i)],
+    ε_low = 0.2, ε_high = 0.28 (clip-higher), no KL; Â as GRPO. Parts: w = token mean per
+    group, then mean over groups. Dynamic sampling (keep groups with 0 < #correct < K) is
+    the controller's `filters.dynamic_sampling_keep`; overlong shaping is a reward matter.
+    verl implements the token mean over the whole batch: aggregation="token_mean".
+    """
+    return AlgorithmConfig.preset("dapo")
+
+
+def dr_grpo() -> AlgorithmConfig:
+    """Dr. GRPO (Liu et al. 2025, 'Understanding R1-Zero-like training').
+
+    J = 1/B Σ_i Σ_t min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i) / L, Â_i = r_i − mean_g r, ε = 0.2,
+    no KL: GRPO without the length (1/|y_i|) and std biases. w = 1/(B·L) with L the
+    generation budget (set max_response_len to it; 0 = the padded length).
+    """
+    return AlgorithmConfig.preset("dr_grpo")
+
+
+def gspo() -> AlgorithmConfig:
+    """GSPO (Zheng et al. 2025, Eq. 5).
+
+    J = 1/B Σ_i min(s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i),
+    s_i = (π_θ(y_i)/μ(y_i))^{1/|y_i|} = exp(1/|y_i| Σ_t log r_t), ε = 3e-4 / 4e-4, Â as GRPO.
+    ∇J = 1/B Σ_i sg(s_i) Â_i M_i 1/|y_i| Σ_t ∇log π_θ(y_t): w = 1/(B|y_i|), ρ = sequence
+    (geometric mean), M = sequence clip mask, no KL.
+    """
+    return AlgorithmConfig.preset("gspo")
+
+
+def cispo() -> AlgorithmConfig:
+    """CISPO (Chen et al. 2025, MiniMax-M1 Eq. 4; RLAX Eq. 10).
+
+    J = E_x[1/Σ_{i∈g}|y_i| Σ_i Σ_t sg(r̂_t) Â_i log π_θ(y_t)], r̂_t = clip(r_t, 1−ε_low^IS,
+    1+ε_high^IS), Â as GRPO, no KL. The clipped weight is a weight, not a mask: every token
+    keeps its gradient. No lower bound (ρ_min = 0, as MiniMax); ρ_max = 8 as in TBA's
+    CISPO runs (MiniMax tuned ε_high^IS but did not report it).
+    """
+    return AlgorithmConfig.preset("cispo")
+
+
+def reinforce_pp() -> AlgorithmConfig:
+    """REINFORCE++-baseline (Hu et al. 2025; RLAX §4.2: Eqs. 11–12 and the k2 estimator).
+
+    Ã_i = r_i − mean_g r, Â_i = Ã_i / std_B(Ã) (global batch normalisation);
+    J = 1/B Σ_i 1/|y_i| Σ_t [min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i) − β·½(log π_θ/π_ref)²],
+    ε = 0.2, β = 1e-3 (OpenRLHF/ROLL examples; the paper fixes no value for this variant).
+    """
+    return AlgorithmConfig.preset("reinforce_pp")
+
+
+def ppo() -> AlgorithmConfig:
+    """PPO with GAE and a value head (Schulman et al. 2017, 2015; Huang et al. 2024).
+
+    J = 1/N Σ_{i,t} min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t) − c_V·½ max((V−R)², (V_clip−R)²),
+    Â = GAE(γ = 1, λ = 0.95) over V_old with the reward at the last token, R = Â + V_old,
+    V_clip = V_old + clip(V − V_old, ±0.2), ε = 0.2, c_V = 0.1; mean over all response
+    tokens. Huang et al. add a k1 KL (0.05) to the reward; here KL is the loss term R
+    (set kl_beta, kl_estimator="k2" to add one).
+    """
+    return AlgorithmConfig.preset("ppo")
+
+
+def aipo() -> AlgorithmConfig:
+    """AIPO (Wu et al. 2025, LlamaRL §6).
+
+    g = Σ_t min(π_θ(y_t)/μ(y_t), ρ) Â ∇log π_θ(y_t), Â_i = r_i − mean_g r (the group mean
+    including i, no std), no clip mask, ρ ∈ [2, 10] (here 2). Surrogate:
+    J = 1/B Σ_i Σ_t sg(min(r_t, ρ)) Â_i log π_θ(y_t): w = 1/B, ρ = token truncated, M = 1.
+    """
+    return AlgorithmConfig.preset("aipo")
+
+
+def trajectory_balance() -> AlgorithmConfig:
+    """Trajectory balance with asynchrony (Bartoldson et al. 2025, Eqs. 4–5).
+
+    L = 1/(BK) Σ (sg[log Ẑ(x)] + log π_θ(y) − log π_ref(y) − r(y)/β)²,
+    log Ẑ(x) = 1/K Σ_j [log π_ref(y_j) − log π_θ(y_j) + r_j/β]; β 0.012 → 0.004 linearly
+    by step 500 (GSM8K, Table 2); reference_reset_every = ρ (TBA-PRIME: 50, β = 0.005).
+    A separate objective (`rlax_tpu.algorithms.trajectory_balance`).
+    """
+    return AlgorithmConfig.preset("trajectory_balance")
+
+
+def online_dpo() -> AlgorithmConfig:
+    """Online DPO (Noukhovitch et al. 2024; Rafailov et al. 2023).
+
+    L = −log σ(β[log π_θ(y₊)/π_ref(y₊) − log π_θ(y₋)/π_ref(y₋)]) per group, y₊/y₋ the best/
+    worst of its K samples, β = 0.1, frozen reference. A separate objective
+    (`rlax_tpu.algorithms.dpo`).
+    """
+    return AlgorithmConfig.preset("online_dpo")
+
+
+PRESETS: dict[str, Callable[[], AlgorithmConfig]] = {
+    "reinforce": reinforce,
+    "rloo": rloo,
+    "proximal_rloo": proximal_rloo,
+    "grpo": grpo,
+    "dapo": dapo,
+    "dr_grpo": dr_grpo,
+    "gspo": gspo,
+    "cispo": cispo,
+    "reinforce_pp": reinforce_pp,
+    "ppo": ppo,
+    "aipo": aipo,
+    "trajectory_balance": trajectory_balance,
+    "online_dpo": online_dpo,
+}
+
+
+def preset(name: str, **overrides) -> AlgorithmConfig:
+    """The preset `name` with `overrides` (validated; unknown names list the valid ones)."""
+    return AlgorithmConfig.preset(name, **overrides)
