@@ -123,6 +123,48 @@ class ProcessGroup:
         command = ["serve", "param-server", *where, "--host", "127.0.0.1", "--port", "0", *args]
         return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
 
+    def start_inference_worker(
+        self,
+        config: str | None,
+        *,
+        token: str,
+        param_servers: Sequence[str] = (),
+        overrides: Sequence[str] = (),
+        token_env: str = "RLAX_TPU_AUTH_TOKEN",
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        **kwargs,
+    ) -> ServerProcess:
+        """`serve inference CONFIG --set ... --port 0` pulling from `param_servers`, token via
+        env. JAX startup and the engine build take a few seconds, hence the longer wait."""
+        command = ["serve", "inference", *([config] if config else [])]
+        command += [f"--set={o}" for o in overrides]
+        command += [f"--param-server={a}" for a in param_servers]
+        command += ["--host", "127.0.0.1", "--port", "0", *args]
+        kwargs.setdefault("ready_timeout_s", 60.0)
+        return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
+
+    def start_trainer(
+        self,
+        config: str | None,
+        *,
+        token: str,
+        param_servers: Sequence[str] = (),
+        overrides: Sequence[str] = (),
+        token_env: str = "RLAX_TPU_AUTH_TOKEN",
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        **kwargs,
+    ) -> ServerProcess:
+        """`serve trainer CONFIG --set ... --port 0` publishing to `param_servers`, token via
+        env. It restores or initializes (and compiles) before READY, hence the long wait."""
+        command = ["serve", "trainer", *([config] if config else [])]
+        command += [f"--set={o}" for o in overrides]
+        command += [f"--param-server={a}" for a in param_servers]
+        command += ["--host", "127.0.0.1", "--port", "0", *args]
+        kwargs.setdefault("ready_timeout_s", 120.0)
+        return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
+
     def stop_all(self) -> None:
         for process in self.processes:
             process.stop()

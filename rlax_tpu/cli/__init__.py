@@ -75,6 +75,25 @@ def _add_param_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_inference_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `serve inference` (rlax_tpu.inference.server); --host/--port are shared."""
+    group = parser.add_argument_group("inference")
+    group.add_argument(
+        "--param-server",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="host:port of a parameter-server replica to pull weights from (repeat for each "
+        "replica, in replica order)",
+    )
+    group.add_argument(
+        "--worker-id",
+        metavar="ID",
+        help="this worker's stable name, as reported by Health and as its consumer name on "
+        "the parameter server (default inference_worker-0; give each worker its own)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlax-tpu",
@@ -91,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("component", choices=COMPONENTS)
             _add_config_args(p, optional=True)
             _add_param_server_args(p)
+            _add_inference_args(p)
         elif name == "config":
             action = p.add_subparsers(dest="action", metavar="ACTION", required=True)
             show = action.add_parser("show", help="print the resolved config")
@@ -133,6 +153,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.param_server.server import main as serve_param_server
 
         return serve_param_server(args)
+    if args.command == "serve" and args.component == "inference":
+        from rlax_tpu.inference.server import main as serve_inference
+
+        return serve_inference(args)
+    if args.command == "serve" and args.component == "trainer":
+        from rlax_tpu.trainer.server import main as serve_trainer
+
+        return serve_trainer(args)
     provider = _COMMANDS[args.command][1]
     print(
         f"rlax-tpu {args.command}: not available yet; it arrives with {provider}. "

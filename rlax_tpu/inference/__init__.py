@@ -36,3 +36,62 @@ __all__ = [
     "paged_decode_attention_tpu",
     "resolve_backend",
 ]
+
+# --- The worker (weights by version, idempotent generation) and its gRPC service -------------
+from rlax_tpu.inference.service import (  # noqa: E402
+    InferenceCallError,
+    InferenceWorkerClient,
+    InferenceWorkerServicer,
+)
+from rlax_tpu.inference.worker import (  # noqa: E402
+    InferenceWorker,
+    InferenceWorkerError,
+    InvalidRequestError,
+    LoadResult,
+    NoParamServerError,
+    NotLoadableError,
+    NotLoadedError,
+    PullFailedError,
+    RolloutStream,
+    UnknownVersionError,
+    VersionMismatchError,
+    WorkerClosedError,
+)
+
+__all__ += [
+    "InferenceCallError",
+    "InferenceWorker",
+    "InferenceWorkerClient",
+    "InferenceWorkerError",
+    "InferenceWorkerServicer",
+    "InvalidRequestError",
+    "LoadResult",
+    "NoParamServerError",
+    "NotLoadableError",
+    "NotLoadedError",
+    "PullFailedError",
+    "RolloutStream",
+    "UnknownVersionError",
+    "VersionMismatchError",
+    "WorkerClosedError",
+]
+
+# --- The engine (continuous batching) and its sampler -----------------------------------------
+from rlax_tpu.inference.engine import (  # noqa: E402
+    Engine,
+    EngineNotLoadedError,
+    GenerationRequest,
+    ParamsMismatchError,
+    Rollout,
+)
+from rlax_tpu.inference.sampling import SamplingParams, request_key  # noqa: E402
+
+__all__ += [
+    "Engine",
+    "EngineNotLoadedError",
+    "GenerationRequest",
+    "ParamsMismatchError",
+    "Rollout",
+    "SamplingParams",
+    "request_key",
+]

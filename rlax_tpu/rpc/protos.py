@@ -42,14 +42,22 @@ ensure_generated()
 from rlax_tpu.rpc.gen.rlax_tpu.v1 import (  # noqa: E402
     common_pb2,
     common_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
     param_server_pb2,
     param_server_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
 )
 
 __all__ = [
     "common_pb2",
     "common_pb2_grpc",
     "ensure_generated",
+    "inference_pb2",
+    "inference_pb2_grpc",
     "param_server_pb2",
     "param_server_pb2_grpc",
+    "trainer_pb2",
+    "trainer_pb2_grpc",
 ]

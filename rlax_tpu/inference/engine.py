@@ -1,0 +1,586 @@
+"""The inference engine: continuous batching over a fixed number of decode slots backed by
+the paged KV cache, with bucketed one-prompt prefill and deterministic on-device sampling.
+
+The host (this class) only schedules: it admits waiting prompts into free slots, reserves
+their pages, and reads the sampled tokens back once per decode call. The model, sampling
+and cache writes run in two jitted functions: prefill (one per prompt bucket) and decode
+(all slots, `decode_steps_per_call` tokens). The gRPC service is a thin layer over it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlax_tpu.config import InferenceConfig, ModelConfig
+from rlax_tpu.inference.paged_cache import PagedKVCache
+from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens
+from rlax_tpu.models import Transformer
+from rlax_tpu.sharding import logical_to_spec, state_shardings, use_mesh
+
+FinishReason = str  # "stop" | "length" | "aborted" | "error"
+
+
+class EngineNotLoadedError(RuntimeError):
+    """The engine has no weights yet: call `load(version, params)` first."""
+
+
+class ParamsMismatchError(ValueError):
+    """A params tree given to `load` does not match the model config (names or shapes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One sample to generate. (prompt_id, sample_index) with the model version and the
+    engine seed fix the PRNG key, so the same request always gives the same rollout."""
+
+    request_id: str
+    prompt_id: str
+    sample_index: int
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams | None = None  # None = the engine's defaults (from the config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """A finished request.
+
+    tokens: the response (a stop token that ended it included); logprobs: the behaviour
+    log-prob of each response token under the distribution named by the request's
+    `SamplingParams.logprobs_of` ("full": temperature-scaled full softmax; "sampled": the
+    top-k/top-p truncated, renormalised one); version: the model version that generated
+    every token. finish_reason: "stop" (a stop token), "length" (max_new_tokens or the
+    slot's maximum sequence length), "aborted" (weights reloaded mid-flight; tokens so far
+    are kept but must be regenerated), "error" (see `error`; nothing was generated).
+    """
+
+    request_id: str
+    prompt_id: str
+    sample_index: int
+    version: int
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    error: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """Host-side state of a request in flight."""
+
+    request: GenerationRequest
+    sampling: SamplingParams
+    limit: int  # response tokens allowed: max_new_tokens clipped by the slot's capacity
+    version: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    slot: int = -1
+
+
+class Engine:
+    """Continuous-batching generation for one model, one version of weights at a time.
+
+    Scheduling: FIFO. A waiting request is admitted into a free slot once the pool can
+    reserve pages for its whole sequence (prompt + its response limit), so a running
+    sequence never runs out of pages; otherwise it waits. Prefill runs one prompt at a
+    time, padded to the smallest `prefill_buckets` entry that holds it; decode runs all
+    `max_decode_slots` slots every call. Compiled shapes: one per bucket used + one decode.
+
+    Determinism: request key = threefry key from sha256(seed, prompt_id, sample_index,
+    version); response token t is sampled with fold_in(key, t). Each prompt is prefilled on
+    its own at its bucket size and every decode call has the same shapes whatever the slots
+    hold, so a request's tokens and log-probs are bitwise identical however it is batched.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        inference_config: InferenceConfig,
+        *,
+        seed: int,
+        mesh: Mesh | None = None,
+        decode_steps_per_call: int = 1,
+        max_stop_tokens: int = 8,
+    ):
+        if decode_steps_per_call < 1:
+            raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
+        self.model_config = model_config
+        self.config = inference_config
+        self.seed = int(seed)
+        self.defaults = SamplingParams.from_config(inference_config)
+        self.version = -1
+        self.decode_steps_per_call = decode_steps_per_call
+        self.max_stop_tokens = max(max_stop_tokens, len(self.defaults.stop_token_ids))
+        self._mesh = mesh
+        self._rules = inference_config.mesh.logical_axis_rules
+        graphdef, abstract_state = nnx.split(self._abstract_model())
+        self._params: list[jax.Array] | None = None  # leaves of the model state, placed
+        self._cache = self._place_cache(PagedKVCache.from_config(model_config, inference_config))
+        self._allocator = self._cache.make_allocator()
+        self.num_slots = self._cache.batch_slots
+        self.max_seq_len = self._allocator.max_tokens_per_seq
+        self._slots: list[_Sequence | None] = [None] * self.num_slots
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._in_flight: dict[str, _Sequence] = {}  # by request id, in submission order
+        self._done: list[Rollout] = []  # finished, returned by the next step()
+        self._init_slot_state()
+        self._shapes: set[str] = set()  # jitted signatures used: "prefill:<bucket>", ...
+        self._counters: collections.Counter = collections.Counter()
+        # Static args of the jitted steps; the mesh is part of it since the model's sharding
+        # constraints are read from the active mesh at trace time. Params travel as a flat
+        # list of arrays (flattening an nnx.State on every call costs about a millisecond).
+        mesh_key = None if mesh is None else (mesh, self._rules)
+        treedef = jax.tree.structure(abstract_state)
+        self._static = (_StaticKey.of(graphdef, treedef, mesh_key),)
+
+    # -- public API ----------------------------------------------------------------------
+    def load(self, version: int, params: Mapping[str, Any]) -> list[Rollout]:
+        """Serve `version` with `params` (a pure dict tree as `nnx.to_pure_dict` gives).
+
+        Loading the version already served is a no-op (returns []). Otherwise every request
+        in flight (queued or decoding) is aborted and returned, in submission order, with
+        finish_reason "aborted"; requests submitted afterwards run with the new version.
+        """
+        if version == self.version:
+            return []
+        state = self._state_from_params(params)  # validate first: a bad tree changes nothing
+        aborted = [
+            self._finish(seq, "aborted", report=False) for seq in self._in_flight.copy().values()
+        ]
+        self._params, self.version = jax.tree.leaves(state), int(version)
+        return aborted
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request. One that can never run (empty or too long a prompt, bad token ids,
+        more pages than the pool) finishes at once with finish_reason "error"."""
+        if self.version < 0:
+            raise EngineNotLoadedError("submit() before any load(): the engine has no weights")
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        sampling = request.sampling or self.defaults
+        prompt_len = len(request.prompt_tokens)
+        limit = min(sampling.max_new_tokens, self.max_seq_len - prompt_len)
+        seq = _Sequence(request, sampling, limit, self.version)
+        self._in_flight[request.request_id] = seq
+        problem = self._problem(request, sampling, limit)
+        if problem:
+            self._finish(seq, "error", error=problem)
+        else:
+            self._waiting.append(seq)
+
+    def step(self) -> list[Rollout]:
+        """One scheduler iteration: admit waiting prompts into free slots (prefill), then one
+        decode call for all slots. Returns the rollouts that finished since the last step."""
+        if self._waiting or self._active.any():
+            self._admit()
+            if self._active.any():
+                self._decode()
+        done, self._done = self._done, []
+        return done
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active.any() or self._done)
+
+    def run(self, requests: Iterable[GenerationRequest]) -> list[Rollout]:
+        """Submit all, step until done; the rollouts in request order. Needs an idle engine."""
+        if self.has_work():
+            raise RuntimeError("run() needs an idle engine; with requests in flight use step()")
+        requests = list(requests)
+        for request in requests:
+            self.submit(request)
+        finished: dict[str, Rollout] = {}
+        while self.has_work():
+            finished.update((r.request_id, r) for r in self.step())
+        return [finished[r.request_id] for r in requests]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction; compiled_shapes = distinct jitted signatures traced."""
+        return {
+            "version": self.version,
+            "tokens_generated": self._counters["tokens_generated"],
+            "decode_steps": self._counters["decode_steps"],
+            "decode_calls": self._counters["decode_calls"],
+            "prefills": self._counters["prefills"],
+            "compiled_shapes": len(self._shapes),
+            "compiled": sorted(self._shapes),
+            "active_slots": int(self._active.sum()),
+            "waiting": len(self._waiting),
+            "free_pages": self._allocator.free_pages,
+            "total_pages": self._allocator.num_pages - 1,
+            "slot_utilization": self._counters["slot_tokens"]
+            / max(1, self._counters["decode_steps"] * self.num_slots),
+        }
+
+    # -- admission and prefill -------------------------------------------------------------
+    def _problem(self, request: GenerationRequest, sampling: SamplingParams, limit: int) -> str:
+        """Why the request can never run, or "" if it can."""
+        n, cfg = len(request.prompt_tokens), self.config
+        if n == 0:
+            return "empty prompt: at least one token is needed"
+        if n > cfg.max_prompt_len:
+            return f"prompt has {n} tokens, more than max_prompt_len ({cfg.max_prompt_len})"
+        if limit < 1:
+            return f"prompt has {n} tokens, a slot holds at most {self.max_seq_len}"
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in request.prompt_tokens):
+            return f"prompt token ids must be in [0, {vocab})"
+        if len(sampling.stop_token_ids) > self.max_stop_tokens:
+            return f"{len(sampling.stop_token_ids)} stop tokens, at most {self.max_stop_tokens}"
+        pages = self._allocator.pages_for(n + limit)
+        if pages > self._allocator.num_pages - 1:
+            return (
+                f"{n} + {limit} tokens need {pages} pages, the pool has "
+                f"{self._allocator.num_pages - 1}: raise kv_cache_bytes or lower max_new_tokens"
+            )
+        return ""
+
+    def _admit(self) -> None:
+        if self._params is None:
+            raise EngineNotLoadedError("step() before any load(): the engine has no weights")
+        while self._waiting:
+            free = [s for s, seq in enumerate(self._slots) if seq is None]
+            if not free:
+                return
+            seq, slot = self._waiting[0], free[0]
+            if not self._allocator.try_reserve(slot, len(seq.request.prompt_tokens) + seq.limit):
+                return  # out of pages: wait (FIFO) until a running sequence frees some
+            self._waiting.popleft()
+            self._prefill(slot, seq)
+
+    def _prefill(self, slot: int, seq: _Sequence) -> None:
+        prompt = seq.request.prompt_tokens
+        bucket = next(b for b in self.config.prefill_buckets if b >= len(prompt))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        s = seq.sampling
+        key_data = request_key_data(
+            self.seed, seq.request.prompt_id, seq.request.sample_index, seq.version
+        )
+        args = (
+            self._allocator.page_table[slot : slot + 1],
+            tokens,
+            np.int32(len(prompt)),
+            key_data,
+            np.float32(s.temperature),
+            np.int32(s.top_k),
+            np.float32(s.top_p),
+            np.bool_(s.logprobs_of == "sampled"),
+        )
+        self._shapes.add(f"prefill:{bucket}")
+        with self._mesh_context():
+            token, logprob, self._cache = _prefill_step(
+                *self._static, self._params, self._cache, *self._put(args)
+            )
+        token, logprob = jax.device_get((token, logprob))
+        self._counters["prefills"] += 1
+        seq.slot = slot
+        self._slots[slot] = seq
+        self._page_table_dirty = True
+        self._set_slot_sampling(slot, seq, key_data)
+        if not self._append(seq, int(token), float(logprob)):
+            self._active[slot] = True
+            self._last_token[slot] = token
+            self._position[slot] = len(prompt)
+            self._index[slot] = 1
+            self._carry_dirty = True
+
+    # -- decode --------------------------------------------------------------------------
+    def _decode(self) -> None:
+        if self._page_table_dirty:
+            self._cache = self._cache.with_page_table(self._put(self._allocator.page_table))
+            self._page_table_dirty = False
+        if self._sampling_dirty:
+            self._device_sampling = self._put(self._sampling_arrays())
+            self._sampling_dirty = False
+        if self._carry_dirty:
+            carry = (self._last_token, self._position, self._index, self._active)
+            self._device_carry = self._put(carry)
+            self._carry_dirty = False
+        k = self.decode_steps_per_call
+        self._shapes.add(f"decode:{self.num_slots}x{k}")
+        with self._mesh_context():
+            self._cache, self._device_carry, out = _decode_step(
+                *self._static,
+                k,
+                self._params,
+                self._cache,
+                self._device_carry,
+                self._device_sampling,
+            )
+        packed = np.asarray(out)  # the one device-to-host transfer per decode call
+        tokens, emitted = packed[0].T.tolist(), packed[2].T.tolist()  # [slots][steps]
+        logprobs = packed[1].view(np.float32).T.tolist()
+        self._counters["decode_calls"] += 1
+        self._counters["decode_steps"] += k
+        for slot in np.flatnonzero(self._active).tolist():
+            seq, taken, finished = self._slots[slot], 0, False
+            for token, logprob, real in zip(
+                tokens[slot], logprobs[slot], emitted[slot], strict=True
+            ):
+                if finished or not real:
+                    break
+                finished = self._append(seq, token, logprob)
+                taken += 1
+            self._counters["slot_tokens"] += taken
+            if not finished:
+                self._last_token[slot] = seq.tokens[-1]
+                self._position[slot] += taken
+                self._index[slot] += taken
+
+    def _append(self, seq: _Sequence, token: int, logprob: float) -> bool:
+        """Record a sampled token; finish the sequence if it ends it. Returns whether it did."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        self._counters["tokens_generated"] += 1
+        if token in seq.sampling.stop_token_ids:
+            self._finish(seq, "stop")
+        elif len(seq.tokens) >= seq.limit:
+            self._finish(seq, "length")
+        else:
+            return False
+        return True
+
+    def _finish(
+        self, seq: _Sequence, reason: FinishReason, *, error: str = "", report: bool = True
+    ) -> Rollout:
+        """End a sequence: free its slot and pages at once, and build its rollout."""
+        if seq.slot >= 0:
+            self._allocator.free(seq.slot)
+            self._slots[seq.slot] = None
+            self._active[seq.slot] = False
+            self._carry_dirty = True
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        del self._in_flight[seq.request.request_id]
+        r = seq.request
+        rollout = Rollout(
+            request_id=r.request_id,
+            prompt_id=r.prompt_id,
+            sample_index=r.sample_index,
+            version=seq.version,
+            prompt_tokens=tuple(r.prompt_tokens),
+            tokens=tuple(seq.tokens),
+            logprobs=tuple(seq.logprobs),
+            finish_reason=reason,
+            error=error,
+        )
+        if report:
+            self._done.append(rollout)
+        return rollout
+
+    # -- per-slot state, mirrored on the host and committed to the device on change ------
+    def _init_slot_state(self) -> None:
+        n = self.num_slots
+        self._last_token = np.zeros(n, np.int32)
+        self._position = np.zeros(n, np.int32)
+        self._index = np.zeros(n, np.int32)  # response tokens so far = t of the next token
+        self._active = np.zeros(n, bool)
+        self._key_data = np.zeros((n, 2), np.uint32)
+        self._temperature = np.ones(n, np.float32)
+        self._top_k = np.zeros(n, np.int32)
+        self._top_p = np.ones(n, np.float32)
+        self._sampled_logprobs = np.zeros(n, bool)
+        self._limit = np.ones(n, np.int32)
+        self._stop_ids = np.full((n, self.max_stop_tokens), -1, np.int32)
+        self._page_table_dirty = self._sampling_dirty = self._carry_dirty = True
+        self._device_carry = self._device_sampling = None
+
+    def _set_slot_sampling(self, slot: int, seq: _Sequence, key_data: np.ndarray) -> None:
+        s = seq.sampling
+        self._key_data[slot] = key_data
+        self._temperature[slot] = s.temperature
+        self._top_k[slot] = s.top_k
+        self._top_p[slot] = s.top_p
+        self._sampled_logprobs[slot] = s.logprobs_of == "sampled"
+        self._limit[slot] = seq.limit
+        self._stop_ids[slot] = -1
+        self._stop_ids[slot, : len(s.stop_token_ids)] = s.stop_token_ids
+        self._sampling_dirty = True
+
+    def _sampling_arrays(self) -> tuple[np.ndarray, ...]:
+        return (
+            self._key_data,
+            self._temperature,
+            self._top_k,
+            self._top_p,
+            self._sampled_logprobs,
+            self._limit,
+            self._stop_ids,
+        )
+
+    # -- weights and placement -------------------------------------------------------------
+    def _state_from_params(self, params: Mapping[str, Any]) -> nnx.State:
+        """The model state holding `params`, cast to param_dtype and placed on the mesh."""
+        _, state = nnx.split(self._abstract_model())  # shapes and dtypes to fill
+        missing, wrong = [], []
+        leaves = []
+        for path, want in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+            keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
+            node: Any = params
+            for k in keys:
+                if isinstance(node, Mapping) and k in node:
+                    node = node[k]
+                elif isinstance(node, Mapping) and str(k) in node:
+                    node = node[str(k)]
+                else:
+                    node = None
+                    break
+            name = ".".join(map(str, keys))
+            if node is None:
+                missing.append(name)
+            elif tuple(np.shape(node)) != tuple(want.shape):
+                wrong.append(f"{name}: {list(np.shape(node))} != {list(want.shape)}")
+            leaves.append((keys, node, want.dtype))
+        if missing or wrong:
+            raise ParamsMismatchError(
+                f"params do not match the model config: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
+            )
+        pure: dict = {}
+        for keys, value, dtype in leaves:
+            node = pure
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = jnp.asarray(value, dtype)
+        nnx.replace_by_pure_dict(state, pure)
+        if self._mesh is None:
+            return jax.device_put(state)
+        return jax.device_put(state, state_shardings(state, self._mesh, self._rules))
+
+    def _abstract_model(self) -> Transformer:
+        return nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(0)))
+
+    def _place_cache(self, cache: PagedKVCache) -> PagedKVCache:
+        if self._mesh is None:
+            return cache
+        pool = cache.keys[0]
+        spec = logical_to_spec(
+            ("act_kv_heads", None, None, "head_dim"), self._rules, shape=pool.shape, mesh=self._mesh
+        )
+        pools = NamedSharding(self._mesh, spec)
+        return cache.replace(
+            keys=jax.device_put(cache.keys, pools),
+            values=jax.device_put(cache.values, pools),
+            page_table=self._put(cache.page_table),
+        )
+
+    def _put(self, tree: Any) -> Any:
+        """Host arrays to the device (replicated over the mesh, if any). Copied first: on
+        CPU a device array may alias the numpy buffer, and the host mirrors change."""
+        tree = jax.tree.map(np.array, tree)
+        if self._mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, NamedSharding(self._mesh, PartitionSpec()))
+
+    def _mesh_context(self) -> contextlib.AbstractContextManager:
+        if self._mesh is None:
+            return contextlib.nullcontext()
+        return use_mesh(self._mesh, self._rules)
+
+
+# -- the jitted steps: module-level so engines of the same model share compilations ----------
+class _StaticKey:
+    """The static part of a jitted step (model graphdef, state treedef, mesh): hashed once,
+    compared by identity.
+
+    jit hashes static arguments on every call, and hashing an nnx GraphDef walks the whole
+    module graph (~0.6 ms for a 4-layer model). Interning makes engines of the same model
+    and mesh share one key, hence one compilation cache entry.
+    """
+
+    _interned: dict = {}
+
+    def __init__(self, graphdef: nnx.GraphDef, treedef: Any, mesh_key: Any):
+        self.graphdef, self.treedef, self.mesh_key = graphdef, treedef, mesh_key
+
+    @classmethod
+    def of(cls, graphdef: nnx.GraphDef, treedef: Any, mesh_key: Any) -> _StaticKey:
+        key = (graphdef, treedef, mesh_key)
+        return cls._interned.setdefault(key, cls(*key))
+
+    def model(self, params: list[jax.Array]) -> Transformer:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill_step(
+    static, params, cache, row, tokens, length, key_data, temperature, top_k, top_p, lp
+):
+    """Prefill one prompt and sample its first response token (t = 0).
+
+    row: int32[1, pages_per_seq], the slot's page-table row; tokens: int32[1, bucket]
+    (right-padded); length: int32[] prompt length; key_data: uint32[2]; temperature, top_p:
+    float32[]; top_k: int32[]; lp: bool[] ("sampled" log-probs). Returns (token int32[],
+    logprob float32[], cache with the prompt's keys/values written).
+    """
+    model = static.model(params)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    table = cache.page_table
+    logits, cache = model.decode(
+        tokens,
+        positions,
+        positions < length,
+        cache.with_page_table(row),
+        logits_index=(length - 1)[None],
+    )
+    token, logprob = sample_tokens(
+        logits,
+        key_data[None],
+        jnp.zeros((1,), jnp.int32),
+        temperature[None],
+        top_k[None],
+        top_p[None],
+        lp[None],
+    )
+    return token[0], logprob[0], cache.with_page_table(table)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _decode_step(static, num_steps, params, cache, carry, sampling):
+    """`num_steps` decode steps of every slot, sampling on device.
+
+    carry: (last token, position, response index t of the next token: int32[slots],
+    active: bool[slots]); sampling: Engine._sampling_arrays (per-slot key data, temperature,
+    top_k, top_p, "sampled" flag, response limit, stop ids int32[slots, max_stop_tokens]).
+    A slot stops (active = False, no more cache writes) at a stop token or its limit.
+    Returns (cache, carry, out: int32[3, steps, slots]): out packs the sampled tokens, their
+    log-probs (float32 bits) and whether each was emitted (1) or the slot was idle (0), so
+    the host fetches them in one transfer.
+    """
+    model = static.model(params)
+    key_data, temperature, top_k, top_p, lp, limit, stop_ids = sampling
+
+    def one_step(c, _):
+        cache, tokens, positions, index, active = c
+        logits, cache = model.decode(tokens[:, None], positions[:, None], active[:, None], cache)
+        new, logprobs = sample_tokens(logits[:, 0], key_data, index, temperature, top_k, top_p, lp)
+        emitted = active
+        index = index + emitted
+        stopped = jnp.any(new[:, None] == stop_ids, axis=-1)
+        active = active & ~stopped & (index < limit)
+        tokens = jnp.where(emitted, new, tokens)
+        positions = positions + emitted
+        return (cache, tokens, positions, index, active), (new, logprobs, emitted)
+
+    (cache, *carry), (tokens, logprobs, emitted) = jax.lax.scan(
+        one_step, (cache, *carry), length=num_steps
+    )
+    logprob_bits = jax.lax.bitcast_convert_type(logprobs, jnp.int32)
+    return cache, tuple(carry), jnp.stack([tokens, logprob_bits, emitted.astype(jnp.int32)])

@@ -1,0 +1,93 @@
+"""The inference worker process behind `rlax-tpu serve inference`.
+
+Builds the engine on the config's inference mesh, connects to the parameter server
+(--param-server, replicas in order), serves InferenceWorker and Health on one gRPC server
+bound to loopback unless told otherwise, prints `READY host:port` on stdout once serving,
+and stops gracefully on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from rlax_tpu.config import RunConfig, load_config
+from rlax_tpu.rpc import AuthTokenError, auth_token_from_env, format_address
+from rlax_tpu.runtime import configure_jax
+
+DEFAULT_WORKER_ID = "inference_worker-0"
+# Each Generate stream holds a server thread until its batch is done; many callers share
+# the engine, so allow many streams at once.
+_MAX_STREAMS = 64
+
+
+def main(args: argparse.Namespace) -> int:
+    """`rlax-tpu serve inference`: serve until SIGTERM or SIGINT, then exit 0."""
+    config = (
+        load_config(args.config, args.overrides)
+        if args.config
+        else RunConfig().apply_overrides(args.overrides)
+    )  # ConfigError: the CLI prints it and exits 2
+    configure_jax(config)  # before JAX starts its backends (cpu_devices)
+    try:
+        token = auth_token_from_env(config.param_server.auth_token_env)
+    except AuthTokenError as e:
+        print(f"rlax-tpu serve inference: {e}", file=sys.stderr)
+        return 2
+
+    from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
+    from rlax_tpu.inference.worker import InferenceWorker
+    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.rpc import HealthServicer, make_server
+    from rlax_tpu.sharding import build_mesh
+
+    worker_id = args.worker_id or DEFAULT_WORKER_ID
+    host = args.host or "127.0.0.1"
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    param_server = (
+        ParamServerClient(args.param_server, auth_token=token) if args.param_server else None
+    )
+    worker = InferenceWorker(
+        config,
+        param_server=param_server,
+        consumer_id=worker_id,
+        mesh=build_mesh(config.inference.mesh),
+    )
+    try:
+        server, port = make_server(
+            host,
+            args.port,
+            auth_token=token,
+            auth_token_env=config.param_server.auth_token_env,
+            max_workers=_MAX_STREAMS,
+        )
+    except OSError as e:  # the port is taken
+        print(f"rlax-tpu serve inference: {e}", file=sys.stderr)
+        worker.close()
+        return 2
+    InferenceWorkerServicer(worker).add_to_server(server)
+    digest = config.digest()
+    HealthServicer(
+        lambda: worker_status(worker, instance_id=worker_id, config_digest=digest)
+    ).add_to_server(server)
+    server.start()
+    address = format_address(host, port)
+    print(
+        f"inference worker {worker_id}: {config.model.architecture} on mesh "
+        f"{dict(worker.mesh.shape)}, parameter server {args.param_server or '(none)'}, "
+        f"listening on {address}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(f"READY {address}", flush=True)
+    while not stop.wait(1.0):  # a timed wait, so the signal handler always gets to run
+        pass
+    server.stop(5.0).wait()  # running streams get 5 s; then the worker aborts what is left
+    worker.close()
+    if param_server is not None:
+        param_server.close()
+    return 0

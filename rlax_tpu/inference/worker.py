@@ -1,0 +1,464 @@
+"""The inference worker (DESIGN §4): one Engine, the weights it holds by version, and the
+bookkeeping that makes generation idempotent by request id.
+
+Plain Python, unit-testable in-process; rlax_tpu.inference.service puts gRPC in front of it.
+The engine is not thread-safe, so one engine thread owns it: callers' threads only queue
+work for it and wait on their results, and concurrent callers share its decode slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import jax
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.inference.engine import Engine, GenerationRequest, Rollout
+from rlax_tpu.inference.sampling import SamplingParams
+from rlax_tpu.models import Transformer
+from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
+from rlax_tpu.sharding import state_shardings
+from rlax_tpu.staleness import StalenessPolicy
+
+_log = logging.getLogger(__name__)
+
+# Completed rollouts kept for repeated request ids (per version held; a reload forgets them).
+DEFAULT_MAX_RECORDED = 8192
+# Only these are final: an aborted or failed request is generated afresh when repeated.
+_RECORDED_REASONS = ("stop", "length")
+_STOP = object()  # tells the engine thread to exit
+_CANCELLED = object()  # ends a RolloutStream early
+
+
+class InferenceWorkerError(RuntimeError):
+    """Base of the worker's errors; each subclass maps to one gRPC status (service.py)."""
+
+
+class NotLoadedError(InferenceWorkerError):
+    """Generate before any Load: the worker holds no weights."""
+
+
+class VersionMismatchError(InferenceWorkerError):
+    """The caller asked for a version other than the one the worker holds."""
+
+
+class NotLoadableError(InferenceWorkerError):
+    """The version is not a multiple of η (staleness.reload_every)."""
+
+
+class UnknownVersionError(InferenceWorkerError):
+    """The parameter server does not have the version."""
+
+
+class NoParamServerError(InferenceWorkerError):
+    """Load without weights given and without a parameter server to pull them from."""
+
+
+class PullFailedError(InferenceWorkerError):
+    """Pulling the weights failed for another reason (server unreachable, layout mismatch)."""
+
+
+class InvalidRequestError(InferenceWorkerError, ValueError):
+    """A malformed batch: empty or repeated request ids, or an id reused for another request."""
+
+
+class WorkerClosedError(InferenceWorkerError):
+    """The worker was closed, or its engine failed and it can no longer generate."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    version: int  # the version now held
+    already_loaded: bool  # it was held before the call: nothing changed
+    aborted: tuple[Rollout, ...]  # in-flight requests ended by the swap (also sent to callers)
+
+
+def _request_key(request: GenerationRequest, default: SamplingParams) -> tuple:
+    """What a request id stands for; reusing an id for anything else is a caller bug."""
+    return (
+        request.prompt_id,
+        request.sample_index,
+        tuple(request.prompt_tokens),
+        request.sampling or default,
+    )
+
+
+@dataclasses.dataclass
+class _Pending:
+    key: tuple
+    listeners: list[queue.SimpleQueue]
+
+
+class RolloutStream(Iterator[Rollout]):
+    """The rollouts of one generate call, in completion order. `cancel()` (from any thread)
+    ends the iteration early; the requests keep running and their results are recorded."""
+
+    def __init__(self, worker: InferenceWorker, inbox: queue.SimpleQueue, ids: list[str]):
+        self._worker, self._inbox, self._ids = worker, inbox, ids
+        self._remaining = len(ids)
+
+    def __next__(self) -> Rollout:
+        if self._remaining > 0:
+            item = self._inbox.get()
+            if item is not _CANCELLED:
+                self._remaining -= 1
+                return item
+        self.close()
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self._inbox.put(_CANCELLED)
+
+    def close(self) -> None:
+        """Stop listening (idempotent)."""
+        self._remaining = 0
+        self._worker._unlisten(self._inbox, self._ids)
+
+
+class InferenceWorker:
+    """Generates rollouts with the version it holds; loads versions from the parameter server.
+
+    `engine` may be given (e.g. a pre-built or instrumented one); by default it is built
+    from `config` on `mesh`. `max_recorded` bounds the completed rollouts remembered for
+    repeated request ids.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        param_server: ParamServerClient | None,
+        consumer_id: str,
+        mesh: Mesh | None = None,
+        engine: Engine | None = None,
+        max_recorded: int = DEFAULT_MAX_RECORDED,
+    ) -> None:
+        if not consumer_id:
+            raise ValueError("consumer_id must name this worker (e.g. 'inference_worker-0')")
+        self.config, self.consumer_id, self.mesh = config, consumer_id, mesh
+        self.param_server = param_server
+        self.policy = StalenessPolicy.from_config(config.staleness)
+        self.default_sampling = SamplingParams.from_config(config.inference)
+        self._engine = engine or Engine(config.model, config.inference, seed=config.seed, mesh=mesh)
+        self._max_recorded = max_recorded
+        self._like: Any = None  # the param tree's shapes and shardings, built on first pull
+        # _lock guards the bookkeeping below; the engine itself is touched only by its thread.
+        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time: pulls must not interleave
+        self._version = self._engine.version
+        self._in_flight: dict[str, _Pending] = {}
+        self._recorded: collections.OrderedDict[str, tuple[tuple, Rollout]] = (
+            collections.OrderedDict()
+        )
+        self._counters = collections.Counter()
+        self._engine_stats: dict[str, Any] = dict(self._engine.stats())
+        self._failure: str | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The version held; -1 before the first load."""
+        return self._version
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], *, version: int | None = None
+    ) -> RolloutStream:
+        """Start `requests` and return their rollouts as they complete.
+
+        Idempotent by request id: an id completed with the version held returns its recorded
+        rollout, an id in flight is joined rather than started again. With `version`, the
+        worker must hold exactly that version (VersionMismatchError otherwise).
+        """
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        if not all(ids):
+            raise InvalidRequestError("every request needs a non-empty request_id")
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise InvalidRequestError(f"request id {dup!r} appears twice in one batch")
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            self._check_open()
+            if self._version < 0:
+                raise NotLoadedError(
+                    "the worker holds no weights yet: Load a version before Generate"
+                )
+            if version is not None and version != self._version:
+                raise VersionMismatchError(
+                    f"the batch asks for version {version} but the worker holds version "
+                    f"{self._version}; Load {version} first"
+                )
+            keys = [_request_key(r, self.default_sampling) for r in requests]
+            for request, key in zip(requests, keys, strict=True):  # check all before changing any
+                if self._known_key(request.request_id) not in (None, key):
+                    raise InvalidRequestError(
+                        f"request id {request.request_id!r} was already used for a different "
+                        "request (prompt, sample index or sampling differ); ids must be unique"
+                    )
+            new = []
+            for request, key in zip(requests, keys, strict=True):
+                rid = request.request_id
+                if rid in self._recorded:
+                    self._recorded.move_to_end(rid)
+                    inbox.put(self._recorded[rid][1])
+                    self._counters["recorded_hits"] += 1
+                elif rid in self._in_flight:
+                    self._in_flight[rid].listeners.append(inbox)
+                    self._counters["joined_in_flight"] += 1
+                else:
+                    self._in_flight[rid] = _Pending(key, [inbox])
+                    new.append(request)
+            if new:
+                self._commands.put((lambda: self._submit(new, version), None))
+        return RolloutStream(self, inbox, ids)
+
+    def load(self, version: int, params: Any = None) -> LoadResult:
+        """Hold `version`: pull it (unless `params` is given), swap it in, confirm to the
+        parameter server that older versions are no longer needed. Idempotent.
+
+        Requests in flight at the swap end as "aborted" (returned here and to their callers).
+        """
+        if not self.policy.is_loadable(version):
+            raise NotLoadableError(
+                f"version {version} is not loadable: workers load only multiples of "
+                f"η = staleness.reload_every = {self.policy.reload_every}"
+            )
+        with self._load_lock:
+            self._check_open()
+            if version == self._version:
+                return LoadResult(version, already_loaded=True, aborted=())
+            if params is None:
+                params = self._pull(version)
+            aborted = self._on_engine(lambda: self._swap(version, params)).result()
+        if self.param_server is not None:
+            try:
+                self.param_server.confirm(self.consumer_id, version)
+            except ParamServerCallError as e:  # only delays garbage collection: not fatal
+                _log.warning("could not confirm version %d to the parameter server: %s", version, e)
+        return LoadResult(version, already_loaded=False, aborted=tuple(aborted))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's last reported stats plus the worker's counters (for Health)."""
+        with self._lock:
+            return {
+                **self._engine_stats,
+                "version": self._version,
+                "queue_depth": self._engine_stats.get("waiting", 0),  # prompts awaiting a slot
+                "in_flight": len(self._in_flight),  # requests started and not yet finished
+                "recorded": len(self._recorded),
+                **{
+                    name: self._counters[name]
+                    for name in ("started", "recorded_hits", "joined_in_flight", "aborted", "loads")
+                },
+                **({"failure": self._failure} if self._failure else {}),
+            }
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still in flight end as "aborted"."""
+        if self._thread.is_alive():
+            self._commands.put((_STOP, None))
+            self._thread.join()
+
+    # -- weights ------------------------------------------------------------------------------
+    def param_like(self) -> Any:
+        """The model's param pure dict as jax.ShapeDtypeStruct leaves with the shardings the
+        engine uses: the inference mesh's (by logical axes), else the first device."""
+        if self._like is None:
+            abstract = nnx.eval_shape(lambda: Transformer(self.config.model, rngs=nnx.Rngs(0)))
+            state = nnx.state(abstract, nnx.Param)
+            if self.mesh is not None:
+                rules = self.config.inference.mesh.logical_axis_rules
+                shardings = nnx.to_pure_dict(state_shardings(state, self.mesh, rules))
+            else:
+                device = SingleDeviceSharding(jax.devices()[0])
+                shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(state))
+            self._like = jax.tree.map(
+                lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                nnx.to_pure_dict(state),
+                shardings,
+            )
+        return self._like
+
+    def _pull(self, version: int) -> Any:
+        if self.param_server is None:
+            raise NoParamServerError(
+                "this worker has no parameter server to pull weights from (start it with "
+                "--param-server ADDR)"
+            )
+        try:
+            return self.param_server.pull(version, self.param_like())
+        except ParamServerCallError as e:
+            missing = e.code == grpc.StatusCode.NOT_FOUND
+            if e.code is None:  # e.g. nothing published yet: no layout to pull from
+                try:
+                    missing = version not in self.param_server.versions()
+                except ParamServerCallError:
+                    pass
+            if missing:
+                raise UnknownVersionError(
+                    f"version {version} is not on the parameter server ({e})"
+                ) from e
+            raise PullFailedError(f"pulling version {version} failed: {e}") from e
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _on_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread; its result or exception arrives in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:  # after a failure nothing may be queued: no thread would run it
+            self._check_open()
+            self._commands.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self._engine.has_work()
+                try:
+                    fn, future = self._commands.get(block=block)
+                except queue.Empty:  # nothing queued: advance generation by one step
+                    self._deliver(self._engine.step())
+                    self._refresh_stats()
+                    continue
+                if fn is _STOP:
+                    self._fail_all("the worker is shutting down", "aborted", closed=True)
+                    return
+                try:
+                    result = fn()
+                except Exception as e:
+                    if future is None:
+                        raise
+                    future.set_exception(e)
+                else:
+                    if future is not None:
+                        future.set_result(result)
+                self._refresh_stats()
+        except Exception as e:  # an engine bug: fail every caller loudly instead of hanging
+            _log.exception("the inference engine failed")
+            self._fail_all(f"the inference engine failed: {type(e).__name__}: {e}", "error")
+
+    def _fail_all(self, reason: str, finish_reason: str, closed: bool = False) -> None:
+        """End every waiting caller and refuse new work; queued commands fail too."""
+        with self._lock:
+            self._failure = "closed" if closed else reason
+            pending, self._in_flight = self._in_flight, {}
+        for rid, entry in pending.items():
+            rollout = self._stub_rollout(rid, entry.key, finish_reason, reason)
+            for inbox in entry.listeners:
+                inbox.put(rollout)
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None:
+                future.set_exception(WorkerClosedError(reason))
+
+    def _stub_rollout(self, rid: str, key: tuple, finish_reason: str, error: str) -> Rollout:
+        """A rollout with no tokens that ends request `rid` with `finish_reason`."""
+        prompt_id, sample_index, prompt_tokens, _ = key
+        return Rollout(
+            request_id=rid,
+            prompt_id=prompt_id,
+            sample_index=sample_index,
+            version=self._version,
+            prompt_tokens=prompt_tokens,
+            tokens=(),
+            logprobs=(),
+            finish_reason=finish_reason,
+            error=error,
+        )
+
+    def _submit(self, requests: list[GenerationRequest], version: int | None) -> None:
+        """(engine thread) Hand new requests to the engine; one bad request fails alone."""
+        for request in requests:
+            if version is not None and version != self._engine.version:
+                # A load overtook this batch: it must not run with another version.
+                error = f"the worker loaded version {self._engine.version} before it started"
+                self._deliver_one(request.request_id, "aborted", error)
+                continue
+            try:
+                self._engine.submit(request)
+            except Exception as e:  # e.g. a prompt longer than the cache allows
+                self._deliver_one(request.request_id, "error", f"{type(e).__name__}: {e}")
+                continue
+            with self._lock:
+                self._counters["started"] += 1
+
+    def _deliver_one(self, rid: str, finish_reason: str, error: str) -> None:
+        with self._lock:
+            entry = self._in_flight.get(rid)
+        if entry is not None:
+            self._deliver([self._stub_rollout(rid, entry.key, finish_reason, error)])
+
+    def _swap(self, version: int, params: Any) -> list[Rollout]:
+        """(engine thread) Load the weights; aborted requests go back to their callers."""
+        aborted = self._engine.load(version, params)
+        with self._lock:
+            self._version = self._engine.version
+            self._recorded.clear()  # results of the old version must not answer new calls
+            self._counters["loads"] += 1
+        self._deliver(aborted)
+        return aborted
+
+    def _deliver(self, rollouts: Sequence[Rollout]) -> None:
+        """Send finished rollouts to every caller waiting on them; record the final ones."""
+        with self._lock:
+            for rollout in rollouts:
+                entry = self._in_flight.pop(rollout.request_id, None)
+                if entry is None:
+                    continue
+                if rollout.finish_reason in _RECORDED_REASONS:
+                    self._recorded[rollout.request_id] = (entry.key, rollout)
+                    while len(self._recorded) > self._max_recorded:
+                        self._recorded.popitem(last=False)
+                elif rollout.finish_reason == "aborted":
+                    self._counters["aborted"] += 1
+                for inbox in entry.listeners:
+                    inbox.put(rollout)
+
+    def _refresh_stats(self) -> None:
+        stats = dict(self._engine.stats())
+        with self._lock:
+            self._engine_stats = stats
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise WorkerClosedError(
+                "the worker is closed" if self._failure == "closed" else self._failure
+            )
+
+    def _known_key(self, rid: str) -> tuple | None:
+        if rid in self._recorded:
+            return self._recorded[rid][0]
+        if rid in self._in_flight:
+            return self._in_flight[rid].key
+        return None
+
+    def _unlisten(self, inbox: queue.SimpleQueue, ids: Sequence[str]) -> None:
+        with self._lock:
+            for rid in ids:
+                entry = self._in_flight.get(rid)
+                if entry is not None and inbox in entry.listeners:
+                    entry.listeners.remove(inbox)
+
+
+def resolve_sampling(defaults: SamplingParams, overrides: Mapping[str, Any]) -> SamplingParams:
+    """`defaults` with the given fields replaced; bad names or values: InvalidRequestError."""
+    try:
+        return dataclasses.replace(defaults, **overrides)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"bad sampling override: {e}") from e

@@ -1,0 +1,113 @@
+"""The trainer process behind `rlax-tpu serve trainer`.
+
+Builds the Trainer on the config's trainer mesh, connects it to the parameter server
+(--param-server, replicas in order), restores its newest checkpoint or starts at version 0
+(`initialize`), serves Trainer and Health on one gRPC server bound to loopback unless told
+otherwise, prints `READY host:port` on stdout once serving, and on SIGTERM or SIGINT lets a
+running step finish, saves a checkpoint (waiting for it) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from rlax_tpu.config import RunConfig, load_config
+from rlax_tpu.rpc import AuthTokenError, auth_token_from_env, format_address
+from rlax_tpu.runtime import configure_jax
+
+DEFAULT_INSTANCE_ID = "trainer-0"
+# Calls that change the trainer run one at a time; a few more threads keep Health and
+# waiting retries answerable while a step trains.
+_MAX_WORKERS = 8
+
+
+def _replica_plan(config: RunConfig, num_replicas: int) -> Any:
+    """Split each parameter across replicas along its tensor-parallel dimension, as the
+    params are sharded, so a tensor-parallel worker pulls each slice from one replica."""
+    import jax
+    from flax import nnx
+
+    from rlax_tpu.models import Transformer
+    from rlax_tpu.param_server.client import ReplicaPlan, flatten, split_dims_from_logical
+
+    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    paths = flatten(nnx.to_pure_dict(state))
+    logical = dict(zip(paths, [v.logical_axes for v in variables], strict=True))
+    split = split_dims_from_logical(logical, config.trainer.mesh.logical_axis_rules)
+    return ReplicaPlan(num_replicas=num_replicas, split_dims=split)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`rlax-tpu serve trainer`: serve until SIGTERM or SIGINT, save, then exit 0."""
+    config = (
+        load_config(args.config, args.overrides)
+        if args.config
+        else RunConfig().apply_overrides(args.overrides)
+    )  # ConfigError: the CLI prints it and exits 2
+    configure_jax(config)  # before JAX starts its backends (cpu_devices)
+    try:
+        token = auth_token_from_env(config.param_server.auth_token_env)
+    except AuthTokenError as e:
+        print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+        return 2
+
+    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.rpc import HealthServicer, make_server
+    from rlax_tpu.sharding import build_mesh
+    from rlax_tpu.trainer import Trainer
+    from rlax_tpu.trainer.service import TrainerServicer, trainer_status
+
+    host = args.host or "127.0.0.1"
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    param_server = None
+    if args.param_server:
+        plan = _replica_plan(config, len(args.param_server)) if len(args.param_server) > 1 else None
+        param_server = ParamServerClient(args.param_server, auth_token=token, plan=plan)
+    try:
+        server, port = make_server(
+            host,
+            args.port,
+            auth_token=token,
+            auth_token_env=config.param_server.auth_token_env,
+            max_workers=_MAX_WORKERS,
+        )
+    except OSError as e:  # the port is taken
+        print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+        return 2
+    mesh = build_mesh(config.trainer.mesh)
+    trainer = Trainer(config, param_server=param_server, mesh=mesh)
+    step = trainer.initialize()
+    servicer = TrainerServicer(trainer, vocab_size=config.model.vocab_size)
+    servicer.add_to_server(server)
+    digest = config.digest()
+    HealthServicer(
+        lambda: trainer_status(trainer, instance_id=DEFAULT_INSTANCE_ID, config_digest=digest)
+    ).add_to_server(server)
+    server.start()
+    address = format_address(host, port)
+    print(
+        f"trainer: {config.model.architecture} on mesh {dict(mesh.shape)} at step "
+        f"{step}, run dir {config.storage.run_dir}, parameter server "
+        f"{','.join(args.param_server) or '(none)'}, listening on {address}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(f"READY {address}", flush=True)
+    while not stop.wait(1.0):  # a timed wait, so the signal handler always gets to run
+        pass
+    server.stop(5.0).wait()
+    with servicer.lock:  # a step still running in a handler thread finishes first
+        saved = trainer.save(wait=True)
+        trainer.close()
+    print(f"trainer: saved step {saved}; stopped", file=sys.stderr, flush=True)
+    if param_server is not None:
+        param_server.close()
+    return 0

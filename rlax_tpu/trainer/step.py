@@ -1,0 +1,399 @@
+"""The pure, jitted core of the trainer: batch levels, the optimizer, the log-prob
+recompute and the RL / SFT update over one global batch.
+
+Everything here is a function of (params, optimizer state, batch, step); the `Trainer`
+class owns the state, the mesh, versions and checkpoints and calls these under
+`use_mesh`. Shapes: G = global batch, T = sequence length, V = vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from rlax_tpu.algorithms import Objective, RolloutBatch
+from rlax_tpu.algorithms.metrics import masked_mean, masked_quantile
+from rlax_tpu.config import RunConfig, TrainerConfig
+from rlax_tpu.sharding import constrain
+
+Params = Any  # a pure dict of arrays (nnx.to_pure_dict of the model's nnx.Param state)
+Metrics = dict[str, jax.Array]
+
+
+class BatchSizeError(ValueError):
+    """A batch whose shape does not fit the configured batch levels; says what was expected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLevels:
+    """The three batch levels, derived from the config and never repeated.
+
+    global_size: sequences per train step (controller.prompts_per_batch × samples_per_prompt);
+    mini_size: sequences per optimizer update, so a step makes `num_updates` updates;
+    micro_size: sequences per forward/backward pass, so an update accumulates gradients
+    over `micro_per_mini` passes.
+    """
+
+    global_size: int
+    mini_size: int
+    micro_size: int
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> BatchLevels:
+        return cls(
+            global_size=config.controller.global_batch_size,
+            mini_size=config.trainer.mini_batch_size,
+            micro_size=config.trainer.micro_batch_size,
+        )
+
+    def __post_init__(self) -> None:
+        if self.global_size % self.mini_size or self.mini_size % self.micro_size:
+            raise BatchSizeError(
+                f"batch levels must nest: micro ({self.micro_size}) | mini ({self.mini_size}) "
+                f"| global ({self.global_size})"
+            )
+
+    @property
+    def num_updates(self) -> int:
+        return self.global_size // self.mini_size
+
+    @property
+    def micro_per_mini(self) -> int:
+        return self.mini_size // self.micro_size
+
+    def check(self, rows: int, seq: int, max_seq_len: int) -> None:
+        if rows != self.global_size:
+            raise BatchSizeError(
+                f"the batch has {rows} sequences but a train step takes exactly the global "
+                f"batch of {self.global_size} (controller.prompts_per_batch × "
+                "controller.samples_per_prompt); pad or fill the batch"
+            )
+        if seq > max_seq_len:
+            raise BatchSizeError(
+                f"the batch has sequence length {seq} > trainer.max_seq_len ({max_seq_len})"
+            )
+
+
+# -- optimizer -----------------------------------------------------------------------------
+
+
+def learning_rate_schedule(
+    trainer: TrainerConfig, *, num_steps: int, updates_per_step: int
+) -> optax.Schedule:
+    """The learning rate as a function of the optimizer-update count.
+
+    Warmup and decay are counted in train steps (`warmup_steps`, controller.num_steps), so
+    every update within one step uses the same rate: linear warmup from 0 to
+    `learning_rate`, then constant, cosine to 0, or linear to 0 at `num_steps`.
+    """
+    peak, warmup = trainer.learning_rate, trainer.warmup_steps
+    decay = max(num_steps - warmup, 1)
+    if trainer.lr_schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay)
+    elif trainer.lr_schedule == "linear":
+        after = optax.linear_schedule(peak, 0.0, decay)
+    else:
+        after = optax.constant_schedule(peak)
+    by_step = (
+        optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+        if warmup
+        else after
+    )
+    return lambda count: by_step(count // updates_per_step)
+
+
+def build_optimizer(
+    trainer: TrainerConfig, *, num_steps: int, updates_per_step: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW behind clip_by_global_norm, with the schedule above."""
+    schedule = learning_rate_schedule(
+        trainer, num_steps=num_steps, updates_per_step=updates_per_step
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(trainer.grad_clip_norm),
+        optax.adamw(
+            schedule,
+            b1=trainer.adam_b1,
+            b2=trainer.adam_b2,
+            eps=trainer.adam_eps,
+            weight_decay=trainer.weight_decay,
+        ),
+    )
+    return optimizer, schedule
+
+
+# -- forward passes -------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """float[b, s, V] -> float32[b, s]: H = logsumexp(z) − Σ softmax(z)·z."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+
+
+def _targets(tokens: jax.Array) -> jax.Array:
+    return jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+
+
+def policy_outputs(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: jax.Array,
+    targets: jax.Array,
+    *,
+    values: bool,
+    entropy: bool,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """log π(targets) float32[b, s], and the value head and entropies when asked."""
+    tokens = constrain(tokens, ("batch", "length"))
+    targets = constrain(targets, ("batch", "length"))
+    model = nnx.merge(graphdef, params)
+    out = model.forward_train(tokens, targets, return_logits=entropy)
+    return (
+        out.logprobs,
+        out.values if values else None,
+        entropy_from_logits(out.logits) if entropy else None,
+    )
+
+
+def _chunks(x: jax.Array, n: int) -> jax.Array:
+    """[n·k, ...] -> [n, k, ...] (row blocks, in order)."""
+    return x.reshape((n, x.shape[0] // n, *x.shape[1:]))
+
+
+def recompute_logprobs(
+    graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, *, micro_size: int
+) -> jax.Array:
+    """log π(targets) of `params` for every row, micro-batch by micro-batch: float32[G, T].
+
+    The forward is wrapped in `jax.checkpoint(policy=nothing_saveable)` so that it keeps no
+    activation for a backward pass: its graph is the plain forward that inference runs,
+    which is what makes the recomputed π_old match the inference workers' log-probs.
+    """
+
+    forward = jax.checkpoint(
+        lambda p, t: policy_outputs(graphdef, p, t, _targets(t), values=False, entropy=False)[0],
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+    n = tokens.shape[0] // micro_size
+    out = jax.lax.map(lambda t: forward(params, t), _chunks(tokens, n))
+    return jax.lax.stop_gradient(out.reshape(tokens.shape))
+
+
+# -- the RL update ---------------------------------------------------------------------------
+
+
+def _dense_group_ids(group_ids: jax.Array) -> jax.Array:
+    """Relabel int32[b] group ids into [0, b) (a mini-batch slice of a global batch keeps
+    ids up to G): each row gets the index of the first row of its group."""
+    same = group_ids[:, None] == group_ids[None, :]
+    return jnp.argmax(same, axis=1).astype(jnp.int32)
+
+
+def _mean_metrics(metrics: Metrics) -> Metrics:
+    """Mean over the leading (update) axis, ignoring NaN (e.g. a quantile of no tokens)."""
+    return {k: jnp.nanmean(v.astype(jnp.float32)) for k, v in metrics.items()}
+
+
+def _apply(optimizer, schedule, params, opt_state, grads):
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    # The count after this update is that of the update just made plus one.
+    lr = schedule(_update_count(opt_state) - 1)
+    return params, opt_state, grad_norm, lr
+
+
+def _update_count(opt_state) -> jax.Array:
+    """The adam step counter (updates made so far) inside the chain's state."""
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
+        if isinstance(leaf, optax.ScaleByAdamState):
+            return leaf.count
+    raise ValueError("no Adam state in the optimizer state")
+
+
+def make_rl_step(
+    graphdef: nnx.GraphDef,
+    objective: Objective,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    levels: BatchLevels,
+) -> Callable:
+    """The RL update of one global batch, to be jitted:
+
+        (params, opt_state, batch, step) -> (params, opt_state, metrics)
+
+    batch: a `RolloutBatch` of G rows whose behaviour_logprobs (and reference_logprobs)
+    already hold what the objective should read. It is split into `num_updates`
+    mini-batches (one optimizer update each); a mini-batch whose objective is computed
+    over `micro_per_mini` > 1 micro-batches is differentiated in two passes so that the
+    result is exactly that of the whole mini-batch for any objective (group advantages,
+    token-mean weights): a forward over the micro-batches gives log π (values,
+    entropies) of the mini-batch, the objective gives ∂loss/∂log π, and each micro-batch
+    back-propagates Σ ∂loss/∂log π · log π_θ, accumulated.
+    """
+    need_values = objective.needs_values
+    need_entropy = objective.needs_entropy
+    m = levels.micro_per_mini
+
+    def outputs(params, tokens):
+        return policy_outputs(
+            graphdef, params, tokens, _targets(tokens), values=need_values, entropy=need_entropy
+        )
+
+    def loss_of(mini: RolloutBatch, step, lp, values, entropy):
+        return objective(mini, lp, values=values, entropy=entropy, step=step)
+
+    def direct_grads(params, mini, step):
+        def loss_fn(p):
+            lp, values, entropy = outputs(p, mini.tokens)
+            return loss_of(mini, step, lp, values, entropy)
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    def accumulated_grads(params, mini, step):
+        # Pass 1: outputs of the whole mini-batch, micro-batch by micro-batch, no grad.
+        outs = jax.lax.map(lambda t: outputs(params, t), _chunks(mini.tokens, m))
+        lp, values, entropy = jax.tree.map(
+            lambda x: x.reshape((levels.mini_size, *x.shape[2:])), outs
+        )
+        (loss, metrics), cotangents = jax.value_and_grad(
+            lambda o: loss_of(mini, step, *o), has_aux=True
+        )((lp, values, entropy))
+        cot_chunks = jax.tree.map(lambda x: _chunks(x, m), cotangents)
+
+        # Pass 2: back-propagate the objective's cotangents through each micro-batch.
+        def micro(grads, xs):
+            tokens, cot = xs
+
+            def surrogate(p):
+                o = outputs(p, tokens)
+                return sum(
+                    jnp.sum(c.astype(jnp.float32) * x.astype(jnp.float32))
+                    for c, x in zip(cot, o, strict=True)
+                    if c is not None
+                )
+
+            g = jax.grad(surrogate)(params)
+            return jax.tree.map(jnp.add, grads, g), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(micro, zeros, (_chunks(mini.tokens, m), cot_chunks))
+        return (loss, metrics), grads
+
+    grads_of = direct_grads if m == 1 else accumulated_grads
+
+    def rl_step(params, opt_state, batch: RolloutBatch, step):
+        minis = jax.tree.map(lambda x: _chunks(x, levels.num_updates), batch)
+
+        def update(carry, mini: RolloutBatch):
+            params, opt_state = carry
+            mini = mini.replace(group_ids=_dense_group_ids(mini.group_ids))
+            (loss, metrics), grads = grads_of(params, mini, step)
+            params, opt_state, grad_norm, lr = _apply(optimizer, schedule, params, opt_state, grads)
+            metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
+            metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=lr)
+            return (params, opt_state), metrics
+
+        (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), minis)
+        out = _mean_metrics(metrics)
+        out["learning_rate"] = metrics["learning_rate"][-1]
+        return params, opt_state, out
+
+    return rl_step
+
+
+def mismatch_metrics(recomputed: jax.Array, cached: jax.Array, response_mask: jax.Array) -> Metrics:
+    """|log π_recomputed − log π_cached| over response tokens: mean and p95.
+
+    The gap between the trainer's and the inference workers' log-probs of the same
+    tokens under the same version (RLAX §5): numerics, not policy change.
+    """
+    mask = response_mask.astype(jnp.float32)
+    diff = jnp.abs(jnp.where(mask > 0, recomputed - cached, 0.0))
+    return {
+        "mismatch/recomputed_vs_cached_mean": masked_mean(diff, mask),
+        "mismatch/recomputed_vs_cached_p95": masked_quantile(diff, mask, 0.95),
+    }
+
+
+# -- SFT --------------------------------------------------------------------------------------
+
+
+def make_sft_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    levels: BatchLevels,
+) -> Callable:
+    """The SFT update of one global batch, to be jitted:
+
+        (params, opt_state, tokens, targets, loss_mask) -> (params, opt_state, metrics)
+
+    tokens, targets: int32[G, T]; loss_mask: float[G, T]. The loss of a mini-batch is the
+    token-mean NLL −Σ mask·log π / Σ mask; its gradient w.r.t. log π is −mask / Σ mask,
+    known before the forward, so micro-batches accumulate it exactly in one pass each.
+    """
+    m = levels.micro_per_mini
+
+    def update(carry, xs):
+        params, opt_state = carry
+        tokens, targets, mask = xs
+        mask = mask.astype(jnp.float32)
+        total = jnp.maximum(jnp.sum(mask), 1.0)
+
+        def micro(acc, ys):
+            grads, nll = acc
+            t, y, w = ys
+
+            def loss_fn(p):
+                lp = policy_outputs(graphdef, p, t, y, values=False, entropy=False)[0]
+                return -jnp.sum(jnp.where(w > 0, lp * w, 0.0)) / total
+
+            loss, g = jax.value_and_grad(loss_fn)(params)
+            return (jax.tree.map(jnp.add, grads, g), nll + loss), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, nll), _ = jax.lax.scan(
+            micro,
+            (zeros, jnp.zeros((), jnp.float32)),
+            (_chunks(tokens, m), _chunks(targets, m), _chunks(mask, m)),
+        )
+        params, opt_state, grad_norm, lr = _apply(optimizer, schedule, params, opt_state, grads)
+        return (params, opt_state), {
+            "loss": nll,
+            "nll": nll,
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            "tokens": total,
+        }
+
+    def sft_step(params, opt_state, tokens, targets, loss_mask):
+        n = levels.num_updates
+        xs = (_chunks(tokens, n), _chunks(targets, n), _chunks(loss_mask, n))
+        (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), xs)
+        out = _mean_metrics(metrics)
+        out["learning_rate"] = metrics["learning_rate"][-1]
+        out["tokens"] = jnp.sum(metrics["tokens"])
+        return params, opt_state, out
+
+    return sft_step
+
+
+# -- FLOPs -------------------------------------------------------------------------------------
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def train_flops(num_params: int, tokens: int) -> float:
+    """Model FLOPs of a forward + backward over `tokens` tokens: 6·N·tokens."""
+    return 6.0 * num_params * tokens

@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""Inference-engine throughput against static batching (and Tunix, when installed).
+
+    python tools/bench_inference.py [--quick] [--json OUT] [--requests N] [--decode-steps K]
+
+One mixed-length workload (prompt and output lengths lognormal, fixed seed; each output
+length is the request's max_new_tokens with no stop tokens, so every system generates
+exactly the same tokens' worth of work) on a tiny model, run by: our continuous-batching
+engine; a static-batch dense-cache JAX loop written here (batches of `slots` requests in
+order, padded to the batch's longest prompt bucket, decoding until its longest output is
+done); and Tunix's vanilla sampler when the `google-tunix` package is importable. Only
+response tokens a request asked for count; every system is timed warm (compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from rlax_tpu.config import InferenceConfig, ModelConfig  # noqa: E402
+from rlax_tpu.inference.engine import Engine, GenerationRequest  # noqa: E402
+from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens  # noqa: E402
+from rlax_tpu.models import DenseKVCache, Transformer  # noqa: E402
+
+SEED = 0
+MODEL = ModelConfig(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=768,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+)
+INFERENCE = InferenceConfig(
+    max_decode_slots=8,
+    page_size=16,
+    kv_cache_bytes=32 * 2**20,
+    prefill_buckets=(16, 32, 64, 128),
+    max_prompt_len=128,
+    max_new_tokens=256,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: list[tuple[int, ...]]
+    output_lens: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return int(sum(self.output_lens))
+
+
+def make_workload(num_requests: int, seed: int = SEED) -> Workload:
+    """Heavy-tailed lengths: lognormal prompts (median 24) and outputs (median 32)."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(24), 0.8, num_requests), 4, INFERENCE.max_prompt_len)
+    output_lens = np.clip(rng.lognormal(np.log(32), 1.0, num_requests), 1, INFERENCE.max_new_tokens)
+    prompts = [
+        tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, int(n))) for n in prompt_lens
+    ]
+    return Workload(prompts, [int(n) for n in output_lens])
+
+
+def requests_for(workload: Workload) -> list[GenerationRequest]:
+    base = SamplingParams.from_config(INFERENCE)
+    return [
+        GenerationRequest(
+            f"r{i}", f"p{i}", 0, p, dataclasses.replace(base, max_new_tokens=n, stop_token_ids=())
+        )
+        for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
+    ]
+
+
+# -- our engine ---------------------------------------------------------------------------------
+def engine_runner(params, workload: Workload, decode_steps: int):
+    """A warm (compiled) engine and a function that runs the whole workload through it."""
+    engine = Engine(MODEL, INFERENCE, seed=SEED, decode_steps_per_call=decode_steps)
+    engine.load(0, params)
+    requests = requests_for(workload)
+
+    def run() -> None:
+        rollouts = engine.run(requests)
+        assert sum(len(r.tokens) for r in rollouts) == workload.useful_tokens
+
+    run()  # warm-up: compiles every shape the workload uses
+    return engine, run
+
+
+# -- static batching baseline ------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _static_generate(graphdef, max_len, state, prompts, lengths, output_lens, key_data):
+    """A static batch: prefill all rows together, then decode every row until the longest
+    output is done. prompts: int32[batch, bucket] right-padded; lengths, output_lens:
+    int32[batch]; key_data: uint32[batch, 2]. Returns tokens int32[batch, max_new_tokens]."""
+    model = nnx.merge(graphdef, state)
+    batch, bucket = prompts.shape
+    c = MODEL
+    cache = DenseKVCache.create(
+        num_layers=c.num_layers,
+        batch=batch,
+        max_len=max_len,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=jnp.float32,
+    )
+    ones = jnp.ones(batch)
+    sample = functools.partial(
+        sample_tokens,
+        key_data=key_data,
+        temperature=ones * INFERENCE.temperature,
+        top_k=jnp.full(batch, INFERENCE.top_k, jnp.int32),
+        top_p=ones * INFERENCE.top_p,
+        sampled_logprobs=jnp.zeros(batch, bool),
+    )
+    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+    logits, cache = model.decode(
+        prompts, positions, positions < lengths[:, None], cache, logits_index=lengths - 1
+    )
+    token, _ = sample(logits, token_index=jnp.zeros(batch, jnp.int32))
+    out = jnp.zeros((batch, INFERENCE.max_new_tokens), jnp.int32).at[:, 0].set(token)
+
+    def body(carry):
+        step, token, cache, out = carry
+        logits, cache = model.decode(
+            token[:, None], (lengths + step - 1)[:, None], jnp.ones((batch, 1), bool), cache
+        )
+        token, _ = sample(logits[:, 0], token_index=jnp.full(batch, step, jnp.int32))
+        return step + 1, token, cache, out.at[:, step].set(token)
+
+    carry = (jnp.int32(1), token, cache, out)
+    _, _, _, out = jax.lax.while_loop(lambda c: c[0] < output_lens.max(), body, carry)
+    return out
+
+
+def static_runner(params, workload: Workload):
+    """The static-batch baseline, warm, and its slot utilization (useful / decoded tokens)."""
+    model = Transformer(MODEL, rngs=nnx.Rngs(0))
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, params)
+    graphdef = nnx.graphdef(model)
+    slots = INFERENCE.max_decode_slots
+    max_len = INFERENCE.max_prompt_len + INFERENCE.max_new_tokens
+    batches = []
+    for start in range(0, len(workload.prompts), slots):
+        prompts = workload.prompts[start : start + slots]
+        outs = workload.output_lens[start : start + slots]
+        longest = max(len(p) for p in prompts)
+        bucket = next(b for b in INFERENCE.prefill_buckets if b >= longest)
+        tokens = np.zeros((slots, bucket), np.int32)  # a short last batch is padded too
+        lengths = np.ones(slots, np.int32)
+        output_lens = np.ones(slots, np.int32)
+        for row, (p, n) in enumerate(zip(prompts, outs, strict=True)):
+            tokens[row, : len(p)], lengths[row], output_lens[row] = p, len(p), n
+        keys = np.stack([request_key_data(SEED, f"p{start + r}", 0, 0) for r in range(slots)])
+        batches.append((tokens, lengths, output_lens, keys))
+
+    def run_all() -> None:
+        for batch in batches:
+            out = _static_generate(graphdef, max_len, state, *batch)
+        jax.block_until_ready(out)
+
+    run_all()  # warm-up: one compile per prompt bucket
+    decoded = sum(slots * int(b[2].max()) for b in batches)
+    return run_all, workload.useful_tokens / decoded
+
+
+# -- Tunix (optional peer) ---------------------------------------------------------------------
+def tunix_runner(params, workload: Workload):
+    """Tunix's vanilla sampler on the same weights, warm: (run, status); run is None without
+    the package or when the peer fails (its API may drift; our figures must not be lost)."""
+    if importlib.util.find_spec("tunix") is None:
+        return None, "not installed (the optional google-tunix package)"
+    try:
+        run = _tunix_runner(params, workload)
+        run()  # warm-up
+    except Exception as e:
+        return None, f"failed: {type(e).__name__}: {e}"
+    return run, "ok"
+
+
+def _tunix_runner(params, workload: Workload):
+    """Our model behind Tunix's transformer interface (per-layer dense cache dicts), run
+    batch by batch through `tunix.generate.sampler.Sampler` with top-p 1 sampling."""
+    from tunix.generate import sampler as tunix_sampler
+
+    slots = INFERENCE.max_decode_slots
+    cache_size = INFERENCE.max_prompt_len + INFERENCE.max_new_tokens
+
+    class Adapter(nnx.Module):
+        def __init__(self, model: Transformer):
+            self.model = model
+            self.num_embed = MODEL.vocab_size
+
+        def __call__(self, tokens, positions, cache, attention_mask, output_hidden_states=False):
+            del attention_mask, output_hidden_states  # causal over positions, as ours
+            n = MODEL.num_layers
+            dense = DenseKVCache(
+                keys=tuple(cache[f"layer_{i}"]["k"] for i in range(n)),
+                values=tuple(cache[f"layer_{i}"]["v"] for i in range(n)),
+            )
+            valid = jnp.ones(tokens.shape, bool)
+            logits, dense = self.model.decode(tokens, positions, valid, dense)
+            end = cache["layer_0"]["end_index"] + tokens.shape[1]
+            new = {
+                f"layer_{i}": {"k": dense.keys[i], "v": dense.values[i], "end_index": end}
+                for i in range(n)
+            }
+            return logits, new
+
+    class Tokenizer:  # ids in, ids out: the workload is already tokenized
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def decode(self, ids):
+            return " ".join(str(int(i)) for i in ids)
+
+        def pad_id(self):
+            return 0
+
+        def bos_id(self):
+            return 0
+
+        def eos_id(self):
+            return -1
+
+    model = Transformer(MODEL, rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    sampler = tunix_sampler.Sampler(
+        Adapter(model),
+        Tokenizer(),
+        tunix_sampler.CacheConfig(
+            cache_size=cache_size,
+            num_layers=MODEL.num_layers,
+            num_kv_heads=MODEL.num_kv_heads,
+            head_dim=MODEL.head_dim,
+        ),
+    )
+
+    def run_all() -> None:
+        for start in range(0, len(workload.prompts), slots):
+            prompts = workload.prompts[start : start + slots]
+            steps = max(workload.output_lens[start : start + slots])
+            sampler(
+                [" ".join(map(str, p)) for p in prompts],
+                max_generation_steps=steps,
+                temperature=INFERENCE.temperature,
+                top_p=1.0,
+                seed=SEED,
+            )
+
+    return run_all
+
+
+# -- roofline ------------------------------------------------------------------------------------
+def matmul_flops_per_s(n: int = 1024, repeats: int = 10) -> float:
+    """The best float32 [n, n] x [n, n] rate jitted XLA reaches on this machine."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def flops_per_token(workload: Workload) -> float:
+    """Matmul FLOPs of one decode token: 2 x weights used, plus attention over the mean
+    context of the workload's response tokens (q·k and p·v)."""
+    c = MODEL
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * (attn + mlp) + c.hidden_size * c.vocab_size
+    contexts = [
+        len(p) + t
+        for p, n in zip(workload.prompts, workload.output_lens, strict=True)
+        for t in range(n)
+    ]
+    attention = 4 * c.num_layers * c.num_heads * c.head_dim * float(np.mean(contexts))
+    return 2 * weights + attention
+
+
+def best_seconds(runs: dict, repeats: int) -> dict:
+    """Best wall time of each runner over `repeats` rounds, the systems interleaved within a
+    round so that load from other processes on a shared machine hits them alike."""
+    best = {name: float("inf") for name, run in runs.items() if run is not None}
+    for _ in range(repeats):
+        for name in best:
+            t0 = time.perf_counter()
+            runs[name]()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="64 requests, 2 timed rounds")
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.add_argument("--requests", type=int, help="number of requests (default 256)")
+    parser.add_argument("--repeats", type=int, help="timed rounds; the best counts (default 3)")
+    parser.add_argument(
+        "--decode-steps", type=int, default=4, help="engine decode steps per device call"
+    )
+    args = parser.parse_args(argv)
+    num_requests = args.requests or (64 if args.quick else 256)
+    repeats = args.repeats or (2 if args.quick else 3)
+
+    workload = make_workload(num_requests)
+    tokens = workload.useful_tokens
+    params = nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(SEED)), nnx.Param))
+    engine, run_engine = engine_runner(params, workload, args.decode_steps)
+    run_static, static_utilization = static_runner(params, workload)
+    run_tunix, tunix_status = tunix_runner(params, workload)
+    runs = {"engine": run_engine, "static": run_static, "tunix": run_tunix}
+    seconds = best_seconds(runs, repeats)
+    rate = {name: tokens / s for name, s in seconds.items()}
+    ours, static, tunix = rate["engine"], rate["static"], rate.get("tunix")
+    stats = engine.stats()
+    flops = flops_per_token(workload)
+    matmul_rate = matmul_flops_per_s()
+    roofline = matmul_rate / flops
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(a / b, 3)
+
+    figures = {
+        "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
+        "cpu_count": os.cpu_count(),
+        "requests": num_requests,
+        "useful_tokens": tokens,
+        "decode_slots": INFERENCE.max_decode_slots,
+        "decode_steps_per_call": args.decode_steps,
+        "repeats": repeats,
+        "tokens_per_s": round(ours, 1),
+        "static_batch_tokens_per_s": round(static, 1),
+        "speedup_vs_static": ratio(ours, static),
+        "tunix_tokens_per_s": None if tunix is None else round(tunix, 1),
+        "speedup_vs_tunix": ratio(ours, tunix),
+        "tunix_status": tunix_status,
+        "compiles": stats["compiled_shapes"],
+        "compiled_shapes": stats["compiled"],
+        "slot_utilization": round(stats["slot_utilization"], 3),
+        "static_batch_slot_utilization": round(static_utilization, 3),
+        "model_flops_per_token": round(flops),
+        "matmul_flops_per_s": round(matmul_rate),
+        "roofline_tokens_per_s": round(roofline, 1),
+        "fraction_of_roofline": round(ours / roofline, 4),
+    }
+    print(f"{num_requests} requests, {tokens} response tokens, {figures['device']}")
+    print(f"{'system':<32}{'tokens/s':>12}{'vs static':>12}")
+    for name, value in [
+        ("rlax_tpu engine (continuous)", ours),
+        ("static batch, dense cache", static),
+        ("tunix vanilla sampler", tunix),
+    ]:
+        shown = "n/a" if value is None else f"{value:.1f}"
+        rel = "" if value is None else f"{value / static:.2f}x"
+        print(f"{name:<32}{shown:>12}{rel:>12}")
+    print(f"tunix: {tunix_status}")
+    print(
+        f"compiled shapes: {stats['compiled_shapes']} {stats['compiled']}; slot utilization "
+        f"{figures['slot_utilization']} (static {figures['static_batch_slot_utilization']})"
+    )
+    print(
+        f"roofline: {round(flops)} FLOPs/token at {matmul_rate / 1e9:.1f} GFLOP/s = "
+        f"{roofline:.0f} tokens/s; the engine reaches {figures['fraction_of_roofline']:.1%}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
