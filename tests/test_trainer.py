@@ -1,6 +1,8 @@
 """The train step: sharded equals unsharded, accumulation equals one big batch, the
 recompute matches the inference forward, SFT lowers the NLL."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,3 +132,39 @@ def test_sft_step_lowers_the_nll_on_a_repeated_batch(tmp_path):
         assert result.version == step + 1
     trainer.close()
     assert nll[-1] < nll[0] - 0.5, nll
+
+
+@pytest.mark.parametrize("source", ["recomputed", "cached"])
+def test_importance_weight_uses_the_configured_behaviour_logprobs(tmp_path, source):
+    """recomputed: ρ is against the trainer's own π_old (ratio 1 before the update);
+    cached: against the inference workers' log-probs (the batch's fake μ, ~0.2 nats off).
+    Either way the mismatch between the two is reported."""
+    _, result = _trained(
+        tmp_path, source, mesh=_one_device_mesh(), mini=8, behaviour_logprobs=source
+    )
+    diff = result.metrics["logprob_diff/mean"]
+    if source == "recomputed":
+        assert diff < 1e-5
+    else:
+        assert diff > 0.1
+    assert result.metrics["mismatch/recomputed_vs_cached_mean"] > 0.1
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        # warmup over 2 steps, then decay over the remaining 8 of num_steps=10
+        ("constant", [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.0, 0.5, 1.0, 0.875, 0.75, 0.625]),
+        ("cosine", [0.0, 0.5, 1.0, 0.9619397, 0.8535534, 0.6913417]),
+    ],
+)
+def test_learning_rate_schedule_counts_train_steps(kind, expected):
+    from rlax_tpu.trainer.step import learning_rate_schedule
+
+    trainer = run_config("unused").trainer
+    trainer = dataclasses.replace(trainer, lr_schedule=kind, learning_rate=1.0, warmup_steps=2)
+    schedule = learning_rate_schedule(trainer, num_steps=10, updates_per_step=3)
+    # Every one of a step's 3 optimizer updates uses that step's rate.
+    got = [float(schedule(step * 3 + update)) for step in range(6) for update in range(3)]
+    np.testing.assert_allclose(got, np.repeat(expected, 3), rtol=1e-6, atol=1e-7)
