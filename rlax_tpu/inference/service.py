@@ -28,7 +28,8 @@ from rlax_tpu.inference.worker import (
     WorkerClosedError,
     resolve_sampling,
 )
-from rlax_tpu.rpc import DEFAULT_AUTH_TOKEN_ENV, get_status, make_channel
+from rlax_tpu.rpc import get_status
+from rlax_tpu.rpc.client import ComponentClient, RpcCallError
 from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import inference_pb2 as pb
 from rlax_tpu.rpc.protos import inference_pb2_grpc as pb_grpc
@@ -194,37 +195,16 @@ def worker_status(
 
 
 # -- client side ------------------------------------------------------------------------------
-class InferenceCallError(RuntimeError):
+class InferenceCallError(RpcCallError):
     """A call to an inference worker failed; `code` is its gRPC status."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
 
-
-class InferenceWorkerClient:
+class InferenceWorkerClient(ComponentClient):
     """Drives one inference worker process: load versions, generate batches, read status."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        auth_token: str,
-        auth_token_env: str = DEFAULT_AUTH_TOKEN_ENV,
-        timeout_s: float = 3600.0,
-    ) -> None:
-        self.address, self.timeout_s = address, timeout_s
-        self._channel = make_channel(address, auth_token=auth_token, auth_token_env=auth_token_env)
+    def __init__(self, address: str, **channel_options: Any) -> None:
+        super().__init__(address, **channel_options)
         self._stub = pb_grpc.InferenceWorkerStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> InferenceWorkerClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def load(self, version: int) -> LoadResult:
         try:
@@ -260,6 +240,4 @@ class InferenceWorkerClient:
 
 
 def _call_error(e: grpc.RpcError, what: str) -> InferenceCallError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    return InferenceCallError(f"{what}: {code.name if code else 'ERROR'}: {details}", code)
+    return InferenceCallError.from_rpc(e, what)

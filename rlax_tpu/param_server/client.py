@@ -23,6 +23,7 @@ from rlax_tpu.param_server.layout import Box, Piece
 from rlax_tpu.param_server.service import decode_pull_chunk
 from rlax_tpu.param_server.store import ParamServerError
 from rlax_tpu.rpc import make_channel
+from rlax_tpu.rpc.client import RpcCallError
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 from rlax_tpu.rpc.protos import param_server_pb2_grpc as pb_grpc
 
@@ -134,20 +135,13 @@ class PublishReceipt:
     bytes_sent: int
 
 
-class ParamServerCallError(ParamServerError):
+class ParamServerCallError(RpcCallError, ParamServerError):
     """A parameter-server call failed; the message carries the server's explanation and
     `code` its gRPC status."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 def _raise_from(e: grpc.RpcError, what: str) -> ParamServerCallError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    name = code.name if code is not None else "ERROR"
-    return ParamServerCallError(f"{what}: {name}: {details}", code)
+    return ParamServerCallError.from_rpc(e, what)
 
 
 class ParamServerClient:

@@ -11,14 +11,17 @@ from rlax_tpu.rpc.auth import (
     auth_token_from_env,
 )
 from rlax_tpu.rpc.channels import MAX_MESSAGE_BYTES, format_address, make_channel, make_server
+from rlax_tpu.rpc.client import ComponentClient, RpcCallError
 from rlax_tpu.rpc.health import HealthServicer, get_status
 from rlax_tpu.rpc.protos import common_pb2, common_pb2_grpc
 
 __all__ = [
     "DEFAULT_AUTH_TOKEN_ENV",
     "MAX_MESSAGE_BYTES",
+    "RpcCallError",
     "AuthTokenError",
     "ClientAuthInterceptor",
+    "ComponentClient",
     "HealthServicer",
     "ServerAuthInterceptor",
     "auth_token_from_env",

@@ -16,7 +16,8 @@ import numpy as np
 
 from rlax_tpu.algorithms import RolloutBatch
 from rlax_tpu.param_server.layout import dtype_name, parse_dtype, to_bytes
-from rlax_tpu.rpc import DEFAULT_AUTH_TOKEN_ENV, MAX_MESSAGE_BYTES, get_status, make_channel
+from rlax_tpu.rpc import MAX_MESSAGE_BYTES, get_status
+from rlax_tpu.rpc.client import ComponentClient, RpcCallError
 from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import trainer_pb2 as pb
 from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
@@ -308,37 +309,16 @@ def trainer_status(trainer: Trainer, *, instance_id: str, config_digest: str) ->
 
 
 # -- client side ------------------------------------------------------------------------------
-class TrainerCallError(RuntimeError):
+class TrainerCallError(RpcCallError):
     """A call to the trainer failed; `code` is its gRPC status."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
 
-
-class TrainerClient:
+class TrainerClient(ComponentClient):
     """Drives one trainer process: train and SFT steps, save, restore, status."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        auth_token: str,
-        auth_token_env: str = DEFAULT_AUTH_TOKEN_ENV,
-        timeout_s: float = 3600.0,
-    ) -> None:
-        self.address, self.timeout_s = address, timeout_s
-        self._channel = make_channel(address, auth_token=auth_token, auth_token_env=auth_token_env)
+    def __init__(self, address: str, **channel_options: Any) -> None:
+        super().__init__(address, **channel_options)
         self._stub = pb_grpc.TrainerStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> TrainerClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def train_step(self, step: int, batch: RolloutBatch) -> StepResult:
         """Train step `step` on `batch` (publishing version step + 1), or its recorded result."""
@@ -384,6 +364,4 @@ class TrainerClient:
 
 
 def _call_error(e: grpc.RpcError, what: str) -> TrainerCallError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    return TrainerCallError(f"{what}: {code.name if code else 'ERROR'}: {details}", code)
+    return TrainerCallError.from_rpc(e, what)
