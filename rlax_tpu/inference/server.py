@@ -9,12 +9,11 @@ and stops gracefully on SIGTERM or SIGINT.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
 from rlax_tpu.config import RunConfig, load_config
 from rlax_tpu.rpc import AuthTokenError, auth_token_from_env, format_address
+from rlax_tpu.rpc.process import announce_ready, stop_on_signals, wait_for
 from rlax_tpu.runtime import configure_jax
 
 DEFAULT_WORKER_ID = "inference_worker-0"
@@ -45,9 +44,7 @@ def main(args: argparse.Namespace) -> int:
 
     worker_id = args.worker_id or DEFAULT_WORKER_ID
     host = args.host or "127.0.0.1"
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     param_server = (
         ParamServerClient(args.param_server, auth_token=token) if args.param_server else None
     )
@@ -76,16 +73,13 @@ def main(args: argparse.Namespace) -> int:
     ).add_to_server(server)
     server.start()
     address = format_address(host, port)
-    print(
+    announce_ready(
+        address,
         f"inference worker {worker_id}: {config.model.architecture} on mesh "
         f"{dict(worker.mesh.shape)}, parameter server {args.param_server or '(none)'}, "
         f"listening on {address}",
-        file=sys.stderr,
-        flush=True,
     )
-    print(f"READY {address}", flush=True)
-    while not stop.wait(1.0):  # a timed wait, so the signal handler always gets to run
-        pass
+    wait_for(stop)
     server.stop(5.0).wait()  # running streams get 5 s; then the worker aborts what is left
     worker.close()
     if param_server is not None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +26,7 @@ from rlax_tpu.rpc import (
     format_address,
     make_server,
 )
+from rlax_tpu.rpc.process import announce_ready, stop_on_signals, wait_for
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,24 +163,19 @@ def main(args: argparse.Namespace) -> int:
     except AuthTokenError as e:
         print(f"rlax-tpu serve param-server: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         running = start_server(options, auth_token=token)
     except OSError as e:  # the port is taken
         print(f"rlax-tpu serve param-server: {e}", file=sys.stderr)
         return 2
     versions = running.store.versions()
-    print(
+    announce_ready(
+        running.address,
         f"param server replica {options.replica}/{options.num_replicas}: "
         f"{len(versions)} committed versions on {options.storage_url or '(memory only)'}, "
         f"K={options.hot_versions}, listening on {running.address}",
-        file=sys.stderr,
-        flush=True,
     )
-    print(f"READY {running.address}", flush=True)
-    while not stop.wait(1.0):  # a timed wait, so the signal handler always gets to run
-        pass
+    wait_for(stop)
     running.stop()
     return 0

@@ -10,13 +10,12 @@ running step finish, saves a checkpoint (waiting for it) and exits 0.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from typing import Any
 
 from rlax_tpu.config import RunConfig, load_config
 from rlax_tpu.rpc import AuthTokenError, auth_token_from_env, format_address
+from rlax_tpu.rpc.process import announce_ready, stop_on_signals, wait_for
 from rlax_tpu.runtime import configure_jax
 
 DEFAULT_INSTANCE_ID = "trainer-0"
@@ -64,9 +63,7 @@ def main(args: argparse.Namespace) -> int:
     from rlax_tpu.trainer.service import TrainerServicer, trainer_status
 
     host = args.host or "127.0.0.1"
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     param_server = None
     if args.param_server:
         plan = _replica_plan(config, len(args.param_server)) if len(args.param_server) > 1 else None
@@ -93,16 +90,13 @@ def main(args: argparse.Namespace) -> int:
     ).add_to_server(server)
     server.start()
     address = format_address(host, port)
-    print(
+    announce_ready(
+        address,
         f"trainer: {config.model.architecture} on mesh {dict(mesh.shape)} at step "
         f"{step}, run dir {config.storage.run_dir}, parameter server "
         f"{','.join(args.param_server) or '(none)'}, listening on {address}",
-        file=sys.stderr,
-        flush=True,
     )
-    print(f"READY {address}", flush=True)
-    while not stop.wait(1.0):  # a timed wait, so the signal handler always gets to run
-        pass
+    wait_for(stop)
     server.stop(5.0).wait()
     with servicer.lock:  # a step still running in a handler thread finishes first
         saved = trainer.save(wait=True)
