@@ -123,8 +123,9 @@ class ProcessGroup:
         command = ["serve", "param-server", *where, "--host", "127.0.0.1", "--port", "0", *args]
         return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
 
-    def start_inference_worker(
+    def start_component(
         self,
+        component: str,
         config: str | None,
         *,
         token: str,
@@ -135,35 +136,24 @@ class ProcessGroup:
         env: Mapping[str, str] | None = None,
         **kwargs,
     ) -> ServerProcess:
-        """`serve inference CONFIG --set ... --port 0` pulling from `param_servers`, token via
-        env. JAX startup and the engine build take a few seconds, hence the longer wait."""
-        command = ["serve", "inference", *([config] if config else [])]
+        """`serve COMPONENT CONFIG --set ... --param-server ... --port 0`, token via env."""
+        command = ["serve", component, *([config] if config else [])]
         command += [f"--set={o}" for o in overrides]
         command += [f"--param-server={a}" for a in param_servers]
         command += ["--host", "127.0.0.1", "--port", "0", *args]
-        kwargs.setdefault("ready_timeout_s", 60.0)
         return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
 
-    def start_trainer(
-        self,
-        config: str | None,
-        *,
-        token: str,
-        param_servers: Sequence[str] = (),
-        overrides: Sequence[str] = (),
-        token_env: str = "RLAX_TPU_AUTH_TOKEN",
-        args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        **kwargs,
-    ) -> ServerProcess:
-        """`serve trainer CONFIG --set ... --port 0` publishing to `param_servers`, token via
-        env. It restores or initializes (and compiles) before READY, hence the long wait."""
-        command = ["serve", "trainer", *([config] if config else [])]
-        command += [f"--set={o}" for o in overrides]
-        command += [f"--param-server={a}" for a in param_servers]
-        command += ["--host", "127.0.0.1", "--port", "0", *args]
+    def start_inference_worker(self, config: str | None, **kwargs) -> ServerProcess:
+        """An inference worker pulling from `param_servers`. JAX startup and the engine build
+        take a few seconds, hence the longer wait."""
+        kwargs.setdefault("ready_timeout_s", 60.0)
+        return self.start_component("inference", config, **kwargs)
+
+    def start_trainer(self, config: str | None, **kwargs) -> ServerProcess:
+        """A trainer publishing to `param_servers`. It restores or initializes (and
+        compiles) before READY, hence the long wait."""
         kwargs.setdefault("ready_timeout_s", 120.0)
-        return self.start(command, env={**(env or {}), token_env: token}, **kwargs)
+        return self.start_component("trainer", config, **kwargs)
 
     def stop_all(self) -> None:
         for process in self.processes:

@@ -6,17 +6,15 @@ import threading
 from pathlib import Path
 
 import grpc
-import jax
 import numpy as np
 import pytest
-from flax import nnx
+from model_helpers import model_params
 from processes import ProcessGroup
 
 from rlax_tpu.config import load_config
 from rlax_tpu.inference.engine import Engine, GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
 from rlax_tpu.inference.service import InferenceCallError, InferenceWorkerClient
-from rlax_tpu.models import Transformer
 from rlax_tpu.param_server.client import ParamServerClient
 
 TOKEN = "inference-test-token"
@@ -34,19 +32,6 @@ ETA_2 = ["staleness.max_staleness=1", "staleness.reload_every=2"]
 # One device per worker process: the same XLA programs as the in-process reference engine,
 # so greedy tokens match exactly.
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-
-
-def model_params(config, seed: int) -> dict:
-    """Random weights shaped like the model's (norm scales 1, matrices N(0, 0.02²))."""
-    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
-
-    def init(leaf):
-        if leaf.ndim == 1:
-            return np.ones(leaf.shape, leaf.dtype)
-        return (0.02 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
-
-    return jax.tree.map(init, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
 
 def requests(tag: str, n: int = 5) -> list[GenerationRequest]:

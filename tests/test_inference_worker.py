@@ -6,10 +6,8 @@ import time
 from pathlib import Path
 
 import grpc
-import jax
-import numpy as np
 import pytest
-from flax import nnx
+from model_helpers import model_params
 
 from rlax_tpu.config import load_config
 from rlax_tpu.inference.engine import Engine, GenerationRequest
@@ -23,7 +21,6 @@ from rlax_tpu.inference.worker import (
     VersionMismatchError,
     WorkerClosedError,
 )
-from rlax_tpu.models import Transformer
 from rlax_tpu.param_server.client import ParamServerCallError
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py")
@@ -37,20 +34,6 @@ OVERRIDES = [
     "inference.temperature=0.0",
     "inference.kv_cache_bytes=1048576",
 ]
-
-
-def model_params(config, seed: int) -> dict:
-    """Random weights shaped like the model's (norm scales 1, matrices N(0, 0.02²) as in its
-    init), drawn with numpy: building the Transformer eagerly takes seconds."""
-    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
-
-    def init(leaf):
-        if leaf.ndim == 1:
-            return np.ones(leaf.shape, leaf.dtype)
-        return (0.02 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
-
-    return jax.tree.map(init, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
 
 def requests(tag: str, n: int = 3) -> list[GenerationRequest]:

@@ -14,6 +14,7 @@ from processes import ProcessGroup
 
 from rlax_tpu.config import DEFAULT_LOGICAL_AXIS_RULES, MeshConfig, ModelConfig
 from rlax_tpu.models import Transformer
+from rlax_tpu.models.transformer import param_logical_axes
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.client import (
     ParamServerCallError,
@@ -50,12 +51,7 @@ def _params(seed=0):
 
 
 def _logical_axes():
-    abstract = nnx.eval_shape(lambda: Transformer(MODEL, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return dict(
-        zip(flatten(nnx.to_pure_dict(state)), [v.logical_axes for v in variables], strict=True)
-    )
+    return param_logical_axes(MODEL)
 
 
 def test_sharded_publish_then_pull_into_another_sharding(servers):

@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlax_tpu.config import RunConfig, load_config
-from rlax_tpu.rpc import AuthTokenError, auth_token_from_env, format_address
-from rlax_tpu.rpc.process import announce_ready, stop_on_signals, wait_for
-from rlax_tpu.runtime import configure_jax
+from rlax_tpu.rpc import format_address
+from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
 
 DEFAULT_WORKER_ID = "inference_worker-0"
 # Each Generate stream holds a server thread until its batch is done; many callers share
@@ -24,17 +22,10 @@ _MAX_STREAMS = 64
 
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu serve inference`: serve until SIGTERM or SIGINT, then exit 0."""
-    config = (
-        load_config(args.config, args.overrides)
-        if args.config
-        else RunConfig().apply_overrides(args.overrides)
-    )  # ConfigError: the CLI prints it and exits 2
-    configure_jax(config)  # before JAX starts its backends (cpu_devices)
-    try:
-        token = auth_token_from_env(config.param_server.auth_token_env)
-    except AuthTokenError as e:
-        print(f"rlax-tpu serve inference: {e}", file=sys.stderr)
+    resolved = component_config(args, "inference")
+    if resolved is None:
         return 2
+    config, token = resolved
 
     from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
     from rlax_tpu.inference.worker import InferenceWorker

@@ -19,6 +19,7 @@ from flax import nnx
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.kv_cache import KVCache, grouped_attention
 from rlax_tpu.sharding import constrain
+from rlax_tpu.tree import flatten
 
 _INIT_STD = 0.02  # Hugging Face's default initializer_range
 
@@ -299,3 +300,13 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     logits = logits.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def param_logical_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """{"layers/0/attn/wq": ("embed", "heads", "head_dim"), ...}: the logical axes of every
+    parameter, keyed by the tree path of `rlax_tpu.tree.flatten`; nothing is allocated."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    paths = flatten(nnx.to_pure_dict(state))  # same leaf order as `variables`
+    return dict(zip(paths, [tuple(v.logical_axes) for v in variables], strict=True))

@@ -26,32 +26,9 @@ from rlax_tpu.rpc import make_channel
 from rlax_tpu.rpc.client import RpcCallError
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 from rlax_tpu.rpc.protos import param_server_pb2_grpc as pb_grpc
+from rlax_tpu.tree import flatten, unflatten_like
 
 DEFAULT_CHUNK_BYTES = 2 * 2**20
-
-
-# -- trees --------------------------------------------------------------------------------
-def _key_name(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def flatten(tree: Any) -> dict[str, Any]:
-    """{"layers/0/attn/wq": leaf, ...} for a pytree (e.g. nnx.to_pure_dict of a model's params)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    out = {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
-    if len(out) != len(leaves):
-        raise ValueError("two leaves of the tree have the same path; paths must be unique")
-    return out
-
-
-def unflatten_like(like: Any, values: Mapping[str, Any]) -> Any:
-    """A tree with the structure of `like` whose leaves are `values[path]`."""
-    paths = list(flatten(like))
-    treedef = jax.tree_util.tree_structure(like)
-    return jax.tree_util.tree_unflatten(treedef, [values[p] for p in paths])
 
 
 # -- replica partitioning -----------------------------------------------------------------
@@ -87,6 +64,18 @@ class ReplicaPlan:
                 per_replica[turn % r][path] = full
                 turn += 1
         return per_replica
+
+
+def replica_plan_for_model(
+    model: Any, rules: Sequence[tuple[str, Sequence[str]]], num_replicas: int
+) -> ReplicaPlan:
+    """Split a model's parameters across replicas along the dimension `rules` shard over
+    the tensor axis, so a tensor-parallel worker pulls each slice from one replica.
+    `model` is a ModelConfig."""
+    from rlax_tpu.models.transformer import param_logical_axes
+
+    split = split_dims_from_logical(param_logical_axes(model), rules)
+    return ReplicaPlan(num_replicas=num_replicas, split_dims=split)
 
 
 def split_dims_from_logical(

@@ -3,9 +3,13 @@ and TPU VMs), announce `READY host:port` once serving, and wait for the stop sig
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import threading
+
+from rlax_tpu.config import RunConfig, load_config
+from rlax_tpu.rpc.auth import AuthTokenError, auth_token_from_env
 
 
 def stop_on_signals() -> threading.Event:
@@ -27,3 +31,22 @@ def wait_for(stop: threading.Event) -> None:
     """Block until `stop` is set; a timed wait, so the signal handler always gets to run."""
     while not stop.wait(1.0):
         pass
+
+
+def component_config(args: argparse.Namespace, component: str) -> tuple[RunConfig, str] | None:
+    """The run config of `serve COMPONENT [CONFIG] [--set ...]` and the auth token from the
+    env var it names; None (after saying which variable is unset) when there is no token.
+    A bad config raises ConfigError, which the CLI prints (exit 2)."""
+    from rlax_tpu.runtime import configure_jax
+
+    config = (
+        load_config(args.config, args.overrides)
+        if args.config
+        else RunConfig().apply_overrides(args.overrides)
+    )
+    configure_jax(config)  # before JAX starts its backends (cpu_devices)
+    try:
+        return config, auth_token_from_env(config.param_server.auth_token_env)
+    except AuthTokenError as e:
+        print(f"rlax-tpu serve {component}: {e}", file=sys.stderr)
+        return None

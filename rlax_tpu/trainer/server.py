@@ -13,10 +13,9 @@ import argparse
 import sys
 from typing import Any
 
-from rlax_tpu.config import RunConfig, load_config
-from rlax_tpu.rpc import AuthTokenError, auth_token_from_env, format_address
-from rlax_tpu.rpc.process import announce_ready, stop_on_signals, wait_for
-from rlax_tpu.runtime import configure_jax
+from rlax_tpu.config import RunConfig
+from rlax_tpu.rpc import format_address
+from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
 
 DEFAULT_INSTANCE_ID = "trainer-0"
 # Calls that change the trainer run one at a time; a few more threads keep Health and
@@ -27,34 +26,19 @@ _MAX_WORKERS = 8
 def _replica_plan(config: RunConfig, num_replicas: int) -> Any:
     """Split each parameter across replicas along its tensor-parallel dimension, as the
     params are sharded, so a tensor-parallel worker pulls each slice from one replica."""
-    import jax
-    from flax import nnx
+    from rlax_tpu.param_server.client import replica_plan_for_model
 
-    from rlax_tpu.models import Transformer
-    from rlax_tpu.param_server.client import ReplicaPlan, flatten, split_dims_from_logical
-
-    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    paths = flatten(nnx.to_pure_dict(state))
-    logical = dict(zip(paths, [v.logical_axes for v in variables], strict=True))
-    split = split_dims_from_logical(logical, config.trainer.mesh.logical_axis_rules)
-    return ReplicaPlan(num_replicas=num_replicas, split_dims=split)
+    return replica_plan_for_model(
+        config.model, config.trainer.mesh.logical_axis_rules, num_replicas
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu serve trainer`: serve until SIGTERM or SIGINT, save, then exit 0."""
-    config = (
-        load_config(args.config, args.overrides)
-        if args.config
-        else RunConfig().apply_overrides(args.overrides)
-    )  # ConfigError: the CLI prints it and exits 2
-    configure_jax(config)  # before JAX starts its backends (cpu_devices)
-    try:
-        token = auth_token_from_env(config.param_server.auth_token_env)
-    except AuthTokenError as e:
-        print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+    resolved = component_config(args, "trainer")
+    if resolved is None:
         return 2
+    config, token = resolved
 
     from rlax_tpu.param_server.client import ParamServerClient
     from rlax_tpu.rpc import HealthServicer, make_server
