@@ -16,13 +16,7 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 
-_LAUNCHER = (
-    "import ctypes, runpy, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "sys.argv = ['rlax-tpu', *sys.argv[1:]]\n"
-    "runpy.run_module('rlax_tpu', run_name='__main__')\n"
-)
+from rlax_tpu.rpc.process import CHILD_LAUNCHER as _LAUNCHER
 
 
 class ServerProcess:
@@ -154,6 +148,20 @@ class ProcessGroup:
         compiles) before READY, hence the long wait."""
         kwargs.setdefault("ready_timeout_s", 120.0)
         return self.start_component("trainer", config, **kwargs)
+
+    def start_verifier(
+        self,
+        *,
+        token: str,
+        test_data_cache: str,
+        overrides: Sequence[str] = (),
+        args: Sequence[str] = (),
+        **kwargs,
+    ) -> ServerProcess:
+        """`serve verifier --test-data-cache DIR --port 0` with `args` (--num-workers,
+        --queue-size, ...); its pool workers start after READY, in the background."""
+        args = ["--test-data-cache", test_data_cache, *args]
+        return self.start_component("verifier", None, token=token, overrides=overrides, args=args)
 
     def stop_all(self) -> None:
         for process in self.processes:

@@ -94,6 +94,63 @@ def _add_inference_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_verifier_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `serve verifier` (rlax_tpu.verifiers.server); --host/--port/--worker-id are
+    shared (--worker-id names the verifier instance, default verifier-0)."""
+    group = parser.add_argument_group("verifier")
+    group.add_argument(
+        "--num-workers",
+        type=int,
+        metavar="N",
+        help="worker processes (default verifiers.num_workers)",
+    )
+    group.add_argument(
+        "--max-tasks-per-worker",
+        type=int,
+        metavar="N",
+        help="a worker process is replaced after this many tasks (default 100)",
+    )
+    group.add_argument(
+        "--max-parallel-tests",
+        type=int,
+        metavar="N",
+        help="test cases of one code request run at once (default 4)",
+    )
+    group.add_argument(
+        "--queue-size",
+        type=int,
+        metavar="N",
+        help="requests admitted (waiting + running) at once; a batch over it is refused with "
+        "RESOURCE_EXHAUSTED (default 1024)",
+    )
+    group.add_argument(
+        "--deadline-s",
+        type=float,
+        metavar="S",
+        help="a batch's deadline when the caller names none (default 600)",
+    )
+    group.add_argument(
+        "--results-cache",
+        type=int,
+        metavar="N",
+        help="finished results kept by request id for retries (default 10000)",
+    )
+    group.add_argument(
+        "--test-data-cache",
+        metavar="DIR",
+        help="where code problems fetched from the test-data repository are kept "
+        "(default $XDG_CACHE_HOME/rlax_tpu/test_data)",
+    )
+    group.add_argument(
+        "--test-data-root",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="accept problem links only into this test-data repository (repeatable; "
+        "default: any link of the form ROOT/problems/ID)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlax-tpu",
@@ -111,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_config_args(p, optional=True)
             _add_param_server_args(p)
             _add_inference_args(p)
+            _add_verifier_args(p)
         elif name == "config":
             action = p.add_subparsers(dest="action", metavar="ACTION", required=True)
             show = action.add_parser("show", help="print the resolved config")
@@ -161,6 +219,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.trainer.server import main as serve_trainer
 
         return serve_trainer(args)
+    if args.command == "serve" and args.component == "verifier":
+        from rlax_tpu.verifiers.server import main as serve_verifier
+
+        return serve_verifier(args)
     provider = _COMMANDS[args.command][1]
     print(
         f"rlax-tpu {args.command}: not available yet; it arrives with {provider}. "

@@ -11,6 +11,17 @@ import threading
 from rlax_tpu.config import RunConfig, load_config
 from rlax_tpu.rpc.auth import AuthTokenError, auth_token_from_env
 
+# Runs `rlax-tpu ARGS...` in a child that gets SIGTERM when its parent dies
+# (PR_SET_PDEATHSIG): `python -c CHILD_LAUNCHER ARGS...`. Set by the child itself, not by a
+# preexec_fn: forking a multithreaded JAX process with a preexec_fn can deadlock.
+CHILD_LAUNCHER = (
+    "import ctypes, runpy, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "sys.argv = ['rlax-tpu', *sys.argv[1:]]\n"
+    "runpy.run_module('rlax_tpu', run_name='__main__')\n"
+)
+
 
 def stop_on_signals() -> threading.Event:
     """An event that SIGTERM or SIGINT sets (call from the main thread)."""

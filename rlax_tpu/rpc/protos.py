@@ -48,6 +48,8 @@ from rlax_tpu.rpc.gen.rlax_tpu.v1 import (  # noqa: E402
     param_server_pb2_grpc,
     trainer_pb2,
     trainer_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
 )
 
 __all__ = [
@@ -60,4 +62,6 @@ __all__ = [
     "param_server_pb2_grpc",
     "trainer_pb2",
     "trainer_pb2_grpc",
+    "verifier_pb2",
+    "verifier_pb2_grpc",
 ]

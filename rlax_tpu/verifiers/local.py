@@ -1,0 +1,126 @@
+"""In-process verification: one `VerificationRequest` in, one `VerificationResult` out.
+
+Dispatches by kind: math and reasoning-gym checks run in a `WorkerPool` under
+`VerifierConfig.math_timeout_s`, arithmetic runs inline (it is a regex), code goes to the
+`CodeVerifier` it was given. The controller uses this when no verifier service is set.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from rlax_tpu.config import VerifierConfig
+from rlax_tpu.verifiers.math import check_extraction_methods, verify_math_in_pool
+from rlax_tpu.verifiers.pool import TaskTimeout, WorkerCrashed, WorkerPool
+from rlax_tpu.verifiers.tasks import score_arithmetic, score_reasoning_gym
+from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
+
+# Modules the pool's workers import before taking tasks, so no task's time limit is spent
+# importing sympy.
+POOL_PRELOAD = ("sympy", "rlax_tpu.verifiers.math", "rlax_tpu.verifiers.tasks")
+
+
+class CodeVerifierLike(Protocol):
+    def verify(
+        self, response: str, problem_dir: str, *, language: str = ""
+    ) -> VerificationResult: ...
+
+
+class CodeVerifierMissing(RuntimeError):
+    """A code request came to a LocalVerifier built without a code verifier."""
+
+
+class LocalVerifier:
+    """Judges requests in this process (and the pool's workers).
+
+    pool: where math / reasoning-gym checks run; None = a pool of `config.num_workers`
+      workers owned (and closed) by this verifier.
+    code_verifier: judges kind "code"; problem_resolver turns a request's `problem` link
+      into a local directory for it (None = the link is already a local path).
+    """
+
+    def __init__(
+        self,
+        config: VerifierConfig,
+        pool: WorkerPool | None = None,
+        *,
+        code_verifier: CodeVerifierLike | None = None,
+        problem_resolver: Callable[[str], str] | None = None,
+    ) -> None:
+        self.config = config
+        self._methods = check_extraction_methods(config.math_answer_extraction)
+        self._owns_pool = pool is None
+        self.pool = pool or WorkerPool(config.num_workers, name="verifier", preload=POOL_PRELOAD)
+        self.code_verifier = code_verifier
+        self.problem_resolver = problem_resolver
+
+    def verify(self, request: VerificationRequest) -> VerificationResult:
+        """The result for one request; never raises for a bad response, only for a request
+        this verifier cannot judge (unknown kind, code without a code verifier)."""
+        if request.kind == "math":
+            return verify_math_in_pool(
+                self.pool,
+                request.response,
+                request.reference,
+                timeout_s=self.config.math_timeout_s,
+                methods=self._methods,
+            )
+        if request.kind == "arithmetic":
+            return score_arithmetic(request.response, request.reference)
+        if request.kind == "reasoning_gym":
+            return self._in_pool(score_reasoning_gym, request.response, request.reference)
+        if request.kind == "code":
+            if self.code_verifier is None:
+                raise CodeVerifierMissing(
+                    "a code request needs LocalVerifier(..., code_verifier=CodeVerifier(...)); "
+                    "this verifier was built without one"
+                )
+            problem_dir = (
+                self.problem_resolver(request.problem) if self.problem_resolver else request.problem
+            )
+            return self.code_verifier.verify(
+                request.response, problem_dir, language=request.language
+            )
+        raise ValueError(
+            f"unknown verifier kind {request.kind!r}; "
+            "expected 'math', 'arithmetic', 'reasoning_gym' or 'code'"
+        )
+
+    def _in_pool(self, fn: Callable[..., VerificationResult], *args: Any) -> VerificationResult:
+        timeout_s = self.config.math_timeout_s
+        try:
+            return self.pool.run(fn, *args, timeout_s=timeout_s)
+        except TaskTimeout:
+            return VerificationResult(
+                reward=0.0,
+                verdict=Verdict.TIME_LIMIT,
+                reason=f"{fn.__name__} ran past {timeout_s:g}s",
+            )
+        except WorkerCrashed as exc:
+            return VerificationResult(
+                reward=0.0,
+                verdict=Verdict.VERIFIER_ERROR,
+                reason=f"{fn.__name__}'s worker process died: {exc}",
+            )
+
+    def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]:
+        """`verify` of each request, in order; up to as many at once as the pool has workers
+        (code requests too: the code verifier does its own limiting)."""
+        if len(requests) <= 1:
+            return [self.verify(r) for r in requests]
+        threads = min(len(requests), max(self.pool.num_workers, 1))
+        with concurrent.futures.ThreadPoolExecutor(threads, "verify") as executor:
+            return list(executor.map(self.verify, requests))
+
+    def close(self) -> None:
+        """Closes the pool if this verifier created it."""
+        if self._owns_pool:
+            self.pool.close()
+
+    def __enter__(self) -> LocalVerifier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

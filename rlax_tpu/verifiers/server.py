@@ -1,0 +1,169 @@
+"""The verifier process behind `rlax-tpu serve verifier`.
+
+Starts a pool of worker processes (recycled after --max-tasks-per-worker tasks) for math
+and reasoning-gym checks, a sandboxed CodeVerifier (up to --max-parallel-tests test cases
+of one request at once) and a VerificationService over them with a bounded queue; serves
+Verifier and Health on one gRPC server bound to loopback unless told otherwise, prints
+`READY host:port` on stdout once serving, and on SIGTERM or SIGINT stops serving, answers
+what is queued and kills its workers before exiting 0. Code problems are fetched from the
+test-data repository into --test-data-cache once per host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.rpc import format_address
+from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
+from rlax_tpu.verifiers.service import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_QUEUE_CAPACITY,
+    DEFAULT_RESULTS_CACHE_SIZE,
+)
+
+DEFAULT_INSTANCE_ID = "verifier-0"
+DEFAULT_MAX_TASKS_PER_WORKER = 100
+DEFAULT_MAX_PARALLEL_TESTS = 4
+# Each Verify call holds a server thread until its batch is answered; callers are the
+# controller's threads, so a few dozen at once is plenty (the queue bounds the real work).
+_MAX_CALLS = 32
+
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/rlax_tpu/test_data (default ~/.cache/...): kept across restarts."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "rlax_tpu" / "test_data"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """What `serve verifier` runs with: its flags, else the config, else the defaults."""
+
+    instance_id: str = DEFAULT_INSTANCE_ID
+    num_workers: int = 2
+    max_tasks_per_worker: int = DEFAULT_MAX_TASKS_PER_WORKER
+    max_parallel_tests: int = DEFAULT_MAX_PARALLEL_TESTS
+    queue_size: int = DEFAULT_QUEUE_CAPACITY
+    results_cache: int = DEFAULT_RESULTS_CACHE_SIZE
+    deadline_s: float = DEFAULT_DEADLINE_S
+    test_data_cache: Path = dataclasses.field(default_factory=default_cache_dir)
+    test_data_roots: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "max_tasks_per_worker", "max_parallel_tests", "queue_size"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.results_cache < 0:
+            raise ValueError(f"--results-cache must be >= 0, got {self.results_cache}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"--deadline-s must be > 0, got {self.deadline_s}")
+
+
+def options_from_args(args: argparse.Namespace, config: RunConfig) -> ServerOptions:
+    """The flags given (None = not given) over `config.verifiers`; ValueError if one is bad."""
+    given = {
+        "instance_id": args.worker_id,
+        "num_workers": args.num_workers,
+        "max_tasks_per_worker": args.max_tasks_per_worker,
+        "max_parallel_tests": args.max_parallel_tests,
+        "queue_size": args.queue_size,
+        "results_cache": args.results_cache,
+        "deadline_s": args.deadline_s,
+        "test_data_cache": Path(args.test_data_cache) if args.test_data_cache else None,
+        "test_data_roots": tuple(args.test_data_root),
+    }
+    if given["num_workers"] is None:
+        given["num_workers"] = config.verifiers.num_workers
+    return ServerOptions(**{k: v for k, v in given.items() if v is not None})
+
+
+def main(args: argparse.Namespace) -> int:
+    """`rlax-tpu serve verifier`: serve until SIGTERM or SIGINT, then exit 0."""
+    resolved = component_config(args, "verifier")
+    if resolved is None:
+        return 2
+    config, token = resolved
+    try:
+        options = options_from_args(args, config)
+    except ValueError as e:
+        print(f"rlax-tpu serve verifier: {e}", file=sys.stderr)
+        return 2
+
+    from rlax_tpu.rpc import HealthServicer, make_server
+    from rlax_tpu.verifiers.code import CodeVerifier
+    from rlax_tpu.verifiers.local import POOL_PRELOAD, LocalVerifier
+    from rlax_tpu.verifiers.pool import WorkerPool
+    from rlax_tpu.verifiers.repository import ProblemResolver
+    from rlax_tpu.verifiers.service import (
+        VerificationService,
+        VerifierServicer,
+        verifier_status,
+    )
+
+    host = args.host or "127.0.0.1"
+    stop = stop_on_signals()
+    try:
+        server, port = make_server(
+            host,
+            args.port,
+            auth_token=token,
+            auth_token_env=config.param_server.auth_token_env,
+            max_workers=_MAX_CALLS,
+        )
+    except OSError as e:  # the port is taken
+        print(f"rlax-tpu serve verifier: {e}", file=sys.stderr)
+        return 2
+    resolver = ProblemResolver(options.test_data_cache, roots=options.test_data_roots)
+    pool = WorkerPool(
+        options.num_workers,
+        max_tasks_per_worker=options.max_tasks_per_worker,
+        name="verifier",
+        preload=POOL_PRELOAD,
+    )
+    try:
+        verifier = LocalVerifier(
+            config.verifiers,
+            pool,
+            code_verifier=CodeVerifier(
+                config.verifiers, max_parallel_tests=options.max_parallel_tests
+            ),
+            problem_resolver=resolver,
+        )
+        service = VerificationService(
+            verifier.verify,
+            concurrency=options.num_workers,
+            queue_capacity=options.queue_size,
+            results_cache_size=options.results_cache,
+            default_deadline_s=options.deadline_s,
+            pool_stats=pool.stats,
+        )
+    except BaseException:
+        pool.close()
+        raise
+    VerifierServicer(service).add_to_server(server)
+    digest = config.digest()
+    HealthServicer(
+        lambda: verifier_status(service, instance_id=options.instance_id, config_digest=digest)
+    ).add_to_server(server)
+    server.start()
+    address = format_address(host, port)
+    announce_ready(
+        address,
+        f"verifier {options.instance_id}: {options.num_workers} workers (recycled every "
+        f"{options.max_tasks_per_worker} tasks), queue {options.queue_size}, test data cached "
+        f"in {options.test_data_cache}, listening on {address}",
+    )
+    try:
+        wait_for(stop)
+    finally:
+        server.stop(5.0).wait()  # running batches get 5 s to be answered
+        service.close(timeout_s=5.0)
+        pool.close()  # kills the worker processes, including any still judging
+    print(f"verifier {options.instance_id}: stopped", file=sys.stderr, flush=True)
+    return 0
