@@ -1,4 +1,7 @@
-"""The tiny CPU demo with the off-policy staleness preset (see StalenessConfig.PRESETS)."""
+"""The tiny CPU demo off-policy: workers may reload every version (η=1) and the trainer
+accepts rollouts up to 4 versions old (N=4), so generation runs up to 4 batches ahead
+of training — the off-policy setting of tools/bench_e2e.py. (RLAX's pod-scale
+setting, η=16 and N=32, is `--set staleness=off_policy`.)"""
 
 import dataclasses
 from pathlib import Path
@@ -11,6 +14,6 @@ def get_config() -> RunConfig:
     return dataclasses.replace(
         base,
         name="tiny_cpu_off_policy",
-        staleness=StalenessConfig.PRESETS["off_policy"](),
+        staleness=StalenessConfig(reload_every=1, max_staleness=4),
         storage=dataclasses.replace(base.storage, run_dir="runs/tiny_cpu_off_policy"),
     )

@@ -60,8 +60,13 @@ def test_bad_override_exits_2_naming_the_field(capsys):
 
 
 def test_commands_of_later_components_say_so(capsys):
-    assert main(["resume", "runs/x"]) == 2
+    assert main(["sft", "configs/tiny_cpu.py"]) == 2
     assert "not available yet" in capsys.readouterr().err
+
+
+# The smoke job on a 3-D trainer mesh of 8 virtual devices (the demo itself uses 2).
+MESH_OVERRIDES = ("cpu_devices=8", "trainer.mesh.fsdp=2", "trainer.mesh.tensor=2")
+MESH_3D = [arg for o in MESH_OVERRIDES for arg in ("--set", o)]
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -78,10 +83,10 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_run_job_dumps_config_and_checks_trainer_against_inference(tmp_path):
     run_dir = tmp_path / "run"
-    result = _run_cli("run", TINY, "--set", f"storage.run_dir={run_dir}")
+    result = _run_cli("run", "--smoke", TINY, *MESH_3D, "--set", f"storage.run_dir={run_dir}")
     assert result.returncode == 0, result.stderr
     assert "foundation job: OK" in result.stdout
-    config = load_config(TINY, [f"storage.run_dir={run_dir}"])
+    config = load_config(TINY, [*MESH_OVERRIDES, f"storage.run_dir={run_dir}"])
     assert load_config(str(run_dir / "config.json")) == config
     assert (run_dir / "config.sha256").read_text().strip() == config.digest()
     assert (run_dir / "config.txt").read_text() == config.to_text()
@@ -90,7 +95,9 @@ def test_run_job_dumps_config_and_checks_trainer_against_inference(tmp_path):
     assert metrics["train_vs_inference_logprob_max_abs_diff"] < 1e-4
 
     # The run directory now belongs to that config: another config is refused.
-    other = _run_cli("run", TINY, "--set", f"storage.run_dir={run_dir}", "--set", "seed=1")
+    other = _run_cli(
+        "run", "--smoke", TINY, "--set", f"storage.run_dir={run_dir}", "--set", "seed=1"
+    )
     assert other.returncode == 2
     assert "holds a run with config digest" in other.stderr
 
@@ -99,9 +106,9 @@ def test_run_job_writes_its_run_dir_to_gcs(gcs_bucket):
     from rlax_tpu import storage
 
     run_dir = f"{gcs_bucket}/runs/tiny"
-    result = _run_cli("run", TINY, "--set", f"storage.run_dir={run_dir}")
+    result = _run_cli("run", "--smoke", TINY, *MESH_3D, "--set", f"storage.run_dir={run_dir}")
     assert result.returncode == 0, result.stderr
-    config = load_config(TINY, [f"storage.run_dir={run_dir}"])
+    config = load_config(TINY, [*MESH_OVERRIDES, f"storage.run_dir={run_dir}"])
     assert storage.read_text(f"{run_dir}/config.sha256").strip() == config.digest()
     assert json.loads(storage.read_text(f"{run_dir}/config.json")) == config.to_dict()
     assert "train_nll" in json.loads(storage.read_text(f"{run_dir}/foundation_job.json"))
@@ -114,18 +121,19 @@ def test_run_job_on_a_hugging_face_checkpoint(tmp_path):
 
     checkpoint = tmp_path / "qwen3"
     make_hf_model("Qwen3ForCausalLM").save_pretrained(checkpoint)
-    base = load_config(TINY, [f"storage.run_dir={tmp_path / 'run'}"])
+    base = load_config(TINY, [*MESH_OVERRIDES, f"storage.run_dir={tmp_path / 'run'}"])
     config = dataclasses.replace(base, model=load_hf_config(str(checkpoint)))
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(config.to_dict()))
 
-    result = _run_cli("run", str(config_file))
+    result = _run_cli("run", "--smoke", str(config_file))
     assert result.returncode == 0, result.stderr
     assert "foundation job: OK" in result.stdout
 
     # A config that disagrees with the checkpoint is refused, naming the field.
     wrong = _run_cli(
         "run",
+        "--smoke",
         str(config_file),
         "--set",
         "model.rope_theta=10.0",

@@ -18,7 +18,7 @@ from rlax_tpu.inference.service import InferenceCallError, InferenceWorkerClient
 from rlax_tpu.param_server.client import ParamServerClient
 
 TOKEN = "inference-test-token"
-TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py")
+TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
 OVERRIDES = [
     "cpu_devices=0",
     "inference.max_decode_slots=4",

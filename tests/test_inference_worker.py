@@ -23,7 +23,7 @@ from rlax_tpu.inference.worker import (
 )
 from rlax_tpu.param_server.client import ParamServerCallError
 
-TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py")
+TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
 # A tiny engine: 4 slots, one prefill bucket, 8 greedy tokens; compiles in about 2 s.
 OVERRIDES = [
     "cpu_devices=0",

@@ -307,7 +307,7 @@ def test_server_needs_storage_or_a_config(monkeypatch, capsys):
 
 def test_flags_override_the_config_and_storage_defaults_to_the_run_dir():
     parse = build_parser().parse_args
-    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py")
+    tiny = str(Path(__file__).resolve().parent / "tiny_components_config.py")
     args = parse(
         ["serve", "param-server", tiny, "--set", "storage.run_dir=/r", "--hot-versions", "7"]
     )

@@ -22,7 +22,7 @@ from rlax_tpu.trainer.service import (
 )
 
 TOKEN = "trainer-test-token"
-TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py")
+TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
 # The tiny model on the tiny config's 2×2×2 mesh (conftest's 8 virtual CPU devices are
 # inherited by the server processes), one update of two micro-batches per step.
 OVERRIDES = ["cpu_devices=0", "trainer.checkpoint_every=1000", "trainer.max_seq_len=32"]

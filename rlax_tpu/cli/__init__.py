@@ -15,7 +15,7 @@ from rlax_tpu.config import ConfigError, load_config
 # Command -> (help, the piece of the system that implements it when not yet built).
 _COMMANDS = {
     "run": ("start a run from a config (the main job)", None),
-    "resume": ("resume a run from its run directory after preemption", "the controller"),
+    "resume": ("resume a run from its run directory after preemption", None),
     "serve": (
         "serve one component over gRPC (param-server, inference, trainer, verifier)",
         "the component services",
@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name in ("run", "sft", "eval"):
             _add_config_args(p)
+            if name == "run":
+                p.add_argument(
+                    "--smoke",
+                    action="store_true",
+                    help="instead of the run: check the model's numerics across the meshes "
+                    "(sharded forward + gradient; trainer log-probs == inference log-probs)",
+                )
         elif name == "resume":
             p.add_argument("run_dir", help="the run directory (local path or gs://)")
         elif name == "serve":
@@ -186,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlax-tpu: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # The run's own failures (a component died, no usable snapshot, ...) end with their
+        # message, not a traceback; anything else is a bug and keeps its traceback.
+        if type(e).__module__.startswith("rlax_tpu.controller"):
+            print(f"rlax-tpu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -203,10 +217,18 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, args.overrides)
         try:
-            return run(config)
+            if args.smoke:
+                return run(config)
+            from rlax_tpu.controller.job import main as run_job
+
+            return run_job(config)
         except (CheckpointError, FileNotFoundError) as e:
             print(f"rlax-tpu run: {e}", file=sys.stderr)
             return 2
+    if args.command == "resume":
+        from rlax_tpu.controller.job import resume
+
+        return resume(args.run_dir)
     if args.command == "serve" and args.component == "param-server":
         from rlax_tpu.param_server.server import main as serve_param_server
 

@@ -1,4 +1,4 @@
-"""`rlax-tpu run`: until the controller lands, the foundation job.
+"""`rlax-tpu run --smoke`: the numerics check of a config (the foundation job).
 
 It exercises everything built so far end to end on the configured meshes: build or
 import the model, shard it on the trainer mesh, take a jitted forward + gradient on

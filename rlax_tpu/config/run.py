@@ -290,7 +290,6 @@ class InferenceConfig(ConfigBase):
     attention_backend: Literal["auto", "jax", "pallas"] = "auto"
 
     def validate(self) -> None:
-        require(self.num_workers >= 1, "num_workers", "must be >= 1")
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
         require(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
@@ -365,7 +364,8 @@ class VerifierConfig(ConfigBase):
 class DatasetConfig(ConfigBase):
     path: str  # JSONL or Parquet, local or gs://
     weight: float = 1.0
-    verifier: Literal["math", "code", "none"] = "math"
+    # Which verifier scores its rows (a row's own "verifier" field overrides it).
+    verifier: Literal["math", "code", "arithmetic", "reasoning_gym", "none"] = "math"
 
     def validate(self) -> None:
         require(bool(self.path), "path", "must name a JSONL or Parquet file")
@@ -380,9 +380,23 @@ class ControllerConfig(ConfigBase):
     datasets: tuple[DatasetConfig, ...] = ()
     # Snapshots are written at every weight-reload boundary (every η steps).
     keep_snapshots: int = 3
+    # Held-out greedy accuracy: "" = none, else a dataset file (or "builtin:arithmetic"),
+    # its first eval_size rows, measured at step 0, every eval_every steps (0 = only at
+    # the start and the end) and at the end.
+    eval_dataset: str = ""
+    eval_size: int = 64
+    eval_every: int = 0
+    # SFT warm start inside the same job before RL (the demo): steps on the training
+    # datasets' reference answers, at this learning rate; 0 = start RL from the model as is.
+    sft_steps: int = 0
+    sft_learning_rate: float = 1e-3
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
+        require(self.eval_size >= 1, "eval_size", "must be >= 1")
+        require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = start and end only)")
+        require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        require(self.sft_learning_rate > 0, "sft_learning_rate", "must be > 0")
         require(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
         require(self.keep_snapshots >= 1, "keep_snapshots", "must be >= 1")

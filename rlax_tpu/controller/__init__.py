@@ -1,0 +1,22 @@
+"""The controller: the one active process of a run. It draws prompts from the dataset mixture,
+drives the inference workers, verifiers and trainer, writes metrics and snapshots, and recovers
+a preempted run from its newest snapshot. `rlax-tpu run` and `resume` are `job.main` and
+`job.resume`."""
+
+from rlax_tpu.controller.controller import Components, Controller, ControllerError
+from rlax_tpu.controller.datasets import DatasetError, PromptMixture, PromptRecord, load_dataset
+from rlax_tpu.controller.snapshots import RolloutLog, Snapshot, SnapshotError, SnapshotStore
+
+__all__ = [
+    "Components",
+    "Controller",
+    "ControllerError",
+    "DatasetError",
+    "PromptMixture",
+    "PromptRecord",
+    "RolloutLog",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotStore",
+    "load_dataset",
+]

@@ -1,0 +1,426 @@
+"""The prompt mixture (DESIGN §8): datasets of prompts, weighted and drawn reproducibly.
+
+Datasets are JSONL or Parquet files (local, file:// or gs://). A draw picks a dataset by weight
+from a seeded RNG stream and takes that dataset's next prompt in a per-epoch shuffled order, so
+the whole sequence is a function of (seed, datasets) and resumes exactly from `state()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import posixpath
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlax_tpu import storage
+from rlax_tpu.config.run import DatasetConfig
+
+# What a row may name as its verifier: the kinds of rlax_tpu.verifiers.types.VerifierKind, and
+# "none" for prompts that are generated but not scored.
+VERIFIERS = ("math", "code", "arithmetic", "reasoning_gym", "none")
+# Verifiers that judge against a reference answer, and those that need a problem (tests) link.
+_NEEDS_REFERENCE = ("math", "arithmetic", "reasoning_gym")
+_NEEDS_PROBLEM = ("code",)
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+_STATE_FORMAT = 1
+
+
+class DatasetError(ValueError):
+    """A dataset file cannot be read, or one of its rows is unusable; the message says where."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptRecord:
+    """One prompt of a dataset, with what its verifier needs.
+
+    Exactly one of `prompt` (plain text) and `messages` (chat: {"role", "content", ...} dicts)
+    is set. `reference` is the reference answer (math, arithmetic; a task entry as JSON for
+    reasoning_gym), `problem` the link to a code problem's tests.
+    """
+
+    dataset: str
+    id: str
+    prompt: str = ""
+    messages: tuple[dict[str, Any], ...] = ()
+    reference: str = ""
+    problem: str = ""
+    verifier: str = "math"
+
+    def __post_init__(self) -> None:
+        if bool(self.prompt) == bool(self.messages):
+            which = "both" if self.prompt else "neither"
+            raise DatasetError(
+                f"prompt {self.id!r} has {which} of 'prompt' and 'messages'; give exactly one "
+                "(plain text, or chat messages [{'role': ..., 'content': ...}, ...])"
+            )
+        if self.verifier not in VERIFIERS:
+            raise DatasetError(
+                f"prompt {self.id!r}: verifier {self.verifier!r} is unknown; use one of "
+                f"{', '.join(VERIFIERS)}"
+            )
+        if self.verifier in _NEEDS_REFERENCE and not self.reference:
+            raise DatasetError(
+                f"prompt {self.id!r}: the {self.verifier} verifier needs a reference answer "
+                "(field 'answer' or 'reference')"
+            )
+        if self.verifier in _NEEDS_PROBLEM and not self.problem:
+            raise DatasetError(
+                f"prompt {self.id!r}: the code verifier needs a link to the problem's tests "
+                "(field 'problem' or 'tests')"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """This record as a JSON object (a dict of JSON types), for the rollout log."""
+        out: dict[str, Any] = {"dataset": self.dataset, "id": self.id}
+        if self.prompt:
+            out["prompt"] = self.prompt
+        else:
+            out["messages"] = [dict(m) for m in self.messages]
+        out.update(reference=self.reference, problem=self.problem, verifier=self.verifier)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PromptRecord:
+        """The record `to_json` wrote."""
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise DatasetError(f"prompt record has unknown fields {sorted(unknown)}: {data!r}")
+        fields = dict(data)
+        if "messages" in fields:
+            fields["messages"] = tuple(dict(m) for m in fields["messages"])
+        try:
+            return cls(**fields)
+        except TypeError as e:  # a required field is missing
+            raise DatasetError(f"prompt record {data!r} is incomplete: {e}") from None
+
+
+def dataset_name(config: DatasetConfig) -> str:
+    """The name a dataset goes by in records, counters and snapshots: its file's stem
+    ("gs://bucket/data/gsm8k.jsonl" -> "gsm8k")."""
+    base = posixpath.basename(config.path.rstrip("/"))
+    for suffix in (*JSONL_SUFFIXES, *PARQUET_SUFFIXES):
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def load_dataset(config: DatasetConfig) -> list[PromptRecord]:
+    """Every prompt of the dataset at `config.path` (.jsonl / .json: one JSON object per line,
+    or one JSON array; .parquet), in file order.
+
+    Row fields: `prompt` (text) or `messages` (chat), `answer` or `reference`, `problem` or
+    `tests`, optional `id` (default "<dataset>:<row>") and `verifier` (default: the config's).
+    """
+    path, name = config.path, dataset_name(config)
+    if path.endswith(JSONL_SUFFIXES):
+        rows = _read_json_rows(path)
+    elif path.endswith(PARQUET_SUFFIXES):
+        rows = _read_parquet_rows(path)
+    else:
+        raise DatasetError(
+            f"{path}: unknown dataset format; name the file *.jsonl, *.json or *.parquet"
+        )
+    if not rows:
+        raise DatasetError(f"{path}: the dataset is empty (a dataset needs at least one prompt)")
+    records, seen = [], {}
+    for index, (where, row) in enumerate(rows):
+        try:
+            record = _record(row, name, index, config.verifier)
+        except DatasetError as e:
+            raise DatasetError(f"{path}, {where}: {e}") from None
+        if record.id in seen:
+            raise DatasetError(
+                f"{path}, {where}: id {record.id!r} already names {seen[record.id]}; "
+                "ids must be unique within a dataset"
+            )
+        seen[record.id] = where
+        records.append(record)
+    return records
+
+
+class PromptMixture:
+    """Prompts drawn from weighted datasets, reproducibly.
+
+    Each draw picks a dataset with probability weight / sum(weights), from an RNG stream
+    seeded by (seed, "prompt_mixture"), and takes that dataset's next prompt: with c prompts
+    of the dataset consumed so far and n in it, prompt perm[c % n] of a permutation seeded by
+    (seed, dataset name, c // n), so every epoch visits each prompt once.
+    """
+
+    def __init__(self, datasets: Sequence[DatasetConfig], seed: int) -> None:
+        if not datasets:
+            raise DatasetError(
+                "the prompt mixture needs at least one dataset (controller.datasets)"
+            )
+        names = [dataset_name(d) for d in datasets]
+        _check_unique_names(names, [d.path for d in datasets])
+        records = {name: load_dataset(d) for name, d in zip(names, datasets, strict=True)}
+        weights = {name: d.weight for name, d in zip(names, datasets, strict=True)}
+        self._setup(records, weights, seed)
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Mapping[str, Sequence[PromptRecord]],
+        weights: Mapping[str, float],
+        seed: int,
+    ) -> PromptMixture:
+        """A mixture of datasets already in memory (name -> records), e.g. generated ones."""
+        if not records:
+            raise DatasetError("the prompt mixture needs at least one dataset")
+        if set(weights) != set(records):
+            raise DatasetError(
+                f"weights name datasets {sorted(weights)} but records name {sorted(records)}"
+            )
+        for name, rows in records.items():
+            if not rows:
+                raise DatasetError(f"dataset {name!r} is empty")
+        mixture = cls.__new__(cls)
+        mixture._setup({n: list(r) for n, r in records.items()}, dict(weights), seed)
+        return mixture
+
+    def _setup(
+        self, records: dict[str, list[PromptRecord]], weights: dict[str, float], seed: int
+    ) -> None:
+        for name, weight in weights.items():
+            if not (math.isfinite(weight) and weight > 0):
+                raise DatasetError(f"dataset {name!r}: weight must be > 0, got {weight}")
+        self._seed = int(seed)
+        self._names = list(records)
+        self._records = records
+        total = sum(weights[n] for n in self._names)
+        self._cdf = np.cumsum([weights[n] / total for n in self._names])
+        self._rng = np.random.Generator(
+            np.random.PCG64(_seed_sequence(self._seed, "prompt_mixture"))
+        )
+        self._counters = dict.fromkeys(self._names, 0)
+        self._permutations: dict[str, tuple[int, np.ndarray]] = {}  # name -> (epoch, perm)
+
+    @property
+    def names(self) -> list[str]:
+        """The dataset names, in config order."""
+        return list(self._names)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {name: len(self._records[name]) for name in self._names}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Prompts consumed so far, per dataset name."""
+        return dict(self._counters)
+
+    def draw(self, count: int) -> list[PromptRecord]:
+        """The next `count` prompts. Draws are one at a time, so draw(a) then draw(b) equals
+        draw(a + b). The controller asks each prompt for G samples (samples_per_prompt)."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        out = []
+        for _ in range(count):
+            u = self._rng.random()
+            index = min(int(np.searchsorted(self._cdf, u, side="right")), len(self._names) - 1)
+            out.append(self._next(self._names[index]))
+        return out
+
+    def _next(self, name: str) -> PromptRecord:
+        records, consumed = self._records[name], self._counters[name]
+        epoch, position = divmod(consumed, len(records))
+        cached = self._permutations.get(name)
+        if cached is None or cached[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64(_seed_sequence(self._seed, name, epoch)))
+            cached = (epoch, rng.permutation(len(records)))
+            self._permutations[name] = cached
+        self._counters[name] = consumed + 1
+        return records[int(cached[1][position])]
+
+    def state(self) -> dict[str, Any]:
+        """Where the mixture stands, as JSON types: the dataset-choice RNG and the counters
+        (and dataset sizes, so a resume against changed files is caught)."""
+        return {
+            "format": _STATE_FORMAT,
+            "rng": self._rng.bit_generator.state,
+            "counters": dict(self._counters),
+            "sizes": self.sizes,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state()`; the draws that follow equal those after that state was taken.
+
+        Raises DatasetError, changing nothing, if the state is malformed or belongs to a
+        mixture of other datasets.
+        """
+        if not isinstance(state, Mapping):
+            raise DatasetError(f"prompt mixture state must be a dict, got {type(state).__name__}")
+        missing = {"rng", "counters"} - set(state)
+        if missing:
+            raise DatasetError(f"prompt mixture state lacks {sorted(missing)}: {state!r}")
+        if state.get("format", _STATE_FORMAT) != _STATE_FORMAT:
+            raise DatasetError(
+                f"prompt mixture state has format {state['format']!r}; this version reads "
+                f"format {_STATE_FORMAT}"
+            )
+        counters = state["counters"]
+        if not isinstance(counters, Mapping):
+            raise DatasetError(f"prompt mixture state: counters must be a dict, got {counters!r}")
+        unknown = sorted(set(counters) - set(self._names))
+        absent = sorted(set(self._names) - set(counters))
+        if unknown or absent:
+            problems = [f"it names {unknown}, which this mixture lacks"] if unknown else []
+            problems += [f"it lacks {absent}, which this mixture has"] if absent else []
+            raise DatasetError(
+                f"prompt mixture state is for other datasets: {'; '.join(problems)} "
+                f"(this mixture: {self._names})"
+            )
+        for name, value in counters.items():
+            if type(value) is not int or value < 0:
+                raise DatasetError(
+                    f"prompt mixture state: counter of {name!r} must be an int >= 0, got {value!r}"
+                )
+        sizes = state.get("sizes", self.sizes)
+        if not isinstance(sizes, Mapping):
+            raise DatasetError(f"prompt mixture state: sizes must be a dict, got {sizes!r}")
+        changed = {n: (sizes.get(n), len(self._records[n])) for n in self._names}
+        changed = {n: s for n, s in changed.items() if s[0] is not None and s[0] != s[1]}
+        if changed:
+            detail = ", ".join(f"{n}: {old} then, {new} now" for n, (old, new) in changed.items())
+            raise DatasetError(
+                f"prompt mixture state was taken with datasets of other sizes ({detail}); the "
+                "dataset files changed since, so the run cannot continue reproducibly"
+            )
+        rng = np.random.PCG64()
+        try:
+            rng.state = dict(state["rng"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise DatasetError(f"prompt mixture state: bad RNG state {state['rng']!r}: {e}") from e
+        self._rng = np.random.Generator(rng)
+        self._counters = {name: int(counters[name]) for name in self._names}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _seed_sequence(seed: int, *parts: str | int) -> np.random.SeedSequence:
+    """A SeedSequence named by (seed, *parts): a stable hash, so names make independent streams
+    (and negative or huge seeds work)."""
+    key = json.dumps([int(seed), *parts]).encode()
+    return np.random.SeedSequence(int.from_bytes(hashlib.sha256(key).digest(), "little"))
+
+
+def _check_unique_names(names: list[str], paths: list[str]) -> None:
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            first = paths[names.index(name)]
+            raise DatasetError(
+                f"datasets {first} and {paths[i]} both go by the name {name!r} (their file "
+                "stem); rename one of the files"
+            )
+
+
+def _read_json_rows(path: str) -> list[tuple[str, Any]]:
+    """(where, row) for each record of a JSON-lines file (or a file holding one JSON array)."""
+    text = _read(path).decode("utf-8-sig")
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}: not valid JSON: {e}") from None
+        return [(f"row {i}", row) for i, row in enumerate(rows)]
+    out = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(
+                f"{path}, row {len(out)} (line {line_no}): not valid JSON: {e}"
+            ) from None
+        out.append((f"row {len(out)} (line {line_no})", row))
+    return out
+
+
+def _read_parquet_rows(path: str) -> list[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(io.BytesIO(_read(path)))
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{path}: not a readable Parquet file: {e}") from None
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+def _read(path: str) -> bytes:
+    try:
+        return storage.read_bytes(path)
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: no such dataset file") from None
+
+
+def _record(row: Any, dataset: str, index: int, default_verifier: str) -> PromptRecord:
+    if not isinstance(row, Mapping):
+        raise DatasetError(f"expected a JSON object, got {type(row).__name__}: {row!r:.80}")
+    row = {k: v for k, v in row.items() if v is not None}  # Parquet fills absent fields with null
+    prompt = row.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise DatasetError(f"'prompt' must be text, got {type(prompt).__name__}")
+    messages = _messages(row.get("messages", ()))
+    if bool(prompt) == bool(messages):
+        which = "both" if prompt else "neither"
+        raise DatasetError(
+            f"has {which} of 'prompt' and 'messages'; give exactly one (plain text, or chat "
+            "messages [{'role': ..., 'content': ...}, ...])"
+        )
+    record_id = _text(row, "id") or f"{dataset}:{index}"
+    return PromptRecord(
+        dataset=dataset,
+        id=record_id,
+        prompt=prompt,
+        messages=messages,
+        reference=_either(row, "answer", "reference"),
+        problem=_either(row, "problem", "tests"),
+        verifier=_text(row, "verifier") or default_verifier,
+    )
+
+
+def _messages(value: Any) -> tuple[dict[str, Any], ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise DatasetError(f"'messages' must be a list of messages, got {value!r:.80}")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise DatasetError(f"messages[{i}] must be an object, got {message!r:.80}")
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise DatasetError(f"messages[{i}] needs a text {key!r}, got {message!r:.80}")
+        out.append(message)
+    return tuple(out)
+
+
+def _either(row: Mapping[str, Any], first: str, second: str) -> str:
+    a, b = _text(row, first), _text(row, second)
+    if a and b and a != b:
+        raise DatasetError(f"has both {first!r} and {second!r}, and they differ; give one")
+    return a or b
+
+
+def _text(row: Mapping[str, Any], key: str) -> str:
+    """Field `key` as text: strings as they are, numbers via str, lists and objects as JSON."""
+    value = row.get(key)
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool | int | float):
+        return str(value)
+    if isinstance(value, Mapping | list | tuple):
+        return json.dumps(value)
+    raise DatasetError(f"field {key!r} has a value of type {type(value).__name__}: {value!r:.80}")

@@ -1,0 +1,297 @@
+"""`rlax-tpu run` and `rlax-tpu resume`: a whole RL run on this machine.
+
+1. The run directory gets the config dump (a different config there is refused).
+2. Built-in inputs are materialised into it: `model.tokenizer = "builtin:char"` writes a
+   character tokenizer, a dataset path `builtin:arithmetic` writes the arithmetic task.
+3. With `controller.sft_steps`, the model is warm-started by SFT in this process and
+   exported in Hugging Face format; the RL components start from that export.
+4. The local launcher starts every component; the controller runs in the foreground.
+Running it again on the same run directory (or `rlax-tpu resume RUN_DIR`) resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rlax_tpu import storage
+from rlax_tpu.config import DatasetConfig, RunConfig, load_config
+
+_log = logging.getLogger(__name__)
+
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+BUILTIN_CHAR_TOKENIZER = "builtin:char"
+ARITHMETIC_TRAIN_SIZE = 5000
+EFFECTIVE_CONFIG = "effective_config.json"
+SFT_MODEL_DIR = "sft_model"
+
+
+# -- built-in inputs ---------------------------------------------------------------------------
+def arithmetic_split(seed: int, split: str) -> list[dict[str, str]]:
+    """The arithmetic task's rows: "train" and "heldout" come from distinct seed streams."""
+    from rlax_tpu.verifiers.tasks import arithmetic_problems
+
+    count = ARITHMETIC_TRAIN_SIZE if split == "train" else 512
+    offset = {"train": 0, "heldout": 1_000_003}[split]
+    return arithmetic_problems(seed + offset, count, max_operand=20, ops=("+", "-"))
+
+
+def _materialise_dataset(path: str, seed: int, run_dir: str, split: str) -> str:
+    if path != BUILTIN_ARITHMETIC:
+        return path
+    url = storage.join(run_dir, "data", f"arithmetic_{split}.jsonl")
+    if not storage.exists(url):
+        rows = [{**r, "verifier": "arithmetic"} for r in arithmetic_split(seed, split)]
+        storage.write_text(url, "".join(json.dumps(r) + "\n" for r in rows))
+    return url
+
+
+def materialise(config: RunConfig) -> RunConfig:
+    """`config` with its built-in inputs written into the run directory and named by path."""
+    run_dir = config.storage.run_dir
+    model, controller = config.model, config.controller
+    if model.tokenizer == BUILTIN_CHAR_TOKENIZER:
+        from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+
+        directory = storage.join(run_dir, "tokenizer")
+        if not storage.exists(storage.join(directory, "tokenizer.json")):
+            write_char_tokenizer(directory)
+        model = dataclasses.replace(model, tokenizer=directory)
+    datasets = tuple(
+        dataclasses.replace(d, path=_materialise_dataset(d.path, config.seed, run_dir, "train"))
+        for d in controller.datasets
+    )
+    eval_dataset = controller.eval_dataset
+    if eval_dataset:
+        eval_dataset = _materialise_dataset(eval_dataset, config.seed, run_dir, "heldout")
+    controller = dataclasses.replace(controller, datasets=datasets, eval_dataset=eval_dataset)
+    return dataclasses.replace(config, model=model, controller=controller)
+
+
+def tokenizer_path(config: RunConfig) -> str:
+    path = config.model.tokenizer or config.model.hf_checkpoint
+    if not path:
+        raise ValueError(
+            "the controller needs a tokenizer: set model.tokenizer (a directory with "
+            "tokenizer.json, or builtin:char) or model.hf_checkpoint"
+        )
+    return path
+
+
+# -- SFT warm start ----------------------------------------------------------------------------
+def sft_rows(config: RunConfig, tokenizer: Any, records: list[Any]) -> tuple:
+    """(tokens, targets, loss_mask) of prompt + reference + eos; loss on the answer part."""
+    import numpy as np
+
+    eos = tokenizer.eos_token_id
+    seqs, starts = [], []
+    for r in records:
+        prompt = tokenizer.encode(r.prompt)
+        answer = tokenizer.encode(r.reference, add_special_tokens=False)
+        seqs.append(prompt + answer + ([eos] if eos is not None else []))
+        starts.append(len(prompt))
+    seq = min(config.trainer.max_seq_len, 16 * -(-max(len(s) for s in seqs) // 16))
+    tokens = np.zeros((len(seqs), seq), np.int32)
+    mask = np.zeros((len(seqs), seq), np.float32)
+    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+        s = s[:seq]
+        tokens[i, : len(s)] = s
+        mask[i, start - 1 : len(s) - 1] = 1.0  # position t predicts tokens[t + 1]
+    targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
+    return tokens, targets, mask
+
+
+def warm_start(config: RunConfig, tokenizer: Any) -> str:
+    """SFT `controller.sft_steps` steps in this process; the model exported in HF format
+    (once: a finished export is reused on resume). Returns its directory."""
+    out = storage.join(config.storage.run_dir, SFT_MODEL_DIR)
+    if storage.exists(storage.join(out, "config.json")):  # written last by save_hf
+        return out
+    from rlax_tpu.controller.datasets import PromptMixture
+    from rlax_tpu.models.hf import save_hf
+    from rlax_tpu.trainer import Trainer
+
+    ctl = config.controller
+    sft_config = dataclasses.replace(
+        config,
+        trainer=dataclasses.replace(
+            config.trainer,
+            learning_rate=ctl.sft_learning_rate,
+            checkpoint_every=max(ctl.sft_steps, 1),
+        ),
+        controller=dataclasses.replace(ctl, num_steps=ctl.sft_steps),
+        storage=dataclasses.replace(
+            config.storage, run_dir=storage.join(config.storage.run_dir, "sft")
+        ),
+    )
+    trainer = Trainer(sft_config)
+    trainer.initialize()
+    # Its own named stream: SFT draws never shift the RL prompt order.
+    mixture = PromptMixture(ctl.datasets, seed=config.seed + 7919)
+    t0 = time.perf_counter()
+    for step in range(trainer.step, ctl.sft_steps):
+        records = mixture.draw(ctl.global_batch_size)
+        result = trainer.sft_step(step, *sft_rows(config, tokenizer, records))
+        if step % 50 == 0 or step == ctl.sft_steps - 1:
+            print(
+                f"sft step {step + 1}/{ctl.sft_steps}: loss {result.metrics.get('loss', 0):.3f} "
+                f"({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+    save_hf(trainer.params(), config.model, out)
+    trainer.close()
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------------
+class _ServiceVerifier:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def verify_many(self, requests: list[Any]) -> list[Any]:
+        # Chunks well under the service's queue (a batch over it is refused whole).
+        out: list[Any] = []
+        for start in range(0, len(requests), 256):
+            out += self.client.verify(requests[start : start + 256])
+        return out
+
+
+def _progress(row: dict[str, Any], num_steps: int) -> None:
+    if "reward_mean" not in row:  # the evaluation before the first step
+        print(f"step {row['step']:>4}/{num_steps}  held-out {row['eval_accuracy']:.3f}", flush=True)
+        return
+    tokens_per_s = row["response_tokens"] / max(row.get("train/time/step_s", 0) or 1e-9, 1e-9)
+    line = (
+        f"step {row['step']:>4}/{num_steps}  reward {row['reward_mean']:.3f}  "
+        f"acc {row['accuracy']:.3f}  staleness {row['staleness_mean']:.2f}  "
+        f"train tok/s {tokens_per_s:,.0f}  {row['elapsed_s']:.0f}s"
+    )
+    if "eval_accuracy" in row:
+        line += f"  held-out {row['eval_accuracy']:.3f}"
+    print(line, flush=True)
+
+
+def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
+    """The whole job; returns the controller's summary (see Controller.run)."""
+    from rlax_tpu.controller.controller import Components, Controller
+    from rlax_tpu.controller.datasets import PromptMixture, load_dataset
+    from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
+    from rlax_tpu.controller.metrics import MetricsWriter
+    from rlax_tpu.inference.service import InferenceWorkerClient
+    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.run_dir import prepare_run_dir
+    from rlax_tpu.runtime import configure_jax
+    from rlax_tpu.trainer.service import TrainerClient
+    from rlax_tpu.verifiers.service import VerifierClient
+
+    stop = stop or threading.Event()
+    run_dir = prepare_run_dir(config)
+    digest = config.digest()
+    print(f"run {config.name!r}: digest {digest[:12]}, run dir {run_dir}", flush=True)
+    effective = materialise(config)
+    tokenizer = Tokenizer.load(tokenizer_path(effective))
+    if effective.controller.sft_steps:
+        configure_jax(effective)
+        model_dir = warm_start(effective, tokenizer)
+        effective = dataclasses.replace(
+            effective, model=dataclasses.replace(effective.model, hf_checkpoint=model_dir)
+        )
+    config_url = storage.join(run_dir, EFFECTIVE_CONFIG)
+    storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
+    local_dir = Path(run_dir) if not storage.is_remote(run_dir) else Path("logs") / config.name
+    ctl = effective.controller
+    mixture = PromptMixture(ctl.datasets, seed=effective.seed)
+    eval_prompts = []
+    if ctl.eval_dataset:
+        eval_prompts = load_dataset(DatasetConfig(path=ctl.eval_dataset))
+        eval_prompts = eval_prompts[: ctl.eval_size]
+    with LocalCluster(
+        config_url,
+        num_workers=effective.inference.num_workers,
+        log_dir=local_dir / "logs",
+        param_storage=storage.join(run_dir, "params"),
+        token_env=effective.param_server.auth_token_env,
+    ) as cluster:
+        t0 = time.perf_counter()
+        cluster.start()
+        print(f"components ready in {time.perf_counter() - t0:.0f}s: {cluster.addresses}")
+        threading.Thread(
+            target=lambda: (cluster.failed.wait(), stop.set()), daemon=True, name="on-failure"
+        ).start()
+        token = cluster.token
+        ps = ParamServerClient(cluster.addresses["param_server"], auth_token=token)
+        components = Components(
+            trainer=TrainerClient(cluster.addresses["trainer"][0], auth_token=token),
+            param_server=ps,
+            workers=[
+                InferenceWorkerClient(a, auth_token=token)
+                for a in cluster.addresses["inference_worker"]
+            ],
+            verifier=_ServiceVerifier(
+                VerifierClient(cluster.addresses["verifier"][0], auth_token=token)
+            ),
+        )
+        with MetricsWriter(run_dir) as metrics:
+            controller = Controller(
+                effective,
+                components,
+                tokenizer=tokenizer,
+                mixture=mixture,
+                eval_prompts=eval_prompts,
+                metrics=metrics,
+                progress=lambda row: _progress(row, ctl.num_steps),
+                stop=stop,
+                digest=digest,
+            )
+            try:
+                summary = controller.run()
+            finally:
+                failure = cluster.failure
+        ps.close()
+    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+    if failure:
+        raise ComponentFailed(failure)
+    return summary
+
+
+def main(config: RunConfig) -> int:
+    """`rlax-tpu run`: SIGTERM / Ctrl-C write a final snapshot and stop every component."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    summary = run(config, stop=stop)
+    evals = summary.get("evals", {})
+    if evals:
+        first, last = min(evals), max(evals)
+        print(
+            f"held-out greedy accuracy: {evals[first]:.3f} at step {first} -> "
+            f"{evals[last]:.3f} at step {last}",
+            flush=True,
+        )
+    if summary["end_step"] < config.controller.num_steps:
+        print(
+            f"stopped at step {summary['end_step']}; continue with: rlax-tpu resume "
+            f"{config.storage.run_dir}",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"done: {summary['end_step']} steps in {summary['wall_s']:.0f}s", flush=True)
+    return 0
+
+
+def resume(run_dir: str) -> int:
+    """`rlax-tpu resume RUN_DIR`: the run's own config, continued."""
+    url = storage.join(run_dir, "config.json")
+    if not storage.exists(url):
+        print(f"rlax-tpu resume: {run_dir} holds no run (config.json is missing)", file=sys.stderr)
+        return 2
+    return main(load_config(url, []))

@@ -1,0 +1,186 @@
+"""Controller snapshots and the rollout log: what a resumed run needs to continue exactly.
+
+A snapshot is written atomically at every weight-reload boundary (every η steps). It names
+the trainer checkpoint the run resumes from and everything the controller's deterministic
+choices depend on at that step: the prompt-mixture RNG and counters, the accounting.
+The rollout log keeps every finished rollout, keyed by (batch, prompt id, sample index,
+version), one object each, so a resumed run reuses what was generated before the stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from rlax_tpu import storage
+
+_log = logging.getLogger(__name__)
+
+SNAPSHOT_DIR = "snapshots"
+ROLLOUT_DIR = "rollouts"
+CONSUMED_DIR = "consumed"
+FORMAT = 1
+
+
+class SnapshotError(RuntimeError):
+    """No usable snapshot (truncated, of another config, or its checkpoint is gone)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """The controller's state at a reload boundary.
+
+    step: batches [0, step) are trained. checkpoint_step: the trainer checkpoint to resume
+    from (<= step); batches [checkpoint_step, step) are retrained from the rollout log.
+    mixture: the prompt mixture's state before drawing batch `checkpoint_step`.
+    stats: the run's accounting as of `checkpoint_step` (rejected rollouts, ...).
+    versions: the model version each component held when the snapshot was written.
+    """
+
+    step: int
+    checkpoint_step: int
+    config_digest: str
+    mixture: dict[str, Any]
+    stats: dict[str, Any]
+    versions: dict[str, int]
+
+    def to_json(self) -> str:
+        body = {"format": FORMAT, **dataclasses.asdict(self)}
+        text = json.dumps(body, sort_keys=True)
+        return json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body})
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Snapshot:
+        """Parse and verify a snapshot; SnapshotError says what is wrong with it."""
+        try:
+            outer = json.loads(text)
+            body = outer["body"]
+            digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        except (ValueError, KeyError, TypeError) as e:
+            raise SnapshotError(f"snapshot {where} is truncated or not JSON ({e})") from None
+        if outer.get("sha256") != digest:
+            raise SnapshotError(f"snapshot {where} fails its checksum (truncated or edited)")
+        if body.get("format") != FORMAT:
+            raise SnapshotError(f"snapshot {where} has format {body.get('format')}, not {FORMAT}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in fields})
+
+
+def snapshot_name(step: int) -> str:
+    return f"snapshot_{step:09d}.json"
+
+
+class SnapshotStore:
+    """The snapshots of one run directory (local or gs://); each object is written whole."""
+
+    def __init__(self, run_dir: str, keep: int) -> None:
+        self.directory = storage.join(run_dir, SNAPSHOT_DIR)
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        if not storage.exists(self.directory):
+            return []
+        steps = []
+        for name in storage.listdir(self.directory):
+            if name.startswith("snapshot_") and name.endswith(".json"):
+                try:
+                    steps.append(int(name[len("snapshot_") : -len(".json")]))
+                except ValueError:
+                    continue
+        return sorted(steps)
+
+    def write(self, snapshot: Snapshot) -> None:
+        storage.write_text(
+            storage.join(self.directory, snapshot_name(snapshot.step)), snapshot.to_json()
+        )
+        for old in self.steps()[: -self.keep]:
+            storage.remove(storage.join(self.directory, snapshot_name(old)))
+
+    def read(self, step: int) -> Snapshot:
+        url = storage.join(self.directory, snapshot_name(step))
+        return Snapshot.from_json(storage.read_text(url), url)
+
+    def candidates(self, config_digest: str) -> Iterator[Snapshot]:
+        """Valid snapshots of this config, newest first. A snapshot of another config is an
+        error (never a silently divergent run); a corrupt one is skipped with a warning."""
+        for step in reversed(self.steps()):
+            try:
+                snapshot = self.read(step)
+            except SnapshotError as e:
+                _log.warning("%s; trying the previous snapshot", e)
+                continue
+            if snapshot.config_digest != config_digest:
+                raise SnapshotError(
+                    f"snapshot of step {step} in {self.directory} was written by a run with "
+                    f"config digest {snapshot.config_digest[:12]}…, this config's is "
+                    f"{config_digest[:12]}…; resume with the run's own config (config.json "
+                    "in the run directory) or start a new run directory"
+                )
+            yield snapshot
+
+
+# -- the rollout log -----------------------------------------------------------------------------
+def rollout_key(batch: int, prompt_id: str, sample_index: int, version: int) -> str:
+    """A file-name-safe key of one rollout."""
+    safe = hashlib.sha256(prompt_id.encode()).hexdigest()[:16]
+    return f"p{safe}-s{sample_index}-v{version}"
+
+
+class RolloutLog:
+    """Every finished rollout of the run, one JSON object per rollout under
+    rollouts/batch_<b>/, written as it arrives; and per batch, what the trainer consumed."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.directory = storage.join(run_dir, ROLLOUT_DIR)
+
+    def _batch_dir(self, batch: int) -> str:
+        return storage.join(self.directory, f"batch_{batch:09d}")
+
+    def append(self, batch: int, record: dict[str, Any]) -> None:
+        """Persist one rollout record (must hold prompt_id, sample_index, version)."""
+        key = rollout_key(batch, record["prompt_id"], record["sample_index"], record["version"])
+        storage.write_text(
+            storage.join(self._batch_dir(batch), key + ".json"), json.dumps(record, sort_keys=True)
+        )
+
+    def read_batch(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
+        """The logged rollouts of `batch` by (prompt_id, sample_index, version); a record
+        that does not parse (a write cut short) is ignored and will be regenerated."""
+        directory = self._batch_dir(batch)
+        if not storage.exists(directory):
+            return {}
+        out = {}
+        for name in storage.listdir(directory):
+            if not name.endswith(".json"):
+                continue
+            try:
+                record = json.loads(storage.read_text(storage.join(directory, name)))
+                key = (record["prompt_id"], int(record["sample_index"]), int(record["version"]))
+            except (ValueError, KeyError, TypeError):
+                _log.warning("rollout log entry %s/%s is unreadable; regenerating", directory, name)
+                continue
+            out[key] = record
+        return out
+
+    def record_consumed(self, batch: int, keys: list[tuple[str, int, int]]) -> None:
+        """What train step `batch` consumed (prompt id, sample index, version per row)."""
+        storage.write_text(
+            storage.join(self.run_dir, CONSUMED_DIR, f"batch_{batch:09d}.json"),
+            json.dumps([list(k) for k in keys]),
+        )
+
+    def consumed(self) -> dict[int, list[tuple[str, int, int]]]:
+        directory = storage.join(self.run_dir, CONSUMED_DIR)
+        if not storage.exists(directory):
+            return {}
+        out = {}
+        for name in sorted(storage.listdir(directory)):
+            batch = int(name[len("batch_") : -len(".json")])
+            rows = json.loads(storage.read_text(storage.join(directory, name)))
+            out[batch] = [(p, int(s), int(v)) for p, s, v in rows]
+        return out

@@ -1,0 +1,102 @@
+"""A character-level tokenizer for the tiny demo models: one token per character.
+
+`write_char_tokenizer` saves a real Hugging Face tokenizer directory (tokenizer.json and
+tokenizer_config.json with a plain-text chat template), so the demo loads it like any
+checkpoint's tokenizer: with `rlax_tpu.models.tokenizer.Tokenizer` or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from rlax_tpu import storage
+from rlax_tpu.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+# Digits, letters, punctuation and the whitespace " \t\n\r\x0b\x0c": 100 characters.
+PRINTABLE_ASCII = string.printable
+# Each message's content on its own line; the generation prompt adds nothing, so the model
+# answers right after the last newline ("What is 17 + 25? ...\n" -> "42<eos>").
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ '\\n' }}{% endfor %}"
+
+
+def char_tokenizer(
+    alphabet: str = PRINTABLE_ASCII,
+    *,
+    extra_special: Sequence[str] = ("<pad>", "<bos>", "<eos>"),
+) -> tokenizers.Tokenizer:
+    """The `tokenizers` tokenizer: ids are the specials in order (pad=0, bos=1, eos=2), then
+    the characters of `alphabet` in order. Text outside the alphabet cannot be encoded."""
+    if not alphabet:
+        raise ValueError("alphabet must not be empty")
+    repeated = sorted({c for c in alphabet if alphabet.count(c) > 1})
+    if repeated:
+        raise ValueError(f"alphabet repeats the characters {repeated!r}")
+    if len(set(extra_special)) != len(extra_special) or not all(extra_special):
+        raise ValueError(f"extra_special must be distinct non-empty tokens, got {extra_special!r}")
+    clash = [t for t in extra_special if t in alphabet and len(t) == 1]
+    if clash:
+        raise ValueError(f"special tokens {clash!r} are also characters of the alphabet")
+    vocab = {token: i for i, token in enumerate([*extra_special, *alphabet])}
+    # The unknown token is absent from the vocabulary on purpose: an unknown character is an
+    # error rather than a silent placeholder the model was never trained on.
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
+    tokenizer.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in extra_special]
+    )
+    return tokenizer
+
+
+def write_char_tokenizer(
+    directory: str,
+    alphabet: str = PRINTABLE_ASCII,
+    *,
+    extra_special: Sequence[str] = ("<pad>", "<bos>", "<eos>"),
+) -> str:
+    """Save a character-level tokenizer to `directory` (local path or gs://) and return it.
+
+    The first three of `extra_special` are the pad, bos and eos tokens (ids 0, 1, 2); no
+    special tokens are added on encode, and the chat template renders each message's content
+    followed by a newline.
+    """
+    if len(extra_special) < 3:
+        raise ValueError(
+            f"extra_special needs at least the pad, bos and eos tokens, got {extra_special!r}"
+        )
+    tokenizer = char_tokenizer(alphabet, extra_special=extra_special)
+    pad, bos, eos = extra_special[:3]
+    added = {
+        str(i): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, token in enumerate(extra_special)
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "pad_token": pad,
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,  # decoding must give back the exact text
+        "model_max_length": 1_000_000,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    storage.makedirs(directory)
+    storage.write_text(storage.join(directory, TOKENIZER_FILE), tokenizer.to_str(pretty=True))
+    storage.write_text(
+        storage.join(directory, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n"
+    )
+    return directory

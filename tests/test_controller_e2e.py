@@ -1,0 +1,315 @@
+"""End-to-end runs of `rlax-tpu run` (launcher + every component + controller) on loopback.
+
+One small off-policy run (η=2, N=3) is the reference. The same config run again gives the
+same weights; runs whose controller, inference worker or trainer is SIGKILLed mid-run and
+then resumed end with the same weights too, never train a rollout twice, and never train
+on a rollout staler than N. A tiny SFT warm start makes rewards (and so gradients) non-zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ControllerConfig,
+    DatasetConfig,
+    InferenceConfig,
+    MeshConfig,
+    ModelConfig,
+    RunConfig,
+    StalenessConfig,
+    StorageConfig,
+    TrainerConfig,
+)
+from rlax_tpu.controller.snapshots import RolloutLog, SnapshotStore, snapshot_name
+from rlax_tpu.verifiers.tasks import arithmetic_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def e2e_config(run_dir: Path, data: Path, **staleness) -> RunConfig:
+    return RunConfig(
+        name="e2e",
+        seed=3,
+        cpu_devices=2,
+        model=ModelConfig(
+            vocab_size=112,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            max_position_embeddings=128,
+            tokenizer="builtin:char",
+        ),
+        staleness=StalenessConfig(**staleness),
+        trainer=TrainerConfig(
+            mesh=MeshConfig(data=2, fsdp=1, tensor=1),
+            algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
+            mini_batch_size=8,
+            micro_batch_size=8,
+            max_seq_len=64,
+            learning_rate=1e-3,
+            checkpoint_every=2,
+        ),
+        inference=InferenceConfig(
+            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
+            max_decode_slots=8,
+            prefill_buckets=(64,),
+            max_prompt_len=60,
+            max_new_tokens=3,
+            kv_cache_bytes=2 * 2**20,
+        ),
+        controller=ControllerConfig(
+            num_steps=STEPS,
+            prompts_per_batch=2,
+            samples_per_prompt=4,
+            datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
+            sft_steps=40,
+            sft_learning_rate=3e-3,
+            keep_snapshots=10,
+        ),
+        storage=StorageConfig(run_dir=str(run_dir)),
+    )
+
+
+def write_config(config: RunConfig, where: Path) -> Path:
+    where.write_text(json.dumps(config.to_dict()))
+    return where
+
+
+class Job:
+    """`rlax-tpu run CONFIG` (or `resume`) as a child process; every process it started is
+    killed at `cleanup` if still alive (they are found in the run's logs/processes.json)."""
+
+    def __init__(self, args: list[str], run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.log = open(run_dir.parent / f"{run_dir.name}.job.log", "ab")  # noqa: SIM115
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env.pop("XLA_FLAGS", None)  # the job sets its own device count (cpu_devices)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rlax_tpu", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+        )
+
+    def children(self) -> dict[str, int]:
+        path = self.run_dir / "logs" / "processes.json"
+        if not path.exists():
+            return {}
+        return {name: entry["pid"] for name, entry in json.loads(path.read_text()).items()}
+
+    def wait(self, timeout_s: float = 400) -> int:
+        try:
+            return self.process.wait(timeout_s)
+        finally:
+            self.log.flush()
+
+    def output(self) -> str:
+        return (self.run_dir.parent / f"{self.run_dir.name}.job.log").read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        wait_gone(self.children().values(), kill_after_s=30)
+        self.log.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
+
+
+def wait_gone(pids, kill_after_s: float) -> None:
+    deadline = time.monotonic() + kill_after_s
+    for pid in pids:
+        while alive(pid):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+
+
+def consumed_steps(run_dir: Path) -> int:
+    directory = run_dir / "consumed"
+    return len(list(directory.glob("batch_*.json"))) if directory.exists() else 0
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    data = root / "sums.jsonl"
+    rows = arithmetic_problems(11, 64, max_operand=4, ops=("+",))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, data
+
+
+def start_run(workspace, name: str, *, warm_from: Path | None = None, **staleness) -> Job:
+    root, data = workspace
+    run_dir = root / name
+    config = e2e_config(run_dir, data, **(staleness or {"reload_every": 2, "max_staleness": 3}))
+    if warm_from is not None:  # reuse the reference's SFT warm start: same bits, less time
+        run_dir.mkdir()
+        for part in ("sft_model", "tokenizer"):
+            shutil.copytree(warm_from / part, run_dir / part)
+    path = write_config(config, root / f"{name}.json")
+    return Job(["run", str(path)], run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    job = start_run(workspace, "reference")
+    try:
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    return job.run_dir
+
+
+def test_an_off_policy_run_trains_every_batch_once_within_the_staleness_bound(reference):
+    result = summary(reference)
+    assert result["start_step"] == 0 and result["end_step"] == STEPS
+    assert result["rejected_stale"] == 0
+    log = RolloutLog(str(reference))
+    consumed = log.consumed()
+    assert sorted(consumed) == list(range(STEPS))
+    seen = set()
+    for batch, rows in consumed.items():
+        assert len(rows) == len(set(rows)) == 2 * 4
+        logged = log.read_batch(batch)
+        for prompt_id, sample, version in rows:
+            assert 0 <= batch - version <= 3  # b - version <= N
+            assert version % 2 == 0  # workers load only multiples of η
+            assert (prompt_id, sample, version) in logged  # persisted before it was trained
+            assert (prompt_id, sample) not in seen  # no rollout trained twice
+            seen.add((prompt_id, sample))
+    # Generation ran ahead: batch 3 was generated with version 0 (g(3) = 0 for η=2, N=3).
+    assert {v for _, _, v in consumed[3]} == {0}
+    # Training changed the weights, and the metrics say what happened.
+    metrics = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert any(m["reward_mean"] > 0 for m in metrics)
+    assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
+    assert SnapshotStore(str(reference), keep=10).steps() == [0, 2, 4, 6, 8]
+
+
+def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
+    job = start_run(workspace, "again")  # its own SFT warm start, from scratch
+    try:
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    assert summary(job.run_dir)["final_digest"] == summary(reference)["final_digest"] != ""
+    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+@pytest.mark.parametrize("victim", ["controller", "inference_worker-0", "trainer-0"])
+def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, victim):
+    job = start_run(workspace, f"killed_{victim}", warm_from=reference)
+    try:
+        deadline = time.monotonic() + 300
+        while consumed_steps(job.run_dir) < 3:
+            assert job.process.poll() is None, job.output()[-5000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.05)
+        children = job.children()
+        if victim == "controller":
+            job.process.kill()  # the launcher and controller die at once; children get SIGTERM
+        else:
+            os.kill(children[victim], signal.SIGKILL)
+        job.wait(120)
+        assert consumed_steps(job.run_dir) < STEPS, "the run finished before the kill"
+        wait_gone(children.values(), kill_after_s=60)
+    finally:
+        job.cleanup()
+
+    resumed = Job(["resume", str(job.run_dir)], job.run_dir)
+    try:
+        assert resumed.wait() == 0, resumed.output()[-5000:]
+    finally:
+        resumed.cleanup()
+    result = summary(job.run_dir)
+    assert 0 < result["start_step"] < STEPS  # it resumed rather than starting over
+    assert result["final_digest"] == summary(reference)["final_digest"]
+    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, reference):
+    job = start_run(workspace, "on_policy", warm_from=reference, reload_every=1, max_staleness=0)
+    try:
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    for batch, rows in RolloutLog(str(job.run_dir)).consumed().items():
+        assert {version for _, _, version in rows} == {batch}
+
+
+def test_resume_refuses_a_changed_config_and_a_run_with_only_corrupt_snapshots(
+    workspace, reference, tmp_path
+):
+    root, data = workspace
+    # A different config on the run directory: refused before anything starts.
+    changed = dataclasses.replace(e2e_config(reference, data), seed=4)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlax_tpu", "run", str(write_config(changed, tmp_path / "c.json"))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "holds a run with config digest" in result.stderr
+
+    # Every snapshot truncated: a clear error, never a fresh (divergent) start.
+    broken = root / "broken"
+    shutil.copytree(reference, broken, ignore=shutil.ignore_patterns("logs"))
+    config = dataclasses.replace(
+        e2e_config(broken, data), storage=StorageConfig(run_dir=str(broken))
+    )
+    (broken / "config.json").write_text(json.dumps(config.to_dict()))
+    (broken / "config.sha256").write_text(config.digest() + "\n")
+    for step in SnapshotStore(str(broken), keep=10).steps():
+        path = broken / "snapshots" / snapshot_name(step)
+        path.write_text(path.read_text()[:40])
+    job = Job(["resume", str(broken)], broken)
+    try:
+        assert job.wait() != 0
+    finally:
+        job.cleanup()
+    assert "no snapshot" in job.output() and "start a new run directory" in job.output()
+
+    # Every checkpoint gone: the same refusal (the snapshots are intact but unusable).
+    # (On the reference itself, whose config names its directory; put back afterwards.)
+    checkpoints, aside = reference / "checkpoints", root / "checkpoints_aside"
+    checkpoints.rename(aside)
+    job = Job(["resume", str(reference)], reference)
+    try:
+        assert job.wait() != 0
+    finally:
+        job.cleanup()
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        aside.rename(checkpoints)
+    assert "does not load" in job.output() and "start a new run directory" in job.output()
