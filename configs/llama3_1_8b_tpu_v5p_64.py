@@ -3,19 +3,27 @@
   rlax-tpu run configs/llama3_1_8b_tpu_v5p_64.py \
       --set model.hf_checkpoint=gs://BUCKET/Llama-3.1-8B-Instruct \
       --set storage.run_dir=gs://BUCKET/runs/llama3_8b
+
+On GKE (docs/deploy.md): `rlax-tpu deploy gke configs/llama3_1_8b_tpu_v5p_64.py --set ...`
+renders the JobSet; deploy/gke/llama3_1_8b_tpu_v5p_64.yaml is this config as shipped.
 """
 
 from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
+    DatasetConfig,
+    DeployConfig,
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    ParamServerConfig,
     RopeScalingConfig,
     RunConfig,
     StalenessConfig,
     StorageConfig,
+    TpuSliceConfig,
     TrainerConfig,
+    VerifierConfig,
 )
 
 
@@ -70,6 +78,32 @@ def get_config() -> RunConfig:
             temperature=1.0,
             stop_token_ids=(128001, 128008, 128009),
         ),
-        controller=ControllerConfig(num_steps=2000, prompts_per_batch=128, samples_per_prompt=16),
+        # K = N + η + 1 = 49 float32 versions of 32 GB: 8 replicas of ~200 GB each.
+        param_server=ParamServerConfig(num_replicas=8),
+        verifiers=VerifierConfig(num_workers=16),
+        controller=ControllerConfig(
+            num_steps=2000,
+            prompts_per_batch=128,
+            samples_per_prompt=16,
+            datasets=(DatasetConfig(path="gs://rlax-tpu-data/math/train.jsonl", verifier="math"),),
+        ),
         storage=StorageConfig(run_dir="gs://rlax-tpu-runs/llama3_1_8b"),
+        deploy=DeployConfig(
+            image="us-docker.pkg.dev/rlax-tpu/images/rlax-tpu:0.1.0",
+            service_account="rlax-tpu",
+            # v5p-64: 32 chips on 8 hosts of 4; the trainer mesh (fsdp 8 × tensor 4) fills it.
+            trainer_tpu=TpuSliceConfig(accelerator="tpu-v5p-slice", topology="2x4x4"),
+            # One v5p-8 (4 chips, one host) per inference worker: tensor 4.
+            inference_tpu=TpuSliceConfig(accelerator="tpu-v5p-slice", topology="2x2x1"),
+            cpu_node_pool="cpu-highmem",
+            verifier_node_pool="verifier-sandbox",
+            verifier_replicas=4,
+            controller_cpu="8",
+            controller_memory="32Gi",
+            param_server_cpu="16",
+            param_server_memory="240Gi",
+            verifier_cpu="16",
+            verifier_memory="32Gi",
+            termination_grace_period_s=600,
+        ),
     )

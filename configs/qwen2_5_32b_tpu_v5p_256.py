@@ -1,18 +1,26 @@
 """Qwen2.5-32B on a TPU v5p-256 trainer slice (128 chips), one-step off-policy.
 
 rlax-tpu run configs/qwen2_5_32b_tpu_v5p_256.py --set storage.run_dir=gs://BUCKET/runs/q32b
+
+On GKE (docs/deploy.md): `rlax-tpu deploy gke configs/qwen2_5_32b_tpu_v5p_256.py --set ...`
+renders the JobSet; deploy/gke/qwen2_5_32b_tpu_v5p_256.yaml is this config as shipped.
 """
 
 from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
+    DatasetConfig,
+    DeployConfig,
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    ParamServerConfig,
     RunConfig,
     StalenessConfig,
     StorageConfig,
+    TpuSliceConfig,
     TrainerConfig,
+    VerifierConfig,
 )
 
 
@@ -48,7 +56,8 @@ def get_config() -> RunConfig:
             weight_decay=0.1,
         ),
         inference=InferenceConfig(
-            mesh=MeshConfig(data=1, fsdp=1, tensor=8),
+            # One host's 4 chips (an inference worker runs on one host): 10 of 40 heads each.
+            mesh=MeshConfig(data=1, fsdp=1, tensor=4),
             num_workers=16,
             max_decode_slots=256,
             page_size=64,
@@ -58,6 +67,32 @@ def get_config() -> RunConfig:
             max_new_tokens=16384,
             stop_token_ids=(151643, 151645),
         ),
-        controller=ControllerConfig(num_steps=1000, prompts_per_batch=64, samples_per_prompt=16),
+        # K = N + η + 1 = 3 float32 versions of 131 GB: 4 replicas of ~100 GB each.
+        param_server=ParamServerConfig(num_replicas=4),
+        verifiers=VerifierConfig(num_workers=16),
+        controller=ControllerConfig(
+            num_steps=1000,
+            prompts_per_batch=64,
+            samples_per_prompt=16,
+            datasets=(DatasetConfig(path="gs://rlax-tpu-data/math/train.jsonl", verifier="math"),),
+        ),
         storage=StorageConfig(run_dir="gs://rlax-tpu-runs/qwen2_5_32b"),
+        deploy=DeployConfig(
+            image="us-docker.pkg.dev/rlax-tpu/images/rlax-tpu:0.1.0",
+            service_account="rlax-tpu",
+            # v5p-256: 128 chips on 32 hosts of 4; the trainer mesh (fsdp 16 × tensor 8) fills it.
+            trainer_tpu=TpuSliceConfig(accelerator="tpu-v5p-slice", topology="4x4x8"),
+            # One v5p-8 (4 chips, one host) per inference worker: tensor 4.
+            inference_tpu=TpuSliceConfig(accelerator="tpu-v5p-slice", topology="2x2x1"),
+            cpu_node_pool="cpu-highmem",
+            verifier_node_pool="verifier-sandbox",
+            verifier_replicas=4,
+            controller_cpu="8",
+            controller_memory="32Gi",
+            param_server_cpu="16",
+            param_server_memory="128Gi",
+            verifier_cpu="16",
+            verifier_memory="32Gi",
+            termination_grace_period_s=900,
+        ),
     )

@@ -2,7 +2,8 @@
 
 Some JAX settings (the number of virtual CPU devices) only take effect before JAX
 initialises its backends, so the CLI calls `configure_jax` after reading the config
-and before anything touches a device.
+and before anything touches a device. A multi-host trainer joins its job right after that:
+`serve trainer` and `serve inference` call `rlax_tpu.distributed.initialize_from_environment`.
 """
 
 from __future__ import annotations

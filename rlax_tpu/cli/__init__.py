@@ -23,7 +23,9 @@ _COMMANDS = {
     "sft": ("supervised fine-tuning to warm-start a policy", "the trainer"),
     "eval": ("evaluate a checkpoint on datasets with the verifiers", "the controller"),
     "config": ("show the resolved config (`config show CONFIG [--set k=v ...]`)", None),
+    "deploy": ("render a run's cluster manifests (`deploy gke CONFIG [--set k=v ...]`)", None),
     "bench": ("run a benchmark from tools/ and print its table", "the benchmarks"),
+    "simulate": ("simulate a run to size it: step time, idle, staleness (no JAX)", None),
 }
 COMPONENTS = ("param-server", "inference", "trainer", "verifier")
 
@@ -151,6 +153,39 @@ def _add_verifier_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_connect_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `run --connect` (rlax_tpu.controller.remote): where the components run."""
+    group = parser.add_argument_group("connect")
+    group.add_argument(
+        "--connect",
+        action="store_true",
+        help="run only the controller, driving components already running elsewhere (GKE, "
+        "XManager) at the addresses below; no SFT warm start",
+    )
+    for flag, env, many, what in (
+        ("--param-server", "RLAX_TPU_PARAM_SERVER", True, "a parameter-server replica"),
+        ("--trainer", "RLAX_TPU_TRAINER", False, "the trainer (its process 0)"),
+        ("--inference", "RLAX_TPU_INFERENCE", True, "an inference worker"),
+        ("--verifier", "RLAX_TPU_VERIFIER", True, "a verifier service"),
+    ):
+        more = " (repeat for each, in order)" if many else ""
+        group.add_argument(
+            flag,
+            action="append" if many else "store",
+            default=[] if many else None,
+            metavar="ADDR",
+            help=f"host:port of {what}{more}; default: ${env}"
+            + (", comma-separated" if many else ""),
+        )
+    group.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="how long to wait for every component to answer (default 1800)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlax-tpu",
@@ -168,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of the run: check the model's numerics across the meshes "
                     "(sharded forward + gradient; trainer log-probs == inference log-probs)",
                 )
+                _add_connect_args(p)
         elif name == "resume":
             p.add_argument("run_dir", help="the run directory (local path or gs://)")
         elif name == "serve":
@@ -181,6 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
             show = action.add_parser("show", help="print the resolved config")
             _add_config_args(show)
             show.add_argument("--format", choices=("text", "json"), default="text")
+        elif name == "deploy":
+            target = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+            gke = target.add_parser("gke", help="GKE JobSet manifests (docs/deploy.md)")
+            _add_config_args(gke)
+            gke.add_argument(
+                "--out", metavar="DIR", help="write DIR/<config name>.yaml (default: stdout)"
+            )
+            gke.add_argument(
+                "--name", help="the run's name on the cluster (default: the config's name)"
+            )
+        elif name == "simulate":
+            from rlax_tpu.cli.simulate import add_args as add_simulate_args
+
+            _add_config_args(p)
+            add_simulate_args(p)
         elif name == "bench":
             p.add_argument("name", nargs="?", help="benchmark name")
     return parser
@@ -221,10 +272,29 @@ def _dispatch(args: argparse.Namespace) -> int:
                 return run(config)
             from rlax_tpu.controller.job import main as run_job
 
+            if args.connect:
+                from rlax_tpu.controller.remote import ComponentAddresses
+
+                addresses = ComponentAddresses.resolve(
+                    param_server=args.param_server,
+                    trainer=args.trainer,
+                    inference=args.inference,
+                    verifier=args.verifier,
+                )
+                return run_job(config, addresses=addresses, ready_timeout_s=args.connect_timeout_s)
+            if args.param_server or args.trainer or args.inference or args.verifier:
+                print("rlax-tpu run: component addresses need --connect", file=sys.stderr)
+                return 2
             return run_job(config)
         except (CheckpointError, FileNotFoundError) as e:
             print(f"rlax-tpu run: {e}", file=sys.stderr)
             return 2
+    if args.command == "deploy":
+        return _deploy(args)
+    if args.command == "simulate":
+        from rlax_tpu.cli.simulate import main as simulate
+
+        return simulate(args)
     if args.command == "resume":
         from rlax_tpu.controller.job import resume
 
@@ -252,6 +322,32 @@ def _dispatch(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 2
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """`rlax-tpu deploy gke`: the manifests to stdout or DIR/<config name>.yaml."""
+    from pathlib import Path
+
+    from rlax_tpu.deploy import DeployError
+    from rlax_tpu.deploy.gke import output_name, render
+
+    config = load_config(args.config, args.overrides)
+    command = ["rlax-tpu", "deploy", args.target, args.config]
+    command += [f"--set={o}" for o in args.overrides]
+    command += [f"--name={args.name}"] if args.name else []
+    try:
+        text = render(config, command=command, name=args.name)
+    except DeployError as e:
+        print(f"rlax-tpu deploy {args.target}: {e}", file=sys.stderr)
+        return 2
+    if not args.out:
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.out) / output_name(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

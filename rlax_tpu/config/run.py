@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from typing import Literal
 
 from rlax_tpu.config.algorithm import AlgorithmConfig
@@ -390,12 +392,44 @@ class ControllerConfig(ConfigBase):
     # datasets' reference answers, at this learning rate; 0 = start RL from the model as is.
     sft_steps: int = 0
     sft_learning_rate: float = 1e-3
+    # DAPO's dynamic sampling: a prompt group whose rewards are all equal carries no
+    # signal; it is dropped and the batch draws more prompts (its own snapshotted stream),
+    # at most this many extra rounds (then flat groups fill the batch).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 3
+    # TBA's replay buffer: train on batches sampled from verified rollouts kept per prompt
+    # (each prompt: with probability replay_recency_prob one that got data at the latest
+    # sync, else by softmax(mean reward / replay_reward_temperature); 0 = uniform). New
+    # rollouts enter every replay_sync_every steps; only rollouts with b - version <= N
+    # are ever sampled.
+    replay: bool = False
+    replay_per_prompt_cap: int = 16
+    replay_global_cap: int = 4096
+    replay_recency_prob: float = 0.5
+    replay_reward_temperature: float = 1.0
+    replay_sync_every: int = 1
+    # Replay mode generates batch b with version b - lag (not b - N), so a rollout stays
+    # acceptable for N - lag more steps of reuse.
+    replay_generation_lag: int = 1
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
         require(self.eval_size >= 1, "eval_size", "must be >= 1")
         require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = start and end only)")
         require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        require(
+            self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0"
+        )
+        require(self.replay_per_prompt_cap >= 1, "replay_per_prompt_cap", "must be >= 1")
+        require(
+            self.replay_global_cap >= self.replay_per_prompt_cap,
+            "replay_global_cap",
+            "must be >= replay_per_prompt_cap",
+        )
+        require(0 <= self.replay_recency_prob <= 1, "replay_recency_prob", "must be in [0, 1]")
+        require(self.replay_reward_temperature >= 0, "replay_reward_temperature", "must be >= 0")
+        require(self.replay_sync_every >= 1, "replay_sync_every", "must be >= 1")
+        require(self.replay_generation_lag >= 0, "replay_generation_lag", "must be >= 0")
         require(self.sft_learning_rate > 0, "sft_learning_rate", "must be > 0")
         require(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
@@ -427,6 +461,113 @@ class StorageConfig(ConfigBase):
         return "/".join([self.run_dir.rstrip("/"), *parts])
 
 
+# A Kubernetes resource quantity: "8", "500m", "32Gi", "1.5".
+_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_TOPOLOGY = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TpuSliceConfig(ConfigBase):
+    """One TPU slice on GKE: its node pool's labels and how many chips each host (VM) has.
+
+    The slice has `chips` = the product of the topology and `hosts` = chips / chips_per_host;
+    a multi-host slice runs one process per host (one pod each).
+    """
+
+    # Node label cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice, tpu-v6e-slice, ...
+    accelerator: str = "tpu-v5p-slice"
+    # Node label cloud.google.com/gke-tpu-topology: chips along each axis ("2x4x4" = 32).
+    topology: str = "2x2x1"
+    # Chips of one host: each pod's google.com/tpu request (4 on v5p).
+    chips_per_host: int = 4
+
+    def validate(self) -> None:
+        require(bool(self.accelerator), "accelerator", "must name the GKE TPU accelerator")
+        require(
+            bool(_TOPOLOGY.match(self.topology)),
+            "topology",
+            f"must be chips along each axis like 2x2x1 or 2x4x4, got {self.topology!r}",
+        )
+        require(self.chips_per_host >= 1, "chips_per_host", "must be >= 1")
+        require(
+            self.chips % self.chips_per_host == 0,
+            "chips_per_host",
+            f"must divide the slice's {self.chips} chips (topology {self.topology}), "
+            f"got {self.chips_per_host}",
+        )
+
+    @property
+    def chips(self) -> int:
+        return math.prod(int(d) for d in self.topology.split("x"))
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.chips_per_host
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class DeployConfig(ConfigBase):
+    """Where the components of a run go on a cluster (`rlax-tpu deploy gke`, XManager).
+
+    Local runs ignore it. Replica counts come from the other sections
+    (`inference.num_workers`, `param_server.num_replicas`); `rlax-tpu deploy` checks that the
+    trainer and inference meshes fill their slices and that the run directory is on gs://.
+    """
+
+    image: str = "rlax-tpu:latest"
+    namespace: str = "default"
+    # Kubernetes service account of every pod ("" = the namespace's default); bind it to a
+    # Google service account that may read and write the run directory (Workload Identity).
+    service_account: str = ""
+    # Secret whose key `token` holds the shared auth token (never written in a manifest).
+    auth_secret: str = "rlax-tpu-auth"
+    trainer_tpu: TpuSliceConfig = TpuSliceConfig()
+    # One slice per inference worker.
+    inference_tpu: TpuSliceConfig = TpuSliceConfig()
+    # Node pool (cloud.google.com/gke-nodepool) of the controller and parameter servers,
+    # and of the verifier pool (GKE Sandbox enabled, for gVisor); "" = any CPU node.
+    cpu_node_pool: str = ""
+    verifier_node_pool: str = ""
+    verifier_replicas: int = 1
+    controller_cpu: str = "4"
+    controller_memory: str = "16Gi"
+    # Memory holds K versions split over the replicas (docs/deploy.md sizes it).
+    param_server_cpu: str = "8"
+    param_server_memory: str = "64Gi"
+    verifier_cpu: str = "8"
+    verifier_memory: str = "32Gi"
+    # SIGTERM to SIGKILL: the trainer's last checkpoint and the controller's final snapshot.
+    termination_grace_period_s: int = 300
+    # Restarts of the whole run after a failure or a preemption (JobSet failurePolicy).
+    max_restarts: int = 20
+
+    def validate(self) -> None:
+        require(bool(self.image), "image", "must name the container image")
+        require(bool(self.namespace), "namespace", "must name a Kubernetes namespace")
+        require(bool(self.auth_secret), "auth_secret", "must name the Secret with the token")
+        require(self.verifier_replicas >= 1, "verifier_replicas", "must be >= 1")
+        for name in (
+            "controller_cpu",
+            "controller_memory",
+            "param_server_cpu",
+            "param_server_memory",
+            "verifier_cpu",
+            "verifier_memory",
+        ):
+            value = getattr(self, name)
+            require(
+                bool(_QUANTITY.match(value)),
+                name,
+                f"must be a Kubernetes quantity like 8, 500m or 32Gi, got {value!r}",
+            )
+        require(
+            self.termination_grace_period_s >= 30,
+            "termination_grace_period_s",
+            "must be >= 30: the trainer saves a checkpoint after SIGTERM",
+        )
+        require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RunConfig(ConfigBase):
     """Everything a run needs. Built by a `configs/*.py` file's `get_config()`."""
@@ -443,6 +584,7 @@ class RunConfig(ConfigBase):
     verifiers: VerifierConfig = VerifierConfig()
     controller: ControllerConfig = ControllerConfig()
     storage: StorageConfig = StorageConfig()
+    deploy: DeployConfig = DeployConfig()
 
     def validate(self) -> None:
         require(self.cpu_devices >= 0, "cpu_devices", "must be >= 0")

@@ -7,6 +7,10 @@
    exported in Hugging Face format; the RL components start from that export.
 4. The local launcher starts every component; the controller runs in the foreground.
 Running it again on the same run directory (or `rlax-tpu resume RUN_DIR`) resumes.
+
+`rlax-tpu run CONFIG --connect` (`run_connected`) is the controller alone, driving
+components that already run elsewhere (GKE pods, XManager jobs) at given addresses; it
+does no SFT warm start, so the config's model must name a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -152,15 +157,21 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
 
 # -- the run -----------------------------------------------------------------------------------
 class _ServiceVerifier:
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    """Scores through one or more verifier services: in chunks well under a service's queue
+    (a batch over it is refused whole), chunk i to service i mod n, the services in
+    parallel. A retried batch sends each chunk to the same service (its results cache)."""
+
+    def __init__(self, clients: list[Any]) -> None:
+        self.clients = clients
 
     def verify_many(self, requests: list[Any]) -> list[Any]:
-        # Chunks well under the service's queue (a batch over it is refused whole).
-        out: list[Any] = []
-        for start in range(0, len(requests), 256):
-            out += self.client.verify(requests[start : start + 256])
-        return out
+        chunks = [requests[start : start + 256] for start in range(0, len(requests), 256)]
+        if len(self.clients) == 1 or len(chunks) <= 1:
+            return [r for chunk in chunks for r in self.clients[0].verify(chunk)]
+        n = len(self.clients)
+        with ThreadPoolExecutor(n, thread_name_prefix="verify") as pool:
+            results = pool.map(lambda i: self.clients[i % n].verify(chunks[i]), range(len(chunks)))
+            return [r for chunk in results for r in chunk]
 
 
 def _progress(row: dict[str, Any], num_steps: int) -> None:
@@ -178,12 +189,58 @@ def _progress(row: dict[str, Any], num_steps: int) -> None:
     print(line, flush=True)
 
 
+def _prompt_sources(config: RunConfig) -> tuple[Any, Any, list[Any]]:
+    """The prompt mixture, the refill stream of dynamic sampling, the held-out prompts."""
+    from rlax_tpu.controller.datasets import PromptMixture, load_dataset
+
+    ctl = config.controller
+    mixture = PromptMixture(ctl.datasets, seed=config.seed)
+    # Extra rounds of dynamic sampling draw from their own stream (see Controller._resample).
+    refill = (
+        PromptMixture(ctl.datasets, seed=config.seed + 104729) if ctl.dynamic_sampling else None
+    )
+    eval_prompts = []
+    if ctl.eval_dataset:
+        eval_prompts = load_dataset(DatasetConfig(path=ctl.eval_dataset))
+        eval_prompts = eval_prompts[: ctl.eval_size]
+    return mixture, refill, eval_prompts
+
+
+def _drive(
+    config: RunConfig,
+    components: Any,
+    sources: tuple[Any, Any, list[Any]],
+    *,
+    tokenizer: Any,
+    digest: str,
+    stop: threading.Event,
+) -> dict[str, Any]:
+    """The controller over `components` until done or stopped; its summary."""
+    from rlax_tpu.controller.controller import Controller
+    from rlax_tpu.controller.metrics import MetricsWriter
+
+    mixture, refill, eval_prompts = sources
+    num_steps = config.controller.num_steps
+    with MetricsWriter(config.storage.run_dir) as metrics:
+        controller = Controller(
+            config,
+            components,
+            tokenizer=tokenizer,
+            mixture=mixture,
+            refill=refill,
+            eval_prompts=eval_prompts,
+            metrics=metrics,
+            progress=lambda row: _progress(row, num_steps),
+            stop=stop,
+            digest=digest,
+        )
+        return controller.run()
+
+
 def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
     """The whole job; returns the controller's summary (see Controller.run)."""
-    from rlax_tpu.controller.controller import Components, Controller
-    from rlax_tpu.controller.datasets import PromptMixture, load_dataset
+    from rlax_tpu.controller.controller import Components
     from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
-    from rlax_tpu.controller.metrics import MetricsWriter
     from rlax_tpu.inference.service import InferenceWorkerClient
     from rlax_tpu.models.tokenizer import Tokenizer
     from rlax_tpu.param_server.client import ParamServerClient
@@ -207,12 +264,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
     config_url = storage.join(run_dir, EFFECTIVE_CONFIG)
     storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
     local_dir = Path(run_dir) if not storage.is_remote(run_dir) else Path("logs") / config.name
-    ctl = effective.controller
-    mixture = PromptMixture(ctl.datasets, seed=effective.seed)
-    eval_prompts = []
-    if ctl.eval_dataset:
-        eval_prompts = load_dataset(DatasetConfig(path=ctl.eval_dataset))
-        eval_prompts = eval_prompts[: ctl.eval_size]
+    sources = _prompt_sources(effective)
     with LocalCluster(
         config_url,
         num_workers=effective.inference.num_workers,
@@ -236,25 +288,15 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
                 for a in cluster.addresses["inference_worker"]
             ],
             verifier=_ServiceVerifier(
-                VerifierClient(cluster.addresses["verifier"][0], auth_token=token)
+                [VerifierClient(cluster.addresses["verifier"][0], auth_token=token)]
             ),
         )
-        with MetricsWriter(run_dir) as metrics:
-            controller = Controller(
-                effective,
-                components,
-                tokenizer=tokenizer,
-                mixture=mixture,
-                eval_prompts=eval_prompts,
-                metrics=metrics,
-                progress=lambda row: _progress(row, ctl.num_steps),
-                stop=stop,
-                digest=digest,
+        try:
+            summary = _drive(
+                effective, components, sources, tokenizer=tokenizer, digest=digest, stop=stop
             )
-            try:
-                summary = controller.run()
-            finally:
-                failure = cluster.failure
+        finally:
+            failure = cluster.failure
         ps.close()
     storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
     if failure:
@@ -262,13 +304,93 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
     return summary
 
 
-def main(config: RunConfig) -> int:
-    """`rlax-tpu run`: SIGTERM / Ctrl-C write a final snapshot and stop every component."""
+def run_connected(
+    config: RunConfig,
+    addresses: Any,
+    *,
+    stop: threading.Event | None = None,
+    ready_timeout_s: float = 1800.0,
+) -> dict[str, Any]:
+    """`rlax-tpu run --connect`: the controller alone, over components already running at
+    `addresses` (remote.ComponentAddresses) with the token of `param_server.auth_token_env`.
+
+    It waits until every component answers, then runs like `run` (resuming from the run
+    directory's newest snapshot, if any). A component that stops answering stops the run
+    with ConnectError, so the cluster restarts it and the new controller resumes."""
+    from rlax_tpu.controller.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
+    from rlax_tpu.rpc import AuthTokenError, auth_token_from_env
+
+    if config.controller.sft_steps:
+        raise ConnectError(
+            "controller.sft_steps > 0: --connect does no SFT warm start; set it to 0 and point "
+            "model.hf_checkpoint at a Hugging Face checkpoint (e.g. sft_model/ of a local run)"
+        )
+    try:
+        token = auth_token_from_env(config.param_server.auth_token_env)
+    except AuthTokenError as e:
+        raise ConnectError(str(e)) from None
+
+    from rlax_tpu.controller.controller import Components
+    from rlax_tpu.inference.service import InferenceWorkerClient
+    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.run_dir import prepare_run_dir
+    from rlax_tpu.trainer.service import TrainerClient
+    from rlax_tpu.verifiers.service import VerifierClient
+
+    stop = stop or threading.Event()
+    run_dir = prepare_run_dir(config)
+    digest = config.digest()
+    print(f"run {config.name!r}: digest {digest[:12]}, run dir {run_dir}", flush=True)
+    effective = materialise(config)
+    tokenizer = Tokenizer.load(tokenizer_path(effective))
+    sources = _prompt_sources(effective)
+    probe = HealthProbe(addresses.named(), auth_token=token)
+    try:
+        t0 = time.perf_counter()
+        if not wait_until_serving(probe, timeout_s=ready_timeout_s, stop=stop):
+            raise ConnectError("stopped while waiting for the components")
+        print(f"components answer after {time.perf_counter() - t0:.0f}s: {addresses.named()}")
+        watchdog = Watchdog(probe).start()
+        threading.Thread(
+            target=lambda: (watchdog.failed.wait(), stop.set()), daemon=True, name="on-failure"
+        ).start()
+        ps = ParamServerClient(list(addresses.param_server), auth_token=token)
+        components = Components(
+            trainer=TrainerClient(addresses.trainer, auth_token=token),
+            param_server=ps,
+            workers=[InferenceWorkerClient(a, auth_token=token) for a in addresses.inference],
+            verifier=_ServiceVerifier(
+                [VerifierClient(a, auth_token=token) for a in addresses.verifier]
+            ),
+        )
+        try:
+            summary = _drive(
+                effective, components, sources, tokenizer=tokenizer, digest=digest, stop=stop
+            )
+        finally:
+            failure = watchdog.failure
+            watchdog.close()
+            ps.close()
+    finally:
+        probe.close()
+    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+    if failure:
+        raise ConnectError(failure)
+    return summary
+
+
+def main(config: RunConfig, *, addresses: Any = None, ready_timeout_s: float = 1800.0) -> int:
+    """`rlax-tpu run`: SIGTERM / Ctrl-C write a final snapshot and stop every component.
+    With `addresses` (`--connect`) the components run elsewhere and are left running."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    summary = run(config, stop=stop)
+    if addresses is None:
+        summary = run(config, stop=stop)
+    else:
+        summary = run_connected(config, addresses, stop=stop, ready_timeout_s=ready_timeout_s)
     evals = summary.get("evals", {})
     if evals:
         first, last = min(evals), max(evals)

@@ -4,6 +4,10 @@ Builds the engine on the config's inference mesh, connects to the parameter serv
 (--param-server, replicas in order), serves InferenceWorker and Health on one gRPC server
 bound to loopback unless told otherwise, prints `READY host:port` on stdout once serving,
 and stops gracefully on SIGTERM or SIGINT.
+
+It joins a multi-host job when the environment describes one (rlax_tpu.distributed), and
+refuses to serve when that job has more than one process: a worker's engine does not run in
+lockstep across hosts, so each host runs its own worker.
 """
 
 from __future__ import annotations
@@ -26,6 +30,27 @@ def main(args: argparse.Namespace) -> int:
     if resolved is None:
         return 2
     config, token = resolved
+    from rlax_tpu.distributed import DistributedConfigError, initialize_from_environment
+
+    try:
+        distributed = initialize_from_environment()  # before anything touches a device
+    except DistributedConfigError as e:
+        print(f"rlax-tpu serve inference: {e}", file=sys.stderr)
+        return 2
+    if distributed.is_multi_process:
+        import jax
+
+        if jax.process_count() > 1:
+            # The engine schedules requests as they arrive; processes sharing one mesh
+            # would have to run the same schedule in lockstep, which it does not do yet.
+            print(
+                f"rlax-tpu serve inference: this worker is {distributed.describe()}, but an "
+                "inference worker runs on one host's devices: run one worker per host (leave "
+                "RLAX_TPU_NUM_PROCESSES and RLAX_TPU_DISTRIBUTED unset for it) and list each "
+                "in the controller's worker addresses",
+                file=sys.stderr,
+            )
+            return 2
 
     from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
     from rlax_tpu.inference.worker import InferenceWorker

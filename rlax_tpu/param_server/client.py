@@ -3,7 +3,8 @@
 `publish(version, tree)` sends a pytree of arrays (JAX arrays, sharded or not, or numpy)
 to every replica, each getting the pieces it holds. `pull(version, like)` fills a pytree
 with the shardings of `like`, asking each replica only for the boxes this process's
-devices hold, so a tensor-parallel worker moves only its slices.
+devices hold, so a tensor-parallel worker moves only its slices. Both work in a multi-host
+job (arrays spanning processes): every process calls them with the same global tree.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -96,25 +97,110 @@ def split_dims_from_logical(
 
 # -- host data ------------------------------------------------------------------------------
 def _host_box(leaf: Any, box: Box) -> np.ndarray:
-    """The C-contiguous host copy of `box` of `leaf` (a jax.Array, sharded or not, or numpy)."""
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        raise NotImplementedError(
-            "publishing an array that spans several processes needs it gathered to one "
-            "process first (multi-host publishing arrives with multi-host support)"
-        )
+    """The C-contiguous host copy of `box` of `leaf` (a jax.Array, sharded or not, or numpy).
+
+    A jax.Array is read from this process's shards, each distinct shard once; they must
+    cover `box` (`_covered_by` says whether a process's do).
+    """
     if isinstance(leaf, jax.Array) and len(leaf.addressable_shards) > 1:
         out = np.empty(layout.box_shape(box), dtype=leaf.dtype)
+        seen: set[Box] = set()
         for shard in leaf.addressable_shards:
-            if shard.replica_id != 0:
-                continue
             shard_box = layout.box_from_slices(shard.index, leaf.shape)
+            if shard_box in seen:  # a replica of a shard already copied
+                continue
+            seen.add(shard_box)
             common = layout.intersect(shard_box, box)
             if common is not None:
                 data = np.asarray(shard.data)
                 out[layout.relative(common, box)] = data[layout.relative(common, shard_box)]
         return out
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        data = leaf.addressable_shards[0]
+        shard_box = layout.box_from_slices(data.index, leaf.shape)
+        return np.ascontiguousarray(np.asarray(data.data)[layout.relative(box, shard_box)])
     array = np.asarray(leaf)
     return np.ascontiguousarray(array[layout.relative(box, layout.full_box(array.shape))])
+
+
+def _spans_processes(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+
+
+def _covered_by(leaf: jax.Array, process: int, box: Box) -> bool:
+    """Whether the shards on `process`'s devices hold all of `box` of `leaf`."""
+    shape = tuple(leaf.shape)
+    boxes = {
+        layout.box_from_slices(index, shape)
+        for device, index in leaf.sharding.devices_indices_map(shape).items()
+        if device.process_index == process
+    }
+    # Distinct shard boxes of a sharding do not overlap, so their parts of `box` add up.
+    inside = sum(
+        layout.box_size(common)
+        for common in (layout.intersect(b, box) for b in boxes)
+        if common is not None
+    )
+    return inside == layout.box_size(box)
+
+
+_REPLICATED_SLICES: dict[Any, Callable[..., tuple[jax.Array, ...]]] = {}
+
+
+def _replicated_boxes(leaf: jax.Array, boxes: tuple[Box, ...]) -> tuple[jax.Array, ...]:
+    """`boxes` of `leaf` copied to every device of its mesh (a collective: every process of
+    the mesh calls it). Only the boxes are gathered, so the device memory this takes is at
+    most one array's. Compiled once per shape, sharding and boxes: equal layers share it."""
+    sharding = leaf.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise NotImplementedError(
+            f"publishing an array sharded by {type(sharding).__name__} across processes; "
+            "shard it with a NamedSharding"
+        )
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    fn = _REPLICATED_SLICES.get(replicated)
+    if fn is None:
+        fn = jax.jit(_slice_boxes, static_argnums=1, out_shardings=replicated)
+        _REPLICATED_SLICES[replicated] = fn
+    return fn(leaf, boxes)
+
+
+def _slice_boxes(x: jax.Array, boxes: tuple[Box, ...]) -> tuple[jax.Array, ...]:
+    return tuple(x[tuple(slice(lo, hi) for lo, hi in box)] for box in boxes)
+
+
+def _multi_process_boxes(
+    leaves: Mapping[str, Any], held: Sequence[Mapping[str, Box]], sender: Sequence[int]
+) -> dict[tuple[int, str], np.ndarray]:
+    """{(replica, path): host data} of the replicas this process sends (`sender[r]` is the
+    process that sends replica r's stream).
+
+    A box that its sender's own shards cover is read from them; the others of an array are
+    first gathered onto every device (`_replicated_boxes`). Every process takes the same
+    decisions in the same order from the global shardings, so the gathers (collectives)
+    match up.
+    """
+    me = jax.process_index()
+    out: dict[tuple[int, str], np.ndarray] = {}
+    for path in sorted(leaves):
+        leaf = leaves[path]
+        gather: list[tuple[int, Box]] = []
+        for replica, boxes in enumerate(held):
+            box = boxes.get(path)
+            if box is None:
+                continue
+            if not _spans_processes(leaf) or _covered_by(leaf, sender[replica], box):
+                if sender[replica] == me:
+                    out[(replica, path)] = _host_box(leaf, box)
+            else:
+                gather.append((replica, box))
+        if gather:
+            gathered = _replicated_boxes(leaf, tuple(box for _, box in gather))
+            for (replica, _), data in zip(gather, gathered, strict=True):
+                if sender[replica] == me:
+                    out[(replica, path)] = np.asarray(data.addressable_data(0))
+            del gathered
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,15 +271,84 @@ class ParamServerClient:
 
     # -- publish --------------------------------------------------------------------------
     def publish(self, version: int, tree: Any) -> PublishReceipt:
-        """Publish `tree` as `version` to every replica (atomic per replica; idempotent)."""
+        """Publish `tree` as `version` to every replica (atomic per replica; idempotent).
+
+        Multi-host (leaves span several processes): every process of the job calls this with
+        its global arrays. Replica r's stream is sent by process r mod P, which reads its box
+        of each array from its own shards or, where they do not hold it all, from an
+        on-device gather of that box; every byte goes to each replica once. The receipt
+        covers every process's streams.
+        """
         leaves = flatten(tree)
         shapes = {path: tuple(np.shape(leaf)) for path, leaf in leaves.items()}
         held = self.plan.boxes(shapes)
+        if any(_spans_processes(leaf) for leaf in leaves.values()):
+            return self._publish_multi_process(version, leaves, shapes, held)
+        return self._publish_replicas(
+            version,
+            range(len(self._stubs)),
+            shapes,
+            held,
+            lambda replica, path: _host_box(leaves[path], held[replica][path]),
+        )
+
+    def _publish_multi_process(
+        self,
+        version: int,
+        leaves: Mapping[str, Any],
+        shapes: Mapping[str, tuple[int, ...]],
+        held: Sequence[Mapping[str, Box]],
+    ) -> PublishReceipt:
+        """Every process sends its replicas' streams; then all learn how every stream went
+        (a collective), so that publish returns in every process only once the version is
+        committed on every replica, and fails in every process if any stream failed."""
+        from jax.experimental import multihost_utils
+
+        count, me = jax.process_count(), jax.process_index()
+        sender = [r % count for r in range(len(self._stubs))]
+        error: BaseException | None = None
+        receipt = PublishReceipt(version=version, already_present=True, bytes_sent=0)
+        try:
+            host = _multi_process_boxes(leaves, held, sender)
+            mine = [r for r in range(len(self._stubs)) if sender[r] == me]
+            receipt = self._publish_replicas(
+                version, mine, shapes, held, lambda replica, path: host.pop((replica, path))
+            )
+        except Exception as e:  # reported to every process below, then raised here
+            error = e
+        status = np.array(
+            [error is None, receipt.already_present, receipt.bytes_sent], dtype=np.int64
+        )
+        every = np.asarray(multihost_utils.process_allgather(status)).reshape(count, 3)
+        if error is not None:
+            raise error
+        failed = [p for p in range(count) if not every[p, 0]]
+        if failed:
+            raise ParamServerCallError(
+                f"publish of version {version} failed in process(es) {failed} of this "
+                "multi-host job; their logs say why"
+            )
+        return PublishReceipt(
+            version=version,
+            already_present=bool(every[:, 1].all()),
+            bytes_sent=int(every[:, 2].sum()),
+        )
+
+    def _publish_replicas(
+        self,
+        version: int,
+        replicas: Iterable[int],
+        shapes: Mapping[str, tuple[int, ...]],
+        held: Sequence[Mapping[str, Box]],
+        data_of: Callable[[int, str], np.ndarray],
+    ) -> PublishReceipt:
+        """Send the streams of `replicas`, in parallel; `data_of(replica, path)` is the host
+        data of that replica's box of `path`."""
 
         def one(replica: int) -> tuple[bool, int]:
             pieces, payload = [], {}
             for path, box in sorted(held[replica].items()):
-                data = _host_box(leaves[path], box)
+                data = data_of(replica, path)
                 raw = layout.to_bytes(data)
                 payload[path] = raw
                 pieces.append(
@@ -214,7 +369,7 @@ class ParamServerClient:
                 ) from None
             return reply.already_present, reply.bytes_received
 
-        results = list(self._pool.map(one, range(len(self._stubs))))
+        results = list(self._pool.map(one, list(replicas)))
         return PublishReceipt(
             version=version,
             already_present=all(present for present, _ in results),

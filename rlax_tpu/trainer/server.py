@@ -5,17 +5,28 @@ Builds the Trainer on the config's trainer mesh, connects it to the parameter se
 (`initialize`), serves Trainer and Health on one gRPC server bound to loopback unless told
 otherwise, prints `READY host:port` on stdout once serving, and on SIGTERM or SIGINT lets a
 running step finish, saves a checkpoint (waiting for it) and exits 0.
+
+Multi-host (rlax_tpu.distributed: one process per host, the mesh over every host's
+devices): process 0 is the leader, the only one that serves gRPC. Each call that changes the
+trainer is broadcast to the other processes (followers) before the leader runs it, so every
+process runs the same steps on the same batch in the same order; at shutdown the leader has
+them save with it, then tells them to stop.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import struct
 import sys
 from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.rpc import format_address
 from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_INSTANCE_ID = "trainer-0"
 # Calls that change the trainer run one at a time; a few more threads keep Health and
@@ -33,12 +44,121 @@ def _replica_plan(config: RunConfig, num_replicas: int) -> Any:
     )
 
 
+# -- multi-host: the leader broadcasts each call, followers run it --------------------------
+def _encode(op: str, fields: dict[str, Any], payload: bytes = b"") -> bytes:
+    header = json.dumps({"op": op, **fields}).encode()
+    return struct.pack("<I", len(header)) + header + payload
+
+
+def _decode(message: bytes) -> tuple[dict[str, Any], bytes]:
+    (size,) = struct.unpack_from("<I", message)
+    return json.loads(message[4 : 4 + size]), message[4 + size :]
+
+
+class LeaderTrainer:
+    """The Trainer as process 0's servicer sees it: every call that changes the trainer is
+    first broadcast to the followers (`follow`), then run here. Calls arrive one at a time
+    (the servicer's lock), so every process sees them in the same order."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    def __getattr__(self, name: str) -> Any:  # step, status(), params(), ... are local reads
+        return getattr(self._trainer, name)
+
+    def _send(self, op: str, payload: bytes = b"", **fields: Any) -> None:
+        from rlax_tpu.distributed import broadcast_bytes
+
+        broadcast_bytes(_encode(op, fields, payload))
+
+    def train_step(self, step: int, batch: Any) -> Any:
+        from rlax_tpu.trainer.service import batch_to_proto
+
+        self._send("train_step", batch_to_proto(batch).SerializeToString(), step=step)
+        return self._trainer.train_step(step, batch)
+
+    def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> Any:
+        from rlax_tpu.rpc.protos import trainer_pb2 as pb
+        from rlax_tpu.trainer.service import tensor_to_proto
+
+        request = pb.SftStepRequest(step=step)
+        for name, array in (("tokens", tokens), ("targets", targets), ("loss_mask", loss_mask)):
+            tensor_to_proto(array, getattr(request, name))
+        self._send("sft_step", request.SerializeToString(), step=step)
+        return self._trainer.sft_step(step, tokens, targets, loss_mask)
+
+    def save(self, *, wait: bool = True) -> int:
+        self._send("save", wait=wait)
+        return self._trainer.save(wait=wait)
+
+    def restore(self, step: int | None = None) -> int:
+        self._send("restore", step=step)
+        return self._trainer.restore(step)
+
+    def stop_followers(self) -> None:
+        self._send("stop")
+
+
+def follow(trainer: Any) -> None:
+    """A follower's life: run each call process 0 broadcasts until it says stop.
+
+    A call refused before it trains (out of order, batch too big, no such checkpoint) is
+    refused the same way on the leader, which reports it: the follower logs it and waits for
+    the next. Any other failure ends the follower (the exception propagates): the leader would
+    otherwise wait forever in a collective this process never joins, whereas JAX's
+    coordination service takes the whole job down, to be restarted from its checkpoint.
+    """
+    from rlax_tpu.distributed import broadcast_bytes
+    from rlax_tpu.rpc.protos import trainer_pb2 as pb
+    from rlax_tpu.trainer import (
+        BatchSizeError,
+        NotInitializedError,
+        NoValidCheckpointError,
+        OutOfOrderStepError,
+    )
+    from rlax_tpu.trainer.service import batch_from_proto, sft_arrays_from_proto
+
+    refused = (BatchSizeError, NotInitializedError, NoValidCheckpointError, OutOfOrderStepError)
+    while True:
+        command, payload = _decode(broadcast_bytes(None))
+        op = command["op"]
+        try:
+            if op == "stop":
+                return
+            if op == "train_step":
+                batch = batch_from_proto(pb.RolloutBatchMessage.FromString(payload))
+                trainer.train_step(command["step"], batch)
+            elif op == "sft_step":
+                arrays = sft_arrays_from_proto(pb.SftStepRequest.FromString(payload))
+                trainer.sft_step(command["step"], **arrays)
+            elif op == "save":
+                trainer.save(wait=command["wait"])
+            elif op == "restore":
+                trainer.restore(command["step"])
+            else:
+                raise ValueError(f"unknown command {op!r} from the leader")
+        except refused as e:
+            _log.warning("trainer follower: %s refused as on the leader: %s", op, e)
+        except Exception:
+            _log.exception("trainer follower: %s failed; stopping this process", op)
+            raise
+
+
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu serve trainer`: serve until SIGTERM or SIGINT, save, then exit 0."""
     resolved = component_config(args, "trainer")
     if resolved is None:
         return 2
     config, token = resolved
+    from rlax_tpu.distributed import DistributedConfigError, initialize_from_environment
+
+    try:
+        distributed = initialize_from_environment()  # before anything touches a device
+    except DistributedConfigError as e:
+        print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+        return 2
+
+    import jax
 
     from rlax_tpu.param_server.client import ParamServerClient
     from rlax_tpu.rpc import HealthServicer, make_server
@@ -48,25 +168,42 @@ def main(args: argparse.Namespace) -> int:
 
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
+    leader = jax.process_index() == 0
     param_server = None
-    if args.param_server:
+    if args.param_server:  # every process sends its share of each version
         plan = _replica_plan(config, len(args.param_server)) if len(args.param_server) > 1 else None
         param_server = ParamServerClient(args.param_server, auth_token=token, plan=plan)
-    try:
-        server, port = make_server(
-            host,
-            args.port,
-            auth_token=token,
-            auth_token_env=config.param_server.auth_token_env,
-            max_workers=_MAX_WORKERS,
-        )
-    except OSError as e:  # the port is taken
-        print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
-        return 2
+    server = None
+    if leader:
+        try:
+            server, port = make_server(
+                host,
+                args.port,
+                auth_token=token,
+                auth_token_env=config.param_server.auth_token_env,
+                max_workers=_MAX_WORKERS,
+            )
+        except OSError as e:  # the port is taken
+            print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+            return 2
     mesh = build_mesh(config.trainer.mesh)
     trainer = Trainer(config, param_server=param_server, mesh=mesh)
     step = trainer.initialize()
-    servicer = TrainerServicer(trainer, vocab_size=config.model.vocab_size)
+    if not leader:
+        print(
+            f"trainer: {distributed.describe()}, mesh {dict(mesh.shape)} at step {step}; "
+            "following process 0",
+            file=sys.stderr,
+            flush=True,
+        )
+        follow(trainer)  # SIGTERM is the leader's to act on: it has us save, then stop
+        trainer.close()
+        print("trainer: the leader stopped; stopped", file=sys.stderr, flush=True)
+        if param_server is not None:
+            param_server.close()
+        return 0
+    served = LeaderTrainer(trainer) if jax.process_count() > 1 else trainer
+    servicer = TrainerServicer(served, vocab_size=config.model.vocab_size)
     servicer.add_to_server(server)
     digest = config.digest()
     HealthServicer(
@@ -74,16 +211,19 @@ def main(args: argparse.Namespace) -> int:
     ).add_to_server(server)
     server.start()
     address = format_address(host, port)
+    processes = f", {distributed.describe()}" if distributed.is_multi_process else ""
     announce_ready(
         address,
         f"trainer: {config.model.architecture} on mesh {dict(mesh.shape)} at step "
         f"{step}, run dir {config.storage.run_dir}, parameter server "
-        f"{','.join(args.param_server) or '(none)'}, listening on {address}",
+        f"{','.join(args.param_server) or '(none)'}{processes}, listening on {address}",
     )
     wait_for(stop)
     server.stop(5.0).wait()
     with servicer.lock:  # a step still running in a handler thread finishes first
-        saved = trainer.save(wait=True)
+        saved = served.save(wait=True)
+        if isinstance(served, LeaderTrainer):
+            served.stop_followers()
         trainer.close()
     print(f"trainer: saved step {saved}; stopped", file=sys.stderr, flush=True)
     if param_server is not None:

@@ -69,6 +69,12 @@ class StepResult:
         return cls(step=int(data["step"]), version=int(data["version"]), metrics=metrics)
 
 
+def _from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from `host` (the whole value, the same in every process): each process
+    places only the slices of its own devices."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _json_float(x: float) -> float | None:
     return None if not math.isfinite(x) else x
 
@@ -89,6 +95,9 @@ class Trainer:
         self.config = config
         self.levels = BatchLevels.from_config(config)
         self.mesh = mesh if mesh is not None else build_mesh(config.trainer.mesh)
+        # A mesh over several hosts' devices (multi-host: DESIGN §5, rlax_tpu.distributed):
+        # every process runs this same code on the same inputs, in lockstep.
+        self._spans_processes = len({d.process_index for d in self.mesh.devices.flat}) > 1
         self.rules = config.trainer.mesh.logical_axis_rules
         self.objective = build_objective(config.trainer.algorithm)
         self.param_server = param_server
@@ -155,6 +164,8 @@ class Trainer:
     # -- jitted functions ---------------------------------------------------------------
     def _build_functions(self) -> None:
         p_sh, o_sh = self._param_shardings, self._opt_shardings
+        # Metrics replicated: every process of a multi-host mesh can read them.
+        replicated = NamedSharding(self.mesh, PartitionSpec())
         self._token_sharding = self._sharding(("batch", "length"), (self.levels.global_size, 1))
         self._init_opt = jax.jit(self._optimizer.init, out_shardings=o_sh)
         self._recompute = jax.jit(
@@ -167,14 +178,14 @@ class Trainer:
                 self._graphdef, self.objective, self._optimizer, self._schedule, self.levels
             ),
             donate_argnums=(0, 1),
-            out_shardings=(p_sh, o_sh, None),
+            out_shardings=(p_sh, o_sh, replicated),
         )
         self._sft_step = jax.jit(
             make_sft_step(self._graphdef, self._optimizer, self._schedule, self.levels),
             donate_argnums=(0, 1),
-            out_shardings=(p_sh, o_sh, None),
+            out_shardings=(p_sh, o_sh, replicated),
         )
-        self._mismatch = jax.jit(mismatch_metrics)
+        self._mismatch = jax.jit(mismatch_metrics, out_shardings=replicated)
         model_cfg, seed = self.config.model, self.config.seed
         self._random_init = jax.jit(
             lambda: nnx.to_pure_dict(
@@ -188,10 +199,19 @@ class Trainer:
         return NamedSharding(self.mesh, spec)
 
     def _place_rows(self, x: Any, dtype=None) -> jax.Array:
-        """A host or device array with rows first, sharded over the batch axes."""
-        x = jnp.asarray(x, dtype) if dtype is not None else x
+        """A host or device array with rows first, sharded over the batch axes.
+
+        Multi-host: every process passes the same global batch and places the rows of its
+        own devices (no cross-process traffic, no equality check).
+        """
         logical = ("batch", "length")[: np.ndim(x)]
-        return jax.device_put(x, self._sharding(logical, tuple(np.shape(x))))
+        sharding = self._sharding(logical, tuple(np.shape(x)))
+        if sharding.is_fully_addressable or (
+            isinstance(x, jax.Array) and not x.is_fully_addressable
+        ):
+            x = jnp.asarray(x, dtype) if dtype is not None else x
+            return jax.device_put(x, sharding)
+        return _from_host(np.asarray(x, dtype), sharding)
 
     # -- state ----------------------------------------------------------------------------
     def _require_state(self) -> None:
@@ -208,6 +228,10 @@ class Trainer:
 
             model = load_model_for_config(model_cfg, seed=self.config.seed)
             pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            if self._spans_processes:  # every process loaded the same checkpoint
+                return jax.tree.map(
+                    lambda x, s: _from_host(np.asarray(x), s), pure, self._param_shardings
+                )
             return jax.device_put(pure, self._param_shardings)
         with use_mesh(self.mesh, self.rules):
             return self._random_init()
