@@ -78,6 +78,8 @@ def e2e_config(run_dir: Path, data: Path, **staleness) -> RunConfig:
             prompts_per_batch=2,
             samples_per_prompt=4,
             datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
+            dynamic_sampling=True,
+            dynamic_sampling_max_rounds=2,
             sft_steps=40,
             sft_learning_rate=3e-3,
             keep_snapshots=10,
@@ -167,10 +169,22 @@ def workspace(tmp_path_factory):
     return root, data
 
 
-def start_run(workspace, name: str, *, warm_from: Path | None = None, **staleness) -> Job:
+def start_run(
+    workspace, name: str, *, warm_from: Path | None = None, replay: bool = False, **staleness
+) -> Job:
     root, data = workspace
     run_dir = root / name
     config = e2e_config(run_dir, data, **(staleness or {"reload_every": 2, "max_staleness": 3}))
+    if replay:  # TBA: trajectory balance trained on batches sampled from the replay buffer
+        config = dataclasses.replace(
+            config,
+            controller=dataclasses.replace(
+                config.controller, replay=True, replay_sync_every=2, replay_per_prompt_cap=6
+            ),
+            trainer=dataclasses.replace(
+                config.trainer, algorithm=AlgorithmConfig(name="trajectory_balance")
+            ),
+        )
     if warm_from is not None:  # reuse the reference's SFT warm start: same bits, less time
         run_dir.mkdir()
         for part in ("sft_model", "tokenizer"):
@@ -230,19 +244,7 @@ def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
 def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, victim):
     job = start_run(workspace, f"killed_{victim}", warm_from=reference)
     try:
-        deadline = time.monotonic() + 300
-        while consumed_steps(job.run_dir) < 3:
-            assert job.process.poll() is None, job.output()[-5000:]
-            assert time.monotonic() < deadline, "the run made no progress"
-            time.sleep(0.05)
-        children = job.children()
-        if victim == "controller":
-            job.process.kill()  # the launcher and controller die at once; children get SIGTERM
-        else:
-            os.kill(children[victim], signal.SIGKILL)
-        job.wait(120)
-        assert consumed_steps(job.run_dir) < STEPS, "the run finished before the kill"
-        wait_gone(children.values(), kill_after_s=60)
+        kill_mid_run(job, victim)
     finally:
         job.cleanup()
 
@@ -255,6 +257,61 @@ def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, 
     assert 0 < result["start_step"] < STEPS  # it resumed rather than starting over
     assert result["final_digest"] == summary(reference)["final_digest"]
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+def kill_mid_run(job: Job, victim: str = "controller") -> None:
+    deadline = time.monotonic() + 300
+    while consumed_steps(job.run_dir) < 3:
+        assert job.process.poll() is None, job.output()[-5000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+    children = job.children()
+    if victim == "controller":
+        job.process.kill()  # the launcher and controller die at once; children get SIGTERM
+    else:
+        os.kill(children[victim], signal.SIGKILL)
+    job.wait(120)
+    assert consumed_steps(job.run_dir) < STEPS, "the run finished before the kill"
+    wait_gone(children.values(), kill_after_s=60)
+
+
+def test_replay_mode_samples_within_the_staleness_bound_and_resumes_exactly(workspace, reference):
+    uninterrupted = start_run(
+        workspace, "replay", warm_from=reference, replay=True, reload_every=1, max_staleness=2
+    )
+    try:
+        assert uninterrupted.wait() == 0, uninterrupted.output()[-5000:]
+    finally:
+        uninterrupted.cleanup()
+    consumed = RolloutLog(str(uninterrupted.run_dir)).consumed()
+    assert sorted(consumed) == list(range(STEPS))
+    for batch, rows in consumed.items():
+        assert all(0 <= batch - version <= 2 for _, _, version in rows)
+    # Older batches' rollouts were replayed: some step trains on data of an earlier batch.
+    assert any(
+        not p.startswith(f"b{batch}:") for batch, rows in consumed.items() for p, _, _ in rows
+    )
+
+    killed = start_run(
+        workspace,
+        "replay_killed",
+        warm_from=reference,
+        replay=True,
+        reload_every=1,
+        max_staleness=2,
+    )
+    try:
+        kill_mid_run(killed)
+    finally:
+        killed.cleanup()
+    resumed = Job(["resume", str(killed.run_dir)], killed.run_dir)
+    try:
+        assert resumed.wait() == 0, resumed.output()[-5000:]
+    finally:
+        resumed.cleanup()
+    assert 0 < summary(killed.run_dir)["start_step"] < STEPS
+    assert summary(killed.run_dir)["final_digest"] == summary(uninterrupted.run_dir)["final_digest"]
+    assert RolloutLog(str(killed.run_dir)).consumed() == consumed
 
 
 def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, reference):

@@ -24,6 +24,7 @@ import numpy as np
 
 from rlax_tpu.algorithms import RolloutBatch
 from rlax_tpu.config import RunConfig
+from rlax_tpu.controller.replay import Entry, ReplayBuffer
 from rlax_tpu.controller.snapshots import RolloutLog, Snapshot, SnapshotError, SnapshotStore
 from rlax_tpu.inference.engine import GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
@@ -73,6 +74,8 @@ class _Batch:
     prompts: list[Prompt]
     samples: int
     rollouts: dict[tuple[str, int], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    rewards: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    rounds: int = 1  # dynamic sampling: rounds of prompts drawn for this batch
     error: str | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     launched_s: float = 0.0
@@ -105,6 +108,7 @@ class Controller:
         *,
         tokenizer: Any,
         mixture: Any,
+        refill: Any = None,
         eval_prompts: Sequence[Any] = (),
         metrics: Any = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
@@ -115,11 +119,40 @@ class Controller:
         self.c = components
         self.tokenizer = tokenizer
         self.mixture = mixture
+        # Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and batch b
+        # draws more prompts from `refill`, its own named stream, in batch order.
+        self.dynamic = config.controller.dynamic_sampling
+        if self.dynamic and refill is None:
+            raise ValueError("controller.dynamic_sampling needs a refill prompt mixture")
+        self.refill = refill
+        ctl = config.controller
+        self.replay = (
+            ReplayBuffer(
+                per_prompt_cap=ctl.replay_per_prompt_cap,
+                global_cap=ctl.replay_global_cap,
+                recency_prob=ctl.replay_recency_prob,
+                reward_temperature=ctl.replay_reward_temperature,
+                seed=config.seed,
+            )
+            if ctl.replay
+            else None
+        )
+        self._replay_pending: list[tuple[str, Entry]] = []
+        self._replay_records: dict[tuple[str, int, int], dict] = {}
         self.eval_prompts = list(eval_prompts)
         self.metrics = metrics
         self.progress = progress
         self.stop = stop or threading.Event()
         self.policy = StalenessPolicy.from_config(config.staleness)
+        # Which version generates batch b. In replay mode generation lags by at most
+        # replay_generation_lag versions, leaving the rest of N for reusing rollouts.
+        self.generation_policy = self.policy
+        if config.controller.replay:
+            eta = self.policy.reload_every
+            lag = min(
+                self.policy.max_staleness, max(config.controller.replay_generation_lag, eta - 1)
+            )
+            self.generation_policy = StalenessPolicy(eta, lag, self.policy.schedule)
         self.run_dir = config.storage.run_dir
         self.snapshots = SnapshotStore(self.run_dir, config.controller.keep_snapshots)
         self.log = RolloutLog(self.run_dir)
@@ -132,9 +165,20 @@ class Controller:
         base = SamplingParams.from_config(config.inference)
         self.sampling = dataclasses.replace(base, stop_token_ids=tuple(stops))
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
-        self.stats: dict[str, Any] = {"rejected_stale": 0, "regenerated": 0, "reused": 0}
+        self.stats: dict[str, Any] = {
+            "rejected_stale": 0,
+            "regenerated": 0,
+            "reused": 0,
+            "groups_filtered": 0,
+            "groups_generated": 0,
+        }
         self._batches: dict[int, _Batch] = {}
-        self._mixture_at: dict[int, dict[str, Any]] = {}
+        # What a resume from step b needs, recorded as the run passes b: the main prompt
+        # stream before batch b's first draw (which happens up to N steps early), and the
+        # refill stream and accounting when the loop reaches step b.
+        self._main_at: dict[int, dict[str, Any]] = {}
+        self._refill_at: dict[int, dict[str, Any] | None] = {}
+        self._replay_at: dict[int, dict[str, Any] | None] = {}
         self._stats_at: dict[int, dict[str, Any]] = {}
         self._next_draw = 0
         self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
@@ -167,8 +211,11 @@ class Controller:
             while step < self.num_steps:
                 if self.stop.is_set():
                     break
+                self._at_step(step)
                 self._launch_ahead(step)
                 batch = self._wait(step)
+                if batch is not None and self.dynamic:
+                    batch = self._resample(batch)
                 if batch is None:  # stopped while waiting
                     break
                 rows, keys, rewards, extra = self._assemble(batch)
@@ -251,16 +298,16 @@ class Controller:
                 )
             self.c.trainer.save(wait=True)  # checkpoint 0: the first snapshot's resume point
             self._next_draw = 0
-            self._mixture_at[0] = self.mixture.state()
-            self._stats_at[0] = dict(self.stats)
+            self._main_at[0] = self.mixture.state()
+            self._at_step(0)
             self._snapshot(0)
             return 0
         step = snapshot.checkpoint_step
-        self.mixture.restore(snapshot.mixture)
+        self._mixture_restore(snapshot.mixture)
         self.stats = dict(snapshot.stats)
         self._next_draw = step
-        self._mixture_at[step] = self.mixture.state()
-        self._stats_at[step] = dict(self.stats)
+        self._main_at[step] = self.mixture.state()
+        self._at_step(step)
         _log.info(
             "resuming at step %d (snapshot of step %d, checkpoint %d)",
             step,
@@ -268,6 +315,23 @@ class Controller:
             snapshot.checkpoint_step,
         )
         return step
+
+    def _at_step(self, step: int) -> None:
+        """Record the refill stream and the accounting as the loop reaches `step` (and the
+        main stream too if batch `step` is not drawn yet, as on-policy)."""
+        if self._next_draw == step:
+            self._main_at.setdefault(step, self.mixture.state())
+        self._refill_at.setdefault(step, self.refill.state() if self.refill else None)
+        self._replay_at.setdefault(step, self._replay_state())
+        self._stats_at.setdefault(step, dict(self.stats))
+
+    def _mixture_restore(self, state: dict[str, Any]) -> None:
+        self.mixture.restore(state["main"])
+        if self.refill is not None:
+            if state.get("refill") is None:
+                raise SnapshotError("the snapshot has no refill stream state for dynamic sampling")
+            self.refill.restore(state["refill"])
+        self._replay_restore(state.get("replay"))
 
     def _snapshot(self, step: int, final: bool = False) -> None:
         """Snapshot at `step`; resumable from the newest finished trainer checkpoint.
@@ -279,12 +343,17 @@ class Controller:
             checkpoint = step
         else:
             checkpoint = step - step % every
-        checkpoint = max(c for c in self._mixture_at if c <= checkpoint)
+        checkpoint = max(c for c in self._main_at if c <= checkpoint)
+        self._at_step(step)  # a final snapshot resumes from `step` itself
         snapshot = Snapshot(
             step=step,
             checkpoint_step=checkpoint,
             config_digest=self.digest,
-            mixture=self._mixture_at[checkpoint],
+            mixture={
+                "main": self._main_at[checkpoint],
+                "refill": self._refill_at[checkpoint],
+                "replay": self._replay_at[checkpoint],
+            },
             stats=self._stats_at[checkpoint],
             versions={
                 "trainer": step,
@@ -298,8 +367,10 @@ class Controller:
             self.c.param_server.confirm(CONTROLLER_CONSUMER, oldest)
         except Exception as e:  # noqa: BLE001 - only delays garbage collection
             _log.warning("could not confirm version %d to the parameter server: %s", oldest, e)
-        for old in [b for b in self._mixture_at if b < checkpoint]:
-            del self._mixture_at[old]
+        for old in [b for b in self._main_at if b < checkpoint]:
+            del self._main_at[old]
+            self._refill_at.pop(old, None)
+            self._replay_at.pop(old, None)
             self._stats_at.pop(old, None)
 
     # -- generation -----------------------------------------------------------------------------
@@ -307,9 +378,10 @@ class Controller:
         """Start every batch in [step, num_steps) whose version is published (trainer at
         version `step`), in order: as far ahead as N allows."""
         b = step
-        while b < self.num_steps and b < step + self.policy.max_staleness + 1:
+        lead = self.generation_policy.max_staleness
+        while b < self.num_steps and b < step + lead + 1:
             if b not in self._batches:
-                version = self.policy.generation_version(b, step)
+                version = self.generation_policy.generation_version(b, step)
                 if version is None:
                     break
                 self._launch(b, version)
@@ -320,8 +392,7 @@ class Controller:
             raise ControllerError(
                 f"prompts drawn out of order: batch {b}, expected {self._next_draw}"
             )
-        self._mixture_at.setdefault(b, self.mixture.state())
-        self._stats_at.setdefault(b, dict(self.stats))
+        self._main_at.setdefault(b, self.mixture.state())
         records = self.mixture.draw(self.config.controller.prompts_per_batch)
         self._next_draw = b + 1
         return [Prompt(f"b{b}:{r.dataset}:{r.id}", self.encode(r), r) for r in records]
@@ -340,11 +411,19 @@ class Controller:
         return tuple(int(t) for t in ids)
 
     def _launch(self, b: int, version: int) -> None:
-        batch = _Batch(b, version, self._draw(b), self.samples, launched_s=time.perf_counter())
+        batch = _Batch(b, version, [], self.samples, launched_s=time.perf_counter())
         self._batches[b] = batch
+        self._submit(batch, self._draw(b))
+
+    def _submit(self, batch: _Batch, prompts: list[Prompt]) -> None:
+        """Add `prompts` to `batch`: reuse what the rollout log has, generate the rest."""
+        b, version = batch.index, batch.version
+        with self._lock:
+            batch.prompts.extend(prompts)
+            batch.done.clear()
         logged = self.log.read_batch(b)
         missing: list[GenerationRequest] = []
-        for prompt in batch.prompts:
+        for prompt in prompts:
             for i in range(self.samples):
                 record = logged.get((prompt.key, i, version))
                 if record is not None:
@@ -352,15 +431,17 @@ class Controller:
                     self.stats["reused"] += 1
                 else:
                     missing.append(self._request(b, prompt, i, version))
+        with self._lock:
+            if len(batch.rollouts) == batch.expected:
+                batch.done.set()
         if not missing:
-            batch.done.set()
             return
         per_worker = math.ceil(len(missing) / len(self.c.workers))
         per_worker = self.samples * math.ceil(per_worker / self.samples)  # whole groups
         for k in range(0, len(missing), per_worker):
             self._jobs.put(
                 _Job(
-                    (b, k),
+                    (b, batch.rounds * 2**20 + k),
                     version,
                     missing[k : k + per_worker],
                     deliver=lambda r, batch=batch: self._deliver(batch, r),
@@ -484,20 +565,92 @@ class Controller:
             rewards[i] = float(result.reward)
         return rewards
 
+    def _score(self, batch: _Batch) -> None:
+        """Verify every rollout of `batch` that has no reward yet."""
+        todo = [
+            (p, i)
+            for p in batch.prompts
+            for i in range(self.samples)
+            if (p.key, i) not in batch.rewards
+        ]
+        records = [batch.rollouts[(p.key, i)] for p, i in todo]
+        for (p, i), reward in zip(todo, self.verify(batch.prompts, records), strict=True):
+            batch.rewards[(p.key, i)] = reward
+
+    def _has_signal(self, batch: _Batch, prompt: Prompt) -> bool:
+        rewards = {batch.rewards[(prompt.key, i)] for i in range(self.samples)}
+        return len(rewards) > 1
+
+    def _resample(self, batch: _Batch) -> _Batch | None:
+        """DAPO's dynamic sampling: while fewer than prompts_per_batch groups have reward
+        variance, draw that many more prompts for this batch from the refill stream (same
+        version) — at most `dynamic_sampling_max_rounds` extra rounds."""
+        wanted = self.config.controller.prompts_per_batch
+        rounds = self.config.controller.dynamic_sampling_max_rounds
+        while True:
+            self._score(batch)
+            kept = sum(self._has_signal(batch, p) for p in batch.prompts)
+            if kept >= wanted or batch.rounds > rounds:
+                return batch
+            records = self.refill.draw(wanted - kept)
+            r, b = batch.rounds, batch.index
+            extra = [Prompt(f"b{b}r{r}:{x.dataset}:{x.id}", self.encode(x), x) for x in records]
+            batch.rounds += 1
+            self._submit(batch, extra)
+            if self._wait(b) is None:
+                return None
+
+    def _select(self, batch: _Batch) -> list[Prompt]:
+        """The batch's groups: all of them, or with dynamic sampling the first
+        prompts_per_batch groups with reward variance (in draw order), topped up with the
+        first groups without when the extra rounds ran out."""
+        if not self.dynamic:
+            return batch.prompts
+        wanted = self.config.controller.prompts_per_batch
+        signal = [p for p in batch.prompts if self._has_signal(batch, p)]
+        flat = [p for p in batch.prompts if not self._has_signal(batch, p)]
+        self.stats["groups_generated"] += len(batch.prompts)
+        self.stats["groups_filtered"] += len(flat)
+        chosen = {p.key for p in (signal + flat)[:wanted]}
+        return [p for p in batch.prompts if p.key in chosen]
+
     def _assemble(self, batch: _Batch) -> tuple[RolloutBatch, list, np.ndarray, dict]:
-        records = []
-        for prompt in batch.prompts:
-            for i in range(self.samples):
-                record = batch.rollouts[(prompt.key, i)]
-                if not self.policy.is_acceptable(batch.index, record["version"]):
-                    # Never trained on; with the deterministic schedule this cannot happen.
+        """The training batch of step `batch.index`: its own groups, or (replay mode) groups
+        sampled from the replay buffer after this step's sync."""
+        self._score(batch)
+        if self.replay is not None:
+            groups = self._replay_groups(batch)
+        else:
+            groups = [
+                [
+                    (batch.rollouts[(p.key, i)], batch.rewards[(p.key, i)])
+                    for i in range(self.samples)
+                ]
+                for p in self._select(batch)
+            ]
+        flat = sum(not self._has_signal(batch, p) for p in batch.prompts)
+        return self._build(batch.index, groups, filtered_fraction=flat / len(batch.prompts))
+
+    def _build(
+        self, index: int, groups: list[list[tuple[dict, float]]], *, filtered_fraction: float
+    ) -> tuple[RolloutBatch, list, np.ndarray, dict]:
+        """A RolloutBatch of `groups` (each a list of (rollout record, reward)) for step
+        `index`; every rollout must be acceptable for it (b − version ≤ N)."""
+        records, rewards, group_ids = [], [], []
+        for g, group in enumerate(groups):
+            for record, reward in group:
+                if not self.policy.is_acceptable(index, record["version"]):
+                    # Never trained on; the schedule and the buffer's eviction prevent it.
                     self.stats["rejected_stale"] += 1
                     raise ControllerError(
-                        f"rollout {prompt.key}/s{i} has version {record['version']}, too stale "
-                        f"for batch {batch.index} (N={self.policy.max_staleness})"
+                        f"rollout {record['prompt_id']}/s{record['sample_index']} has version "
+                        f"{record['version']}, too stale for batch {index} "
+                        f"(N={self.policy.max_staleness})"
                     )
                 records.append(record)
-        rewards = np.asarray(self.verify(batch.prompts, records), np.float32)
+                rewards.append(reward)
+                group_ids.append(g)
+        rewards = np.asarray(rewards, np.float32)
         lengths = [len(r["prompt_tokens"]) + len(r["tokens"]) for r in records]
         seq = min(self.config.trainer.max_seq_len, 16 * math.ceil(max(lengths) / 16))
         rows = len(records)
@@ -512,22 +665,83 @@ class Controller:
             n = min(len(resp), seq - len(p))
             mask[row, len(p) - 1 : len(p) - 1 + n] = True
             behaviour[row, len(p) - 1 : len(p) - 1 + n] = r["logprobs"][:n]
-        group = {p.key: g for g, p in enumerate(batch.prompts)}
         rollout_batch = RolloutBatch(
             tokens=tokens,
             response_mask=mask,
-            group_ids=np.asarray([group[r["prompt_id"]] for r in records], np.int32),
+            group_ids=np.asarray(group_ids, np.int32),
             rewards=rewards,
             behaviour_logprobs=behaviour,
             versions=np.asarray([r["version"] for r in records], np.int32),
         )
         keys = [(r["prompt_id"], r["sample_index"], r["version"]) for r in records]
-        staleness = [batch.index - r["version"] for r in records]
+        staleness = [index - r["version"] for r in records]
         extra = {
+            "filtered_fraction": filtered_fraction,
             "staleness_mean": float(np.mean(staleness)),
             "response_tokens": int(sum(len(r["tokens"]) for r in records)),
         }
         return rollout_batch, keys, rewards, extra
+
+    # -- replay (TBA) ------------------------------------------------------------------------
+    def _replay_groups(self, batch: _Batch) -> list[list[tuple[dict, float]]]:
+        """Queue this batch's rollouts for the buffer; every `replay_sync_every` steps add
+        what is queued; evict what step b can no longer accept; sample the groups."""
+        b = batch.index
+        for p in batch.prompts:
+            for i in range(self.samples):
+                record = batch.rollouts[(p.key, i)]
+                entry = Entry(
+                    batch=b,
+                    prompt_key=p.key,
+                    sample_index=i,
+                    version=record["version"],
+                    reward=batch.rewards[(p.key, i)],
+                    added_at=b,
+                )
+                self._replay_pending.append((f"{p.record.dataset}:{p.record.id}", entry))
+                self._replay_records[entry.key] = record
+        ctl = self.config.controller
+        if b % ctl.replay_sync_every == 0:
+            self.replay.add(b, self._replay_pending)
+            self._replay_pending = []
+        self.replay.evict_older_than(b - self.policy.max_staleness)
+        groups = []
+        for _, entries in self.replay.sample(ctl.prompts_per_batch, self.samples):
+            groups.append([(self._replay_record(e), e.reward) for e in entries])
+        live = {e.key for u in self.replay.prompts for e in self.replay.entries(u)}
+        live |= {e.key for _, e in self._replay_pending}
+        self._replay_records = {k: v for k, v in self._replay_records.items() if k in live}
+        return groups
+
+    def _replay_record(self, entry: Entry) -> dict:
+        record = self._replay_records.get(entry.key)
+        if record is None:  # after a resume: the rollout log has it
+            logged = self.log.read_batch(entry.batch)
+            for key, rec in logged.items():
+                self._replay_records.setdefault(key, rec)
+            record = self._replay_records.get(entry.key)
+            if record is None:
+                raise ControllerError(
+                    f"replay buffer entry {entry.key} of batch {entry.batch} is not in the "
+                    "rollout log: the run directory is incomplete"
+                )
+        return record
+
+    def _replay_state(self) -> dict[str, Any] | None:
+        if self.replay is None:
+            return None
+        return {
+            "buffer": self.replay.state(),
+            "pending": [[uid, dataclasses.asdict(e)] for uid, e in self._replay_pending],
+        }
+
+    def _replay_restore(self, state: dict[str, Any] | None) -> None:
+        if self.replay is None:
+            return
+        if state is None:
+            raise SnapshotError("the snapshot has no replay buffer state (replay mode is on)")
+        self.replay.restore(state["buffer"])
+        self._replay_pending = [(uid, Entry(**e)) for uid, e in state["pending"]]
 
     def _after_step(
         self,
@@ -546,6 +760,7 @@ class Controller:
             "reward_mean": float(np.mean(rewards)),
             "accuracy": float(np.mean(rewards >= 1.0)),
             "staleness_mean": extra["staleness_mean"],
+            "filtered_fraction": extra["filtered_fraction"],
             "response_tokens": extra["response_tokens"],
             "elapsed_s": elapsed,
             **{f"train/{k}": float(v) for k, v in train_metrics.items()},

@@ -1,0 +1,744 @@
+"""The simulator's model of a run: what the run does (`Workload`, from a RunConfig) and how
+long each piece of work takes (`TimingModel`), calibrated from the project's benchmark
+JSONs, from the figures of hardware we cannot measure here (`HardwareSpec`), and from
+explicit settings, in that order.
+
+Pure Python, no JAX: sizing a pod run must not need the accelerator stack. Units are in
+the names (`_s`, `_bytes`, `_per_s`); every time is wall-clock seconds on the device the
+calibration describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from rlax_tpu.config import ConfigBase, ConfigError, ModelConfig, RunConfig
+from rlax_tpu.config.base import require
+from rlax_tpu.staleness import StalenessPolicy
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_Z95 = 1.6448536269514722  # the standard normal's 95th percentile
+
+
+class CalibrationError(ValueError):
+    """A calibration file cannot be read or does not say what it must; the message names it."""
+
+
+# -- model arithmetic ----------------------------------------------------------------------------
+def count_params(model: ModelConfig) -> int:
+    """Parameters of `rlax_tpu.models.Transformer` for `model` (the same tree, counted)."""
+    c = model
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    if c.qkv_bias:
+        attn += c.head_dim * (c.num_heads + 2 * c.num_kv_heads)
+    if c.qk_norm:
+        attn += 2 * c.head_dim
+    layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    total = c.num_layers * layer + c.vocab_size * c.hidden_size + c.hidden_size
+    if not c.tie_word_embeddings:
+        total += c.hidden_size * c.vocab_size
+    if c.value_head:
+        total += c.hidden_size + 1
+    return total
+
+
+def model_bytes(model: ModelConfig) -> int:
+    """Bytes of one published version (the parameters in `param_dtype`)."""
+    return count_params(model) * DTYPE_BYTES[model.param_dtype]
+
+
+def decode_flops_per_token(model: ModelConfig, context: float) -> float:
+    """Matmul FLOPs of one decoded token at `context` tokens of context: 2 × the weights a
+    token uses (the embedding is a gather) plus attention (q·k and p·v). The same count as
+    tools/bench_inference.py's `flops_per_token`, so its measured rates transfer."""
+    c = model
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * (attn + mlp) + c.hidden_size * c.vocab_size
+    return 2.0 * weights + 4.0 * c.num_layers * c.num_heads * c.head_dim * context
+
+
+def train_flops_per_token(model: ModelConfig, seq_len: float) -> float:
+    """Forward + backward FLOPs per trained token: 6·N (the trainer's MFU count) plus causal
+    attention, 6·layers·heads·head_dim·seq (negligible for short sequences)."""
+    c = model
+    return 6.0 * count_params(model) + 6.0 * c.num_layers * c.num_heads * c.head_dim * seq_len
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype_bytes: float) -> float:
+    """KV-cache bytes one token of context holds (keys and values of every layer)."""
+    return 2.0 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+
+
+# -- distributions --------------------------------------------------------------------------------
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Distribution(ConfigBase):
+    """A positive quantity (tokens or seconds): `fixed` at `median`; `lognormal` with that
+    median and shape `sigma` (p95 = median·e^(1.645σ), heavy-tailed); or `empirical`,
+    drawn uniformly from `values`. Draws are clipped to [minimum, maximum] (maximum 0 = no
+    upper bound); token counts are rounded up."""
+
+    kind: Literal["fixed", "lognormal", "empirical"] = "fixed"
+    median: float = 1.0
+    sigma: float = 0.0
+    minimum: float = 0.0
+    maximum: float = 0.0
+    values: tuple[float, ...] = ()
+
+    def validate(self) -> None:
+        require(self.median >= 0, "median", f"must be >= 0, got {self.median}")
+        require(self.sigma >= 0, "sigma", f"must be >= 0, got {self.sigma}")
+        require(self.minimum >= 0, "minimum", "must be >= 0")
+        require(
+            self.maximum == 0 or self.maximum >= self.minimum,
+            "maximum",
+            f"must be 0 (unbounded) or >= minimum ({self.minimum}), got {self.maximum}",
+        )
+        require(
+            self.kind != "empirical" or bool(self.values),
+            "values",
+            "an empirical distribution needs its values",
+        )
+
+    @classmethod
+    def from_p50_p95(cls, p50: float, p95: float, **kwargs: Any) -> Distribution:
+        """The lognormal with these two percentiles."""
+        sigma = math.log(max(p95, p50) / p50) / _Z95 if p50 > 0 else 0.0
+        return cls(kind="lognormal", median=p50, sigma=sigma, **kwargs)
+
+    def _clip(self, x: float) -> float:
+        x = max(self.minimum, x)
+        return min(self.maximum, x) if self.maximum else x
+
+    def sample(self, rng: random.Random) -> float:
+        if self.kind == "fixed":
+            return self._clip(self.median)
+        if self.kind == "empirical":
+            return self._clip(self.values[rng.randrange(len(self.values))])
+        return self._clip(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))
+
+    def tokens(self, rng: random.Random) -> int:
+        return max(1, math.ceil(self.sample(rng)))
+
+    def quantile(self, q: float) -> float:
+        if self.kind == "fixed":
+            return self._clip(self.median)
+        if self.kind == "empirical":
+            ordered = sorted(self.values)
+            return self._clip(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+        from statistics import NormalDist
+
+        q = min(max(q, 1e-9), 1 - 1e-9)
+        return self._clip(self.median * math.exp(self.sigma * NormalDist().inv_cdf(q)))
+
+    def mean(self) -> float:
+        """The mean of the clipped distribution (by its quantiles)."""
+        if self.kind == "fixed":
+            return self._clip(self.median)
+        if self.kind == "empirical":
+            return sum(self._clip(v) for v in self.values) / len(self.values)
+        n = 400
+        return sum(self.quantile((i + 0.5) / n) for i in range(n)) / n
+
+
+# -- the timing model -----------------------------------------------------------------------------
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TimingModel(ConfigBase):
+    """How long each piece of work takes. Defaults are this project's 2-core CPU demo scale
+    (uncalibrated guesses); `calibrate` replaces them with measured or given figures."""
+
+    # Generation, per inference worker: continuous batching over `decode_slots` slots (the
+    # config's inference.max_decode_slots). A decode step runs every slot (fixed shapes),
+    # `decode_steps_per_call` steps per device call; each prompt is prefilled on its own in
+    # the smallest prefill bucket that holds it.
+    decode_step_s: float = 0.002
+    decode_call_s: float = 0.002
+    decode_steps_per_call: int = 4
+    prefill_call_s: float = 0.002
+    prefill_s_per_token: float = 2e-5
+    job_overhead_s: float = 0.01  # one Generate call (RPC, stream set-up)
+    rollout_overhead_s: float = 0.001  # per rollout: streaming it, writing the rollout log
+    worker_compile_s: float = 0.0  # the first generation of a (re)started worker
+    # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token.
+    train_fixed_s: float = 0.05
+    train_s_per_token: float = 1e-4
+    trainer_compile_s: float = 0.0  # the first train step of a (re)started trainer
+    # Weights: a publish (inside the train step) and a worker's load of a version, through
+    # the parameter server. Concurrent pulls share `ps_bytes_per_s` (0 = unlimited); each is
+    # also capped by its own link; the first pull of a version reads it from storage.
+    publish_fixed_s: float = 0.005
+    publish_bytes_per_s: float = 2e8
+    pull_fixed_s: float = 0.005
+    pull_bytes_per_s: float = 1e9
+    first_pull_bytes_per_s: float = 3e8
+    ps_bytes_per_s: float = 0.0
+    pull_fraction: float = 1.0  # of the version's bytes a worker pulls (1 = a full replica)
+    # Verifier service: per batch one call; requests run on a pool of workers with a
+    # lognormal service time (p50, p95). 0 workers = the config's verifiers.num_workers.
+    verify_call_s: float = 0.005
+    verify_p50_s: float = 0.0005
+    verify_p95_s: float = 0.001
+    verifier_workers: int = 0
+    # Controller: assembling a batch, metrics, consumed records (per step); snapshot writes.
+    controller_step_s: float = 0.02
+    snapshot_s: float = 0.005
+    # Components sharing one machine (the CPU demo): its cores, each component's demand
+    # while it computes, and the fraction of the cores left when they are oversubscribed.
+    # 0 host cores: every component has its own hardware (a pod).
+    host_cores: float = 0.0
+    trainer_cores: float = 1.0
+    worker_cores: float = 1.0
+    verifier_cores: float = 0.5
+    controller_cores: float = 0.5
+    contention_efficiency: float = 1.0
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            require(value >= 0, f.name, f"must be >= 0, got {value}")
+        for name in ("publish_bytes_per_s", "pull_bytes_per_s", "first_pull_bytes_per_s"):
+            require(getattr(self, name) > 0, name, "must be > 0")
+        require(self.decode_steps_per_call >= 1, "decode_steps_per_call", "must be >= 1")
+        require(self.verify_p95_s >= self.verify_p50_s, "verify_p95_s", "must be >= verify_p50_s")
+        require(0 < self.pull_fraction <= 1, "pull_fraction", "must be in (0, 1]")
+        require(0 < self.contention_efficiency <= 1, "contention_efficiency", "must be in (0, 1]")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class PreemptionConfig(ConfigBase):
+    """Preemptions of the whole job (any component's death stops the run; it resumes).
+
+    A hard preemption loses everything since the newest snapshot's trainer checkpoint (the
+    newest multiple of trainer.checkpoint_every at or below the newest reload boundary);
+    with `notice` (SIGTERM ahead of the kill, as GKE and TPU VMs give) the final snapshot
+    checkpoints the step reached. With `reuse_rollout_log` the rollouts already logged for
+    the batches to redo are reused when their version is the one asked again (always, under
+    the deterministic schedule); otherwise they are discarded and regenerated.
+    """
+
+    per_hour: float = 0.0
+    restart_s: float = 300.0
+    notice: bool = False
+    reuse_rollout_log: bool = True
+
+    def validate(self) -> None:
+        require(self.per_hour >= 0, "per_hour", "must be >= 0")
+        require(self.restart_s >= 0, "restart_s", "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class HardwareSpec(ConfigBase):
+    """Figures of accelerators we cannot measure here (e.g. TPU v5p from its data sheet and
+    your own profiles); `calibrate` turns them into a TimingModel by a roofline: decode is
+    the slower of reading the weights + KV cache and its FLOPs, training and prefill run at
+    the given utilisation."""
+
+    name: str = ""
+    peak_flops_per_chip: float = 0.0  # in the compute dtype (bf16)
+    hbm_bytes_per_s_per_chip: float = 0.0
+    memory_bytes_per_chip: float = 95e9  # M0 of LlamaRL's model (HBM per chip)
+    trainer_chips: int = 0
+    chips_per_worker: int = 0
+    train_mfu: float = 0.4
+    prefill_mfu: float = 0.5
+    decode_flops_efficiency: float = 0.5
+    decode_bandwidth_efficiency: float = 0.6
+    serve_dtype_bytes: float = 2.0  # bytes per weight and KV element when serving (1 = fp8)
+    decode_call_s: float = 0.0  # host round trip per decode call
+    prefill_call_s: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("train_mfu", "prefill_mfu", "decode_flops_efficiency"):
+            require(0 < getattr(self, name) <= 1, name, "must be in (0, 1]")
+        require(
+            0 < self.decode_bandwidth_efficiency <= 1, "decode_bandwidth_efficiency", "in (0, 1]"
+        )
+        require(self.serve_dtype_bytes > 0, "serve_dtype_bytes", "must be > 0")
+
+    @property
+    def given(self) -> bool:
+        return self.peak_flops_per_chip > 0 and self.hbm_bytes_per_s_per_chip > 0
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class SimulatorConfig(ConfigBase):
+    """What the simulator needs beyond the RunConfig: the length distributions of the task
+    (no config knows them), the timing model, hardware figures and preemptions."""
+
+    # None: lognormal, median max_new_tokens/4, σ = 1, clipped to max_new_tokens.
+    response_tokens: Distribution | None = None
+    # None: fixed at half of inference.max_prompt_len.
+    prompt_tokens: Distribution | None = None
+    timing: TimingModel = TimingModel()
+    hardware: HardwareSpec = HardwareSpec()
+    preemption: PreemptionConfig = PreemptionConfig()
+    evaluations: bool = True  # simulate the controller's held-out evaluations
+    seed: int = 0
+
+
+# -- the workload -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The shape of a run as the controller drives it (from a RunConfig)."""
+
+    num_steps: int
+    prompts_per_batch: int
+    samples_per_prompt: int
+    num_workers: int
+    decode_slots: int
+    prefill_buckets: tuple[int, ...]
+    max_new_tokens: int
+    max_seq_len: int
+    policy: StalenessPolicy
+    checkpoint_every: int
+    eval_every: int
+    eval_size: int
+    evaluations: bool
+    model: ModelConfig
+    verifier_workers: int
+    response_tokens: Distribution
+    prompt_tokens: Distribution
+    uses_code_verifier: bool = False
+
+    @classmethod
+    def from_config(cls, config: RunConfig, sim: SimulatorConfig | None = None) -> Workload:
+        sim = sim or SimulatorConfig()
+        inf, ctl = config.inference, config.controller
+        response = sim.response_tokens or Distribution(
+            kind="lognormal", median=max(1.0, inf.max_new_tokens / 4), sigma=1.0
+        )
+        response = dataclasses.replace(
+            response,
+            minimum=max(1.0, response.minimum),
+            maximum=min(response.maximum or inf.max_new_tokens, inf.max_new_tokens),
+        )
+        prompt = sim.prompt_tokens or Distribution(median=max(1, inf.max_prompt_len // 2))
+        prompt = dataclasses.replace(
+            prompt,
+            minimum=max(1.0, prompt.minimum),
+            maximum=min(prompt.maximum or inf.max_prompt_len, inf.max_prompt_len),
+        )
+        return cls(
+            num_steps=ctl.num_steps,
+            prompts_per_batch=ctl.prompts_per_batch,
+            samples_per_prompt=ctl.samples_per_prompt,
+            num_workers=inf.num_workers,
+            decode_slots=inf.max_decode_slots,
+            prefill_buckets=tuple(inf.prefill_buckets),
+            max_new_tokens=inf.max_new_tokens,
+            max_seq_len=config.trainer.max_seq_len,
+            policy=StalenessPolicy.from_config(config.staleness),
+            checkpoint_every=config.trainer.checkpoint_every,
+            eval_every=ctl.eval_every,
+            eval_size=ctl.eval_size,
+            evaluations=sim.evaluations and bool(ctl.eval_dataset),
+            model=config.model,
+            verifier_workers=sim.timing.verifier_workers or config.verifiers.num_workers,
+            response_tokens=response,
+            prompt_tokens=prompt,
+            uses_code_verifier=any(d.verifier == "code" for d in ctl.datasets),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_batch * self.samples_per_prompt
+
+    @property
+    def model_bytes(self) -> int:
+        return model_bytes(self.model)
+
+    def bucket(self, prompt_tokens: int) -> int:
+        return next((b for b in self.prefill_buckets if b >= prompt_tokens), prompt_tokens)
+
+    def mean_context(self) -> float:
+        """Mean context of a decoded token: the prompt plus half the response."""
+        return self.prompt_tokens.mean() + self.response_tokens.mean() / 2
+
+
+# -- the work's durations -------------------------------------------------------------------------
+def generation_s(
+    timing: TimingModel,
+    workload: Workload,
+    prompt_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+) -> float:
+    """One Generate call of these requests on one worker (already loaded and compiled).
+
+    Continuous batching: a request's first token comes from its prefill, then it holds a
+    slot for ceil((tokens - 1)/k)·k decode steps (slots are refilled between calls); the
+    call lasts until its longest slot is done, so a heavy-tailed length leaves a straggler.
+    """
+    t, k = timing, timing.decode_steps_per_call
+    prefill = sum(
+        t.prefill_call_s + workload.bucket(p) * t.prefill_s_per_token for p in prompt_tokens
+    )
+    free_at = [0] * min(workload.decode_slots, max(1, len(response_tokens)))  # in calls
+    heapq.heapify(free_at)
+    end = 0
+    for tokens in response_tokens:
+        calls = math.ceil(max(0, tokens - 1) / k)
+        if calls == 0:
+            continue
+        start = heapq.heappop(free_at)
+        heapq.heappush(free_at, start + calls)
+        end = max(end, start + calls)
+    decode = end * (t.decode_call_s + k * t.decode_step_s)
+    return t.job_overhead_s + prefill + decode + len(response_tokens) * t.rollout_overhead_s
+
+
+def train_s(timing: TimingModel, workload: Workload, prompt_tokens, response_tokens) -> float:
+    """One train step (without the publish): rows padded to a multiple of 16 of the batch's
+    longest prompt + response, capped at trainer.max_seq_len (as the controller pads)."""
+    longest = max(p + r for p, r in zip(prompt_tokens, response_tokens, strict=True))
+    seq = min(workload.max_seq_len, 16 * math.ceil(longest / 16))
+    return timing.train_fixed_s + len(response_tokens) * seq * timing.train_s_per_token
+
+
+def publish_s(timing: TimingModel, workload: Workload) -> float:
+    return timing.publish_fixed_s + workload.model_bytes / timing.publish_bytes_per_s
+
+
+def verify_s(timing: TimingModel, workers: int, n: int, rng: random.Random) -> float:
+    """A batch of `n` verifications: one call, requests spread over the pool's workers."""
+    if n == 0:
+        return 0.0
+    service = Distribution.from_p50_p95(timing.verify_p50_s, timing.verify_p95_s)
+    free = [0.0] * max(1, min(workers, n))
+    for _ in range(n):
+        heapq.heappush(free, heapq.heappop(free) + service.sample(rng))
+    return timing.verify_call_s + max(free)
+
+
+# -- calibration ----------------------------------------------------------------------------------
+def _read(path: str | Path) -> dict[str, Any]:
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as e:
+            raise CalibrationError(
+                f"{path}: reading YAML needs PyYAML (pip install pyyaml), or give it as JSON"
+            ) from e
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CalibrationError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def benchmark_kind(data: Mapping[str, Any]) -> str:
+    """Which tools/bench_*.py wrote `data` ("" when none: then it is a settings file)."""
+    if "speedup_off_vs_on" in data and "on_policy" in data:
+        return "e2e"
+    if "slot_utilization" in data and "tokens_per_s" in data:
+        return "inference"
+    if "configs" in data and "step_s" in data and "mfu" in data:
+        return "trainer"
+    if "publish_bytes_per_s" in data and "pull_bytes_per_s" in data:
+        return "param_server"
+    if "verifications_per_s" in data and "p50_s" in data:
+        return "verifier"
+    return ""
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Figures gathered from calibration files, applied by `calibrate` in a fixed order:
+    benchmarks, then hardware figures, then explicit settings (files in the order given,
+    then --set)."""
+
+    benchmarks: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    settings: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)
+
+    def add_file(self, path: str | Path) -> None:
+        data = _read(path)
+        kind = benchmark_kind(data)
+        if kind:
+            self.benchmarks.setdefault(kind, []).append(data)
+            self.sources.append(f"{path} ({kind} benchmark)")
+        else:
+            self.add_settings(data)
+            self.sources.append(f"{path} (settings)")
+
+    def add_settings(self, data: Mapping[str, Any], prefix: str = "") -> None:
+        """Nested settings of SimulatorConfig, e.g. {"timing": {"restart_s": 600}}; a
+        distribution or the hardware may be given whole."""
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            whole = dotted in ("response_tokens", "prompt_tokens") or dotted.endswith("_tokens")
+            if isinstance(value, Mapping) and not whole:
+                self.add_settings(value, dotted + ".")
+            else:
+                self.settings.append((dotted, value))
+
+    def add_overrides(self, overrides: Iterable[str]) -> None:
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            self.settings.append((key.strip(), value.strip()))
+
+
+def calibrate(
+    config: RunConfig, calibration: Calibration | None = None
+) -> tuple[Workload, TimingModel, SimulatorConfig, list[str]]:
+    """The workload and timing model of `config` under `calibration`, the simulator settings,
+    and notes saying where each figure came from (and what was assumed)."""
+    calibration = calibration or Calibration()
+    sim = _settings(calibration.settings)
+    workload = Workload.from_config(config, sim)
+    notes: list[str] = []
+    figures: dict[str, float] = {}
+    bench = calibration.benchmarks
+    for kind, fit in (
+        ("trainer", _from_trainer_bench),
+        ("inference", _from_inference_bench),
+        ("param_server", _from_param_server_bench),
+        ("verifier", _from_verifier_bench),
+    ):
+        if kind in bench:
+            found, note = fit(workload, bench[kind])
+            figures.update(found)
+            notes.append(note)
+    if sim.hardware.given:
+        found, note = _from_hardware(workload, sim.hardware)
+        figures.update(found)
+        notes.append(note)
+    explicit = {k.split(".", 1)[1] for k, _ in calibration.settings if k.startswith("timing.")}
+    figures = {k: v for k, v in figures.items() if k not in explicit}
+    if explicit:
+        notes.append(f"set explicitly: {', '.join(sorted(explicit))}")
+    timing = dataclasses.replace(sim.timing, **figures)
+    if not bench and not sim.hardware.given and not explicit:
+        notes.append("no calibration given: TimingModel defaults (CPU demo-scale guesses)")
+    sim = dataclasses.replace(sim, timing=timing)
+    return Workload.from_config(config, sim), timing, sim, notes
+
+
+def _settings(settings: Sequence[tuple[str, Any]]) -> SimulatorConfig:
+    """SimulatorConfig with file settings merged first (validated together, so related
+    values may come in any order), then command-line ones (text, parsed by field type)."""
+    merged = SimulatorConfig().to_dict()
+    for key, value in settings:
+        if isinstance(value, str):
+            continue
+        *parents, leaf = key.split(".")
+        node = merged
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    try:
+        sim = SimulatorConfig.from_dict(merged)
+    except ConfigError as e:
+        raise ConfigError(f"calibration settings: {e}") from None
+    for key, value in settings:
+        if isinstance(value, str):
+            try:
+                sim = sim.override(key, value)
+            except ConfigError as e:
+                raise ConfigError(f"setting {key}={value}: {e}") from None
+    return sim
+
+
+def _fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares y = a + b·x with a, b >= 0 (b only, through 0, from one point)."""
+    if len(points) == 1 or len({x for x, _ in points}) == 1:
+        x = sum(p[0] for p in points)
+        return 0.0, sum(p[1] for p in points) / x if x else 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    a = my - b * mx
+    if a < 0:  # no negative fixed cost: refit through the origin
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    if b < 0:
+        return my, 0.0
+    return a, b
+
+
+def _from_trainer_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
+    """step_s = fixed + FLOPs × seconds-per-FLOP over every benchmarked model (6·N·tokens,
+    the trainer's own MFU count), then the run's model at its FLOPs per token."""
+    points = []
+    for run in runs:
+        for entry in run.get("configs", {}).values():
+            points.append((6.0 * entry["params"] * entry["tokens_per_step"], entry["step_s"]))
+    if not points:
+        raise CalibrationError("trainer benchmark JSON without per-config figures ('configs')")
+    fixed, s_per_flop = _fit_line(points)
+    per_token = s_per_flop * 6.0 * count_params(workload.model)
+    note = (
+        f"trainer: {len(points)} benchmarked step(s) -> fixed {fixed * 1e3:.1f} ms + "
+        f"{1 / s_per_flop / 1e9 if s_per_flop else float('inf'):.2f} GFLOP/s"
+    )
+    return {"train_fixed_s": fixed, "train_s_per_token": per_token}, note
+
+
+def bench_inference_workload(requests: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """tools/bench_inference.py's workload lengths (prompt, output): lognormal prompts
+    (median 24, σ 0.8, within [4, 128]) and outputs (median 32, σ 1.0, within [1, 256])."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(np.log(24), 0.8, requests), 4, 128)
+    outputs = np.clip(rng.lognormal(np.log(32), 1.0, requests), 1, 256)
+    return [int(p) for p in prompts], [int(o) for o in outputs]
+
+
+_BENCH_BUCKETS = (16, 32, 64, 128)
+
+
+def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
+    """Engine wall time = calls × seconds-per-call + FLOPs × seconds-per-FLOP, fitted over
+    the benchmark runs (runs at different --decode-steps separate the two; from one run the
+    per-call cost is taken as 0). Decode FLOPs count every slot of every step (fixed
+    shapes); prefill FLOPs the whole bucket; FLOPs per token from the benchmark."""
+    rows = []
+    for run in runs:
+        total_s = run["useful_tokens"] / run["tokens_per_s"]
+        slots, k = run["decode_slots"], run["decode_steps_per_call"]
+        steps = run["useful_tokens"] / (run["slot_utilization"] * slots)
+        prompts, outputs = bench_inference_workload(run["requests"])
+        if sum(outputs) == run["useful_tokens"]:
+            prefill_tokens = sum(next(b for b in _BENCH_BUCKETS if b >= p) for p in prompts)
+        else:  # another workload than the one known here: median prompt 24 -> bucket 32
+            prefill_tokens = 32 * run["requests"]
+        flops = run["model_flops_per_token"] * (steps * slots + prefill_tokens)
+        calls = run["requests"] + steps / k
+        rows.append((calls, flops, total_s))
+    if len({c for c, _, _ in rows}) > 1:
+        per_call, s_per_flop = _fit_two(rows)
+    else:
+        per_call, s_per_flop = 0.0, sum(t for _, _, t in rows) / sum(f for _, f, _ in rows)
+    flops_token = decode_flops_per_token(workload.model, workload.mean_context())
+    figures = {
+        "decode_step_s": workload.decode_slots * flops_token * s_per_flop,
+        "decode_call_s": per_call,
+        "prefill_call_s": per_call,
+        "prefill_s_per_token": flops_token * s_per_flop,
+        "decode_steps_per_call": int(runs[-1]["decode_steps_per_call"]),
+    }
+    note = (
+        f"inference: {len(rows)} benchmark run(s) -> {per_call * 1e3:.2f} ms per device call + "
+        f"{1 / s_per_flop / 1e9:.2f} GFLOP/s; decode step of {workload.decode_slots} slots "
+        f"{figures['decode_step_s'] * 1e3:.2f} ms"
+    )
+    return figures, note
+
+
+def _fit_two(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Non-negative least squares of t = a·calls + b·flops (two unknowns)."""
+    s11 = sum(c * c for c, _, _ in rows)
+    s12 = sum(c * f for c, f, _ in rows)
+    s22 = sum(f * f for _, f, _ in rows)
+    y1 = sum(c * t for c, _, t in rows)
+    y2 = sum(f * t for _, f, t in rows)
+    det = s11 * s22 - s12 * s12
+    a = (y1 * s22 - y2 * s12) / det if det else 0.0
+    b = (s11 * y2 - s12 * y1) / det if det else 0.0
+    if a < 0 or not det:
+        return 0.0, y2 / s22
+    if b < 0:
+        return y1 / s11, 0.0
+    return a, b
+
+
+def _from_param_server_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
+    """Publish and pull rates (the largest tree measured; fixed costs fitted when two sizes
+    were measured)."""
+    sizes = [s for run in runs for s in run.get("sizes", [run])]
+    largest = max(sizes, key=lambda s: s["bytes"])
+    figures = {
+        "publish_bytes_per_s": largest["publish_bytes_per_s"],
+        "pull_bytes_per_s": largest["pull_bytes_per_s"],
+        "first_pull_bytes_per_s": largest.get(
+            "first_pull_bytes_per_s", largest["pull_bytes_per_s"]
+        ),
+    }
+    for what in ("publish", "pull"):
+        points = [(s["bytes"], s["bytes"] / s[f"{what}_bytes_per_s"]) for s in sizes]
+        if len({x for x, _ in points}) > 1:
+            fixed, per_byte = _fit_line(points)
+            figures[f"{what}_fixed_s"] = fixed
+            figures[f"{what}_bytes_per_s"] = (
+                1 / per_byte if per_byte else largest[f"{what}_bytes_per_s"]
+            )
+    mb = 2**20
+    note = (
+        f"param server: publish {figures['publish_bytes_per_s'] / mb:.0f} MB/s, pull "
+        f"{figures['pull_bytes_per_s'] / mb:.0f} MB/s (first pull "
+        f"{figures['first_pull_bytes_per_s'] / mb:.0f} MB/s); a version is "
+        f"{workload.model_bytes / mb:.1f} MB"
+    )
+    return figures, note
+
+
+def _from_verifier_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
+    """The benchmark judges sandboxed code: its per-request service time (batch time ×
+    workers / requests) and spread apply to code datasets only."""
+    run = runs[-1]
+    service = run["batch_s"] * run["workers"] / run["solutions"]
+    spread = run["p95_s"] / run["p50_s"] if run["p50_s"] else 1.0
+    if not workload.uses_code_verifier:
+        return {}, (
+            f"verifier: the benchmark's code-judging figures ({service:.2f} s per request) are "
+            "not used: the run's datasets have no code verifier (cheap checks keep the default)"
+        )
+    return {"verify_p50_s": service, "verify_p95_s": service * spread}, (
+        f"verifier: {service:.2f} s per code request (p95/p50 {spread:.2f})"
+    )
+
+
+def _from_hardware(workload: Workload, hw: HardwareSpec) -> tuple[dict, str]:
+    """Roofline durations on the given chips."""
+    m = workload.model
+    params = count_params(m)
+    ctx = workload.mean_context()
+    figures: dict[str, float] = {}
+    parts = [f"hardware {hw.name or '(unnamed)'}"]
+    if hw.trainer_chips:
+        seq = min(workload.max_seq_len, workload.prompt_tokens.mean() + workload.max_new_tokens)
+        rate = hw.trainer_chips * hw.peak_flops_per_chip * hw.train_mfu
+        figures["train_s_per_token"] = train_flops_per_token(m, seq) / rate
+        figures["train_fixed_s"] = 0.0
+        parts.append(f"trainer {hw.trainer_chips} chips at MFU {hw.train_mfu:.0%}")
+    if hw.chips_per_worker:
+        c = hw.chips_per_worker
+        weights = params * hw.serve_dtype_bytes
+        kv = workload.decode_slots * ctx * kv_bytes_per_token(m, hw.serve_dtype_bytes)
+        memory_s = (weights + kv) / (
+            c * hw.hbm_bytes_per_s_per_chip * hw.decode_bandwidth_efficiency
+        )
+        compute_s = (
+            workload.decode_slots
+            * decode_flops_per_token(m, ctx)
+            / (c * hw.peak_flops_per_chip * hw.decode_flops_efficiency)
+        )
+        figures["decode_step_s"] = max(memory_s, compute_s)
+        figures["decode_call_s"] = hw.decode_call_s
+        figures["prefill_call_s"] = hw.prefill_call_s
+        figures["prefill_s_per_token"] = decode_flops_per_token(m, ctx) / (
+            c * hw.peak_flops_per_chip * hw.prefill_mfu
+        )
+        bound = "memory" if memory_s >= compute_s else "compute"
+        parts.append(
+            f"{c} chips per worker: decode step {figures['decode_step_s'] * 1e3:.1f} ms "
+            f"({bound}-bound at {workload.decode_slots} slots, context {ctx:.0f})"
+        )
+    return figures, "; ".join(parts)
