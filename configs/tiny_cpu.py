@@ -42,6 +42,9 @@ def get_config() -> RunConfig:
         trainer=TrainerConfig(
             mesh=MeshConfig(data=2, fsdp=1, tensor=1),
             algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
+            # The workers' log-probs of the generating version: the importance weight
+            # corrects stale rollouts in the off-policy variants (docs/algorithms.md).
+            behaviour_logprobs="cached",
             mini_batch_size=64,
             micro_batch_size=64,
             max_seq_len=64,
