@@ -1,0 +1,205 @@
+"""tools/prefilter.py end to end: the run's components (launcher, parameter server, trainer,
+inference worker, verifier service) score a tiny arithmetic dataset with a checkpoint.
+
+The checkpoint is built, not trained: every layer is zero and every embedding row the same,
+so the model answers every prompt from one fixed distribution over its first token
+("1": 0.6, "2": 0.3, "3": 0.1). With one response token, prompts whose answer is 1, 2, 3 or
+4 then have pass rates of about 0.6, 0.3, 0.1 and 0: some fall inside the band, some do not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ControllerConfig,
+    DatasetConfig,
+    InferenceConfig,
+    MeshConfig,
+    ModelConfig,
+    RunConfig,
+    StorageConfig,
+    TrainerConfig,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = 8
+BAND = (0.2, 0.9)
+FIRST_TOKEN = {"1": 0.6, "2": 0.3, "3": 0.1}
+
+
+def prefilter_config(run_dir: Path, data: Path) -> RunConfig:
+    return RunConfig(
+        name="prefilter",
+        seed=5,
+        cpu_devices=2,
+        model=ModelConfig(
+            vocab_size=112,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            max_position_embeddings=128,
+            tokenizer="builtin:char",
+        ),
+        trainer=TrainerConfig(
+            mesh=MeshConfig(data=2, fsdp=1, tensor=1),
+            algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
+            mini_batch_size=8,
+            micro_batch_size=8,
+            max_seq_len=64,
+        ),
+        inference=InferenceConfig(
+            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
+            max_decode_slots=32,
+            prefill_buckets=(64,),
+            max_prompt_len=60,
+            max_new_tokens=1,
+            kv_cache_bytes=2 * 2**20,
+        ),
+        controller=ControllerConfig(
+            datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
+        ),
+        storage=StorageConfig(run_dir=str(run_dir)),
+    )
+
+
+def fixed_distribution_checkpoint(config: RunConfig, path: Path) -> None:
+    """An HF checkpoint whose next-token distribution is FIRST_TOKEN after any prompt."""
+    import numpy as np
+    from flax import nnx
+
+    from rlax_tpu.models import Tokenizer, Transformer, save_hf
+    from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+    from rlax_tpu.tree import flatten, unflatten_like
+
+    write_char_tokenizer(str(path.parent / "tokenizer"))
+    tokenizer = Tokenizer.load(str(path.parent / "tokenizer"))
+    model = config.model
+    params = nnx.to_pure_dict(nnx.state(Transformer(model, rngs=nnx.Rngs(0)), nnx.Param))
+    leaves = {}
+    for name, leaf in flatten(params).items():
+        value = np.zeros(leaf.shape, np.float32)
+        if name == "embed":
+            value[:] = 1.0  # every token the same input: the final norm gives all-ones states
+        elif name.startswith("final_norm"):
+            value[:] = 1.0
+        elif name == "lm_head":  # logits = Σ_d lm_head[d, v]
+            value[:] = -20.0 / model.hidden_size
+            for text, p in FIRST_TOKEN.items():
+                (token,) = tokenizer.encode(text, add_special_tokens=False)
+                value[:, token] = math.log(p) / model.hidden_size
+        leaves[name] = value
+    save_hf(unflatten_like(params, leaves), model, str(path))
+
+
+def run_prefilter(workspace: Path, name: str) -> Path:
+    out = workspace / name
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # the components set their own device count (cpu_devices)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "prefilter.py"),
+            str(workspace / "config.json"),
+            f"--dataset={workspace / 'sums.jsonl'}",
+            f"--checkpoint={workspace / 'model'}",
+            f"--samples={SAMPLES}",
+            f"--min-pass={BAND[0]}",
+            f"--max-pass={BAND[1]}",
+            f"--out={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("prefilter")
+    rows = [
+        {
+            "id": f"sum-{i}",
+            "prompt": f"What is {i % 4 + 1 + i} - {i}? Answer with just the number.",
+            "answer": str(i % 4 + 1),
+            "source": "test",  # an extra field: filtered rows keep it
+        }
+        for i in range(12)
+    ]
+    (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = prefilter_config(root / "unused_run_dir", root / "sums.jsonl")
+    (root / "config.json").write_text(json.dumps(config.to_dict()))
+    fixed_distribution_checkpoint(config, root / "model")
+    return root
+
+
+@pytest.fixture(scope="module")
+def outputs(workspace) -> tuple[Path, Path]:
+    return run_prefilter(workspace, "first"), run_prefilter(workspace, "second")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_prompt_gets_a_pass_rate_of_k_samples(workspace, outputs):
+    rates = read_jsonl(outputs[0] / "pass_rates.jsonl")
+    dataset = read_jsonl(workspace / "sums.jsonl")
+    assert [r["id"] for r in rates] == [r["id"] for r in dataset]
+    for rate in rates:
+        assert rate["k"] == SAMPLES
+        assert 0.0 <= rate["pass_rate"] <= 1.0
+        assert rate["pass_rate"] * SAMPLES == round(rate["pass_rate"] * SAMPLES)
+    by_answer = {}
+    for row, rate in zip(dataset, rates, strict=True):
+        by_answer.setdefault(row["answer"], []).append(rate["pass_rate"])
+    # The checkpoint's distribution shows through: "4" is never sampled, "1" most often.
+    assert by_answer["4"] == [0.0] * 3
+    assert min(by_answer["1"]) > max(by_answer["3"])
+
+
+def test_the_filtered_dataset_is_exactly_the_rows_within_the_band(workspace, outputs):
+    rates = read_jsonl(outputs[0] / "pass_rates.jsonl")
+    dataset = read_jsonl(workspace / "sums.jsonl")
+    expected = [
+        row
+        for row, rate in zip(dataset, rates, strict=True)
+        if BAND[0] <= rate["pass_rate"] <= BAND[1]
+    ]
+    assert 0 < len(expected) < len(dataset)  # the band does separate the rows
+    assert read_jsonl(outputs[0] / "filtered.jsonl") == expected
+    summary = json.loads((outputs[0] / "summary.json").read_text())
+    assert summary["kept"] == len(expected) and summary["samples"] == SAMPLES
+
+
+def test_two_runs_with_the_same_seed_write_identical_outputs(outputs):
+    for name in ("pass_rates.jsonl", "filtered.jsonl", "summary.json"):
+        assert (outputs[0] / name).read_bytes() == (outputs[1] / name).read_bytes(), name
+
+
+def test_an_out_of_range_band_is_refused():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import prefilter
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    with pytest.raises(ValueError, match="band"):
+        prefilter.Band(0.9, 0.1)
+    band = prefilter.Band(0.25, 0.75)
+    assert band.keeps(0.25) and band.keeps(0.75) and not band.keeps(0.8)
+    assert not band.keeps(None)

@@ -1,0 +1,520 @@
+#!/usr/bin/env python3
+"""How robust is each RL objective to stale rollouts? The demo task at N ∈ {0, 1, 4, 16}.
+
+    python tools/staleness_sweep.py [--quick] [--json OUT] [--plot OUT.png] [--steps N]
+        [--work-dir DIR] [--algorithms a,b] [--staleness 0,4] [--set key=value ...]
+
+The demo (configs/tiny_cpu.py, arithmetic with a character-level model) is warm-started by
+SFT once; then, from those weights, with the same seed and prompt order, the whole job
+(`rlax_tpu.controller.job.run`: launcher, parameter server, trainer, inference worker,
+verifiers, controller) runs a short RL phase for each algorithm preset (GRPO, Dr. GRPO,
+AIPO, trajectory balance, online DPO; as published, see docs/algorithms.md) and each
+acceptance staleness N (η = 1, deterministic schedule: batch b is generated with version
+max(0, b − N)). For each run it records
+
+* final held-out greedy accuracy (the controller's evaluation at the last step) and the SFT
+  model's (step 0, the same for every run);
+* KL(π_θ ‖ π_ref) of the final policy to the SFT reference, measured the same way for every
+  objective (most do not compute a KL while training): on the held-out prompts, responses
+  are sampled from the final policy (temperature 1, up to `inference.max_new_tokens`
+  tokens); along each response the exact KL between the two next-token distributions (all
+  of the vocabulary) is summed over its tokens, then averaged over samples and prompts. This
+  is an unbiased estimate of the sequence-level KL, in nats per response;
+* the trainer's own `kl` metric (k3 per token on the rollouts it trained on, averaged over
+  the last steps) where the objective reports one.
+
+It writes a markdown table (stdout, and into --json with every figure) and a PNG of final
+accuracy and KL against N (--plot; needs matplotlib: `pip install -e .[plots]`). Runs are
+kept under --work-dir and reused when their config is unchanged, so an interrupted sweep
+continues. `--quick` is a smoke test: 2 objectives x 2 values of N, a short warm start and
+a few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlax_tpu.config import AlgorithmConfig, RunConfig, StalenessConfig, load_config  # noqa: E402
+from rlax_tpu.runtime import configure_jax  # noqa: E402
+
+ALGORITHMS = ("grpo", "dr_grpo", "aipo", "trajectory_balance", "online_dpo")
+LABELS = {
+    "grpo": "GRPO",
+    "dr_grpo": "Dr. GRPO",
+    "aipo": "AIPO",
+    "trajectory_balance": "TB",
+    "online_dpo": "online DPO",
+}
+STALENESS = (0, 1, 4, 16)
+QUICK_ALGORITHMS = ("grpo", "online_dpo")
+QUICK_STALENESS = (0, 4)
+# The seed papers' reading (docs/algorithms.md, "Which presets tolerate stale data").
+MOST_ROBUST = ("trajectory_balance", "online_dpo")
+PPO_STYLE = ("grpo", "dr_grpo")
+WARM_START_FILES = ("tokenizer", "data", "sft_model")
+# Steps whose trainer `kl` metric is averaged.
+LAST_STEPS = 5
+KL_SAMPLES = 4  # responses per held-out prompt for the KL estimate
+KL_SEED = 20250101
+
+# The demo's task and objective settings on a smaller model (as tools/bench_e2e.py --quick),
+# so that 20 runs fit in an hour on two CPU cores; no evaluation between start and end.
+# The importance weight is taken against the behaviour policy μ that generated the rollouts
+# (the workers' log-probs), as in the seed papers' staleness experiments. With the trainer's
+# default, π_old recomputed at the version being trained, a batch trained in one mini-batch
+# has ratio 1 whatever its staleness: no clip, truncation or IS weight ever acts.
+SWEEP = [
+    "trainer.behaviour_logprobs=cached",
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "model.num_layers=2",
+    "model.head_dim=16",
+    "controller.sft_steps=600",
+    "controller.num_steps=40",
+    "controller.eval_every=0",
+    "controller.eval_size=512",
+]
+QUICK = [*SWEEP, "controller.sft_steps=200", "controller.num_steps=8", "controller.eval_size=128"]
+
+
+def sweep_config(quick: bool, steps: int | None, extra: Sequence[str]) -> RunConfig:
+    overrides = [*(QUICK if quick else SWEEP), *extra]
+    if steps is not None:
+        overrides.append(f"controller.num_steps={steps}")
+    return load_config(str(ROOT / "configs" / "tiny_cpu.py"), overrides)
+
+
+def algorithm_config(name: str, config: RunConfig) -> AlgorithmConfig:
+    """The preset as published; Dr. GRPO's L is the generation budget (docs/algorithms.md)."""
+    if name == "dr_grpo":
+        return AlgorithmConfig(name=name, max_response_len=config.inference.max_new_tokens)
+    return AlgorithmConfig(name=name)
+
+
+def run_config(base: RunConfig, algorithm: str, n: int, run_dir: Path) -> RunConfig:
+    return dataclasses.replace(
+        base,
+        name=f"staleness_{algorithm}_n{n}",
+        staleness=StalenessConfig(reload_every=1, max_staleness=n),
+        trainer=dataclasses.replace(base.trainer, algorithm=algorithm_config(algorithm, base)),
+        storage=dataclasses.replace(base.storage, run_dir=str(run_dir)),
+    )
+
+
+# -- the shared SFT warm start -------------------------------------------------------------------
+def warm_start_key(config: RunConfig) -> str:
+    """What the warm start depends on: model, SFT settings, data, seed, trainer shape."""
+    c = config.controller
+    trainer = config.trainer.to_dict()
+    for field in ("learning_rate", "algorithm", "behaviour_logprobs"):  # RL only
+        trainer.pop(field)
+    parts = {
+        "seed": config.seed,
+        "model": config.model.to_dict(),
+        "trainer": trainer,
+        "datasets": [d.to_dict() for d in c.datasets],
+        "eval_dataset": c.eval_dataset,
+        "sft": [c.sft_steps, c.sft_learning_rate, c.prompts_per_batch],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def warm_start(config: RunConfig, work: Path) -> Path:
+    """SFT once into work/warm_start-<key> (reused when it is there); returns that directory."""
+    from rlax_tpu.controller import job
+    from rlax_tpu.models.tokenizer import Tokenizer
+
+    directory = work / f"warm_start-{warm_start_key(config)}"
+    config = dataclasses.replace(
+        config, storage=dataclasses.replace(config.storage, run_dir=str(directory))
+    )
+    effective = job.materialise(config)
+    tokenizer = Tokenizer.load(job.tokenizer_path(effective))
+    with open(work / "warm_start.log", "a") as out, contextlib.redirect_stdout(out):
+        job.warm_start(effective, tokenizer)
+    return directory
+
+
+# -- KL of the final policy to the reference -----------------------------------------------------
+def final_params(run_dir: Path, like: Any) -> tuple[int, Any]:
+    """(version, params) of the newest version the run's parameter server persisted."""
+    from rlax_tpu.param_server.store import VersionStore
+    from rlax_tpu.tree import flatten, unflatten_like
+
+    store = VersionStore(str(run_dir / "params"), hot_versions=1)
+    version = max(v.version for v in store.versions())
+    return version, unflatten_like(like, {p: store.read(version, p) for p in flatten(like)})
+
+
+def sequence_kl(
+    policy: Any,
+    reference: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    samples: int,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    seed: int,
+) -> dict[str, float]:
+    """KL(π_θ ‖ π_ref) per response, in nats: `samples` responses per prompt from `policy`
+    (temperature 1), the exact per-token KL of the two next-token distributions summed
+    along each. Returns its mean over prompts, the standard error of that mean, and the
+    mean response length."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    graphdef, policy_state = nnx.split(policy)
+    _, reference_state = nnx.split(reference)
+
+    @jax.jit
+    def log_probs(state: Any, tokens: jax.Array) -> jax.Array:
+        """tokens: int32[rows, seq] -> float32[rows, seq, vocab], next-token log-probs."""
+        model = nnx.merge(graphdef, state)
+        logits = model.forward_train(tokens, tokens, return_logits=True).logits
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    rows = [tuple(p) for p in prompts for _ in range(samples)]
+    lengths = np.asarray([len(p) for p in rows])
+    seq = 16 * math.ceil((lengths.max() + max_new_tokens) / 16)
+    tokens = np.zeros((len(rows), seq), np.int32)
+    for i, p in enumerate(rows):
+        tokens[i, : len(p)] = p
+    index = np.arange(len(rows))
+    alive = np.ones(len(rows), bool)
+    generated = np.zeros(len(rows), np.int64)  # response tokens, a stop token included
+    key = jax.random.key(seed)
+    for j in range(max_new_tokens):
+        if not alive.any():
+            break
+        step = np.asarray(log_probs(policy_state, jnp.asarray(tokens)))[index, lengths + j - 1]
+        key, sub = jax.random.split(key)
+        sampled = np.asarray(jax.random.categorical(sub, jnp.asarray(step)))
+        tokens[index[alive], (lengths + j)[alive]] = sampled[alive]
+        generated += alive
+        alive &= ~np.isin(sampled, list(stop_token_ids))
+    p = np.asarray(log_probs(policy_state, jnp.asarray(tokens)), np.float64)
+    r = np.asarray(log_probs(reference_state, jnp.asarray(tokens)), np.float64)
+    per_position = (np.exp(p) * (p - r)).sum(-1)  # [rows, seq]
+    position = np.arange(seq)[None, :]
+    first = (lengths - 1)[:, None]  # position t scores token t + 1
+    mask = (position >= first) & (position < first + generated[:, None])
+    per_prompt = (per_position * mask).sum(1).reshape(len(prompts), samples).mean(1)
+    return {
+        "kl": float(per_prompt.mean()),
+        "kl_stderr": float(per_prompt.std(ddof=1) / math.sqrt(len(prompts))),
+        "response_length": float(generated.mean()),
+    }
+
+
+def kl_to_reference(run_dir: Path, config: RunConfig) -> dict[str, float]:
+    """sequence_kl of the run's final version against its SFT export, on its held-out prompts."""
+    from flax import nnx
+
+    from rlax_tpu.config import DatasetConfig
+    from rlax_tpu.controller import job
+    from rlax_tpu.controller.datasets import load_dataset
+    from rlax_tpu.models.hf import build_model, load_hf_config, load_hf_params
+    from rlax_tpu.models.tokenizer import Tokenizer
+
+    effective = RunConfig.from_dict(json.loads((run_dir / job.EFFECTIVE_CONFIG).read_text()))
+    reference_dir = effective.model.hf_checkpoint
+    model_config = load_hf_config(reference_dir)
+    reference_params = load_hf_params(reference_dir, model_config)
+    version, policy_params = final_params(run_dir, reference_params)
+    reference = build_model(model_config, reference_params, rngs=nnx.Rngs(0))
+    policy = build_model(model_config, policy_params, rngs=nnx.Rngs(0))
+    tokenizer = Tokenizer.load(job.tokenizer_path(effective))
+    ctl = effective.controller
+    records = load_dataset(DatasetConfig(path=ctl.eval_dataset))[: ctl.eval_size]
+    eos = tokenizer.eos_token_id
+    stops = effective.inference.stop_token_ids or ((eos,) if eos is not None else ())
+    result = sequence_kl(
+        policy,
+        reference,
+        [tokenizer.encode(r.prompt) for r in records],
+        samples=KL_SAMPLES,
+        max_new_tokens=effective.inference.max_new_tokens,
+        stop_token_ids=stops,
+        seed=KL_SEED,
+    )
+    return {**result, "version": version}
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> dict[str, Any]:
+    """The whole job for (algorithm, N) from the warm start, and its figures (reused from a
+    finished run of the same config)."""
+    from rlax_tpu.controller import job
+
+    run_dir = work / f"{algorithm}_n{n}"
+    config = run_config(base, algorithm, n, run_dir)
+    digest = config.digest()
+    result_path = run_dir / "sweep_result.json"
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        if result.get("config_digest") == digest:
+            return {**result, "reused": True}
+    shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run dir would resume or refuse
+    run_dir.mkdir(parents=True)
+    for item in WARM_START_FILES:
+        shutil.copytree(warm / item, run_dir / item)
+    t0 = time.perf_counter()
+    with open(work / f"{algorithm}_n{n}.log", "w") as out, contextlib.redirect_stdout(out):
+        summary = job.run(config)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "reward_mean" in r]
+    train_kl = [r["train/kl"] for r in trained[-LAST_STEPS:] if "train/kl" in r]
+    evals = {int(s): a for s, a in summary["evals"].items()}
+    kl = kl_to_reference(run_dir, config)
+    result = {
+        "algorithm": algorithm,
+        "max_staleness": n,
+        "config_digest": digest,
+        "steps": summary["end_step"],
+        "initial_accuracy": evals.get(0),
+        "final_accuracy": evals[max(evals)],
+        "kl_to_reference": kl["kl"],
+        "kl_to_reference_stderr": kl["kl_stderr"],
+        "kl_version": kl["version"],
+        "response_length": kl["response_length"],
+        "train_kl_k3": statistics.mean(train_kl) if train_kl else None,
+        "reward_mean_last_10": statistics.mean(r["reward_mean"] for r in trained[-10:]),
+        "staleness_mean": summary["staleness_mean"],
+        "wall_s": round(wall, 1),
+    }
+    result_path.write_text(json.dumps(result, indent=2))
+    return {**result, "reused": False}
+
+
+# -- the report ----------------------------------------------------------------------------------
+def _cell(value: float | None, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def markdown_table(results: list[dict], algorithms: Sequence[str], ns: Sequence[int]) -> str:
+    """Final held-out accuracy and KL to the reference, one row per objective, by N."""
+    by = {(r["algorithm"], r["max_staleness"]): r for r in results}
+    header = (
+        "| objective | "
+        + " | ".join(f"acc N={n}" for n in ns)
+        + " | Δacc | "
+        + " | ".join(f"KL N={n}" for n in ns)
+        + " |"
+    )
+    lines = [header, "|" + "---|" * (2 * len(ns) + 2)]
+    for a in algorithms:
+        acc = [by.get((a, n), {}).get("final_accuracy") for n in ns]
+        kl = [by.get((a, n), {}).get("kl_to_reference") for n in ns]
+        delta = None if acc[0] is None or acc[-1] is None else acc[-1] - acc[0]
+        lines.append(
+            f"| {LABELS[a]} | "
+            + " | ".join(_cell(x, "{:.3f}") for x in acc)
+            + f" | {_cell(delta, '{:+.3f}')} | "
+            + " | ".join(_cell(x, "{:.3f}") for x in kl)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def reading(results: list[dict], algorithms: Sequence[str], ns: Sequence[int], size: int) -> str:
+    """Which objectives kept their accuracy best from N = min to N = max, against the papers."""
+    by = {(r["algorithm"], r["max_staleness"]): r["final_accuracy"] for r in results}
+    change = {a: by[(a, ns[-1])] - by[(a, ns[0])] for a in algorithms}
+    order = sorted(algorithms, key=lambda a: -change[a])  # most robust first
+    # Binomial standard error of one accuracy at p ≈ the mean final accuracy, √2 for a difference.
+    p = statistics.mean(by.values())
+    noise = math.sqrt(2 * p * (1 - p) / size)
+    lines = [
+        f"final accuracy at N={ns[-1]} minus at N={ns[0]} (most robust first): "
+        + ", ".join(f"{LABELS[a]} {change[a]:+.3f}" for a in order),
+        f"one seed per run: a difference of two accuracies on {size} prompts has a standard "
+        f"error of about {noise:.3f} from the evaluation alone, so gaps under ~{2 * noise:.2f} "
+        "are not resolved (the RL runs' own sampling noise comes on top).",
+    ]
+    robust = [a for a in MOST_ROBUST if a in algorithms]
+    ppo = [a for a in PPO_STYLE if a in algorithms]
+    if robust and ppo:
+        best, worst = order[: len(robust)], order[-len(ppo) :]
+        agree = set(best) == set(robust) and set(worst) == set(ppo)
+        spread = max(change.values()) - min(change.values())
+        lines.append(
+            "seed papers: online DPO and trajectory balance the most robust to stale data, "
+            f"PPO-style losses (GRPO, Dr. GRPO) the least. The order of these runs "
+            f"{'agrees' if agree else 'does not agree'} (most robust "
+            f"{', '.join(LABELS[a] for a in best)}; least {', '.join(LABELS[a] for a in worst)})"
+            + (
+                f", but the spread of the changes ({spread:.3f}) is within the noise."
+                if spread < 2 * noise
+                else "."
+            )
+        )
+    return "\n".join(lines)
+
+
+def plot(
+    results: list[dict], algorithms: Sequence[str], ns: Sequence[int], size: int, path: Path
+) -> None:
+    """Final accuracy (± its binomial standard error on `size` prompts) and KL (± its
+    standard error over prompts) against N, one line per objective."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["algorithm"], r["max_staleness"]): r for r in results}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    x = list(range(len(ns)))
+    # Distinct markers and dashes: objectives with equal results would hide each other.
+    styles = {
+        "grpo": ("o", "-"),
+        "dr_grpo": ("s", "--"),
+        "aipo": ("D", ":"),
+        "trajectory_balance": ("^", "-."),
+        "online_dpo": ("v", "-"),
+    }
+    for a in algorithms:
+        runs = [by[(a, n)] for n in ns]
+        marker, dashes = styles[a]
+        accuracy = [r["final_accuracy"] for r in runs]
+        left.errorbar(
+            x,
+            accuracy,
+            yerr=[math.sqrt(a * (1 - a) / size) for a in accuracy],
+            marker=marker,
+            linestyle=dashes,
+            capsize=3,
+            label=LABELS[a],
+        )
+        right.errorbar(
+            x,
+            [r["kl_to_reference"] for r in runs],
+            yerr=[r["kl_to_reference_stderr"] for r in runs],
+            marker=marker,
+            linestyle=dashes,
+            capsize=3,
+            label=LABELS[a],
+        )
+    initial = next(r["initial_accuracy"] for r in results if r["initial_accuracy"] is not None)
+    left.axhline(initial, color="grey", linestyle="--", linewidth=1, label="SFT start")
+    left.set_ylabel("final held-out greedy accuracy")
+    right.set_ylabel("KL(π_θ ‖ π_SFT) per response (nats)")
+    for ax in (left, right):
+        ax.set_xticks(x, [str(n) for n in ns])
+        ax.set_xlabel("max staleness N (η = 1)")
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    steps = results[0]["steps"]
+    fig.suptitle(f"Staleness robustness on the demo task ({steps} RL steps, one seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 objectives x 2 N, a few steps")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--plot", type=Path, help="write the PNG here")
+    parser.add_argument("--steps", type=int, help="RL steps per run (default 40; quick 8)")
+    parser.add_argument("--work-dir", type=Path, help="default runs/staleness_sweep[_quick]")
+    parser.add_argument("--algorithms", help=f"comma-separated, from {','.join(ALGORITHMS)}")
+    parser.add_argument("--staleness", help="comma-separated values of N")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="config override key=value"
+    )
+    args = parser.parse_args(argv)
+    algorithms = (
+        tuple(args.algorithms.split(","))
+        if args.algorithms
+        else (QUICK_ALGORITHMS if args.quick else ALGORITHMS)
+    )
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        parser.error(f"unknown objectives {unknown}; choose from {', '.join(ALGORITHMS)}")
+    ns = (
+        tuple(sorted(int(n) for n in args.staleness.split(",")))
+        if args.staleness
+        else (QUICK_STALENESS if args.quick else STALENESS)
+    )
+    base = sweep_config(args.quick, args.steps, args.overrides)
+    configure_jax(base)  # before JAX starts: the SFT trainer's mesh needs cpu_devices
+    work = args.work_dir or ROOT / "runs" / (
+        "staleness_sweep_quick" if args.quick else "staleness_sweep"
+    )
+    work = work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    print(f"work dir {work}; SFT warm start ({base.controller.sft_steps} steps)", flush=True)
+    warm = warm_start(base, work)
+    print(f"warm start ready in {time.perf_counter() - t0:.0f}s: {warm}", flush=True)
+    results = []
+    for algorithm in algorithms:
+        for n in ns:
+            result = run_one(base, algorithm, n, warm, work)
+            results.append(result)
+            print(
+                f"{LABELS[algorithm]:<11} N={n:<3} final acc {result['final_accuracy']:.3f} "
+                f"(start {result['initial_accuracy']:.3f})  KL {result['kl_to_reference']:.3f} "
+                f"± {result['kl_to_reference_stderr']:.3f}  "
+                + ("(reused)" if result["reused"] else f"{result['wall_s']:.0f}s"),
+                flush=True,
+            )
+    table = markdown_table(results, algorithms, ns)
+    text = reading(results, algorithms, ns, base.controller.eval_size)
+    print()
+    print(
+        f"demo task, {base.controller.num_steps} RL steps of {base.controller.prompts_per_batch}"
+        f"x{base.controller.samples_per_prompt}, η=1, seed {base.seed}, importance weights "
+        f"against the {base.trainer.behaviour_logprobs} behaviour log-probs; final held-out greedy "
+        f"accuracy on {base.controller.eval_size} prompts and KL(π_θ‖π_SFT) in nats per response"
+    )
+    print(table)
+    print()
+    print(text)
+    print(f"total {time.perf_counter() - t0:.0f}s")
+    report = {
+        "quick": args.quick,
+        "algorithms": list(algorithms),
+        "max_staleness": list(ns),
+        "steps": base.controller.num_steps,
+        "eval_size": base.controller.eval_size,
+        "seed": base.seed,
+        "behaviour_logprobs": base.trainer.behaviour_logprobs,
+        "overrides": [
+            *(QUICK if args.quick else SWEEP),
+            *args.overrides,
+            *([f"controller.num_steps={args.steps}"] if args.steps is not None else []),
+        ],
+        "runs": results,
+        "table_markdown": table,
+        "reading": text,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(results, algorithms, ns, base.controller.eval_size, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
