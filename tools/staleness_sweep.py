@@ -10,7 +10,8 @@ SFT once; then, from those weights, with the same seed and prompt order, the who
 verifiers, controller) runs a short RL phase for each algorithm preset (GRPO, Dr. GRPO,
 AIPO, trajectory balance, online DPO; as published, see docs/algorithms.md) and each
 acceptance staleness N (η = 1, deterministic schedule: batch b is generated with version
-max(0, b − N)). For each run it records
+max(0, b − N)). Importance weights are taken against the workers' behaviour log-probs
+(`trainer.behaviour_logprobs=cached`, see SWEEP). For each run it records
 
 * final held-out greedy accuracy (the controller's evaluation at the last step) and the SFT
   model's (step 0, the same for every run);
