@@ -179,7 +179,11 @@ def start_run(
         config = dataclasses.replace(
             config,
             controller=dataclasses.replace(
-                config.controller, replay=True, replay_sync_every=2, replay_per_prompt_cap=6
+                config.controller,
+                replay=True,
+                replay_sync_every=2,
+                replay_per_prompt_cap=6,
+                replay_prefill_batches=1,
             ),
             trainer=dataclasses.replace(
                 config.trainer, algorithm=AlgorithmConfig(name="trajectory_balance")
@@ -291,6 +295,10 @@ def test_replay_mode_samples_within_the_staleness_bound_and_resumes_exactly(work
     assert any(
         not p.startswith(f"b{batch}:") for batch, rows in consumed.items() for p, _, _ in rows
     )
+    # The buffer was pre-filled before step 0: one batch of "pre0:" prompts, version 0.
+    logged = RolloutLog(str(uninterrupted.run_dir)).read_batch(0)
+    prefilled = [key for key in logged if key[0].startswith("pre0:")]
+    assert len(prefilled) == 2 * 4 and {v for _, _, v in prefilled} == {0}
 
     killed = start_run(
         workspace,

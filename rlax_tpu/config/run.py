@@ -411,6 +411,8 @@ class ControllerConfig(ConfigBase):
     # Replay mode generates batch b with version b - lag (not b - N), so a rollout stays
     # acceptable for N - lag more steps of reuse.
     replay_generation_lag: int = 1
+    # Batches generated with version 0 into the buffer before the first step (TBA pre-fill).
+    replay_prefill_batches: int = 0
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -430,6 +432,7 @@ class ControllerConfig(ConfigBase):
         require(self.replay_reward_temperature >= 0, "replay_reward_temperature", "must be >= 0")
         require(self.replay_sync_every >= 1, "replay_sync_every", "must be >= 1")
         require(self.replay_generation_lag >= 0, "replay_generation_lag", "must be >= 0")
+        require(self.replay_prefill_batches >= 0, "replay_prefill_batches", "must be >= 0")
         require(self.sft_learning_rate > 0, "sft_learning_rate", "must be > 0")
         require(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")

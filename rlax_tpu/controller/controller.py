@@ -201,6 +201,8 @@ class Controller:
         t0 = self._t0 = time.perf_counter()
         trainer_busy = 0.0
         try:
+            if start == 0 and self.replay is not None:
+                self._prefill()
             if start == 0 and self.eval_prompts:
                 self.evals[0] = self.evaluate(0)
                 if self.metrics is not None:
@@ -712,6 +714,41 @@ class Controller:
         live |= {e.key for _, e in self._replay_pending}
         self._replay_records = {k: v for k, v in self._replay_records.items() if k in live}
         return groups
+
+    def _prefill(self) -> None:
+        """TBA's pre-fill: before step 0, `replay_prefill_batches` batches of prompts from
+        the main stream, generated with version 0 and verified, enter the buffer. A resume
+        from step 0 restores the streams from before it and so pre-fills identically."""
+        ctl = self.config.controller
+        if not ctl.replay_prefill_batches:
+            return
+        batch = _Batch(0, 0, [], self.samples)  # logged under batch 0 as "pre<j>:" prompts
+        prompts = []
+        for j in range(ctl.replay_prefill_batches):
+            for r in self.mixture.draw(ctl.prompts_per_batch):
+                prompts.append(Prompt(f"pre{j}:{r.dataset}:{r.id}", self.encode(r), r))
+        self._submit(batch, prompts)
+        while not batch.done.wait(0.5):
+            if self._worker_failure:
+                raise ControllerError(self._worker_failure)
+        if batch.error:
+            raise ControllerError(f"replay pre-fill: {batch.error}")
+        self._score(batch)
+        items = []
+        for p in batch.prompts:
+            for i in range(self.samples):
+                record = batch.rollouts[(p.key, i)]
+                entry = Entry(
+                    batch=0,
+                    prompt_key=p.key,
+                    sample_index=i,
+                    version=0,
+                    reward=batch.rewards[(p.key, i)],
+                    added_at=0,
+                )
+                self._replay_records[entry.key] = record
+                items.append((f"{p.record.dataset}:{p.record.id}", entry))
+        self.replay.add(0, items)
 
     def _replay_record(self, entry: Entry) -> dict:
         record = self._replay_records.get(entry.key)
