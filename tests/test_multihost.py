@@ -409,3 +409,15 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
             follower.kill()
             follower.wait()
         group.stop_all()
+
+
+def test_a_serve_command_with_an_inconsistent_environment_says_which_variable(monkeypatch, capsys):
+    from rlax_tpu.rpc.process import join_distributed_job
+
+    monkeypatch.setenv("RLAX_TPU_NUM_PROCESSES", "2")
+    monkeypatch.setenv("RLAX_TPU_PROCESS_ID", "0")
+    monkeypatch.delenv("RLAX_TPU_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    assert join_distributed_job("trainer") is None
+    err = capsys.readouterr().err
+    assert err.startswith("rlax-tpu serve trainer:") and "COORDINATOR_ADDRESS" in err

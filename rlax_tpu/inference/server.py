@@ -16,7 +16,13 @@ import argparse
 import sys
 
 from rlax_tpu.rpc import format_address
-from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
+from rlax_tpu.rpc.process import (
+    announce_ready,
+    component_config,
+    join_distributed_job,
+    stop_on_signals,
+    wait_for,
+)
 
 DEFAULT_WORKER_ID = "inference_worker-0"
 # Each Generate stream holds a server thread until its batch is done; many callers share
@@ -30,12 +36,8 @@ def main(args: argparse.Namespace) -> int:
     if resolved is None:
         return 2
     config, token = resolved
-    from rlax_tpu.distributed import DistributedConfigError, initialize_from_environment
-
-    try:
-        distributed = initialize_from_environment()  # before anything touches a device
-    except DistributedConfigError as e:
-        print(f"rlax-tpu serve inference: {e}", file=sys.stderr)
+    distributed = join_distributed_job("inference")  # before anything touches a device
+    if distributed is None:
         return 2
     if distributed.is_multi_process:
         import jax

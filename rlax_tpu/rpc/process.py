@@ -7,6 +7,7 @@ import argparse
 import signal
 import sys
 import threading
+from typing import Any
 
 from rlax_tpu.config import RunConfig, load_config
 from rlax_tpu.rpc.auth import AuthTokenError, auth_token_from_env
@@ -59,5 +60,18 @@ def component_config(args: argparse.Namespace, component: str) -> tuple[RunConfi
     try:
         return config, auth_token_from_env(config.param_server.auth_token_env)
     except AuthTokenError as e:
+        print(f"rlax-tpu serve {component}: {e}", file=sys.stderr)
+        return None
+
+
+def join_distributed_job(component: str) -> Any:
+    """Join the JAX job the environment describes (rlax_tpu.distributed), before anything
+    touches a device; returns its DistributedEnv, or None after saying what is wrong with
+    the environment (the caller exits 2)."""
+    from rlax_tpu.distributed import DistributedConfigError, initialize_from_environment
+
+    try:
+        return initialize_from_environment()
+    except DistributedConfigError as e:
         print(f"rlax-tpu serve {component}: {e}", file=sys.stderr)
         return None

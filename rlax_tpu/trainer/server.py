@@ -24,7 +24,13 @@ from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.rpc import format_address
-from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
+from rlax_tpu.rpc.process import (
+    announce_ready,
+    component_config,
+    join_distributed_job,
+    stop_on_signals,
+    wait_for,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -150,12 +156,8 @@ def main(args: argparse.Namespace) -> int:
     if resolved is None:
         return 2
     config, token = resolved
-    from rlax_tpu.distributed import DistributedConfigError, initialize_from_environment
-
-    try:
-        distributed = initialize_from_environment()  # before anything touches a device
-    except DistributedConfigError as e:
-        print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+    distributed = join_distributed_job("trainer")  # before anything touches a device
+    if distributed is None:
         return 2
 
     import jax
