@@ -58,6 +58,8 @@ def get_config() -> RunConfig:
             # 32 chips (v5p-64 = 32 chips): fsdp over 8, tensor 4.
             mesh=MeshConfig(data=1, fsdp=-1, tensor=4),
             algorithm=AlgorithmConfig(name="aipo"),
+            # N > 0: ρ against the generating version's log-probs; recomputed π_old hides staleness.
+            behaviour_logprobs="cached",
             mini_batch_size=256,
             micro_batch_size=32,
             max_seq_len=16384,

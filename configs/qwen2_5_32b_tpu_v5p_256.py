@@ -48,6 +48,8 @@ def get_config() -> RunConfig:
         trainer=TrainerConfig(
             mesh=MeshConfig(data=1, fsdp=-1, tensor=8),
             algorithm=AlgorithmConfig(name="dapo"),
+            # N > 0: ρ against the generating version's log-probs; recomputed π_old hides staleness.
+            behaviour_logprobs="cached",
             mini_batch_size=512,
             micro_batch_size=32,
             max_seq_len=20480,

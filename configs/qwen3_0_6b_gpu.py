@@ -42,6 +42,8 @@ def get_config() -> RunConfig:
         trainer=TrainerConfig(
             mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
             algorithm=AlgorithmConfig(name="grpo", clip_eps_high=0.28),
+            # N > 0: ρ against the generating version's log-probs; recomputed π_old hides staleness.
+            behaviour_logprobs="cached",
             mini_batch_size=64,
             micro_batch_size=8,
             max_seq_len=4096,

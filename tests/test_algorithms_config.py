@@ -50,6 +50,8 @@ PINNED = {
     "M=keep_all R=none",
     "reinforce_pp": "reinforce_pp: w=sequence_mean ρ=token A=group_mean_batch_norm "
     "M=ppo_clip(ε_low=0.2, ε_high=0.2) R=0.001·k2",
+    "reinforce_pp_batch": "reinforce_pp_batch: w=sequence_mean ρ=token A=batch_norm "
+    "M=ppo_clip(ε_low=0.2, ε_high=0.2) R=0.01·k2",
     "ppo": "ppo: w=token_mean ρ=token A=gae M=ppo_clip(ε_low=0.2, ε_high=0.2) R=none",
     "aipo": "aipo: w=sequence_sum ρ=token_truncated(ρ_max=2.0) A=group_mean M=keep_all R=none",
     "trajectory_balance": "trajectory_balance: β=0.012→0.004 by step 500, reference reset never",
@@ -167,3 +169,28 @@ def test_incompatible_combinations_fail_with_the_fix(kwargs, field, words):
 def test_override_error_names_the_dotted_field():
     with pytest.raises(ConfigError, match=r"^trainer.algorithm.advantage: unknown advantage"):
         RunConfig().apply_overrides(["trainer.algorithm.advantage=vtrace"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.algorithm=ppo"],
+        ["trainer.algorithm.advantage=gae"],  # GRPO with a GAE advantage, no value loss
+    ],
+)
+def test_a_critic_without_a_value_head_names_both_fields_and_the_fix(overrides):
+    with pytest.raises(ConfigError) as info:
+        RunConfig().apply_overrides(overrides)
+    assert info.value.field == "model.value_head"
+    message = str(info.value)
+    assert "trainer.algorithm.advantage='gae'" in message
+    assert "trainer.algorithm.value_loss_coef" in message
+    assert "set model.value_head=true" in message
+
+
+def test_a_critic_with_a_value_head_is_accepted():
+    run = RunConfig().apply_overrides(["model.value_head=true", "trainer.algorithm=ppo"])
+    assert run.trainer.algorithm.resolved().advantage == "gae"
+    # Without a critic, no value head is needed (and TB/DPO have no advantage at all).
+    for name in ("grpo", "trajectory_balance", "online_dpo"):
+        assert not RunConfig().apply_overrides([f"trainer.algorithm={name}"]).model.value_head

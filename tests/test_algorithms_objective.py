@@ -11,11 +11,24 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_algorithms_presets import STEP, B, S, finite_difference, make_inputs, to_batch
+from test_algorithms_presets import (
+    STEP,
+    B,
+    S,
+    finite_difference,
+    groups_of,
+    grpo_advantages,
+    make_inputs,
+    rows,
+    to_batch,
+    tok,
+)
 
 from rlax_tpu.algorithms import (
     ADVANTAGES,
     PRESETS,
+    REFERENCE_METRICS,
+    REQUIRED_METRICS,
     MissingInputError,
     build_objective,
     dynamic_sampling_keep,
@@ -324,6 +337,7 @@ def test_on_policy_metrics():
     assert float(m["ratio/p99"]) == pytest.approx(1.0)
     assert float(m["logprob_diff/p95"]) == 0.0
     assert float(m["clip_fraction"]) == 0.0
+    assert float(m["kl/behaviour"]) == 0.0
     # Of groups 0, 3, 7, 9: 7 has equal rewards and 9 a single sample.
     assert float(m["zero_variance_group_fraction"]) == pytest.approx(2 / 4)
     valid = x["mask"].any(1)
@@ -332,6 +346,106 @@ def test_on_policy_metrics():
     assert float(m["entropy"]) == pytest.approx(expected_entropy)
     wanted = {"ratio/max", "kl", "advantage/mean", "advantage/std", "clip_fraction/high"}
     assert wanted <= set(m)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_objective_reports_the_required_metrics(name):
+    """The same keys from every preset, TB and DPO, with the reference log-probs the trainer
+    would supply (none where the objective reads none) and with them."""
+    x = make_inputs(seed=15)
+    objective = build_objective(AlgorithmConfig(name=name))
+    runs = {}
+    with jax.enable_x64(True):
+        batch = to_batch(x)
+        cases = {"with reference": batch}
+        if not objective.needs_reference_logprobs:
+            cases["without reference"] = batch.replace(reference_logprobs=None)
+        for case, b in cases.items():
+            _, m = objective(b, jnp.asarray(x["logprobs"]), values=jnp.asarray(x["values"]))
+            runs[case] = {k: float(v) for k, v in m.items()}
+    for case, m in runs.items():
+        missing = set(REQUIRED_METRICS) - set(m)
+        assert not missing, f"{name} {case}: missing {sorted(missing)}"
+        assert all(np.isfinite(m[k]) for k in REQUIRED_METRICS), (case, m)
+        assert m["kl/behaviour"] > 0  # off-policy inputs: μ ≠ π_θ
+        has_reference = case == "with reference"
+        assert (set(REFERENCE_METRICS) <= set(m)) == has_reference, case
+        if has_reference:
+            assert np.isfinite(m["kl"]) and m["kl"] > 0
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo", "trajectory_balance", "online_dpo"])
+def test_off_policy_metrics_equal_a_direct_numpy_computation(name):
+    """Behaviour log-probs ≠ current ones, with tokens clipped on both sides (DAPO: per
+    token, ε 0.2/0.28; GSPO: per sequence); TB and DPO have no clip mask."""
+    x = make_inputs(seed=23, spread=4e-4 if name == "gspo" else 0.4)
+    with jax.enable_x64(True):
+        _, m = objective(to_batch(x), jnp.asarray(x["logprobs"]), config=AlgorithmConfig(name=name))
+        m = {k: float(v) for k, v in m.items()}
+    mask = x["mask"]
+    d = (x["logprobs"] - x["behaviour"])[mask]  # response tokens, row by row
+    r = np.exp(d)
+    expected = {
+        "ratio/mean": r.mean(),
+        "ratio/max": r.max(),
+        "ratio/p99": np.quantile(r, 0.99),
+        "logprob_diff/mean": np.abs(d).mean(),
+        "logprob_diff/p95": np.quantile(np.abs(d), 0.95),
+        "kl/behaviour": np.mean(r - 1 - np.log(r)),  # k3 of KL(μ‖π_θ), y ~ μ
+        "clip_fraction": 0.0,
+        "clip_fraction/high": 0.0,
+        "clip_fraction/low": 0.0,
+    }
+    if name in ("dapo", "gspo"):
+        adv = grpo_advantages(x)
+        a = np.concatenate([np.full(mask[i].sum(), adv[i]) for i in rows(x)])
+        if name == "dapo":
+            ratio, low, high = r, 0.2, 0.28
+        else:  # one geometric-mean ratio per sequence, on each of its tokens
+            seq = [
+                np.exp(np.mean(tok(x["logprobs"], x, i) - tok(x["behaviour"], x, i)))
+                for i in rows(x)
+            ]
+            ratio = np.concatenate(
+                [np.full(mask[i].sum(), s) for i, s in zip(rows(x), seq, strict=True)]
+            )
+            low, high = 3e-4, 4e-4
+        clipped_high = (a > 0) & (ratio > 1 + high)
+        clipped_low = (a < 0) & (ratio < 1 - low)
+        assert clipped_high.any() and clipped_low.any()
+        expected["clip_fraction"] = np.mean(clipped_high | clipped_low)
+        expected["clip_fraction/high"] = np.mean(clipped_high)
+        expected["clip_fraction/low"] = np.mean(clipped_low)
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_online_dpo_advantage_metrics_are_its_implicit_per_sample_weights():
+    x = make_inputs(seed=17)
+    beta = 0.1
+    weights = np.zeros(B)
+    for members in groups_of(x).values():
+        r = x["rewards"][members]
+        best, worst = members[int(np.argmax(r))], members[int(np.argmin(r))]
+        if best == worst:  # tied or single-sample group: no pair, no gradient
+            continue
+
+        def log_ratio(i):
+            return tok(x["logprobs"], x, i).sum() - tok(x["reference"], x, i).sum()
+
+        margin = log_ratio(best) - log_ratio(worst)
+        w = beta / (1 + np.exp(beta * margin))  # β·σ(−β·margin)
+        weights[best], weights[worst] = w, -w
+    valid = rows(x)
+    config = AlgorithmConfig(name="online_dpo")
+    with jax.enable_x64(True):
+        _, m = objective(to_batch(x), jnp.asarray(x["logprobs"]), config=config)
+    assert float(m["advantage/mean"]) == pytest.approx(weights[valid].mean(), abs=1e-12)
+    assert float(m["advantage/std"]) == pytest.approx(weights[valid].std(), rel=1e-9)
+    # They are the coefficients of ∇log π_θ(y) in −∇L (on each token of y), times #groups.
+    _, grad = loss_and_grad(config, x)
+    expected = -weights[:, None] * x["mask"] / len(groups_of(x))
+    np.testing.assert_allclose(grad, expected, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["dapo", "trajectory_balance", "online_dpo"])

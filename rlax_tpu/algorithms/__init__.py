@@ -8,11 +8,13 @@ log-probs (and values, entropies) passed next to it. Algorithms are configuratio
 the parts in `parts` (w, ρ, A, M, R); trajectory balance and online DPO are separate
 objectives on the same inputs. `dynamic_sampling_keep` is DAPO's group filter for the
 controller; `reference_reset_due` tells the trainer when to reset π_ref.
+`REQUIRED_METRICS` names the metrics every objective reports.
 """
 
 from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
 from rlax_tpu.algorithms.dpo import online_dpo_loss
 from rlax_tpu.algorithms.filters import dynamic_sampling_keep
+from rlax_tpu.algorithms.metrics import REFERENCE_METRICS, REQUIRED_METRICS
 from rlax_tpu.algorithms.objective import (
     Objective,
     build_objective,
@@ -39,6 +41,8 @@ __all__ = [
     "IMPORTANCE_WEIGHTS",
     "KL_ESTIMATORS",
     "PRESETS",
+    "REFERENCE_METRICS",
+    "REQUIRED_METRICS",
     "MissingInputError",
     "Objective",
     "RolloutBatch",

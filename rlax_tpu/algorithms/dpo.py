@@ -6,6 +6,11 @@ y₊ / y₋ are the group's highest- / lowest-reward samples (first on ties), lo
 sequence sums, π_ref is the frozen initial policy (Rafailov et al. 2023; β = 0.1). A group
 whose rewards are all equal picks one sample as both, so its margin is 0 and it adds
 log 2 to the loss and nothing to the gradient, as in the authors' code.
+
+Its `advantage/*` metrics are of the implicit per-sample advantage, the coefficient of
+∇log π_θ(y) in −∇L_g: +β·σ(−β·margin_g) for y₊, −β·σ(−β·margin_g) for y₋ and 0 for the
+group's other samples and for tied groups, over every sample with a response (before
+the 1/#groups average).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import jax.numpy as jnp
 
 from rlax_tpu.algorithms import groups
 from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
-from rlax_tpu.algorithms.metrics import common_metrics
+from rlax_tpu.algorithms.metrics import common_metrics, masked_mean, masked_std, no_clipping
 from rlax_tpu.algorithms.parts import part_inputs
 from rlax_tpu.algorithms.schedules import kl_beta_at
 from rlax_tpu.algorithms.trajectory_balance import sequence_logprobs
@@ -51,12 +56,18 @@ def online_dpo_loss(
     pairs = present & (reward_gap > 0)
     n_pairs = jnp.maximum(jnp.sum(pairs), 1)
     sg_margin = jax.lax.stop_gradient(margin)
+    # −∂L_g/∂log π_θ(y) = sign(y)·β·σ(−β·margin_g): DPO's implicit advantage per sample.
+    advantage = sign * (beta * jax.nn.sigmoid(-beta * sg_margin))[p.group_ids]
+    valid = p.valid.astype(dtype)
     metrics = {
         "dpo/margin_mean": jnp.sum(jnp.where(pairs, beta * sg_margin, 0.0)) / n_pairs,
         "dpo/accuracy": jnp.sum(pairs & (sg_margin > 0)) / n_pairs,
         "dpo/reward_gap_mean": jnp.sum(jnp.where(pairs, reward_gap, 0.0)) / n_pairs,
         "dpo/tied_group_fraction": 1.0 - jnp.sum(pairs) / n_groups,
         "kl_beta": beta,
+        "advantage/mean": masked_mean(advantage, valid),
+        "advantage/std": masked_std(advantage, valid),
+        **no_clipping(dtype),  # no clip mask: both samples of a pair keep their gradient
     }
     metrics.update(
         common_metrics(

@@ -1,7 +1,11 @@
 """Metrics every objective reports, computed from stop-gradient values.
 
-Masked statistics run over response tokens; percentiles use `nanquantile` over the
-masked-out array, so they stay inside jit with static shapes.
+`REQUIRED_METRICS` is the set that every objective (each policy-gradient preset,
+trajectory balance, online DPO) reports, with or without reference log-probs, so
+dashboards and the controller can read the same keys whatever the algorithm; `kl` (to
+π_ref) is added whenever reference log-probs are given. Masked statistics run over
+response tokens; percentiles use `nanquantile` over the masked-out array, so they stay
+inside jit with static shapes.
 """
 
 from __future__ import annotations
@@ -10,7 +14,26 @@ import jax
 import jax.numpy as jnp
 
 from rlax_tpu.algorithms import groups
-from rlax_tpu.algorithms.parts import KL_ESTIMATORS, PartInputs
+from rlax_tpu.algorithms.parts import KL_ESTIMATORS, MAX_LOG_RATIO, PartInputs
+
+# Reported by every objective (issue 5, item 4; docs/algorithms.md "Metrics").
+REQUIRED_METRICS = (
+    "clip_fraction",  # response tokens whose gradient the clip mask M removes (0: no mask)
+    "clip_fraction/high",  # ... of them with A > 0 (ratio above 1 + ε_high)
+    "clip_fraction/low",  # ... of them with A < 0 (ratio below 1 − ε_low)
+    "ratio/mean",  # π_θ/μ per response token
+    "ratio/max",
+    "ratio/p99",
+    "logprob_diff/mean",  # |log π_θ − log μ| per response token (RLAX §7.2)
+    "logprob_diff/p95",
+    "kl/behaviour",  # k3 estimate of KL(μ‖π_θ) per response token
+    "entropy",
+    "advantage/mean",
+    "advantage/std",
+    "zero_variance_group_fraction",
+)
+# Reported in addition whenever the batch carries reference log-probs.
+REFERENCE_METRICS = ("kl",)  # k3 estimate of KL(π_θ‖π_ref) per response token
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -31,6 +54,12 @@ def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(mask > 0, x, -jnp.inf))
 
 
+def no_clipping(dtype) -> dict[str, jax.Array]:
+    """The clip fractions of an objective without a clip mask (TB, DPO): exactly 0."""
+    zero = jnp.zeros((), dtype)
+    return {"clip_fraction": zero, "clip_fraction/high": zero, "clip_fraction/low": zero}
+
+
 def common_metrics(
     p: PartInputs,
     *,
@@ -42,20 +71,29 @@ def common_metrics(
     """Metrics of the batch and the policy that any objective reports.
 
     ratio/*: π_θ/μ per response token (mean, max, p99); logprob_diff/*: |log π_θ − log μ|
-    (mean, p95; RLAX §7.2); kl: mean k3 estimate of KL(π_θ‖π_ref) per token (when the
-    reference is given); entropy: the mean of the given entropies, else the sample estimate
-    mean(−log π_θ(y_t)); zero_variance_group_fraction: groups whose rewards are all equal;
-    staleness/*: step − version per sequence (when step is given).
+    (mean, p95; RLAX §7.2); kl/behaviour: mean over response tokens of the k3 estimate
+    r − 1 − log r, r = π_θ/μ, of KL(μ‖π_θ) (unbiased: the tokens were sampled from μ), so
+    a KL figure exists without a reference; kl: mean k3 estimate of KL(π_θ‖π_ref) per
+    token (when the reference is given); entropy: the mean of the given per-position
+    entropies (the trainer computes them only when the objective needs them, entropy_coef
+    > 0), else the sample estimate mean(−log π_θ(y_t)) over the sampled tokens (the
+    cross-entropy of π_θ on μ's samples: π_θ's entropy in expectation only on-policy);
+    zero_variance_group_fraction: groups whose rewards are all equal; staleness/*: step −
+    version per sequence (when step is given).
     """
     m = p.mask
     diff = jnp.where(m > 0, p.logprobs - p.behaviour_logprobs, 0.0)
-    ratio = jnp.exp(jnp.clip(diff, -20.0, 20.0))
+    log_ratio = jnp.clip(diff, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = jnp.exp(log_ratio)
     out = {
         "ratio/mean": masked_mean(ratio, m),
         "ratio/max": masked_max(ratio, m),
         "ratio/p99": masked_quantile(ratio, m, 0.99),
         "logprob_diff/mean": masked_mean(jnp.abs(diff), m),
         "logprob_diff/p95": masked_quantile(jnp.abs(diff), m, 0.95),
+        # The registry's k3(d) = e^{−d} − 1 + d estimates KL(π_θ‖π_ref) from d = log π_θ/π_ref;
+        # at d = −log r it is r − 1 − log r, the k3 estimate of KL(μ‖π_θ) from μ's samples.
+        "kl/behaviour": masked_mean(KL_ESTIMATORS["k3"].fn(-log_ratio), m),
         "reward/mean": masked_mean(p.rewards, p.valid.astype(m.dtype)),
         "reward/std": masked_std(p.rewards, p.valid.astype(m.dtype)),
         "zero_variance_group_fraction": groups.zero_variance_fraction(

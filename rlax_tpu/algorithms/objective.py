@@ -133,7 +133,7 @@ def policy_gradient_loss(
         {
             "advantage/mean": masked_mean(adv, m),
             "advantage/std": masked_std(adv, m),
-            "clip_fraction": 1.0 - masked_mean(keep, m),
+            "clip_fraction": masked_mean(1.0 - keep, m),
             "clip_fraction/high": masked_mean((adv > 0) * (keep == 0), m),
             "clip_fraction/low": masked_mean((adv < 0) * (keep == 0), m),
             "importance_weight/mean": masked_mean(ratio.weight, m),
@@ -157,7 +157,15 @@ class Objective:
 
     `objective(batch, logprobs, values=None, entropy=None, step=None) -> (loss, metrics)`.
     The `needs_*` flags tell the trainer which inputs to compute (e.g. skip the
-    reference forward pass when no reference is read).
+    reference forward pass when no reference is read):
+
+    needs_reference_logprobs: the batch must carry `reference_logprobs` (log π_ref);
+    needs_rollout_values: the batch must carry `values`, V_old float[batch, seq]: the
+        value head's outputs on the rollout tokens with the weights before the update
+        (GAE's baseline and the value clip's centre), e.g. from the recompute pass that
+        gives π_old; needs `model.value_head` (RunConfig checks it);
+    needs_values: pass the current value-head outputs as `values=` (the value loss);
+    needs_entropy: pass the per-position entropies as `entropy=` (the entropy bonus).
     """
 
     def __init__(self, config: AlgorithmConfig):

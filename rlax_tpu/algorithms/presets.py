@@ -98,11 +98,29 @@ def cispo() -> AlgorithmConfig:
 def reinforce_pp() -> AlgorithmConfig:
     """REINFORCE++-baseline (Hu et al. 2025; RLAX §4.2: Eqs. 11–12 and the k2 estimator).
 
-    Ã_i = r_i − mean_g r, Â_i = Ã_i / std_B(Ã) (global batch normalisation);
+    Ã_i = r_i − mean_g r, Â_i = Ã_i / std_B(Ã) (group baseline, global batch std);
     J = 1/B Σ_i 1/|y_i| Σ_t [min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i) − β·½(log π_θ/π_ref)²],
     ε = 0.2, β = 1e-3 (OpenRLHF/ROLL examples; the paper fixes no value for this variant).
+    The paper's group-sampling variant for reasoning; REINFORCE++ proper (no group
+    baseline) is `reinforce_pp_batch`.
     """
     return AlgorithmConfig.preset("reinforce_pp")
+
+
+def reinforce_pp_batch() -> AlgorithmConfig:
+    """REINFORCE++ (Hu et al. 2025, the k ≥ 1 variant), as far as the parts express it.
+
+    Â_i = (r_i − mean_B r)/std_B r (global batch normalisation, no group baseline);
+    J = 1/B Σ_i 1/|y_i| Σ_t [min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i) − β·½(log π_θ/π_ref)²],
+    ε = 0.2, β = 0.01 (the paper's general-RLHF setting; 0.001 with rule-based rewards).
+    Approximation: the paper folds a k1 KL into the reward before normalising,
+    A_t = r − β Σ_{s≥t} log(π_old/π_ref)(y_s). The parts take the reward as given, so the
+    KL is the k2 loss term R instead, whose gradient β·(log π_θ − log π_ref)·∇log π_θ is
+    the same-token part of the in-reward KL's gradient (a k1 loss would have none in
+    expectation). Parts: w = 1/(B|y_i|), ρ = sg(r_t), A = batch_norm, M = PPO clip mask,
+    R = β·k2.
+    """
+    return AlgorithmConfig.preset("reinforce_pp_batch")
 
 
 def ppo() -> AlgorithmConfig:
@@ -158,6 +176,7 @@ PRESETS: dict[str, Callable[[], AlgorithmConfig]] = {
     "gspo": gspo,
     "cispo": cispo,
     "reinforce_pp": reinforce_pp,
+    "reinforce_pp_batch": reinforce_pp_batch,
     "ppo": ppo,
     "aipo": aipo,
     "trajectory_balance": trajectory_balance,

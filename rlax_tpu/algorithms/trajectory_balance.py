@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from rlax_tpu.algorithms import groups
 from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
-from rlax_tpu.algorithms.metrics import common_metrics, masked_mean, masked_std
+from rlax_tpu.algorithms.metrics import common_metrics, masked_mean, masked_std, no_clipping
 from rlax_tpu.algorithms.parts import part_inputs
 from rlax_tpu.algorithms.schedules import kl_beta_at
 from rlax_tpu.config import AlgorithmConfig
@@ -63,6 +63,7 @@ def trajectory_balance_loss(
         "kl_beta": beta,
         "advantage/mean": masked_mean(advantage, valid),
         "advantage/std": masked_std(advantage, valid),
+        **no_clipping(p.mask.dtype),  # no clip mask: every sample keeps its gradient
     }
     metrics.update(
         common_metrics(

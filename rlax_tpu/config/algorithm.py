@@ -198,6 +198,16 @@ class AlgorithmConfig(ConfigBase):
             "kl_beta": 1e-3,
             "kl_beta_final": 1e-3,
         },
+        # Hu et al. 2025, REINFORCE++ proper (k >= 1): batch-normalised reward, no group
+        # baseline, PPO clip 0.2, β = 0.01. The paper's k1 KL in the reward is
+        # approximated by a k2 loss term (the parts cannot fold a KL into the reward).
+        "reinforce_pp_batch": {
+            **_PG,
+            "advantage": "batch_norm",
+            "kl_estimator": "k2",
+            "kl_beta": 0.01,
+            "kl_beta_final": 0.01,
+        },
         # Schulman et al. 2017 + GAE 2015; LLM settings of Huang et al. 2024.
         "ppo": {
             **_PG,

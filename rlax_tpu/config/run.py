@@ -612,6 +612,20 @@ class RunConfig(ConfigBase):
             f"max_prompt_len + max_new_tokens exceeds model.max_position_embeddings "
             f"({self.model.max_position_embeddings})",
         )
+        algorithm = self.trainer.algorithm.resolved()
+        if algorithm.is_policy_gradient:
+            # GAE's baseline V_old and the value loss both read the model's value head.
+            reads_values = algorithm.advantage == "gae" or algorithm.value_loss_coef > 0
+            require(
+                self.model.value_head or not reads_values,
+                "model.value_head",
+                f"trainer.algorithm {algorithm.name!r} has trainer.algorithm.advantage="
+                f"{algorithm.advantage!r} and trainer.algorithm.value_loss_coef="
+                f"{algorithm.value_loss_coef}, which need a value head: set "
+                "model.value_head=true (with --set, before trainer.algorithm), or use an "
+                "advantage without a critic (e.g. trainer.algorithm.advantage=group_mean "
+                "and trainer.algorithm.value_loss_coef=0)",
+            )
 
     @property
     def hot_versions(self) -> int:
