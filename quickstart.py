@@ -12,7 +12,9 @@ setup.py or protos/ change. Arguments after the command go to `rlax-tpu run` or 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -20,6 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("RLAX_TPU_VENV", ROOT / ".venv"))
+# Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a separate package.
+NO_ENSUREPIP = (
+    "this Python ({python}) cannot create a virtual environment with pip: {reason}. "
+    "On Debian/Ubuntu install the venv package (as root: apt-get install python3-venv), or "
+    "run quickstart.py with a Python that has ensurepip (python.org builds, pyenv, uv, conda)."
+)
 
 
 def _bin(name: str) -> Path:
@@ -43,8 +51,12 @@ def ensure_installed(extra: str) -> None:
     if sys.version_info < (3, 11):  # noqa: UP036 - this file runs on any python3
         sys.exit(f"rlax_tpu needs Python >= 3.11; this is {sys.version.split()[0]}")
     if not _bin("python").exists():
-        print(f"creating virtual environment {VENV}", flush=True)
-        venv.EnvBuilder(with_pip=True).create(VENV)
+        create_venv()
+    elif not (_bin("pip").exists() or _bin("pip.exe").exists()):
+        sys.exit(
+            f"{VENV} is a virtual environment without pip (made by a failed or --without-pip "
+            "venv creation); remove it and run quickstart.py again"
+        )
     stamp = VENV / f".rlax_tpu_installed_{extra or 'base'}"
     digest = _install_inputs_digest(extra)
     if stamp.exists() and stamp.read_text() == digest:
@@ -60,6 +72,28 @@ def ensure_installed(extra: str) -> None:
         check=True,
     )
     stamp.write_text(digest)
+
+
+def has_ensurepip() -> bool:
+    return importlib.util.find_spec("ensurepip") is not None
+
+
+def create_venv() -> None:
+    """Create VENV with pip; without ensurepip, say how to get it and exit non-zero, leaving
+    no half-made environment behind (one without pip would be taken as ready next time)."""
+    python = f"{sys.executable} {sys.version.split()[0]}"
+    if not has_ensurepip():
+        sys.exit(NO_ENSUREPIP.format(python=python, reason="it has no ensurepip module"))
+    print(f"creating virtual environment {VENV}", flush=True)
+    existed = VENV.exists()
+    try:
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    except (subprocess.CalledProcessError, OSError) as e:
+        if not existed:
+            shutil.rmtree(VENV, ignore_errors=True)
+        sys.exit(
+            NO_ENSUREPIP.format(python=python, reason=f"installing pip into {VENV} failed ({e})")
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,9 @@
 """The `rlax-tpu` command line: one entry point for every job and component.
 
-Commands that later parts of the system implement say so until they land, so the
-command set users script against is stable from the start.
+`run` / `resume` (the RL job, controller/job.py), `sft` and `eval` (the warm start alone
+and held-out accuracy, cli/sft_eval.py), `serve` (one component), `config show`,
+`deploy gke`, `simulate` (cli/simulate.py) and `bench` (tools/bench_*.py, cli/bench.py).
+The parser reads only the config here; each command imports JAX and its component itself.
 """
 
 from __future__ import annotations
@@ -12,20 +14,17 @@ import sys
 
 from rlax_tpu.config import ConfigError, load_config
 
-# Command -> (help, the piece of the system that implements it when not yet built).
+# Command -> its help line.
 _COMMANDS = {
-    "run": ("start a run from a config (the main job)", None),
-    "resume": ("resume a run from its run directory after preemption", None),
-    "serve": (
-        "serve one component over gRPC (param-server, inference, trainer, verifier)",
-        "the component services",
-    ),
-    "sft": ("supervised fine-tuning to warm-start a policy", "the trainer"),
-    "eval": ("evaluate a checkpoint on datasets with the verifiers", "the controller"),
-    "config": ("show the resolved config (`config show CONFIG [--set k=v ...]`)", None),
-    "deploy": ("render a run's cluster manifests (`deploy gke CONFIG [--set k=v ...]`)", None),
-    "bench": ("run a benchmark from tools/ and print its table", "the benchmarks"),
-    "simulate": ("simulate a run to size it: step time, idle, staleness (no JAX)", None),
+    "run": "start a run from a config (the main job)",
+    "resume": "resume a run from its run directory after preemption",
+    "serve": "serve one component over gRPC (param-server, inference, trainer, verifier)",
+    "sft": "the SFT warm start alone: train controller.sft_steps, export to RUN_DIR/sft_model",
+    "eval": "held-out greedy accuracy of the run's newest model (or --model DIR) by the verifiers",
+    "config": "show the resolved config (`config show CONFIG [--set k=v ...]`)",
+    "deploy": "render a run's cluster manifests (`deploy gke CONFIG [--set k=v ...]`)",
+    "bench": "run a benchmark from the source checkout's tools/ (`bench NAME [ARGS ...]`)",
+    "simulate": "simulate a run to size it: step time, idle, staleness (no JAX)",
 }
 COMPONENTS = ("param-server", "inference", "trainer", "verifier")
 
@@ -192,10 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="JAX RL post-training for LLMs on TPU pods, GPUs and CPUs.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (help_text, _) in _COMMANDS.items():
+    for name, help_text in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name in ("run", "sft", "eval"):
             _add_config_args(p)
+            if name == "eval":
+                from rlax_tpu.cli.sft_eval import add_eval_args
+
+                add_eval_args(p)
             if name == "run":
                 p.add_argument(
                     "--smoke",
@@ -233,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
             _add_config_args(p)
             add_simulate_args(p)
         elif name == "bench":
-            p.add_argument("name", nargs="?", help="benchmark name")
+            from rlax_tpu.cli.bench import add_args as add_bench_args
+
+            add_bench_args(p)
     return parser
 
 
@@ -315,13 +320,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.verifiers.server import main as serve_verifier
 
         return serve_verifier(args)
-    provider = _COMMANDS[args.command][1]
-    print(
-        f"rlax-tpu {args.command}: not available yet; it arrives with {provider}. "
-        "Until then `rlax-tpu run CONFIG` runs the foundation job.",
-        file=sys.stderr,
-    )
-    return 2
+    if args.command == "sft":
+        from rlax_tpu.cli.sft_eval import sft_main
+
+        return sft_main(args)
+    if args.command == "eval":
+        from rlax_tpu.cli.sft_eval import eval_main
+
+        return eval_main(args)
+    if args.command == "bench":
+        from rlax_tpu.cli.bench import main as bench
+
+        return bench(args)
+    raise AssertionError(f"command {args.command!r} has no handler")
 
 
 def _deploy(args: argparse.Namespace) -> int:
