@@ -14,6 +14,7 @@ from processes import ProcessGroup
 from rlax_tpu.algorithms import RolloutBatch
 from rlax_tpu.config import load_config
 from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.trainer.server import connect_param_server
 from rlax_tpu.trainer.service import (
     TrainerCallError,
     TrainerClient,
@@ -126,6 +127,20 @@ def test_a_batch_crosses_the_wire_unchanged(config):
             assert got is None, field.name
         else:
             assert got.dtype == sent.dtype and np.array_equal(got, sent), field.name
+
+
+def test_the_trainer_publishes_in_the_configured_chunk_size(config):
+    """`serve trainer` builds its parameter-server client from the config: publishes are
+    cut into param_server.chunk_bytes chunks (not the client's default)."""
+    config = dataclasses.replace(
+        config, param_server=dataclasses.replace(config.param_server, chunk_bytes=3 * 2**16)
+    )
+    client = connect_param_server(config, ["127.0.0.1:1", "127.0.0.1:2"], TOKEN)
+    try:
+        assert client.chunk_bytes == 3 * 2**16
+        assert client.plan.num_replicas == 2
+    finally:
+        client.close()
 
 
 def test_train_step_publishes_version_1(first_step, ps_client):

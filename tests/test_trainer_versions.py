@@ -1,14 +1,20 @@
 """Versions and checkpoints of the trainer: idempotent steps, order, publish to a real
-parameter server, restore on another mesh, corrupt/incomplete checkpoints, gs://."""
+parameter server, restore on another mesh, corrupt/incomplete checkpoints, async saves,
+keep-N, file:// and gs://."""
 
 import dataclasses
 import logging
 import secrets
 import shutil
+import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding, PartitionSpec
 from processes import ProcessGroup
 from trainer_helpers import assert_trees_close, rollout_batch, run_config
 
@@ -16,9 +22,17 @@ from rlax_tpu.config import AlgorithmConfig, MeshConfig
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import OutOfOrderStepError, Trainer
+from rlax_tpu.trainer.checkpoints import COMMIT_MARKER, checksums
 
 TOKEN = secrets.token_hex(8)
 FOUR_DEVICES = MeshConfig(data=1, fsdp=2, tensor=2)
+ONE_DEVICE = MeshConfig(data=1, fsdp=1, tensor=1)
+# GRPO without a KL term keeps no reference copy: fewer arrays to write per checkpoint.
+NO_REFERENCE = AlgorithmConfig(name="grpo")
+
+
+def _one_device_mesh():
+    return build_mesh(ONE_DEVICE, devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +127,154 @@ def test_incomplete_newest_checkpoint_is_never_loaded(run, tmp_path, caplog):
     restored.close()
 
 
-def test_checkpoint_round_trip_on_gcs(gcs_bucket):
-    # One device and no reference copy: fewer, larger objects on the (slow) emulator.
-    one = MeshConfig(data=1, fsdp=1, tensor=1)
-    config = run_config(f"{gcs_bucket}/run", mesh=one, algorithm=AlgorithmConfig(name="grpo"))
-    mesh = build_mesh(one, devices=jax.devices()[:1])
-    trainer = Trainer(config, mesh=mesh)
-    trainer.initialize()
-    assert trainer.save(wait=True) == 0
-    trainer.close()
+def test_checksums_are_exact_and_independent_of_sharding():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 24)).astype(np.float32)
+    state = {"w": jnp.asarray(x), "b": jnp.asarray(x[0], jnp.bfloat16), "n": jnp.arange(5)}
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("a", "b"))
+    sharded = dict(
+        state, w=jax.device_put(state["w"], NamedSharding(mesh, PartitionSpec("a", "b")))
+    )
+    assert checksums(sharded) == checksums(state)
+
+    def changed(**arrays):
+        return checksums({**state, **{k: jnp.asarray(v) for k, v in arrays.items()}})
+
+    one_ulp = x.copy()
+    one_ulp[3, 5] = np.nextafter(one_ulp[3, 5], np.float32(np.inf))
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    bf16 = np.asarray(state["b"]).copy()
+    bf16[7] = -bf16[7]
+    for other in (changed(w=one_ulp), changed(w=swapped), changed(b=bf16)):
+        assert other != checksums(state)
+
+
+def _nudge_one_element(array_dir, delta: float) -> None:
+    """Add `delta` to element 0 of the zarr array stored in `array_dir` (its metadata and
+    encoding stay valid: only the value changes, as with silent bit rot)."""
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(array_dir)}})
+    array = array.result()
+    index = (0,) * array.ndim
+    value = array[index].read().result()
+    array[index].write(value + np.asarray(delta, value.dtype)).result()
+    assert array[index].read().result() != value
+
+
+def test_one_slightly_changed_value_falls_back_and_is_replaced(run, tmp_path, caplog):
+    """One parameter off by 1e-3 in the newest checkpoint: its checksums do not match, so
+    the previous checkpoint is restored with the reason logged; retraining the step then
+    replaces the bad checkpoint, and the next restore loads the new one."""
+    trainer, _, after_first, _ = run
+    config, newest = _copy_run(trainer, tmp_path)
+    _nudge_one_element(newest / "state" / "params.embed", 1e-3)
+    mesh = build_mesh(FOUR_DEVICES, devices=jax.devices()[:4])
     restored = Trainer(config, mesh=mesh)
-    assert restored.initialize() == 0
-    assert restored.checkpoints.steps() == [0]
+    with caplog.at_level(logging.WARNING):
+        assert restored.initialize() == 1
+    assert "checkpoint 2" in caplog.text
+    assert "['params']['embed'] does not match its checksums" in caplog.text
+    assert_trees_close(restored.params(), after_first, rtol=0, atol=0)
+    assert restored.status()["checkpoint_steps"] == [1]
+
+    restored.train_step(1, rollout_batch(1))  # checkpoint_every=1: saves step 2 again
+    restored.close()
+    again = Trainer(config, mesh=mesh)
+    assert again.initialize() == 2
+    assert_trees_close(again.params(), restored.params(), rtol=0, atol=0)
+    again.close()
+
+
+def test_checkpoint_saves_are_asynchronous(tmp_path, monkeypatch):
+    """A train step that checkpoints returns while the save is still being finalized (the
+    finalize thread is held until the test releases it); status() answers meanwhile."""
+    release, finalizers = threading.Event(), []
+    finalize = ocp.CheckpointManager._finalize
+
+    def held_finalize(self, *args, **kwargs):
+        finalizers.append(threading.current_thread())
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(timeout=120)
+        return finalize(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "_finalize", held_finalize)
+    config = run_config(
+        str(tmp_path / "run"), mesh=ONE_DEVICE, algorithm=NO_REFERENCE, checkpoint_every=1
+    )
+    trainer = Trainer(config, mesh=_one_device_mesh())
+    trainer.initialize()
+    marker = tmp_path / "run" / "checkpoints" / "1" / COMMIT_MARKER
+    try:
+        assert trainer.train_step(0, rollout_batch(0)).version == 1
+        assert trainer.checkpoints.saving()
+        assert not marker.exists()
+        assert trainer.status()["checkpoint_steps"] == [1]  # in flight, no storage read
+    finally:
+        release.set()
+    trainer.close()
+    assert finalizers and threading.main_thread() not in finalizers
+    assert marker.exists() and not trainer.checkpoints.saving()
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory):
+    """A trainer on one device checkpointing every step to a file:// URL, keeping 2, after
+    4 steps and close(). Yields (trainer, local run directory)."""
+    run_dir = tmp_path_factory.mktemp("file_run")
+    config = run_config(
+        f"file://{run_dir}",
+        mesh=ONE_DEVICE,
+        algorithm=NO_REFERENCE,
+        checkpoint_every=1,
+        max_checkpoints_to_keep=2,
+    )
+    trainer = Trainer(config, mesh=_one_device_mesh())
+    trainer.initialize()
+    for step in range(4):
+        trainer.train_step(step, rollout_batch(step))
+        trainer.status()  # polled between steps (Health) while a save is in flight
+    trainer.close()
+    return trainer, run_dir
+
+
+def test_keep_n_leaves_exactly_the_newest_n_checkpoints(file_run):
+    trainer, run_dir = file_run
+    on_disk = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert on_disk == [3, 4]
+    assert trainer.checkpoints.steps() == [3, 4]
+    assert trainer.checkpoints.steps(reload=True) == [3, 4]
+
+
+def test_checkpoint_round_trip_on_a_file_url(file_run):
+    trainer, _ = file_run
+    assert trainer.config.storage.run_dir.startswith("file://")
+    restored = Trainer(trainer.config, mesh=_one_device_mesh())
+    assert restored.initialize() == 4
     assert_trees_close(restored.params(), trainer.params(), rtol=0, atol=0)
+    assert restored.train_step(3, None).metrics == trainer.train_step(3, None).metrics
+    restored.close()
+
+
+def test_checkpoint_round_trip_on_gcs(gcs_bucket):
+    """A trained state (params and Adam moments after a step), saved asynchronously by the
+    step itself, restores exactly from gs://; keep-N holds there too."""
+    # One device and no reference copy: fewer, larger objects on the (slow) emulator.
+    config = run_config(
+        f"{gcs_bucket}/run",
+        mesh=ONE_DEVICE,
+        algorithm=NO_REFERENCE,
+        checkpoint_every=1,
+        max_checkpoints_to_keep=1,
+    )
+    trainer = Trainer(config, mesh=_one_device_mesh())
+    trainer.initialize()
+    first = trainer.train_step(0, rollout_batch(0))
+    trainer.train_step(1, rollout_batch(1))
+    trainer.close()
+    restored = Trainer(config, mesh=_one_device_mesh())
+    assert restored.initialize() == 2
+    assert restored.checkpoints.steps() == [2]
+    assert_trees_close(restored.params(), trainer.params(), rtol=0, atol=0)
+    assert_trees_close(restored._opt_state, trainer._opt_state, rtol=0, atol=0)
+    assert restored.train_step(0, None).metrics == first.metrics
     restored.close()

@@ -2,10 +2,10 @@
 directory, file:// or gs://, restorable onto any mesh.
 
 A checkpoint holds the train state (params, optimizer state, reference params) and a
-small JSON item (step, the recorded step results, a fingerprint of every array).
+small JSON item (step, the recorded step results, exact checksums of every array).
 Restoring walks from the newest step down: one that is incomplete (orbax only lists
-finalized saves), unreadable, or whose arrays do not match their fingerprint is
-skipped with the reason logged, and the previous one is used.
+finalized saves), unreadable, or whose arrays do not match their checksums is skipped
+with the reason logged, and the previous one is used.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from rlax_tpu import storage
 
 _log = logging.getLogger(__name__)
 
-# Relative tolerance of a fingerprint check: the restored arrays' sums are taken on
-# another mesh (another reduction order), while corruption changes them wholesale.
-FINGERPRINT_RTOL = 1e-3
 # Written by orbax into a step directory once every item of the save is finalized.
 COMMIT_MARKER = "commit_success.txt"
+# The meta item's key for the arrays' checksums (see `checksums`).
+CHECKSUMS_KEY = "checksums"
 
 
 class NoValidCheckpointError(RuntimeError):
@@ -46,43 +45,78 @@ def _orbax_path(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
 
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of x as uint32 words, one per element (two per element of 8 bytes: a
+    trailing axis of 2). bf16/f16 bits are widened from uint16, 1-byte types from uint8."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 4 or size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    narrow = {2: jnp.uint16, 1: jnp.uint8}[size]
+    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+
+
+def _flat_index(shape: tuple[int, ...]) -> jax.Array:
+    """uint32[shape]: each element's row-major flat index (mod 2³²), from iotas, so it is
+    computed where each shard lives."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+        index = index + iota * np.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return index
+
+
 @jax.jit
-def _fingerprint_arrays(leaves: list[jax.Array]) -> jax.Array:
-    """float32[n, 2]: (Σx, Σ|x|) of each leaf."""
-    return jnp.stack(
-        [
-            jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.abs(x.astype(jnp.float32)))])
-            for x in leaves
-        ]
-    )
+def _checksum_arrays(leaves: list[jax.Array]) -> jax.Array:
+    """uint32[n, 2]: (Σ w, Σ w·(i + 1)) of each leaf's words w at flat index i.
+
+    uint32 addition wraps, so both sums are exact and associative: any mesh, sharding or
+    reduction order gives the same bits. Σ w changes with any single changed word; the
+    index-weighted sum also catches words moved to other positions.
+    """
+    rows = []
+    for x in leaves:
+        w = _words(x)
+        rows.append(jnp.stack([jnp.sum(w), jnp.sum(w * (_flat_index(w.shape) + np.uint32(1)))]))
+    return jnp.stack(rows)
 
 
-def fingerprint(state: Any) -> list[list[float]]:
-    """A cheap per-array checksum of `state` (computed on device; two floats per array)."""
+def checksums(state: Any) -> list[list[int]]:
+    """Exact per-array checksums of `state` (two uint32 per array, computed on device):
+    equal for bitwise-equal arrays whatever their sharding."""
     leaves = jax.tree.leaves(state)
     if not leaves:
         return []
-    return np.asarray(_fingerprint_arrays(leaves)).astype(float).tolist()
+    return np.asarray(_checksum_arrays(leaves)).astype(int).tolist()
 
 
-def _fingerprint_mismatch(expected: list[list[float]], state: Any) -> str | None:
-    got = fingerprint(state)
+def _checksum_mismatch(expected: Any, state: Any) -> str | None:
+    if not isinstance(expected, list):
+        return (
+            f"the checkpoint records no {CHECKSUMS_KEY!r} (written by an older rlax_tpu "
+            "whose fingerprint was not exact), so its data cannot be verified"
+        )
+    got = checksums(state)
     if len(got) != len(expected):
-        return f"{len(got)} arrays restored, the checkpoint recorded {len(expected)}"
+        return f"{len(got)} arrays restored, the checkpoint recorded {len(expected)} checksums"
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
     for path, g, e in zip(paths, got, expected, strict=True):
-        scale = max(abs(e[1]), 1e-6)
-        if (
-            not np.all(np.isfinite(g))
-            or abs(g[0] - e[0]) > FINGERPRINT_RTOL * scale
-            or (abs(g[1] - e[1]) > FINGERPRINT_RTOL * scale)
-        ):
-            return f"array {path} does not match its fingerprint (sums {g} vs recorded {e})"
+        if list(g) != list(e):
+            return f"array {path} does not match its checksums ({g} restored, {e} recorded)"
     return None
 
 
 class CheckpointStore:
-    """Saves and restores the trainer state under `directory` (local, file:// or gs://)."""
+    """Saves and restores the trainer state under `directory` (local, file:// or gs://).
+
+    `steps()` is orbax's in-memory list, which also holds a save still in flight: reading
+    storage then would drop that step from orbax's list and make keep-N prune one
+    checkpoint too few. Storage is re-read only by `steps(reload=True)` and `restore`,
+    after waiting for pending saves.
+    """
 
     def __init__(self, directory: str, *, max_to_keep: int, async_saves: bool = True) -> None:
         self.directory = directory
@@ -101,15 +135,36 @@ class CheckpointStore:
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
+        # Steps newer than the one `restore` loaded (skipped as not loadable, or passed
+        # over for an explicit step): the run goes on from the restored step, so they are
+        # not offered by `steps()` and are replaced when that step is saved again.
+        self._superseded: set[int] = set()
 
-    def steps(self) -> list[int]:
-        """Finalized checkpoint steps, oldest first (re-read from storage)."""
-        return sorted(self._manager.all_steps(read=True))
+    def steps(self, *, reload: bool = False) -> list[int]:
+        """Checkpoint steps, oldest first: finalized or being saved by this store (no I/O).
+
+        reload: wait for pending saves and re-read the list from storage (steps written
+        by another process, e.g. before a restart).
+        """
+        if reload:
+            self.wait()
+            self._manager.reload()
+        return sorted(s for s in self._manager.all_steps() if s not in self._superseded)
+
+    def saving(self) -> bool:
+        """Whether an async save is still being written."""
+        return self._manager.is_saving_in_progress()
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any], *, wait: bool = False) -> None:
         """Start saving `state` as `step` (returns once arrays are copied off the device
-        unless `wait`). The fingerprint is added to `meta`."""
-        meta = {**meta, "fingerprint": fingerprint(state)}
+        unless `wait`). The arrays' checksums are added to `meta`."""
+        meta = {**meta, CHECKSUMS_KEY: checksums(state)}
+        if step in self._superseded:
+            self.wait()
+            if step in self._manager.all_steps():
+                _log.warning("replacing checkpoint %d under %s", step, self.directory)
+                self._manager.delete(step)
+            self._superseded.discard(step)
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -126,8 +181,8 @@ class CheckpointStore:
     def restore(self, abstract_state: Any, step: int | None = None) -> Restored:
         """The newest valid checkpoint (or exactly `step`), placed as `abstract_state`'s
         leaves (jax.ShapeDtypeStruct with shardings) say: any mesh shape works."""
-        self.wait()
-        candidates = self.steps()
+        self._superseded.clear()
+        candidates = every = self.steps(reload=True)
         if step is not None:
             if step not in candidates:
                 raise NoValidCheckpointError(
@@ -140,25 +195,22 @@ class CheckpointStore:
             marker = storage.join(self.directory, str(candidate), COMMIT_MARKER)
             if not storage.exists(marker):
                 problem = f"incomplete: {COMMIT_MARKER} is missing (the save did not finish)"
-                _log.warning(
-                    "checkpoint %d under %s skipped: %s", candidate, self.directory, problem
-                )
-                reasons.append(f"step {candidate}: {problem}")
-                continue
-            try:
-                restored = self._manager.restore(
-                    candidate,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
-                        meta=ocp.args.JsonRestore(),
-                    ),
-                )
-                state, meta = restored["state"], dict(restored["meta"])
-                problem = _fingerprint_mismatch(meta.get("fingerprint", []), state)
-            except Exception as e:  # noqa: BLE001 - any failure means: not loadable
-                problem = f"{type(e).__name__}: {str(e)[:500]}"
-            if problem is None:
-                return Restored(step=candidate, state=state, meta=meta)
+            else:
+                try:
+                    restored = self._manager.restore(
+                        candidate,
+                        args=ocp.args.Composite(
+                            state=ocp.args.StandardRestore(abstract_state),
+                            meta=ocp.args.JsonRestore(),
+                        ),
+                    )
+                    state, meta = restored["state"], dict(restored["meta"])
+                    problem = _checksum_mismatch(meta.get(CHECKSUMS_KEY), state)
+                except Exception as e:  # noqa: BLE001 - any failure means: not loadable
+                    problem = f"{type(e).__name__}: {str(e)[:500]}"
+                if problem is None:
+                    self._superseded.update(c for c in every if c > candidate)
+                    return Restored(step=candidate, state=state, meta=meta)
             _log.warning(
                 "checkpoint %d under %s is not loadable, trying the previous one: %s",
                 candidate,

@@ -50,6 +50,17 @@ def _replica_plan(config: RunConfig, num_replicas: int) -> Any:
     )
 
 
+def connect_param_server(config: RunConfig, addresses: list[str], token: str) -> Any:
+    """The trainer's ParamServerClient for the replicas at `addresses`: publishes in
+    `param_server.chunk_bytes` chunks, split across replicas as the params are sharded."""
+    from rlax_tpu.param_server.client import ParamServerClient
+
+    plan = _replica_plan(config, len(addresses)) if len(addresses) > 1 else None
+    return ParamServerClient(
+        addresses, auth_token=token, plan=plan, chunk_bytes=config.param_server.chunk_bytes
+    )
+
+
 # -- multi-host: the leader broadcasts each call, followers run it --------------------------
 def _encode(op: str, fields: dict[str, Any], payload: bytes = b"") -> bytes:
     header = json.dumps({"op": op, **fields}).encode()
@@ -162,7 +173,6 @@ def main(args: argparse.Namespace) -> int:
 
     import jax
 
-    from rlax_tpu.param_server.client import ParamServerClient
     from rlax_tpu.rpc import HealthServicer, make_server
     from rlax_tpu.sharding import build_mesh
     from rlax_tpu.trainer import Trainer
@@ -173,8 +183,7 @@ def main(args: argparse.Namespace) -> int:
     leader = jax.process_index() == 0
     param_server = None
     if args.param_server:  # every process sends its share of each version
-        plan = _replica_plan(config, len(args.param_server)) if len(args.param_server) > 1 else None
-        param_server = ParamServerClient(args.param_server, auth_token=token, plan=plan)
+        param_server = connect_param_server(config, args.param_server, token)
     server = None
     if leader:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,23 +168,60 @@ def _chunks(x: jax.Array, n: int) -> jax.Array:
     return x.reshape((n, x.shape[0] // n, *x.shape[1:]))
 
 
-def recompute_logprobs(
-    graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, *, micro_size: int
-) -> jax.Array:
-    """log π(targets) of `params` for every row, micro-batch by micro-batch: float32[G, T].
+def inference_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log softmax(logits)[targets]: float[b, s, V], int32[b, s] -> float32[b, s].
+
+    The inference sampler's formula (rlax_tpu.inference.sampling.sample_tokens, "full"
+    log-probs at temperature 1): the shifted logits minus log Σ exp, then the target's
+    entry. `token_logprobs` (picked − logsumexp) is the same value rounded differently
+    (1 f32 ULP apart on about a quarter of the tokens), so the recompute uses this one.
+    """
+    full = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
+
+
+class Recomputed(NamedTuple):
+    logprobs: jax.Array  # float32[G, T]: log π_old(targets)
+    values: jax.Array | None  # float32[G, T]: V_old, when asked for
+
+
+def recompute(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    micro_size: int,
+    values: bool = False,
+) -> Recomputed:
+    """π_old's log-probs of every row's targets (and the value head's V_old when `values`),
+    micro-batch by micro-batch, under `params` and without gradient.
 
     The forward is wrapped in `jax.checkpoint(policy=nothing_saveable)` so that it keeps no
     activation for a backward pass: its graph is the plain forward that inference runs,
-    which is what makes the recomputed π_old match the inference workers' log-probs.
+    and log-probs use the sampler's formula (`inference_logprobs`), so the recomputed
+    π_old matches the inference workers' log-probs (docs/trainer.md says how closely).
     """
 
-    forward = jax.checkpoint(
-        lambda p, t: policy_outputs(graphdef, p, t, _targets(t), values=False, entropy=False)[0],
-        policy=jax.checkpoint_policies.nothing_saveable,
-    )
+    def forward(p, t):
+        t = constrain(t, ("batch", "length"))
+        targets = _targets(t)
+        out = nnx.merge(graphdef, p).forward_train(t, targets, return_logits=True)
+        return inference_logprobs(out.logits, targets), (out.values if values else None)
+
+    forward = jax.checkpoint(forward, policy=jax.checkpoint_policies.nothing_saveable)
     n = tokens.shape[0] // micro_size
-    out = jax.lax.map(lambda t: forward(params, t), _chunks(tokens, n))
-    return jax.lax.stop_gradient(out.reshape(tokens.shape))
+    lp, v = jax.lax.map(lambda t: forward(params, t), _chunks(tokens, n))
+    lp = jax.lax.stop_gradient(lp.reshape(tokens.shape))
+    if v is not None:
+        v = jax.lax.stop_gradient(v.reshape(tokens.shape).astype(jnp.float32))
+    return Recomputed(lp, v)
+
+
+def recompute_logprobs(
+    graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, *, micro_size: int
+) -> jax.Array:
+    """`recompute(...).logprobs`: float32[G, T]."""
+    return recompute(graphdef, params, tokens, micro_size=micro_size).logprobs
 
 
 # -- the RL update ---------------------------------------------------------------------------
@@ -228,16 +265,22 @@ def make_rl_step(
 ) -> Callable:
     """The RL update of one global batch, to be jitted:
 
-        (params, opt_state, batch, step) -> (params, opt_state, metrics)
+        (params, opt_state, batch, step, behaviour) -> (params, opt_state, metrics)
 
-    batch: a `RolloutBatch` of G rows whose behaviour_logprobs (and reference_logprobs)
-    already hold what the objective should read. It is split into `num_updates`
+    batch: a `RolloutBatch` of G rows whose behaviour_logprobs (and reference_logprobs,
+    values) already hold what the objective should read. It is split into `num_updates`
     mini-batches (one optimizer update each); a mini-batch whose objective is computed
     over `micro_per_mini` > 1 micro-batches is differentiated in two passes so that the
     result is exactly that of the whole mini-batch for any objective (group advantages,
     token-mean weights): a forward over the micro-batches gives log π (values,
     entropies) of the mini-batch, the objective gives ∂loss/∂log π, and each micro-batch
     back-propagates Σ ∂loss/∂log π · log π_θ, accumulated.
+
+    behaviour: {name: float32[G, T]}, behaviour log-probs to report against (the
+    recomputed and the cached ones): `logprob_diff/{name}_mean` and `_p95` are
+    |log π_θ − log π_name| over response tokens, π_θ being the policy at the start of each
+    update, averaged over the updates like the objective's `logprob_diff/*` (which is
+    against the log-probs in use).
     """
     need_values = objective.needs_values
     need_entropy = objective.needs_entropy
@@ -254,9 +297,11 @@ def make_rl_step(
     def direct_grads(params, mini, step):
         def loss_fn(p):
             lp, values, entropy = outputs(p, mini.tokens)
-            return loss_of(mini, step, lp, values, entropy)
+            loss, metrics = loss_of(mini, step, lp, values, entropy)
+            return loss, (metrics, lp)
 
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, (metrics, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return (loss, metrics), grads, lp
 
     def accumulated_grads(params, mini, step):
         # Pass 1: outputs of the whole mini-batch, micro-batch by micro-batch, no grad.
@@ -286,20 +331,22 @@ def make_rl_step(
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, _ = jax.lax.scan(micro, zeros, (_chunks(mini.tokens, m), cot_chunks))
-        return (loss, metrics), grads
+        return (loss, metrics), grads, lp
 
     grads_of = direct_grads if m == 1 else accumulated_grads
 
-    def rl_step(params, opt_state, batch: RolloutBatch, step):
-        minis = jax.tree.map(lambda x: _chunks(x, levels.num_updates), batch)
+    def rl_step(params, opt_state, batch: RolloutBatch, step, behaviour: dict[str, jax.Array]):
+        minis = jax.tree.map(lambda x: _chunks(x, levels.num_updates), (batch, behaviour))
 
-        def update(carry, mini: RolloutBatch):
+        def update(carry, xs):
             params, opt_state = carry
+            mini, mini_behaviour = xs
             mini = mini.replace(group_ids=_dense_group_ids(mini.group_ids))
-            (loss, metrics), grads = grads_of(params, mini, step)
+            (loss, metrics), grads, lp = grads_of(params, mini, step)
             params, opt_state, grad_norm, lr = _apply(optimizer, schedule, params, opt_state, grads)
             metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
             metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=lr)
+            metrics.update(behaviour_diff_metrics(lp, mini_behaviour, mini.response_mask))
             return (params, opt_state), metrics
 
         (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), minis)
@@ -308,6 +355,19 @@ def make_rl_step(
         return params, opt_state, out
 
     return rl_step
+
+
+def behaviour_diff_metrics(
+    logprobs: jax.Array, behaviour: dict[str, jax.Array], response_mask: jax.Array
+) -> Metrics:
+    """|log π_θ − log π_name| over response tokens, mean and p95, for each named array."""
+    mask = response_mask.astype(jnp.float32)
+    out = {}
+    for name, other in behaviour.items():
+        diff = jnp.abs(jnp.where(mask > 0, logprobs.astype(jnp.float32) - other, 0.0))
+        out[f"logprob_diff/{name}_mean"] = masked_mean(diff, mask)
+        out[f"logprob_diff/{name}_p95"] = masked_quantile(diff, mask, 0.95)
+    return out
 
 
 def mismatch_metrics(recomputed: jax.Array, cached: jax.Array, response_mask: jax.Array) -> Metrics:

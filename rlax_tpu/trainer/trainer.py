@@ -36,7 +36,7 @@ from rlax_tpu.trainer.step import (
     make_rl_step,
     make_sft_step,
     mismatch_metrics,
-    recompute_logprobs,
+    recompute,
     train_flops,
 )
 
@@ -169,9 +169,10 @@ class Trainer:
         self._token_sharding = self._sharding(("batch", "length"), (self.levels.global_size, 1))
         self._init_opt = jax.jit(self._optimizer.init, out_shardings=o_sh)
         self._recompute = jax.jit(
-            lambda params, tokens: recompute_logprobs(
-                self._graphdef, params, tokens, micro_size=self.levels.micro_size
-            )
+            lambda params, tokens, values: recompute(
+                self._graphdef, params, tokens, micro_size=self.levels.micro_size, values=values
+            ),
+            static_argnums=2,
         )
         self._rl_step = jax.jit(
             make_rl_step(
@@ -239,7 +240,7 @@ class Trainer:
     def initialize(self) -> int:
         """Restore the newest valid checkpoint, or build version 0 (HF checkpoint or random
         from the seed); publish the current version (idempotent). Returns the step."""
-        if self.checkpoints.steps():
+        if self.checkpoints.steps(reload=True):
             self.restore()
         else:
             self._params = self._initial_params()
@@ -266,6 +267,8 @@ class Trainer:
         return self._params
 
     def status(self) -> dict[str, Any]:
+        """Step, version, last metrics and checkpoint steps (a save in flight included; no
+        storage read, so Health can poll it during a save)."""
         return {
             "step": self.step,
             "version": self.step,
@@ -301,18 +304,27 @@ class Trainer:
         batch = jax.tree.map(self._place_rows, batch)
         start = time.perf_counter()
         with use_mesh(self.mesh, self.rules):
-            recomputed = self._recompute(self._params, batch.tokens)
+            # π_old and, for GAE, V_old: the value head before the update (stop-gradient).
+            needs_values = self.objective.needs_rollout_values
+            recomputed, old_values = self._recompute(self._params, batch.tokens, needs_values)
             recomputed.block_until_ready()
             recompute_s = time.perf_counter() - start
-            extra = self._mismatch(recomputed, batch.behaviour_logprobs, batch.response_mask)
+            cached = batch.behaviour_logprobs
+            extra = self._mismatch(recomputed, cached, batch.response_mask)
             if self.config.trainer.behaviour_logprobs == "recomputed":
                 batch = batch.replace(behaviour_logprobs=recomputed)
+            if needs_values:
+                batch = batch.replace(values=old_values)
             if self.objective.needs_reference_logprobs:
                 batch = batch.replace(
-                    reference_logprobs=self._recompute(self._reference, batch.tokens)
+                    reference_logprobs=self._recompute(self._reference, batch.tokens, False)[0]
                 )
             self._params, self._opt_state, metrics = self._rl_step(
-                self._params, self._opt_state, batch, jnp.asarray(step, jnp.int32)
+                self._params,
+                self._opt_state,
+                batch,
+                jnp.asarray(step, jnp.int32),
+                {"recomputed": recomputed, "cached": cached},
             )
             metrics = {**jax.device_get(metrics), **jax.device_get(extra)}
         step_s = time.perf_counter() - start
@@ -359,7 +371,9 @@ class Trainer:
         result = StepResult(step=step, version=self.step, metrics=metrics)
         self._results[step] = result
         self._last_metrics = metrics
+        t_publish = time.perf_counter()
         self._publish(self.step)
+        metrics["time/publish_s"] = time.perf_counter() - t_publish
         if self.step % self.config.trainer.checkpoint_every == 0:
             self.save(wait=False)
         return result
