@@ -10,6 +10,7 @@ from rlax_tpu.controller.snapshots import (
     SnapshotStore,
     snapshot_name,
 )
+from rlax_tpu.shapes import padded_seq_len
 
 
 def snapshot(step: int, digest: str = "d" * 64) -> Snapshot:
@@ -72,13 +73,17 @@ def test_a_snapshot_of_another_config_is_an_error_naming_the_fix(tmp_path):
 def test_rollout_log_keeps_each_rollout_once_by_key_and_skips_torn_entries(tmp_path):
     log = RolloutLog(str(tmp_path))
     record = {"prompt_id": "b0:arith:1", "sample_index": 1, "version": 0, "tokens": [5, 6]}
-    log.append(0, record)
-    log.append(0, record)  # a repeat overwrites, never duplicates
-    log.append(0, {**record, "sample_index": 0})
-    (tmp_path / "rollouts" / "batch_000000000" / "torn.json").write_text('{"prompt_id": ')
+    log.append(0, [record])
+    log.append(0, [record])  # a repeat overwrites, never duplicates
+    log.append(0, [{**record, "sample_index": 0}, {**record, "sample_index": 2, "tokens": [7]}])
+    log.append(0, [])  # nothing to write
+    batch_dir = tmp_path / "rollouts" / "batch_000000000"
+    assert len(list(batch_dir.iterdir())) == 2  # one file per write of distinct rollouts
+    (batch_dir / "rollouts-torn.jsonl").write_text('{"prompt_id": "b0:arith:1", "sample_index": 3')
     logged = log.read_batch(0)
-    assert sorted(logged) == [("b0:arith:1", 0, 0), ("b0:arith:1", 1, 0)]
+    assert sorted(logged) == [("b0:arith:1", 0, 0), ("b0:arith:1", 1, 0), ("b0:arith:1", 2, 0)]
     assert logged[("b0:arith:1", 1, 0)]["tokens"] == [5, 6]
+    assert logged[("b0:arith:1", 2, 0)]["tokens"] == [7]
     assert log.read_batch(1) == {}
 
 
@@ -87,3 +92,17 @@ def test_consumed_rows_are_recorded_per_batch(tmp_path):
     log.record_consumed(0, [("p", 0, 0), ("p", 1, 0)])
     log.record_consumed(1, [("q", 0, 1)])
     assert log.consumed() == {0: [("p", 0, 0), ("p", 1, 0)], 1: [("q", 0, 1)]}
+
+
+def test_batches_are_padded_to_few_shapes():
+    lengths = [1, 16, 17, 33, 48, 49, 64, 65, 100, 129, 300, 5000]
+    assert [padded_seq_len(n, 4096) for n in lengths] == [
+        16, 16, 32, 48, 48, 64, 64, 80, 112, 160, 320, 4096,
+    ]  # fmt: skip
+    padded = {n: padded_seq_len(n, 4096) for n in range(1, 4097)}
+    assert all(n <= p < n + 16 for n, p in padded.items() if n <= 64)  # multiples of 16
+    assert all(n <= p < 1.25 * n for n, p in padded.items() if n > 64)  # < 25% padding
+    assert len(set(padded.values())) == 28  # 16, 32, 48, 64, then four per octave
+    assert padded_seq_len(60, 50) == 50  # never beyond max_seq_len
+    with pytest.raises(ValueError, match="at least one token"):
+        padded_seq_len(0, 64)

@@ -23,11 +23,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlax_tpu.algorithms import RolloutBatch
+from rlax_tpu.algorithms.filters import dynamic_sampling_keep
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.replay import Entry, ReplayBuffer
 from rlax_tpu.controller.snapshots import RolloutLog, Snapshot, SnapshotError, SnapshotStore
 from rlax_tpu.inference.engine import GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
+from rlax_tpu.shapes import padded_seq_len
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.verifiers.types import VerificationRequest, VerificationResult
 
@@ -79,6 +81,10 @@ class _Batch:
     error: str | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     launched_s: float = 0.0
+    # Seconds the worker threads spent on this batch: loading weights, generating, logging.
+    timing: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(("load_s", "generate_s", "log_s"), 0.0)
+    )
 
     @property
     def expected(self) -> int:
@@ -88,13 +94,17 @@ class _Batch:
 @dataclasses.dataclass(order=True)
 class _Job:
     """Requests for one worker: generated with exactly `version`. Ordered by batch, so
-    the batch the trainer waits for goes first; eval jobs carry their step."""
+    the batch the trainer waits for goes first; eval jobs carry their step. `deliver`
+    takes the job's finished rollouts at once; `timing` accumulates where its time went."""
 
     priority: tuple[int, int]
     version: int = dataclasses.field(compare=False)
     requests: list[GenerationRequest] = dataclasses.field(compare=False)
-    deliver: Callable[[Any], None] = dataclasses.field(compare=False)
+    deliver: Callable[[list[Any]], None] = dataclasses.field(compare=False)
     fail: Callable[[str], None] = dataclasses.field(compare=False)
+    timing: dict[str, float] = dataclasses.field(
+        compare=False, default_factory=lambda: dict.fromkeys(("load_s", "generate_s", "log_s"), 0.0)
+    )
 
 
 _STOP_JOB = _Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
@@ -213,6 +223,7 @@ class Controller:
             while step < self.num_steps:
                 if self.stop.is_set():
                     break
+                t_step = time.perf_counter()
                 self._at_step(step)
                 self._launch_ahead(step)
                 batch = self._wait(step)
@@ -220,11 +231,21 @@ class Controller:
                     batch = self._resample(batch)
                 if batch is None:  # stopped while waiting
                     break
+                t_assemble = time.perf_counter()
                 rows, keys, rewards, extra = self._assemble(batch)
                 t_train = time.perf_counter()
                 result = self.c.trainer.train_step(step, rows)
-                trainer_busy += time.perf_counter() - t_train
+                t_trained = time.perf_counter()
+                trainer_busy += t_trained - t_train
                 self.log.record_consumed(step, keys)
+                # Where the step's wall time went, as the controller sees it.
+                extra["timing"] = {
+                    **{f"time/worker_{k}": v for k, v in batch.timing.items()},
+                    "time/wait_rollouts_s": t_assemble - t_step,
+                    "time/verify_assemble_s": t_train - t_assemble,
+                    "time/train_step_call_s": t_trained - t_train,
+                    "time/controller_step_s": time.perf_counter() - t_step,
+                }
                 step += 1
                 self._after_step(step, batch, rewards, extra, result.metrics, t0)
                 if step % self.policy.reload_every == 0 or step == self.num_steps:
@@ -364,9 +385,11 @@ class Controller:
         )
         self.snapshots.write(snapshot)
         # Versions a resume from `checkpoint` may generate with must survive on the server.
+        # Then the server may delete what no consumer needs (memory and persisted copies).
         oldest = self.policy.oldest_needed(checkpoint)
         try:
             self.c.param_server.confirm(CONTROLLER_CONSUMER, oldest)
+            self.c.param_server.garbage_collect(oldest)
         except Exception as e:  # noqa: BLE001 - only delays garbage collection
             _log.warning("could not confirm version %d to the parameter server: %s", oldest, e)
         for old in [b for b in self._main_at if b < checkpoint]:
@@ -448,6 +471,7 @@ class Controller:
                     missing[k : k + per_worker],
                     deliver=lambda r, batch=batch: self._deliver(batch, r),
                     fail=lambda e, batch=batch: self._fail(batch, e),
+                    timing=batch.timing,
                 )
             )
 
@@ -460,20 +484,24 @@ class Controller:
             sampling=self.sampling,
         )
 
-    def _deliver(self, batch: _Batch, rollout: Any) -> None:
-        record = {
-            "batch": batch.index,
-            "prompt_id": rollout.prompt_id,
-            "sample_index": rollout.sample_index,
-            "version": rollout.version,
-            "prompt_tokens": list(rollout.prompt_tokens),
-            "tokens": list(rollout.tokens),
-            "logprobs": list(rollout.logprobs),
-            "finish_reason": rollout.finish_reason,
-        }
-        self.log.append(batch.index, record)  # persisted before it can be trained on
+    def _deliver(self, batch: _Batch, rollouts: list[Any]) -> None:
+        records = [
+            {
+                "batch": batch.index,
+                "prompt_id": rollout.prompt_id,
+                "sample_index": rollout.sample_index,
+                "version": rollout.version,
+                "prompt_tokens": list(rollout.prompt_tokens),
+                "tokens": list(rollout.tokens),
+                "logprobs": list(rollout.logprobs),
+                "finish_reason": rollout.finish_reason,
+            }
+            for rollout in rollouts
+        ]
+        self.log.append(batch.index, records)  # persisted before they can be trained on
         with self._lock:
-            batch.rollouts[(rollout.prompt_id, rollout.sample_index)] = record
+            for record in records:
+                batch.rollouts[(record["prompt_id"], record["sample_index"])] = record
             if len(batch.rollouts) == batch.expected:
                 batch.done.set()
 
@@ -518,16 +546,23 @@ class Controller:
                 if self._worker_versions[i] != job.version:
                     loaded = client.load(job.version)
                     self._worker_versions[i] = loaded.version
-                retry = []
+                t_loaded = time.perf_counter()
+                job.timing["load_s"] += t_loaded - t0
+                retry, finished = [], []
                 for rollout in client.generate(job.requests, version=job.version):
                     if rollout.finish_reason in FINAL_REASONS:
-                        job.deliver(rollout)
+                        finished.append(rollout)
                     elif rollout.finish_reason == "aborted":
                         retry.append(rollout.request_id)
                     else:
                         job.fail(
                             f"request {rollout.request_id} failed on worker {i}: {rollout.error}"
                         )
+                t_generated = time.perf_counter()
+                job.timing["generate_s"] += t_generated - t_loaded
+                if finished:
+                    job.deliver(finished)
+                job.timing["log_s"] += time.perf_counter() - t_generated
                 if retry:
                     self.stats["regenerated"] += len(retry)
                     again = [r for r in job.requests if r.request_id in set(retry)]
@@ -579,9 +614,13 @@ class Controller:
         for (p, i), reward in zip(todo, self.verify(batch.prompts, records), strict=True):
             batch.rewards[(p.key, i)] = reward
 
-    def _has_signal(self, batch: _Batch, prompt: Prompt) -> bool:
-        rewards = {batch.rewards[(prompt.key, i)] for i in range(self.samples)}
-        return len(rewards) > 1
+    def _with_signal(self, batch: _Batch) -> dict[str, bool]:
+        """Per prompt of `batch`: whether its group has reward variance (DAPO's predicate,
+        rlax_tpu.algorithms.filters.dynamic_sampling_keep, on the scored groups)."""
+        rewards = [batch.rewards[(p.key, i)] for p in batch.prompts for i in range(self.samples)]
+        groups = np.repeat(np.arange(len(batch.prompts)), self.samples)
+        keep = dynamic_sampling_keep(rewards, groups)
+        return {p.key: bool(keep[g * self.samples]) for g, p in enumerate(batch.prompts)}
 
     def _resample(self, batch: _Batch) -> _Batch | None:
         """DAPO's dynamic sampling: while fewer than prompts_per_batch groups have reward
@@ -591,7 +630,7 @@ class Controller:
         rounds = self.config.controller.dynamic_sampling_max_rounds
         while True:
             self._score(batch)
-            kept = sum(self._has_signal(batch, p) for p in batch.prompts)
+            kept = sum(self._with_signal(batch).values())
             if kept >= wanted or batch.rounds > rounds:
                 return batch
             records = self.refill.draw(wanted - kept)
@@ -609,8 +648,9 @@ class Controller:
         if not self.dynamic:
             return batch.prompts
         wanted = self.config.controller.prompts_per_batch
-        signal = [p for p in batch.prompts if self._has_signal(batch, p)]
-        flat = [p for p in batch.prompts if not self._has_signal(batch, p)]
+        has = self._with_signal(batch)
+        signal = [p for p in batch.prompts if has[p.key]]
+        flat = [p for p in batch.prompts if not has[p.key]]
         self.stats["groups_generated"] += len(batch.prompts)
         self.stats["groups_filtered"] += len(flat)
         chosen = {p.key for p in (signal + flat)[:wanted]}
@@ -630,7 +670,7 @@ class Controller:
                 ]
                 for p in self._select(batch)
             ]
-        flat = sum(not self._has_signal(batch, p) for p in batch.prompts)
+        flat = len(batch.prompts) - sum(self._with_signal(batch).values())
         return self._build(batch.index, groups, filtered_fraction=flat / len(batch.prompts))
 
     def _build(
@@ -654,7 +694,7 @@ class Controller:
                 group_ids.append(g)
         rewards = np.asarray(rewards, np.float32)
         lengths = [len(r["prompt_tokens"]) + len(r["tokens"]) for r in records]
-        seq = min(self.config.trainer.max_seq_len, 16 * math.ceil(max(lengths) / 16))
+        seq = padded_seq_len(max(lengths), self.config.trainer.max_seq_len)
         rows = len(records)
         tokens = np.zeros((rows, seq), np.int32)
         mask = np.zeros((rows, seq), bool)
@@ -800,6 +840,7 @@ class Controller:
             "filtered_fraction": extra["filtered_fraction"],
             "response_tokens": extra["response_tokens"],
             "elapsed_s": elapsed,
+            **extra.get("timing", {}),
             **{f"train/{k}": float(v) for k, v in train_metrics.items()},
         }
         eval_every = self.config.controller.eval_every
@@ -832,9 +873,9 @@ class Controller:
         errors: list[str] = []
         lock = threading.Lock()
 
-        def deliver(rollout: Any) -> None:
+        def deliver(rollouts: list[Any]) -> None:
             with lock:
-                got[rollout.prompt_id] = rollout
+                got.update((rollout.prompt_id, rollout) for rollout in rollouts)
                 if len(got) == len(requests):
                     done.set()
 

@@ -279,7 +279,11 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
             target=lambda: (cluster.failed.wait(), stop.set()), daemon=True, name="on-failure"
         ).start()
         token = cluster.token
-        ps = ParamServerClient(cluster.addresses["param_server"], auth_token=token)
+        ps = ParamServerClient(
+            cluster.addresses["param_server"],
+            auth_token=token,
+            chunk_bytes=config.param_server.chunk_bytes,
+        )
         components = Components(
             trainer=TrainerClient(cluster.addresses["trainer"][0], auth_token=token),
             param_server=ps,
@@ -355,7 +359,11 @@ def run_connected(
         threading.Thread(
             target=lambda: (watchdog.failed.wait(), stop.set()), daemon=True, name="on-failure"
         ).start()
-        ps = ParamServerClient(list(addresses.param_server), auth_token=token)
+        ps = ParamServerClient(
+            list(addresses.param_server),
+            auth_token=token,
+            chunk_bytes=config.param_server.chunk_bytes,
+        )
         components = Components(
             trainer=TrainerClient(addresses.trainer, auth_token=token),
             param_server=ps,

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rlax_tpu import storage
@@ -131,8 +131,9 @@ def rollout_key(batch: int, prompt_id: str, sample_index: int, version: int) -> 
 
 
 class RolloutLog:
-    """Every finished rollout of the run, one JSON object per rollout under
-    rollouts/batch_<b>/, written as it arrives; and per batch, what the trainer consumed."""
+    """Every finished rollout of the run, as JSON lines under rollouts/batch_<b>/: one file
+    per write (a worker job's rollouts, written as the job finishes); and per batch, what
+    the trainer consumed."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
@@ -141,30 +142,40 @@ class RolloutLog:
     def _batch_dir(self, batch: int) -> str:
         return storage.join(self.directory, f"batch_{batch:09d}")
 
-    def append(self, batch: int, record: dict[str, Any]) -> None:
-        """Persist one rollout record (must hold prompt_id, sample_index, version)."""
-        key = rollout_key(batch, record["prompt_id"], record["sample_index"], record["version"])
-        storage.write_text(
-            storage.join(self._batch_dir(batch), key + ".json"), json.dumps(record, sort_keys=True)
+    def append(self, batch: int, records: Sequence[dict[str, Any]]) -> None:
+        """Persist rollout records (each holds prompt_id, sample_index, version) in one
+        atomic write. The file is named by the records' keys, so writing the same rollouts
+        again replaces the file instead of duplicating them."""
+        if not records:
+            return
+        keys = sorted(
+            rollout_key(batch, r["prompt_id"], r["sample_index"], r["version"]) for r in records
         )
+        name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:24]
+        lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+        storage.write_text(storage.join(self._batch_dir(batch), f"rollouts-{name}.jsonl"), lines)
 
     def read_batch(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
         """The logged rollouts of `batch` by (prompt_id, sample_index, version); a record
-        that does not parse (a write cut short) is ignored and will be regenerated."""
+        that does not parse is ignored (with a warning) and will be regenerated."""
         directory = self._batch_dir(batch)
         if not storage.exists(directory):
             return {}
         out = {}
         for name in storage.listdir(directory):
-            if not name.endswith(".json"):
+            if not name.endswith(".jsonl"):
                 continue
-            try:
-                record = json.loads(storage.read_text(storage.join(directory, name)))
-                key = (record["prompt_id"], int(record["sample_index"]), int(record["version"]))
-            except (ValueError, KeyError, TypeError):
-                _log.warning("rollout log entry %s/%s is unreadable; regenerating", directory, name)
-                continue
-            out[key] = record
+            text = storage.read_text(storage.join(directory, name))
+            for line in text.splitlines():
+                try:
+                    record = json.loads(line)
+                    key = (record["prompt_id"], int(record["sample_index"]), int(record["version"]))
+                except (ValueError, KeyError, TypeError):
+                    _log.warning(
+                        "rollout log entry in %s/%s is unreadable; regenerating", directory, name
+                    )
+                    continue
+                out[key] = record
         return out
 
     def record_consumed(self, batch: int, keys: list[tuple[str, int, int]]) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from rlax_tpu.config import ConfigBase, ConfigError, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
+from rlax_tpu.shapes import padded_seq_len
 from rlax_tpu.staleness import StalenessPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -394,10 +395,10 @@ def generation_s(
 
 
 def train_s(timing: TimingModel, workload: Workload, prompt_tokens, response_tokens) -> float:
-    """One train step (without the publish): rows padded to a multiple of 16 of the batch's
-    longest prompt + response, capped at trainer.max_seq_len (as the controller pads)."""
+    """One train step (without the publish): rows padded as the controller pads them
+    (rlax_tpu.shapes.padded_seq_len of the batch's longest prompt + response)."""
     longest = max(p + r for p, r in zip(prompt_tokens, response_tokens, strict=True))
-    seq = min(workload.max_seq_len, 16 * math.ceil(longest / 16))
+    seq = padded_seq_len(longest, workload.max_seq_len)
     return timing.train_fixed_s + len(response_tokens) * seq * timing.train_s_per_token
 
 
