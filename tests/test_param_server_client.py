@@ -193,3 +193,38 @@ def test_repeated_pulls_are_identical_and_gc_beats_the_pull_cache(servers, tmp_p
         with pytest.raises(ParamServerCallError) as info:
             client.pull_arrays(1)
         assert info.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_inference_server_builds_its_client_with_the_configured_chunk_bytes(monkeypatch):
+    """`serve inference` passes param_server.chunk_bytes to its ParamServerClient."""
+    from rlax_tpu.cli import build_parser
+    from rlax_tpu.inference import server as inference_server
+    from rlax_tpu.param_server import client as client_module
+
+    class Built(Exception):
+        """Stops the server right after it made its client."""
+
+    made = {}
+
+    def make_client(addresses, **kwargs):
+        made.update(kwargs, addresses=list(addresses))
+        raise Built
+
+    monkeypatch.setattr(client_module, "ParamServerClient", make_client)
+    monkeypatch.setenv("RLAX_TPU_AUTH_TOKEN", TOKEN)
+    chunk_bytes = 64 * 2**10
+    assert chunk_bytes != client_module.DEFAULT_CHUNK_BYTES
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "inference",
+            "--set",
+            f"param_server.chunk_bytes={chunk_bytes}",
+            "--param-server",
+            "127.0.0.1:1",
+        ]
+    )
+    with pytest.raises(Built):
+        inference_server.main(args)
+    assert made["addresses"] == ["127.0.0.1:1"]
+    assert made.get("chunk_bytes") == chunk_bytes

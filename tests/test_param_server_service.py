@@ -164,22 +164,47 @@ def test_republish_is_a_noop_and_other_content_is_already_exists(shared):
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])
-def test_missing_or_wrong_token_is_unauthenticated_and_stores_nothing(shared, token):
-    process, stub, root = shared
+def test_missing_or_wrong_token_is_unauthenticated_and_changes_nothing(servers, tmp_path, token):
+    """Versions 0 and 1 with a consumer that no longer needs 0: a GC would delete version 0
+    and a Confirm would move the consumer, so each refused call is one that could change
+    something."""
+    process = servers.start_param_server(str(tmp_path), token=TOKEN)
+    stub = stub_for(process.address)
+    for v in (0, 1):
+        stub.Publish(publish_requests(v, tree(v)), timeout=30)
+    stub.Confirm(pb.ConfirmRequest(consumer="worker-0", oldest_needed=1), timeout=10)
+
+    def state():
+        reply = stub.ListVersions(pb.ListVersionsRequest(), timeout=10)
+        versions = [(v.version, v.version_digest) for v in reply.versions]
+        on_disk = sorted(p.name for p in (tmp_path / "versions").iterdir())
+        return versions, dict(reply.consumers), on_disk, (tmp_path / "CONSUMERS.json").read_text()
+
+    before = state()
+    assert [v for v, _ in before[0]] == [0, 1] and before[1] == {"worker-0": 1}
     if token is None:
         bare = pb_grpc.ParamServerStub(grpc.insecure_channel(process.address))
     else:
         bare = stub_for(process.address, token)
     for call in (
-        lambda: bare.Publish(publish_requests(50, tree(50)), timeout=10),
+        lambda: bare.GarbageCollect(pb.GarbageCollectRequest(oldest_needed=2), timeout=10),
+        lambda: bare.Confirm(pb.ConfirmRequest(consumer="worker-0", oldest_needed=0), timeout=10),
+        lambda: bare.Confirm(pb.ConfirmRequest(consumer="intruder", oldest_needed=0), timeout=10),
+        lambda: bare.Publish(publish_requests(2, tree(2)), timeout=10),
         lambda: list(bare.Pull(pb.PullRequest(version=0), timeout=10)),
-        lambda: bare.GarbageCollect(pb.GarbageCollectRequest(oldest_needed=100), timeout=10),
+        lambda: bare.ListVersions(pb.ListVersionsRequest(), timeout=10),
     ):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert listed(stub) == [0]
-    assert not (root / "versions" / "0000000050").exists()
+    assert state() == before
+    assert_pulled(stub, 0, tree(0))
+    # The same GC with the token does delete version 0: the refusal above is what kept it.
+    reply = stub.GarbageCollect(pb.GarbageCollectRequest(oldest_needed=2), timeout=10)
+    assert list(reply.deleted) == [0]
+    assert listed(stub) == [1]
+    assert not (tmp_path / "versions" / "0000000000").exists()
+    assert process.stop() == 0
 
 
 def test_layout_mismatch_is_invalid_argument_naming_the_array(shared):
@@ -286,6 +311,14 @@ def test_kill_and_restart_on_disk(servers, tmp_path):
     kill_and_restart(
         servers, str(tmp_path), lambda v: (tmp_path / "versions" / f"{v:010d}").exists()
     )
+
+
+def test_kill_and_restart_on_a_file_url(servers, tmp_path):
+    url = f"file://{tmp_path}/params"  # file:///tmp/...: the same files as the plain path
+    kill_and_restart(
+        servers, url, lambda v: (tmp_path / "params" / "versions" / f"{v:010d}").exists()
+    )
+    assert (tmp_path / "params" / "LAYOUT.json").exists()
 
 
 def test_kill_and_restart_on_gcs(servers, gcs_bucket):

@@ -64,7 +64,13 @@ def main(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
     param_server = (
-        ParamServerClient(args.param_server, auth_token=token) if args.param_server else None
+        ParamServerClient(
+            args.param_server,
+            auth_token=token,
+            chunk_bytes=config.param_server.chunk_bytes,
+        )
+        if args.param_server
+        else None
     )
     worker = InferenceWorker(
         config,

@@ -559,8 +559,13 @@ class ParamServerClient:
             self._call(replica, "Confirm", request)
 
     def garbage_collect(self, oldest_needed: int) -> list[int]:
-        """Ask every replica to delete what no batch and no consumer needs; returns deleted
-        versions (those deleted on every replica)."""
+        """Ask every replica, in order, to delete each version `v` with `v < oldest_needed`,
+        `v` below the `oldest_needed` confirmed by every registered consumer, and `v` not
+        the replica's newest version: from memory and from persistent storage.
+
+        Returns the versions deleted on every replica, ascending. A replica whose call
+        fails raises ParamServerCallError (those before it have collected; calling again
+        is safe)."""
         deleted: set[int] | None = None
         for replica in range(len(self._stubs)):
             reply = self._call(
