@@ -55,6 +55,7 @@ def get_config() -> RunConfig:
             mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
             num_workers=1,
             max_decode_slots=32,
+            prefill_batch_size=8,  # a batch's 64 short prompts in 8 prefill calls, not 64
             prefill_buckets=(64,),
             max_prompt_len=60,
             max_new_tokens=4,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlax_tpu.config import InferenceConfig, MeshConfig, ModelConfig
+from rlax_tpu.config import ConfigError, InferenceConfig, MeshConfig, ModelConfig
 from rlax_tpu.inference.engine import (
     Engine,
     EngineNotLoadedError,
@@ -28,6 +28,7 @@ QWEN3 = dataclasses.replace(
 BYTES_PER_PAGE = 2 * LLAMA.num_layers * LLAMA.num_kv_heads * 4 * LLAMA.head_dim * 4
 INFERENCE = InferenceConfig(
     max_decode_slots=4,
+    prefill_batch_size=4,  # batched prefill (the default is 1 prompt per call)
     page_size=4,
     # A small pool (26 pages + padding): two full-length sequences fit, so requests also
     # wait for pages, not only for slots, in every test.
@@ -246,10 +247,99 @@ def test_compiled_shapes_stay_one_per_bucket_plus_decode():
     engine = make_engine()
     engine.run([request(i, n) for i, n in enumerate([1, 3, 8, 9, 14, 16, 17, 32])])
     stats = engine.stats()
-    assert stats["compiled"] == ["decode:4x1", "prefill:16", "prefill:32", "prefill:8"]
+    assert stats["compiled"] == ["decode:4x1", "prefill:4x16", "prefill:4x32", "prefill:4x8"]
     engine.run([request(i, n) for i, n in enumerate([2, 12, 31], start=10)])
-    assert engine.stats()["compiled_shapes"] == 4
+    engine.run([request(i, n) for i, n in enumerate([5] * 9 + [20] * 3, start=20)])
+    assert engine.stats()["compiled_shapes"] == 4  # however many rows each call really held
     assert stats["tokens_generated"] == 8 * INFERENCE.max_new_tokens and stats["prefills"] == 8
+    assert stats["prefill_calls"] < stats["prefills"]
+
+
+# -- batched prefill -----------------------------------------------------------------------------
+def one_per_call(inference=INFERENCE) -> InferenceConfig:
+    return dataclasses.replace(inference, prefill_batch_size=1)
+
+
+def test_prefill_batch_size_defaults_to_one_and_is_validated():
+    assert InferenceConfig().prefill_rows == 1
+    assert INFERENCE.prefill_rows == 4
+    assert one_per_call().prefill_rows == 1
+    for bad in (0, 5):
+        with pytest.raises(ConfigError, match="prefill_batch_size"):
+            dataclasses.replace(INFERENCE, prefill_batch_size=bad)
+
+
+@pytest.mark.parametrize("sampling", [None, GREEDY], ids=["sampled", "greedy"])
+def test_batched_prefill_gives_the_tokens_of_one_prompt_per_call(sampling):
+    # Lengths in all three buckets, interleaved, so calls group rows by bucket.
+    lengths = [3, 30, 7, 21, 1, 16, 9, 13, 5, 32, 8, 17]
+    requests = [request(i, n, sampling) for i, n in enumerate(lengths)]
+    single = make_engine(inference=one_per_call())
+    batched = make_engine()
+    want, got = single.run(requests), batched.run(requests)
+    assert single.stats()["prefill_calls"] == len(requests)
+    assert batched.stats()["prefill_calls"] < len(requests)  # some calls held several rows
+    for a, b in zip(want, got, strict=True):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason), a.request_id
+        # Only the prefill's batch dimension differs: float rounding, a few ULPs at most.
+        np.testing.assert_array_max_ulp(np.float32(a.logprobs), np.float32(b.logprobs), maxulp=4)
+
+
+def test_one_call_prefills_a_bucket_of_different_prompt_lengths():
+    engine = make_engine()
+    lengths = [9, 3, 16, 12]  # buckets 16, 8, 16, 16: two calls, three rows in one of them
+    requests = [request(i, n) for i, n in enumerate(lengths)]
+    for r in requests:
+        engine.submit(r)
+    engine.step()
+    stats = engine.stats()
+    assert stats["prefills"] == 4 and stats["prefill_calls"] == 2
+    assert stats["compiled"] == ["decode:4x1", "prefill:4x16", "prefill:4x8"]
+    finished = {}
+    while engine.has_work():
+        finished.update((r.request_id, r) for r in engine.step())
+    for r in requests:
+        (alone,) = make_engine(inference=one_per_call()).run([r])
+        assert finished[r.request_id].tokens == alone.tokens
+
+
+def test_padding_rows_write_nothing_to_other_slots_or_the_padding_page():
+    # A is decoding when B is prefilled alone: B's call carries three padding rows.
+    a, b = request(0, 13), request(1, 6)
+    engine = make_engine()
+    engine.submit(a)
+    engine.step()
+    assert engine.stats()["active_slots"] == 1
+    engine.submit(b)
+    finished = {}
+    while engine.has_work():
+        finished.update((r.request_id, r) for r in engine.step())
+    assert engine.stats()["prefill_calls"] == 2
+    assert finished["r0"] == make_engine().run([a])[0]
+    assert finished["r1"] == make_engine().run([b])[0]
+    # Batched with others instead of padding: bitwise the same rollout.
+    mixed = make_engine().run([request(5, 20), b, request(6, 2), request(7, 7)])
+    assert mixed[1] == finished["r1"]
+    for pool in engine._cache.keys + engine._cache.values:
+        assert not np.asarray(pool[:, 0]).any()  # page 0 (padding) is never written
+
+
+def test_out_of_pages_admission_stays_first_in_first_out_in_a_batch():
+    # 26 pages: r0 (32 + 12 tokens) and r1 (30 + 12) take 11 each; r2 (28 + 12) needs 10 of
+    # the 4 left and waits. r3 (1 + 12: 4 pages) would fit but must not overtake r2.
+    engine = make_engine()
+    requests = [request(i, n) for i, n in enumerate([32, 30, 28, 1])]
+    for r in requests:
+        engine.submit(r)
+    engine.step()
+    running = {s.request.request_id for s in engine._slots if s is not None}
+    assert running == {"r0", "r1"}
+    assert [s.request.request_id for s in engine._waiting] == ["r2", "r3"]
+    assert engine.stats()["prefill_calls"] == 1  # r0 and r1 share the 32 bucket
+    finished = []
+    while engine.has_work():
+        finished += engine.step()
+    assert sorted(r.request_id for r in finished) == ["r0", "r1", "r2", "r3"]
 
 
 def test_misuse_raises_clear_errors():

@@ -239,8 +239,11 @@ def test_load_pulls_from_the_param_server_and_confirms_the_version(config, param
     worker = InferenceWorker(config, param_server=server, consumer_id="w-7")
     try:
         assert worker.load(1).version == 1
+        worker.wait_confirmed()  # confirmations run off the load's path
         assert server.confirmed == [("w-7", 1)]
-        assert worker.load(1).already_loaded and server.confirmed == [("w-7", 1)]
+        assert worker.load(1).already_loaded
+        worker.wait_confirmed()
+        assert server.confirmed == [("w-7", 1)]
         with pytest.raises(UnknownVersionError, match="version 5 is not on the parameter server"):
             worker.load(5)
         assert worker.version == 1

@@ -10,6 +10,10 @@ engine; a static-batch dense-cache JAX loop written here (batches of `slots` req
 order, padded to the batch's longest prompt bucket, decoding until its longest output is
 done); and Tunix's vanilla sampler when the `google-tunix` package is importable. Only
 response tokens a request asked for count; every system is timed warm (compiled).
+
+A second case resembles one RL batch: 8 prompts x 8 samples of ~45 tokens, 4-16 new
+tokens each, all in flight at once (64 decode slots), so prefill weighs as much as decode.
+It is timed per batch with one prompt per prefill call and with batched prefill.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ INFERENCE = InferenceConfig(
     top_p=1.0,
     top_k=0,
 )
+# One RL batch: every sample of the batch has a slot, as in a rollout worker.
+RL_PROMPTS, RL_SAMPLES = 8, 8
+RL_INFERENCE = dataclasses.replace(
+    INFERENCE, max_decode_slots=RL_PROMPTS * RL_SAMPLES, max_new_tokens=16
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +113,34 @@ def engine_runner(params, workload: Workload, decode_steps: int):
         assert sum(len(r.tokens) for r in rollouts) == workload.useful_tokens
 
     run()  # warm-up: compiles every shape the workload uses
+    return engine, run
+
+
+def rl_batch_requests(seed: int = SEED) -> list[GenerationRequest]:
+    """8 prompts x 8 samples: prompts of 38-52 tokens, 4-16 new tokens per sample."""
+    rng = np.random.default_rng(seed)
+    base = SamplingParams.from_config(RL_INFERENCE)
+    requests = []
+    for p in range(RL_PROMPTS):
+        tokens = tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, int(rng.integers(38, 53))))
+        for k in range(RL_SAMPLES):
+            sampling = dataclasses.replace(base, max_new_tokens=int(rng.integers(4, 17)))
+            requests.append(GenerationRequest(f"rl{p}.{k}", f"rl{p}", k, tokens, sampling))
+    return requests
+
+
+def rl_batch_runner(params, prefill_batch_size: int, decode_steps: int):
+    """A warm engine with `prefill_batch_size` and a function that generates one RL batch
+    through it."""
+    config = dataclasses.replace(RL_INFERENCE, prefill_batch_size=prefill_batch_size)
+    engine = Engine(MODEL, config, seed=SEED, decode_steps_per_call=decode_steps)
+    engine.load(0, params)
+    requests = rl_batch_requests()
+
+    def run() -> None:
+        engine.run(requests)
+
+    run()  # warm-up
     return engine, run
 
 
@@ -336,7 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     run_static, static_utilization = static_runner(params, workload)
     run_tunix, tunix_status = tunix_runner(params, workload)
     runs = {"engine": run_engine, "static": run_static, "tunix": run_tunix}
+    rl_engines = {}
+    for name, rows in [("rl_prefill_1", 1), ("rl_prefill_8", 8)]:
+        rl_engines[name], runs[name] = rl_batch_runner(params, rows, args.decode_steps)
     seconds = best_seconds(runs, repeats)
+    rl_seconds = {name: seconds.pop(name) for name in rl_engines}
     rate = {name: tokens / s for name, s in seconds.items()}
     ours, static, tunix = rate["engine"], rate["static"], rate.get("tunix")
     stats = engine.stats()
@@ -361,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         "tunix_tokens_per_s": None if tunix is None else round(tunix, 1),
         "speedup_vs_tunix": ratio(ours, tunix),
         "tunix_status": tunix_status,
+        "prefill_batch_size": engine.prefill_rows,
+        "prefill_calls_per_run": stats["prefill_calls"] // (1 + repeats),
         "compiles": stats["compiled_shapes"],
         "compiled_shapes": stats["compiled"],
         "slot_utilization": round(stats["slot_utilization"], 3),
@@ -369,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_flops_per_s": round(matmul_rate),
         "roofline_tokens_per_s": round(roofline, 1),
         "fraction_of_roofline": round(ours / roofline, 4),
+        "rl_batch": {
+            "requests": RL_PROMPTS * RL_SAMPLES,
+            "decode_slots": RL_INFERENCE.max_decode_slots,
+            "prefill_batch_size": {name: rl_engines[name].prefill_rows for name in rl_engines},
+            "ms_per_batch": {name: round(1e3 * s, 1) for name, s in rl_seconds.items()},
+            "prefill_calls_per_batch": {
+                name: e.stats()["prefill_calls"] // (1 + repeats) for name, e in rl_engines.items()
+            },
+            "speedup": round(rl_seconds["rl_prefill_1"] / rl_seconds["rl_prefill_8"], 3),
+        },
     }
     print(f"{num_requests} requests, {tokens} response tokens, {figures['device']}")
     print(f"{'system':<32}{'tokens/s':>12}{'vs static':>12}")
@@ -388,6 +441,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"roofline: {round(flops)} FLOPs/token at {matmul_rate / 1e9:.1f} GFLOP/s = "
         f"{roofline:.0f} tokens/s; the engine reaches {figures['fraction_of_roofline']:.1%}"
+    )
+    rl = figures["rl_batch"]
+    print(
+        f"RL batch ({rl['requests']} requests, 8 prompts x 8 samples, 4-16 new tokens): "
+        + ", ".join(
+            f"prefill_batch_size={rl['prefill_batch_size'][name]}: {ms:.1f} ms/batch "
+            f"({rl['prefill_calls_per_batch'][name]} prefill calls)"
+            for name, ms in rl["ms_per_batch"].items()
+        )
+        + f"; {rl['speedup']:.2f}x"
     )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

@@ -280,6 +280,10 @@ class InferenceConfig(ConfigBase):
     # Bytes of device memory given to the KV page pool (per worker).
     kv_cache_bytes: int = 64 * 2**20
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 256)
+    # Waiting prompts prefilled together in one device call: the rows of every prefill
+    # call (padded). Raise it (e.g. 8) when many short prompts arrive at once, as a small
+    # model's RL batch does; 1 (one prompt per call) wastes nothing on padding rows.
+    prefill_batch_size: int = 1
     max_prompt_len: int = 128
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -310,10 +314,21 @@ class InferenceConfig(ConfigBase):
             "prefill_buckets",
             f"the largest bucket must hold max_prompt_len ({self.max_prompt_len})",
         )
+        require(
+            1 <= self.prefill_batch_size <= self.max_decode_slots,
+            "prefill_batch_size",
+            f"must be between 1 and max_decode_slots ({self.max_decode_slots}), "
+            f"got {self.prefill_batch_size}",
+        )
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         require(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+
+    @property
+    def prefill_rows(self) -> int:
+        """Rows of every prefill call."""
+        return self.prefill_batch_size
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

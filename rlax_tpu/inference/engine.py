@@ -1,10 +1,11 @@
 """The inference engine: continuous batching over a fixed number of decode slots backed by
-the paged KV cache, with bucketed one-prompt prefill and deterministic on-device sampling.
+the paged KV cache, with bucketed batched prefill and deterministic on-device sampling.
 
 The host (this class) only schedules: it admits waiting prompts into free slots, reserves
-their pages, and reads the sampled tokens back once per decode call. The model, sampling
-and cache writes run in two jitted functions: prefill (one per prompt bucket) and decode
-(all slots, `decode_steps_per_call` tokens). The gRPC service is a thin layer over it.
+their pages, and reads the sampled tokens back once per prefill round and once per decode
+call. The model, sampling and cache writes run in two jitted functions: prefill
+(`prefill_rows` prompts of one bucket) and decode (all slots, `decode_steps_per_call`
+tokens). The gRPC service is a thin layer over it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
+from rlax_tpu.inference.page_allocator import PADDING_PAGE
 from rlax_tpu.inference.paged_cache import PagedKVCache
 from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens
 from rlax_tpu.models import Transformer
@@ -93,14 +95,20 @@ class Engine:
 
     Scheduling: FIFO. A waiting request is admitted into a free slot once the pool can
     reserve pages for its whole sequence (prompt + its response limit), so a running
-    sequence never runs out of pages; otherwise it waits. Prefill runs one prompt at a
-    time, padded to the smallest `prefill_buckets` entry that holds it; decode runs all
+    sequence never runs out of pages; otherwise it and everything behind it waits. Up to
+    `prefill_rows` (inference.prefill_batch_size, resolved) requests are admitted together;
+    each is padded to the smallest `prefill_buckets` entry that holds it, and those sharing
+    a bucket are prefilled in one call of shape [prefill_rows, bucket] (unused rows are
+    padding: no valid token, an all-padding page-table row, so they write nothing). The
+    calls of one admission round share one device-to-host transfer. Decode runs all
     `max_decode_slots` slots every call. Compiled shapes: one per bucket used + one decode.
 
     Determinism: request key = threefry key from sha256(seed, prompt_id, sample_index,
-    version); response token t is sampled with fold_in(key, t). Each prompt is prefilled on
-    its own at its bucket size and every decode call has the same shapes whatever the slots
-    hold, so a request's tokens and log-probs are bitwise identical however it is batched.
+    version); response token t is sampled with fold_in(key, t). Every prefill call has the
+    shape [prefill_rows, bucket of the prompt] and every decode call the same shapes,
+    whatever the other rows hold, so for a given `prefill_rows` a request's tokens and
+    log-probs are bitwise identical however it is batched. Across `prefill_rows` values
+    the shapes differ: log-probs may differ by float rounding (tokens only at a near-tie).
     """
 
     def __init__(
@@ -129,13 +137,14 @@ class Engine:
         self._cache = self._place_cache(PagedKVCache.from_config(model_config, inference_config))
         self._allocator = self._cache.make_allocator()
         self.num_slots = self._cache.batch_slots
+        self.prefill_rows = inference_config.prefill_rows
         self.max_seq_len = self._allocator.max_tokens_per_seq
         self._slots: list[_Sequence | None] = [None] * self.num_slots
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._in_flight: dict[str, _Sequence] = {}  # by request id, in submission order
         self._done: list[Rollout] = []  # finished, returned by the next step()
         self._init_slot_state()
-        self._shapes: set[str] = set()  # jitted signatures used: "prefill:<bucket>", ...
+        self._shapes: set[str] = set()  # jitted signatures used: "prefill:<rows>x<bucket>", ...
         self._counters: collections.Counter = collections.Counter()
         # Static args of the jitted steps; the mesh is part of it since the model's sharding
         # constraints are read from the active mesh at trace time. Params travel as a flat
@@ -212,6 +221,7 @@ class Engine:
             "decode_steps": self._counters["decode_steps"],
             "decode_calls": self._counters["decode_calls"],
             "prefills": self._counters["prefills"],
+            "prefill_calls": self._counters["prefill_calls"],
             "compiled_shapes": len(self._shapes),
             "compiled": sorted(self._shapes),
             "active_slots": int(self._active.sum()),
@@ -248,52 +258,95 @@ class Engine:
     def _admit(self) -> None:
         if self._params is None:
             raise EngineNotLoadedError("step() before any load(): the engine has no weights")
-        while self._waiting:
-            free = [s for s, seq in enumerate(self._slots) if seq is None]
-            if not free:
-                return
-            seq, slot = self._waiting[0], free[0]
-            if not self._allocator.try_reserve(slot, len(seq.request.prompt_tokens) + seq.limit):
-                return  # out of pages: wait (FIFO) until a running sequence frees some
-            self._waiting.popleft()
-            self._prefill(slot, seq)
+        # A sequence that ends at its first token frees its slot and pages at once, so a
+        # round may make room for another.
+        while batch := self._take_waiting():
+            self._prefill(batch)
 
-    def _prefill(self, slot: int, seq: _Sequence) -> None:
-        prompt = seq.request.prompt_tokens
-        bucket = next(b for b in self.config.prefill_buckets if b >= len(prompt))
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, : len(prompt)] = prompt
-        s = seq.sampling
-        key_data = request_key_data(
-            self.seed, seq.request.prompt_id, seq.request.sample_index, seq.version
-        )
-        args = (
-            self._allocator.page_table[slot : slot + 1],
-            tokens,
-            np.int32(len(prompt)),
-            key_data,
-            np.float32(s.temperature),
-            np.int32(s.top_k),
-            np.float32(s.top_p),
-            np.bool_(s.logprobs_of == "sampled"),
-        )
-        self._shapes.add(f"prefill:{bucket}")
+    def _take_waiting(self) -> list[_Sequence]:
+        """Up to `prefill_rows` waiting sequences, first in first out, each put in a free slot
+        with pages reserved for its whole sequence. Stops at the first that does not fit: it
+        waits (FIFO) until a running sequence frees pages."""
+        free = [s for s, seq in enumerate(self._slots) if seq is None][: self.prefill_rows]
+        batch: list[_Sequence] = []
+        for slot in free:
+            if not self._waiting:
+                break
+            seq = self._waiting[0]
+            if not self._allocator.try_reserve(slot, len(seq.request.prompt_tokens) + seq.limit):
+                break
+            self._waiting.popleft()
+            seq.slot = slot
+            self._slots[slot] = seq
+            batch.append(seq)
+        return batch
+
+    def _prefill(self, batch: list[_Sequence]) -> None:
+        """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts,
+        one device-to-host transfer for all, then each sequence's first token in order."""
+        by_bucket: dict[int, list[_Sequence]] = {}
+        for seq in batch:
+            n = len(seq.request.prompt_tokens)
+            bucket = next(b for b in self.config.prefill_buckets if b >= n)
+            by_bucket.setdefault(bucket, []).append(seq)
+        keys = {
+            seq: request_key_data(
+                self.seed, seq.request.prompt_id, seq.request.sample_index, seq.version
+            )
+            for seq in batch
+        }
+        outs = [self._prefill_call(bucket, seqs, keys) for bucket, seqs in by_bucket.items()]
+        first: dict[_Sequence, tuple[int, float]] = {}
+        for seqs, packed in zip(by_bucket.values(), jax.device_get(outs), strict=True):
+            tokens, logprobs = packed[0].tolist(), packed[1].view(np.float32).tolist()
+            for row, seq in enumerate(seqs):
+                first[seq] = tokens[row], logprobs[row]
+        self._counters["prefills"] += len(batch)
+        self._page_table_dirty = True
+        for seq in batch:
+            slot = seq.slot
+            self._set_slot_sampling(slot, seq, keys[seq])
+            token, logprob = first[seq]
+            if not self._append(seq, token, logprob):
+                self._active[slot] = True
+                self._last_token[slot] = token
+                self._position[slot] = len(seq.request.prompt_tokens)
+                self._index[slot] = 1
+                self._carry_dirty = True
+
+    def _prefill_call(
+        self, bucket: int, seqs: list[_Sequence], keys: Mapping[_Sequence, np.ndarray]
+    ) -> jax.Array:
+        """Dispatch one prefill of `seqs` (at most prefill_rows, all in `bucket`); returns the
+        packed int32[2, prefill_rows] (first tokens, log-prob bits) still on the device.
+
+        Unused rows are padding: length 0 (no valid token), an all-padding page-table row
+        (PADDING_PAGE; writes there are dropped) and non-truncating sampling params."""
+        rows = self.prefill_rows
+        page_rows = np.full((rows, self._allocator.pages_per_seq), PADDING_PAGE, np.int32)
+        tokens = np.zeros((rows, bucket), np.int32)
+        lengths = np.zeros(rows, np.int32)
+        key_data = np.zeros((rows, 2), np.uint32)
+        temperature = np.ones(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        sampled_logprobs = np.zeros(rows, bool)
+        for row, seq in enumerate(seqs):
+            prompt, s = seq.request.prompt_tokens, seq.sampling
+            page_rows[row] = self._allocator.page_table[seq.slot]
+            tokens[row, : len(prompt)] = prompt
+            lengths[row] = len(prompt)
+            key_data[row] = keys[seq]
+            temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
+            sampled_logprobs[row] = s.logprobs_of == "sampled"
+        args = (page_rows, tokens, lengths, key_data, temperature, top_k, top_p, sampled_logprobs)
+        self._shapes.add(f"prefill:{rows}x{bucket}")
+        self._counters["prefill_calls"] += 1
         with self._mesh_context():
-            token, logprob, self._cache = _prefill_step(
+            packed, self._cache = _prefill_step(
                 *self._static, self._params, self._cache, *self._put(args)
             )
-        token, logprob = jax.device_get((token, logprob))
-        self._counters["prefills"] += 1
-        seq.slot = slot
-        self._slots[slot] = seq
-        self._page_table_dirty = True
-        self._set_slot_sampling(slot, seq, key_data)
-        if not self._append(seq, int(token), float(logprob)):
-            self._active[slot] = True
-            self._last_token[slot] = token
-            self._position[slot] = len(prompt)
-            self._index[slot] = 1
-            self._carry_dirty = True
+        return packed
 
     # -- decode --------------------------------------------------------------------------
     def _decode(self) -> None:
@@ -521,35 +574,38 @@ class _StaticKey:
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _prefill_step(
-    static, params, cache, row, tokens, length, key_data, temperature, top_k, top_p, lp
+    static, params, cache, rows, tokens, lengths, key_data, temperature, top_k, top_p, lp
 ):
-    """Prefill one prompt and sample its first response token (t = 0).
+    """Prefill a batch of prompts and sample each one's first response token (t = 0).
 
-    row: int32[1, pages_per_seq], the slot's page-table row; tokens: int32[1, bucket]
-    (right-padded); length: int32[] prompt length; key_data: uint32[2]; temperature, top_p:
-    float32[]; top_k: int32[]; lp: bool[] ("sampled" log-probs). Returns (token int32[],
-    logprob float32[], cache with the prompt's keys/values written).
+    rows: int32[batch, pages_per_seq], each prompt's page-table row; tokens: int32[batch,
+    bucket] (right-padded); lengths: int32[batch] prompt lengths (0 = a padding row: it
+    writes nothing and its output is garbage); key_data: uint32[batch, 2]; temperature,
+    top_p: float32[batch]; top_k: int32[batch]; lp: bool[batch] ("sampled" log-probs).
+    Returns (packed int32[2, batch]: tokens and log-probs as float32 bits, so the host
+    fetches them in one transfer; cache with the prompts' keys/values written).
     """
     model = static.model(params)
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     table = cache.page_table
     logits, cache = model.decode(
         tokens,
         positions,
-        positions < length,
-        cache.with_page_table(row),
-        logits_index=(length - 1)[None],
+        positions < lengths[:, None],
+        cache.with_page_table(rows),
+        logits_index=jnp.maximum(lengths - 1, 0),
     )
     token, logprob = sample_tokens(
         logits,
-        key_data[None],
-        jnp.zeros((1,), jnp.int32),
-        temperature[None],
-        top_k[None],
-        top_p[None],
-        lp[None],
+        key_data,
+        jnp.zeros(lengths.shape, jnp.int32),
+        temperature,
+        top_k,
+        top_p,
+        lp,
     )
-    return token[0], logprob[0], cache.with_page_table(table)
+    packed = jnp.stack([token, jax.lax.bitcast_convert_type(logprob, jnp.int32)])
+    return packed, cache.with_page_table(table)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))

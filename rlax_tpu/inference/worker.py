@@ -166,6 +166,8 @@ class InferenceWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
         self._thread.start()
+        # Confirmations to the parameter server after loads: they only free memory there.
+        self._confirmations = concurrent.futures.ThreadPoolExecutor(1, "inference-confirm")
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -243,12 +245,19 @@ class InferenceWorker:
             if params is None:
                 params = self._pull(version)
             aborted = self._on_engine(lambda: self._swap(version, params)).result()
-        if self.param_server is not None:
-            try:
-                self.param_server.confirm(self.consumer_id, version)
-            except ParamServerCallError as e:  # only delays garbage collection: not fatal
-                _log.warning("could not confirm version %d to the parameter server: %s", version, e)
+        if self.param_server is not None:  # off the load's path, in order
+            self._confirmations.submit(self._confirm, version)
         return LoadResult(version, already_loaded=False, aborted=tuple(aborted))
+
+    def _confirm(self, version: int) -> None:
+        try:
+            self.param_server.confirm(self.consumer_id, version)
+        except ParamServerCallError as e:  # only delays garbage collection: not fatal
+            _log.warning("could not confirm version %d to the parameter server: %s", version, e)
+
+    def wait_confirmed(self) -> None:
+        """Wait until every load so far is confirmed to the parameter server (or failed to)."""
+        self._confirmations.submit(lambda: None).result()
 
     def stats(self) -> dict[str, Any]:
         """The engine's last reported stats plus the worker's counters (for Health)."""
@@ -271,6 +280,7 @@ class InferenceWorker:
         if self._thread.is_alive():
             self._commands.put((_STOP, None))
             self._thread.join()
+        self._confirmations.shutdown(wait=True)
 
     # -- weights ------------------------------------------------------------------------------
     def param_like(self) -> Any:
