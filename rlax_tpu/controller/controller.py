@@ -11,6 +11,7 @@ the order replies arrive in, so a resumed run equals an uninterrupted one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -197,6 +198,8 @@ class Controller:
         self._busy_s = [0.0] * len(components.workers)
         self._lock = threading.Lock()  # batches' rollouts, filled by the worker threads
         self._threads: list[threading.Thread] = []
+        # Confirmations and garbage collection at snapshots (they only free memory).
+        self._housekeeping = concurrent.futures.ThreadPoolExecutor(1, "controller-housekeeping")
         self.history: list[dict[str, Any]] = []  # per step metrics, for callers and benches
         self.evals: dict[int, float] = {}
         self.eval_elapsed_s: dict[int, float] = {}
@@ -256,6 +259,7 @@ class Controller:
                 self.evals[self.num_steps] = self.evaluate(self.num_steps)
         finally:
             self._stop_workers()
+            self._housekeeping.shutdown(wait=True)
         wall = time.perf_counter() - t0
         return {
             "start_step": start,
@@ -386,17 +390,20 @@ class Controller:
         self.snapshots.write(snapshot)
         # Versions a resume from `checkpoint` may generate with must survive on the server.
         # Then the server may delete what no consumer needs (memory and persisted copies).
-        oldest = self.policy.oldest_needed(checkpoint)
-        try:
-            self.c.param_server.confirm(CONTROLLER_CONSUMER, oldest)
-            self.c.param_server.garbage_collect(oldest)
-        except Exception as e:  # noqa: BLE001 - only delays garbage collection
-            _log.warning("could not confirm version %d to the parameter server: %s", oldest, e)
+        # On the housekeeping thread, in order: no decision waits for it.
+        self._housekeeping.submit(self._collect, self.policy.oldest_needed(checkpoint))
         for old in [b for b in self._main_at if b < checkpoint]:
             del self._main_at[old]
             self._refill_at.pop(old, None)
             self._replay_at.pop(old, None)
             self._stats_at.pop(old, None)
+
+    def _collect(self, oldest: int) -> None:
+        try:
+            self.c.param_server.confirm(CONTROLLER_CONSUMER, oldest)
+            self.c.param_server.garbage_collect(oldest)
+        except Exception as e:  # noqa: BLE001 - only delays garbage collection
+            _log.warning("could not confirm version %d to the parameter server: %s", oldest, e)
 
     # -- generation -----------------------------------------------------------------------------
     def _launch_ahead(self, step: int) -> None:

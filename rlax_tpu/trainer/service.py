@@ -8,6 +8,7 @@ a malformed batch is INVALID_ARGUMENT naming the field, and trainer errors map t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -233,15 +234,20 @@ class TrainerServicer(pb_grpc.TrainerServicer):
     def TrainStep(
         self, request: pb.TrainStepRequest, context: grpc.ServicerContext
     ) -> pb.TrainStepReply:
+        start = time.perf_counter()
         try:
             _check_step(request.step)
             if not request.HasField("batch"):
                 raise BatchFormatError("batch", "is missing")
             batch = batch_from_proto(request.batch, vocab_size=self.vocab_size)
+            decoded = time.perf_counter()
             with self.lock:
                 result = self.trainer.train_step(request.step, batch)
         except Exception as e:
             _abort(context, e)
+        if not result.already_done:  # the handler's own time, around the trainer's figures
+            result.metrics["time/decode_batch_s"] = decoded - start
+            result.metrics["time/handler_s"] = time.perf_counter() - start
         return result_to_proto(result)
 
     def SftStep(
