@@ -90,6 +90,23 @@ class _Sequence:
     slot: int = -1
 
 
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One leaf of the model state: its keys in a params tree, shape, dtype, placement."""
+
+    keys: tuple
+    shape: tuple[int, ...]
+    dtype: Any
+    sharding: Any  # None without a mesh
+
+
+class _Tag:
+    """A placeholder leaf that remembers its keys (not a pytree, so it stays a leaf)."""
+
+    def __init__(self, keys: tuple) -> None:
+        self.keys = keys
+
+
 class Engine:
     """Continuous-batching generation for one model, one version of weights at a time.
 
@@ -133,6 +150,7 @@ class Engine:
         self._mesh = mesh
         self._rules = inference_config.mesh.logical_axis_rules
         graphdef, abstract_state = nnx.split(self._abstract_model())
+        self._leaves = self._param_leaves(abstract_state)
         self._params: list[jax.Array] | None = None  # leaves of the model state, placed
         self._cache = self._place_cache(PagedKVCache.from_config(model_config, inference_config))
         self._allocator = self._cache.make_allocator()
@@ -163,11 +181,11 @@ class Engine:
         """
         if version == self.version:
             return []
-        state = self._state_from_params(params)  # validate first: a bad tree changes nothing
+        leaves = self._placed_params(params)  # validate first: a bad tree changes nothing
         aborted = [
             self._finish(seq, "aborted", report=False) for seq in self._in_flight.copy().values()
         ]
-        self._params, self.version = jax.tree.leaves(state), int(version)
+        self._params, self.version = leaves, int(version)
         return aborted
 
     def submit(self, request: GenerationRequest) -> None:
@@ -473,15 +491,40 @@ class Engine:
         )
 
     # -- weights and placement -------------------------------------------------------------
-    def _state_from_params(self, params: Mapping[str, Any]) -> nnx.State:
-        """The model state holding `params`, cast to param_dtype and placed on the mesh."""
-        _, state = nnx.split(self._abstract_model())  # shapes and dtypes to fill
-        missing, wrong = [], []
-        leaves = []
-        for path, want in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
-            keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
+    def _param_leaves(self, abstract_state: nnx.State) -> list[_Leaf]:
+        """Where each leaf of the model state (in `jax.tree.leaves` order, the order the
+        jitted steps take params in) comes from in a params tree, its shape, dtype and
+        placement. Computed once: tracing the model's construction on every load would cost
+        more than the load itself."""
+        _, state = nnx.split(self._abstract_model())  # a copy to tag; abstract_state stays
+        flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+        tagged: dict = {}
+        for path, _ in flat:
+            keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
+            node = tagged
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = _Tag(keys)
+        nnx.replace_by_pure_dict(state, tagged)
+        order = [tag.keys for tag in jax.tree.leaves(state)]
+        abstract = jax.tree.leaves(abstract_state)
+        if self._mesh is None:
+            shardings = [None] * len(abstract)
+        else:
+            rules = self._rules
+            shardings = jax.tree.leaves(state_shardings(abstract_state, self._mesh, rules))
+        return [
+            _Leaf(keys, tuple(a.shape), a.dtype, sharding)
+            for keys, a, sharding in zip(order, abstract, shardings, strict=True)
+        ]
+
+    def _placed_params(self, params: Mapping[str, Any]) -> list[jax.Array]:
+        """`params` as the model state's leaves, cast to param_dtype and placed on the mesh
+        (ParamsMismatchError naming what is missing or misshapen)."""
+        missing, wrong, values = [], [], []
+        for leaf in self._leaves:
             node: Any = params
-            for k in keys:
+            for k in leaf.keys:
                 if isinstance(node, Mapping) and k in node:
                     node = node[k]
                 elif isinstance(node, Mapping) and str(k) in node:
@@ -489,27 +532,21 @@ class Engine:
                 else:
                     node = None
                     break
-            name = ".".join(map(str, keys))
+            name = ".".join(map(str, leaf.keys))
             if node is None:
                 missing.append(name)
-            elif tuple(np.shape(node)) != tuple(want.shape):
-                wrong.append(f"{name}: {list(np.shape(node))} != {list(want.shape)}")
-            leaves.append((keys, node, want.dtype))
+            elif tuple(np.shape(node)) != leaf.shape:
+                wrong.append(f"{name}: {list(np.shape(node))} != {list(leaf.shape)}")
+            values.append(node)
         if missing or wrong:
             raise ParamsMismatchError(
                 f"params do not match the model config: missing {missing[:5]}"
                 f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
             )
-        pure: dict = {}
-        for keys, value, dtype in leaves:
-            node = pure
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = jnp.asarray(value, dtype)
-        nnx.replace_by_pure_dict(state, pure)
+        arrays = [jnp.asarray(v, leaf.dtype) for v, leaf in zip(values, self._leaves, strict=True)]
         if self._mesh is None:
-            return jax.device_put(state)
-        return jax.device_put(state, state_shardings(state, self._mesh, self._rules))
+            return jax.device_put(arrays)
+        return jax.device_put(arrays, [leaf.sharding for leaf in self._leaves])
 
     def _abstract_model(self) -> Transformer:
         return nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(0)))
