@@ -19,18 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
     DatasetConfig,
-    InferenceConfig,
-    MeshConfig,
-    ModelConfig,
     RunConfig,
     StalenessConfig,
     StorageConfig,
-    TrainerConfig,
 )
 from rlax_tpu.controller.snapshots import RolloutLog, SnapshotStore, snapshot_name
 from rlax_tpu.staleness import StalenessPolicy
@@ -41,39 +38,12 @@ STEPS = 8
 
 
 def e2e_config(run_dir: Path, data: Path, **staleness) -> RunConfig:
-    return RunConfig(
-        name="e2e",
+    return tiny_job_config(
+        "e2e",
+        run_dir,
         seed=3,
-        cpu_devices=2,
-        model=ModelConfig(
-            vocab_size=112,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            max_position_embeddings=128,
-            tokenizer="builtin:char",
-        ),
         staleness=StalenessConfig(**staleness),
-        trainer=TrainerConfig(
-            mesh=MeshConfig(data=2, fsdp=1, tensor=1),
-            algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
-            mini_batch_size=8,
-            micro_batch_size=8,
-            max_seq_len=64,
-            learning_rate=1e-3,
-            checkpoint_every=2,
-        ),
-        inference=InferenceConfig(
-            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
-            max_decode_slots=8,
-            prefill_buckets=(64,),
-            max_prompt_len=60,
-            max_new_tokens=3,
-            kv_cache_bytes=2 * 2**20,
-        ),
+        trainer={"learning_rate": 1e-3, "checkpoint_every": 2},
         controller=ControllerConfig(
             num_steps=STEPS,
             prompts_per_batch=2,
@@ -85,13 +55,7 @@ def e2e_config(run_dir: Path, data: Path, **staleness) -> RunConfig:
             sft_learning_rate=3e-3,
             keep_snapshots=10,
         ),
-        storage=StorageConfig(run_dir=str(run_dir)),
     )
-
-
-def write_config(config: RunConfig, where: Path) -> Path:
-    where.write_text(json.dumps(config.to_dict()))
-    return where
 
 
 class Job:

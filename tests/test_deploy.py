@@ -549,57 +549,23 @@ def test_a_connected_controller_drives_running_components_and_resumes(tmp_path, 
     stopped by SIGTERM mid-run and started again: it resumes and finishes the run."""
     import signal
 
-    from rlax_tpu.config import (
-        AlgorithmConfig,
-        ControllerConfig,
-        DatasetConfig,
-        InferenceConfig,
-        MeshConfig,
-        ModelConfig,
-        StorageConfig,
-        TrainerConfig,
-    )
+    from tiny_job import tiny_job_config
+
+    from rlax_tpu.config import ControllerConfig, DatasetConfig
     from rlax_tpu.controller.launcher import LocalCluster
 
     steps = 6
-    config = RunConfig(
-        name="connect",
+    config = tiny_job_config(
+        "connect",
+        tmp_path / "run",
         seed=5,
-        cpu_devices=2,
-        model=ModelConfig(
-            vocab_size=112,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            max_position_embeddings=128,
-            tokenizer="builtin:char",
-        ),
-        trainer=TrainerConfig(
-            mesh=MeshConfig(data=2, fsdp=1, tensor=1),
-            algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
-            mini_batch_size=8,
-            micro_batch_size=8,
-            max_seq_len=64,
-            checkpoint_every=2,
-        ),
-        inference=InferenceConfig(
-            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
-            max_decode_slots=8,
-            prefill_buckets=(64,),
-            max_prompt_len=60,
-            max_new_tokens=3,
-            kv_cache_bytes=2 * 2**20,
-        ),
+        trainer={"checkpoint_every": 2},
         controller=ControllerConfig(
             num_steps=steps,
             prompts_per_batch=2,
             samples_per_prompt=4,
             datasets=(DatasetConfig(path="builtin:arithmetic", verifier="arithmetic"),),
         ),
-        storage=StorageConfig(run_dir=str(tmp_path / "run")),
     )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))

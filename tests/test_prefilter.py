@@ -17,18 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_job import tiny_job_config, write_config
 
-from rlax_tpu.config import (
-    AlgorithmConfig,
-    ControllerConfig,
-    DatasetConfig,
-    InferenceConfig,
-    MeshConfig,
-    ModelConfig,
-    RunConfig,
-    StorageConfig,
-    TrainerConfig,
-)
+from rlax_tpu.config import ControllerConfig, DatasetConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 8
@@ -37,40 +28,14 @@ FIRST_TOKEN = {"1": 0.6, "2": 0.3, "3": 0.1}
 
 
 def prefilter_config(run_dir: Path, data: Path) -> RunConfig:
-    return RunConfig(
-        name="prefilter",
+    return tiny_job_config(
+        "prefilter",
+        run_dir,
         seed=5,
-        cpu_devices=2,
-        model=ModelConfig(
-            vocab_size=112,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            max_position_embeddings=128,
-            tokenizer="builtin:char",
-        ),
-        trainer=TrainerConfig(
-            mesh=MeshConfig(data=2, fsdp=1, tensor=1),
-            algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
-            mini_batch_size=8,
-            micro_batch_size=8,
-            max_seq_len=64,
-        ),
-        inference=InferenceConfig(
-            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
-            max_decode_slots=32,
-            prefill_buckets=(64,),
-            max_prompt_len=60,
-            max_new_tokens=1,
-            kv_cache_bytes=2 * 2**20,
-        ),
+        inference={"max_decode_slots": 32, "max_new_tokens": 1},
         controller=ControllerConfig(
             datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
         ),
-        storage=StorageConfig(run_dir=str(run_dir)),
     )
 
 
@@ -143,7 +108,7 @@ def workspace(tmp_path_factory) -> Path:
     ]
     (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = prefilter_config(root / "unused_run_dir", root / "sums.jsonl")
-    (root / "config.json").write_text(json.dumps(config.to_dict()))
+    write_config(config, root / "config.json")
     fixed_distribution_checkpoint(config, root / "model")
     return root
 
