@@ -2,14 +2,14 @@
 
 Every distinct shape of the trainer's batch is one compile of its jitted step (seconds on a
 CPU, minutes for a large model on a TPU pod), so the sequence length of a training batch is
-rounded up to a multiple of 16 up to 64 tokens, then to one of four lengths per power of
-two (80, 96, 112, 128, 160, …): a run compiles at most about 4·log2(max_seq_len) shapes
-(28 up to 4096), and pads its longest sequence by less than 16 tokens or 25%.
+rounded up to 64 tokens at least, and above that to one of four lengths per power of two
+(80, 96, 112, 128, 160, …): a run compiles at most about 4·log2(max_seq_len / 64) + 1
+shapes (25 up to 4096), and pads its longest sequence by less than 25% above 64 tokens.
 """
 
 from __future__ import annotations
 
-MIN_SEQ_LEN = 16
+MIN_SEQ_LEN = 64
 STEPS_PER_OCTAVE = 4
 
 
@@ -18,6 +18,8 @@ def padded_seq_len(longest: int, max_seq_len: int) -> int:
     (at most `max_seq_len`)."""
     if longest < 1:
         raise ValueError(f"a batch's longest row must have at least one token, got {longest}")
-    octave = 1 << max(0, (longest - 1).bit_length() - 1)  # largest power of two < longest
-    step = max(MIN_SEQ_LEN, octave // STEPS_PER_OCTAVE)
+    if longest <= MIN_SEQ_LEN:
+        return min(max_seq_len, MIN_SEQ_LEN)
+    octave = 1 << ((longest - 1).bit_length() - 1)  # largest power of two < longest
+    step = octave // STEPS_PER_OCTAVE
     return min(max_seq_len, step * -(-longest // step))

@@ -97,12 +97,12 @@ def test_consumed_rows_are_recorded_per_batch(tmp_path):
 def test_batches_are_padded_to_few_shapes():
     lengths = [1, 16, 17, 33, 48, 49, 64, 65, 100, 129, 300, 5000]
     assert [padded_seq_len(n, 4096) for n in lengths] == [
-        16, 16, 32, 48, 48, 64, 64, 80, 112, 160, 320, 4096,
+        64, 64, 64, 64, 64, 64, 64, 80, 112, 160, 320, 4096,
     ]  # fmt: skip
     padded = {n: padded_seq_len(n, 4096) for n in range(1, 4097)}
-    assert all(n <= p < n + 16 for n, p in padded.items() if n <= 64)  # multiples of 16
+    assert all(p == 64 for n, p in padded.items() if n <= 64)  # one shape for short batches
     assert all(n <= p < 1.25 * n for n, p in padded.items() if n > 64)  # < 25% padding
-    assert len(set(padded.values())) == 28  # 16, 32, 48, 64, then four per octave
-    assert padded_seq_len(60, 50) == 50  # never beyond max_seq_len
+    assert len(set(padded.values())) == 25  # 64, then four per octave up to 4096
+    assert padded_seq_len(60, 50) == 50 and padded_seq_len(3, 32) == 32  # never beyond max
     with pytest.raises(ValueError, match="at least one token"):
         padded_seq_len(0, 64)

@@ -26,6 +26,7 @@ from rlax_tpu.simulator import (
     analytical,
     benchmark_kind,
     calibrate,
+    count_arrays,
     count_params,
     generation_s,
     simulate,
@@ -136,6 +137,89 @@ def test_a_heavy_tail_leaves_stragglers():
     assert tail > 5 * even  # the same tokens, one long response: its slot sets the time
 
 
+def test_batched_prefill_pays_one_call_per_round_of_rows():
+    """The engine admits waiting prompts into free slots in rounds and prefills them
+    prefill_batch_size rows per call (padded rows compute too)."""
+    timing = TimingModel(
+        prefill_call_s=0.01, prefill_s_per_token=0.0, decode_call_s=0.0, decode_step_s=0.0
+    )
+    timing = dataclasses.replace(timing, job_overhead_s=0.0, rollout_overhead_s=0.0)
+    one = dataclasses.replace(tiny_workload(1, 0), decode_slots=32, prefill_rows=1)
+    eight = dataclasses.replace(one, prefill_rows=8)
+    prompts, responses = [44] * 64, [3] * 64
+    assert generation_s(timing, one, prompts, responses) == pytest.approx(64 * 0.01)
+    # Two rounds of 32 admitted prompts: 4 calls of 8 rows each.
+    assert generation_s(timing, eight, prompts, responses) == pytest.approx(8 * 0.01)
+    # A call costs its padded rows: 3 prompts in one round of 8 rows pay for 8.
+    per_token = dataclasses.replace(timing, prefill_call_s=0.0, prefill_s_per_token=1e-4)
+    bucket = eight.bucket(44)
+    assert generation_s(per_token, eight, [44] * 3, [3] * 3) == pytest.approx(8 * bucket * 1e-4)
+
+
+def test_a_new_padded_length_compiles_the_train_step_again():
+    timing = TimingModel(trainer_compile_s=5.0)
+    short = tiny_workload(1, 0, steps=12, response=Distribution(kind="fixed", median=3))
+    short = dataclasses.replace(
+        short, prompt_tokens=Distribution(kind="fixed", median=61), max_seq_len=128
+    )
+    # 61 + 3 pads to 64 in every batch: one compile; 61 + 4 pads to 80 in some: two.
+    mixed = dataclasses.replace(
+        short, response_tokens=Distribution(kind="empirical", values=(3.0,) * 199 + (4.0,))
+    )
+    once, twice = simulate(short, timing), simulate(mixed, timing)
+    no_compile = simulate(short, dataclasses.replace(timing, trainer_compile_s=0.0))
+    assert once.trainer_busy_s - no_compile.trainer_busy_s == pytest.approx(5.0, abs=0.5)
+    assert 4.5 < twice.trainer_busy_s - once.trainer_busy_s < 7.0  # a second compile
+
+
+def test_count_arrays_matches_the_benchmarks_tiny_model():
+    assert count_arrays(ModelConfig()) == 21  # tools/bench_trainer.py service "arrays"
+
+
+def test_small_trees_and_the_trainer_service_calibrate_fixed_costs(tmp_path):
+    ps = {
+        "bytes": 1e8,
+        "publish_bytes_per_s": 1e8,
+        "pull_bytes_per_s": 1e9,
+        "first_pull_bytes_per_s": 5e8,
+        "small": [
+            {"arrays": 8, "bytes": 0, "publish_s": 0.015, "first_pull_s": 0.005, "pull_s": 0.002},
+            {"arrays": 32, "bytes": 0, "publish_s": 0.039, "first_pull_s": 0.017, "pull_s": 0.005},
+        ],
+    }
+    trainer = {
+        "step_s": 0.05,
+        "mfu": 0.1,
+        "configs": {"tiny": {"params": 1e5, "tokens_per_step": 512, "step_s": 0.03}},
+        "service": {
+            "params": 1e5,
+            "arrays": 21,
+            "bytes": 0,
+            "rows": 64,
+            "seq": 48,
+            "step_s": 0.06,
+            "publish_s": 0.035,
+            "overhead_s": 0.002,
+            "checkpoint_s": 0.05,
+            "compile_s": 4.0,
+            "recompile_s": 4.2,
+        },
+    }
+    calibration = Calibration()
+    for name, data in (("ps", ps), ("trainer", trainer)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        calibration.add_file(path)
+    _, timing, _, _ = calibrate(load_config(TINY), calibration)
+    assert timing.publish_s_per_array == pytest.approx(0.001)
+    assert timing.pull_s_per_array == pytest.approx(0.0005)
+    assert timing.pull_fixed_s == pytest.approx(0.001)
+    # The trainer's own publish of 21 arrays sets the per-version cost: 35 - 21 ms.
+    assert timing.publish_fixed_s == pytest.approx(0.014)
+    assert timing.trainer_compile_s == pytest.approx(4.1)
+    assert timing.checkpoint_s == 0.05 and timing.train_overhead_s == 0.002
+
+
 def test_the_simulator_imports_no_jax():
     code = "import sys, rlax_tpu.simulator, rlax_tpu.cli.simulate; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -232,7 +316,7 @@ def test_settings_files_and_overrides_apply_in_order(tmp_path):
 
 def test_fit_to_a_measurement_recovers_the_costs_components_miss():
     config = load_config(TINY, ["controller.num_steps=12", "controller.eval_every=4"])
-    truth = {"rollout_overhead_s": 0.004, "controller_step_s": 0.2, "trainer_compile_s": 3.0}
+    truth = {"rollout_overhead_s": 0.004, "controller_step_s": 0.2, "worker_compile_s": 3.0}
     calibration = Calibration()
     calibration.add_settings({"timing": truth})
     workload, timing, _, _ = calibrate(config, calibration)

@@ -13,7 +13,14 @@ response tokens a request asked for count; every system is timed warm (compiled)
 
 A second case resembles one RL batch: 8 prompts x 8 samples of ~45 tokens, 4-16 new
 tokens each, all in flight at once (64 decode slots), so prefill weighs as much as decode.
-It is timed per batch with one prompt per prefill call and with batched prefill.
+It is timed per batch with one prompt per prefill call and with batched prefill, on the
+inference mesh a rollout worker builds (`inference.mesh`: all devices, tensor-parallel; run
+with XLA_FLAGS=--xla_force_host_platform_device_count=2 for the CPU demo's two devices).
+
+`worker_load` times what a rollout worker pays per version of a small model (the tiny
+default model, and this benchmark's model): `InferenceWorker.load` of a version just
+published to a real parameter-server process (pull + swap into the engine), and the two
+apart (the pull alone; the swap of already-pulled params), medians over many versions.
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ import functools
 import importlib.util
 import json
 import os
+import secrets
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from rlax_tpu.config import InferenceConfig, ModelConfig  # noqa: E402
+from rlax_tpu.config import InferenceConfig, MeshConfig, ModelConfig, RunConfig  # noqa: E402
 from rlax_tpu.inference.engine import Engine, GenerationRequest  # noqa: E402
 from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens  # noqa: E402
 from rlax_tpu.models import DenseKVCache, Transformer  # noqa: E402
@@ -129,11 +140,21 @@ def rl_batch_requests(seed: int = SEED) -> list[GenerationRequest]:
     return requests
 
 
+def inference_mesh():
+    """The mesh a rollout worker builds from `inference.mesh` (data 1, fsdp 1, tensor -1:
+    every device, tensor-parallel), as rlax_tpu/inference/server.py does."""
+    from rlax_tpu.sharding import build_mesh
+
+    return build_mesh(MeshConfig(data=1, fsdp=1, tensor=-1))
+
+
 def rl_batch_runner(params, prefill_batch_size: int, decode_steps: int):
-    """A warm engine with `prefill_batch_size` and a function that generates one RL batch
-    through it."""
+    """A warm engine with `prefill_batch_size` on the worker's mesh and a function that
+    generates one RL batch through it."""
     config = dataclasses.replace(RL_INFERENCE, prefill_batch_size=prefill_batch_size)
-    engine = Engine(MODEL, config, seed=SEED, decode_steps_per_call=decode_steps)
+    engine = Engine(
+        MODEL, config, seed=SEED, decode_steps_per_call=decode_steps, mesh=inference_mesh()
+    )
     engine.load(0, params)
     requests = rl_batch_requests()
 
@@ -142,6 +163,78 @@ def rl_batch_runner(params, prefill_batch_size: int, decode_steps: int):
 
     run()  # warm-up
     return engine, run
+
+
+# -- a rollout worker's load of a version --------------------------------------------------------
+LOAD_VERSIONS = 20  # versions published and loaded per model (medians)
+
+
+def _param_server(storage: str, env: dict) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlax_tpu", "serve", "param-server", "--storage", storage]
+        + ["--port", "0", "--hot-versions", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    line = process.stdout.readline().strip()
+    if not line.startswith("READY "):
+        process.kill()
+        raise RuntimeError(f"the parameter server did not start: {line!r}")
+    return process, line.split(" ", 1)[1]
+
+
+def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
+    """Median `InferenceWorker.load` of a just-published version of `model` (pull from a
+    parameter-server process + swap into the engine on the worker's mesh), and its parts."""
+    from rlax_tpu.inference.worker import InferenceWorker
+    from rlax_tpu.param_server.client import ParamServerClient
+
+    token = secrets.token_hex(16)
+    env = dict(os.environ, RLAX_TPU_AUTH_TOKEN=token, JAX_PLATFORMS="cpu")
+    params = nnx.to_pure_dict(nnx.state(Transformer(model, rngs=nnx.Rngs(SEED)), nnx.Param))
+    leaves = jax.tree.leaves(params)
+    config = RunConfig(model=model, inference=RL_INFERENCE)
+    loads, pulls, swaps = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        server, address = _param_server(os.path.join(tmp, "ps"), env)
+        try:
+            trainer_side = ParamServerClient([address], auth_token=token)
+            worker_side = ParamServerClient([address], auth_token=token)
+            worker = InferenceWorker(
+                config, param_server=worker_side, consumer_id="bench", mesh=inference_mesh()
+            )
+            like = worker.param_like()
+            for v in range(0, 2 * (versions + 1), 2):
+                trainer_side.publish(v, params)  # loaded whole: pull + swap
+                t0 = time.perf_counter()
+                worker.load(v)
+                t1 = time.perf_counter()
+                trainer_side.publish(v + 1, params)  # apart: the pull, then the swap
+                pulled = worker_side.pull(v + 1, like)
+                t2 = time.perf_counter()
+                worker.load(v + 1, pulled)
+                t3 = time.perf_counter()
+                if v:  # the first load also compiles nothing but warms the channel
+                    loads.append(t1 - t0)
+                    pulls.append(t2 - t1)
+                    swaps.append(t3 - t2)
+            worker.close()
+            trainer_side.close()
+            worker_side.close()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return {
+        "params": int(sum(np.size(a) for a in leaves)),
+        "arrays": len(leaves),
+        "bytes": int(sum(np.asarray(a).nbytes for a in leaves)),
+        "devices": int(inference_mesh().devices.size),
+        "versions": len(loads),
+        "load_s": statistics.median(loads),
+        "pull_s": statistics.median(pulls),
+        "swap_s": statistics.median(swaps),
+    }
 
 
 # -- static batching baseline ------------------------------------------------------------------
@@ -421,6 +514,17 @@ def main(argv: list[str] | None = None) -> int:
                 name: e.stats()["prefill_calls"] // (1 + repeats) for name, e in rl_engines.items()
             },
             "speedup": round(rl_seconds["rl_prefill_1"] / rl_seconds["rl_prefill_8"], 3),
+            "devices": int(inference_mesh().devices.size),
+            "decode_steps_per_call": args.decode_steps,
+            "decode_calls_per_batch": {
+                name: e.stats()["decode_calls"] // (1 + repeats) for name, e in rl_engines.items()
+            },
+            # Padded prefill work: rows x bucket per call (every RL prompt is in bucket 64).
+            "prefill_bucket": 64,
+        },
+        "worker_load": {
+            "tiny": worker_load(ModelConfig()),
+            "bench": worker_load(MODEL),
         },
     }
     print(f"{num_requests} requests, {tokens} response tokens, {figures['device']}")
@@ -452,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f"; {rl['speedup']:.2f}x"
     )
+    for name, r in figures["worker_load"].items():
+        print(
+            f"worker load ({name} model, {r['arrays']} arrays, {r['bytes'] / 2**20:.2f} MB, "
+            f"{r['devices']} device(s)): {r['load_s'] * 1e3:.1f} ms = pull "
+            f"{r['pull_s'] * 1e3:.1f} + swap {r['swap_s'] * 1e3:.1f} (medians of {r['versions']})"
+        )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -23,6 +23,13 @@ same bytes on one channel (warm), and `raw_grpc_first_bytes_per_s`, the first st
 a fresh server process and channel, which pays the same one-time costs as a first pull
 (gRPC flow-control windows that grow with traffic, memory touched for the first time).
 `first_pull_vs_raw_grpc_first` compares like with like.
+
+And the latency of a tiny model's version (`small`): trees of <1 MB in 8 and 32 arrays,
+each published as a new version, pulled once right after (cold, as the one worker of a small
+run pulls every version) and once more (warm), many times; medians. For such a tree the
+bytes take almost no time: what is left is the fixed cost per version and per array that
+the 100 MB and 1 GB rates cannot show (tools/validate_simulator.py calibrates the
+simulator's publish_fixed_s / pull_fixed_s and their per-array terms from it).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +59,9 @@ from rlax_tpu.param_server.client import (  # noqa: E402
 CHUNK_BYTES = 4 * 2**20
 REPEATS = 5  # throughputs are the best of this many runs (a 2-core machine is noisy)
 RAW_METHOD = "/bench.Raw/Stream"
+SMALL_TREES = (8, 32)  # arrays in a tiny-model-shaped tree of SMALL_BYTES
+SMALL_BYTES = 2**19
+SMALL_REPEATS = 40  # versions published and pulled per small tree (medians)
 
 _RAW_SERVER = r"""
 import sys, grpc
@@ -239,6 +250,67 @@ def bench_size(label: str, target_bytes: int, env: dict, storage: str) -> dict:
     }
 
 
+def small_tree(arrays: int, total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """`arrays` float32 matrices [rows, 64] of about `total_bytes` in all."""
+    rng = np.random.default_rng(seed)
+    rows = max(1, total_bytes // 4 // 64 // arrays)
+    return {
+        f"layers/{i}/w": rng.standard_normal((rows, 64), dtype=np.float32) for i in range(arrays)
+    }
+
+
+def bench_small(arrays: int, env: dict, storage: str) -> dict:
+    """Median publish, cold (first) pull and warm pull of a small tree, version by version,
+    on a fresh server (as a small run's trainer and worker see them)."""
+    tree = small_tree(arrays, SMALL_BYTES)
+    token = env["RLAX_TPU_AUTH_TOKEN"]
+    server, address = start(
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu",
+            "serve",
+            "param-server",
+            "--storage",
+            storage,
+            "--port",
+            "0",
+            "--hot-versions",
+            "3",
+            "--chunk-bytes",
+            str(CHUNK_BYTES),
+        ],
+        env,
+    )
+    publish, first, warm = [], [], []
+    try:
+        client = ParamServerClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
+        for version in range(SMALL_REPEATS + 1):
+            t0 = time.perf_counter()
+            client.publish(version, tree)
+            t1 = time.perf_counter()
+            client.pull_arrays(version)
+            t2 = time.perf_counter()
+            client.pull_arrays(version)
+            t3 = time.perf_counter()
+            client.confirm("bench", version)  # as a worker does: older versions may go
+            if version:  # the first version also pays for the channel and the server's warm-up
+                publish.append(t1 - t0)
+                first.append(t2 - t1)
+                warm.append(t3 - t2)
+        client.close()
+    finally:
+        stop(server)
+    return {
+        "arrays": arrays,
+        "bytes": int(sum(a.nbytes for a in tree.values())),
+        "repeats": SMALL_REPEATS,
+        "publish_s": statistics.median(publish),
+        "first_pull_s": statistics.median(first),
+        "pull_s": statistics.median(warm),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="~100 MB only")
@@ -252,6 +324,7 @@ def main() -> int:
         for label, size in sizes:
             storage = args.storage or os.path.join(tmp, label)
             results.append(bench_size(label, size, env, storage))
+        small = [bench_small(n, env, os.path.join(tmp, f"small{n}")) for n in SMALL_TREES]
     mb = 2**20
     print(
         f"{'tree':>6} {'MB':>5} {'publish':>8} {'pull 1st':>9} {'pull':>6} {'raw 1st':>8} "
@@ -275,8 +348,19 @@ def main() -> int:
         "raw 1st = the first of them\n(fresh server and channel, like pull 1st). "
         "TP2 bytes = bytes a tensor-parallel-2 shard pull moves / its arrays' bytes."
     )
+    print(
+        f"{'small tree':>10} {'arrays':>6} {'KB':>5} {'publish ms':>10} "
+        f"{'pull 1st ms':>11} {'pull ms':>8}"
+    )
+    for r in small:
+        print(
+            f"{'':>10} {r['arrays']:>6} {r['bytes'] / 1024:5.0f} {r['publish_s'] * 1e3:10.2f} "
+            f"{r['first_pull_s'] * 1e3:11.2f} {r['pull_s'] * 1e3:8.2f}"
+        )
+    print(f"medians over {SMALL_REPEATS} versions, each published then pulled (1st) and again")
     summary = dict(results[-1])
     summary["sizes"] = results
+    summary["small"] = small
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

@@ -27,7 +27,10 @@ from rlax_tpu.simulator.model import (
     Workload,
     generation_s,
     publish_s,
+    pull_latency_s,
+    swap_s,
     train_s,
+    train_seq_len,
     verify_s,
 )
 
@@ -355,7 +358,7 @@ class _Segment:
         self.versions = [-1] * workload.num_workers
         self.compiled = [False] * workload.num_workers
         self.running: dict[int, tuple[_Job, float]] = {}
-        self.trainer_compiled = False
+        self.trainer_shapes: set[int] = set()  # padded lengths compiled since this start
         self.training_since: float | None = None
         self.snapshots: list[tuple[int, int]] = []  # (step, checkpoint step)
         self.finished = False
@@ -390,11 +393,17 @@ class _Segment:
             t0 = self.training_since = self.loop.now
             prompts, responses = zip(*batch.lengths, strict=True)
             duration = train_s(self.t, w, prompts, responses)
-            if not self.trainer_compiled:
+            seq = train_seq_len(w, prompts, responses)
+            if seq not in self.trainer_shapes:  # a new padded length: one more compile
                 duration += self.t.trainer_compile_s
-                self.trainer_compiled = True
+                self.trainer_shapes.add(seq)
             yield self.host.work(duration, self.t.trainer_cores)
-            yield publish_s(self.t, w)
+            # Around the jitted step: placement and bookkeeping, the async checkpoint's start
+            # on its steps, and the publish of version b + 1.
+            rest = self.t.train_overhead_s + publish_s(self.t, w)
+            if (self.step + 1) % w.checkpoint_every == 0:
+                rest += self.t.checkpoint_s
+            yield self.host.work(rest, self.t.io_cores)
             self.training_since = None
             self.r.trainer_busy_s += self.loop.now - t0
             self._mark("trainer", f"train {batch.index}", t0)
@@ -501,8 +510,9 @@ class _Segment:
             t0 = self.loop.now
             self.running[i] = (job, t0)
             if self.versions[i] != job.version:
-                yield t.pull_fixed_s
+                yield self.host.work(pull_latency_s(t, w), t.io_cores)
                 yield self.ps.pull(job.version, w.model_bytes * t.pull_fraction)
+                yield self.host.work(swap_s(t, w), t.io_cores)
                 self.versions[i] = job.version
                 self.r.reloads += 1
                 self._mark(f"worker {i}", f"load v{job.version}", t0)

@@ -50,6 +50,19 @@ def count_params(model: ModelConfig) -> int:
     return total
 
 
+def count_arrays(model: ModelConfig) -> int:
+    """Arrays in the params tree of `rlax_tpu.models.Transformer` for `model`: what a publish
+    and a pull pay a fixed cost for each of (rlax_tpu.param_server sends array by array)."""
+    c = model
+    layer = 9 + (3 if c.qkv_bias else 0) + (2 if c.qk_norm else 0)  # q k v o, 3 mlp, 2 norms
+    total = c.num_layers * layer + 2  # embedding, final norm
+    if not c.tie_word_embeddings:
+        total += 1
+    if c.value_head:
+        total += 2
+    return total
+
+
 def model_bytes(model: ModelConfig) -> int:
     """Bytes of one published version (the parameters in `param_dtype`)."""
     return count_params(model) * DTYPE_BYTES[model.param_dtype]
@@ -157,30 +170,42 @@ class TimingModel(ConfigBase):
 
     # Generation, per inference worker: continuous batching over `decode_slots` slots (the
     # config's inference.max_decode_slots). A decode step runs every slot (fixed shapes),
-    # `decode_steps_per_call` steps per device call; each prompt is prefilled on its own in
-    # the smallest prefill bucket that holds it.
+    # `decode_steps_per_call` steps per device call (a rollout worker's engine runs 1).
+    # Waiting prompts are admitted into free slots in rounds; a round prefills them
+    # inference.prefill_batch_size rows per call (padded rows compute too), per bucket.
     decode_step_s: float = 0.002
     decode_call_s: float = 0.002
-    decode_steps_per_call: int = 4
+    decode_steps_per_call: int = 1
     prefill_call_s: float = 0.002
     prefill_s_per_token: float = 2e-5
-    job_overhead_s: float = 0.01  # one Generate call (RPC, stream set-up)
-    rollout_overhead_s: float = 0.001  # per rollout: streaming it, writing the rollout log
+    job_overhead_s: float = 0.002  # one Generate call (RPC, stream set-up, the rollout log)
+    rollout_overhead_s: float = 0.0  # per rollout: streaming it back to the controller
     worker_compile_s: float = 0.0  # the first generation of a (re)started worker
-    # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token.
+    # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token,
+    # plus train_overhead_s around the jitted step (batch placement, bookkeeping) and, every
+    # trainer.checkpoint_every steps, checkpoint_s to start the async checkpoint. Every new
+    # padded sequence length (rlax_tpu.shapes) compiles the step: trainer_compile_s.
     train_fixed_s: float = 0.05
     train_s_per_token: float = 1e-4
-    trainer_compile_s: float = 0.0  # the first train step of a (re)started trainer
+    train_overhead_s: float = 0.0
+    checkpoint_s: float = 0.0
+    trainer_compile_s: float = 0.0
     # Weights: a publish (inside the train step) and a worker's load of a version, through
-    # the parameter server. Concurrent pulls share `ps_bytes_per_s` (0 = unlimited); each is
-    # also capped by its own link; the first pull of a version reads it from storage.
+    # the parameter server. Each costs a fixed latency per version plus one per array, then
+    # its bytes: concurrent pulls share `ps_bytes_per_s` (0 = unlimited), each is also capped
+    # by its own link, the first pull of a version reads it from storage. A load ends with
+    # the swap of the pulled arrays into the engine (placement on the worker's devices).
     publish_fixed_s: float = 0.005
+    publish_s_per_array: float = 0.0
     publish_bytes_per_s: float = 2e8
     pull_fixed_s: float = 0.005
+    pull_s_per_array: float = 0.0
     pull_bytes_per_s: float = 1e9
     first_pull_bytes_per_s: float = 3e8
     ps_bytes_per_s: float = 0.0
     pull_fraction: float = 1.0  # of the version's bytes a worker pulls (1 = a full replica)
+    swap_fixed_s: float = 0.0
+    swap_s_per_array: float = 0.0
     # Verifier service: per batch one call; requests run on a pool of workers with a
     # lognormal service time (p50, p95). 0 workers = the config's verifiers.num_workers.
     verify_call_s: float = 0.005
@@ -198,6 +223,7 @@ class TimingModel(ConfigBase):
     worker_cores: float = 1.0
     verifier_cores: float = 0.5
     controller_cores: float = 0.5
+    io_cores: float = 1.0  # publishes, pulls' fixed costs, swaps, checkpoint starts (host work)
     contention_efficiency: float = 1.0
 
     def validate(self) -> None:
@@ -295,6 +321,7 @@ class Workload:
     num_workers: int
     decode_slots: int
     prefill_buckets: tuple[int, ...]
+    prefill_rows: int
     max_new_tokens: int
     max_seq_len: int
     policy: StalenessPolicy
@@ -333,6 +360,7 @@ class Workload:
             num_workers=inf.num_workers,
             decode_slots=inf.max_decode_slots,
             prefill_buckets=tuple(inf.prefill_buckets),
+            prefill_rows=inf.prefill_rows,
             max_new_tokens=inf.max_new_tokens,
             max_seq_len=config.trainer.max_seq_len,
             policy=StalenessPolicy.from_config(config.staleness),
@@ -355,6 +383,10 @@ class Workload:
     def model_bytes(self) -> int:
         return model_bytes(self.model)
 
+    @property
+    def model_arrays(self) -> int:
+        return count_arrays(self.model)
+
     def bucket(self, prompt_tokens: int) -> int:
         return next((b for b in self.prefill_buckets if b >= prompt_tokens), prompt_tokens)
 
@@ -372,38 +404,66 @@ def generation_s(
 ) -> float:
     """One Generate call of these requests on one worker (already loaded and compiled).
 
-    Continuous batching: a request's first token comes from its prefill, then it holds a
-    slot for ceil((tokens - 1)/k)·k decode steps (slots are refilled between calls); the
-    call lasts until its longest slot is done, so a heavy-tailed length leaves a straggler.
+    Continuous batching as the engine does it: requests are admitted first in, first out,
+    into free slots; each admission round prefills what it admitted in calls of
+    `workload.prefill_rows` rows per prompt bucket (a call costs its padded rows × bucket
+    tokens, whatever the rows hold); a request's first token comes from its prefill, then
+    it holds a slot for ceil((tokens - 1)/k) decode calls (a request that ends at its first
+    token frees its slot in the same round). The call lasts until its longest slot is
+    done, so a heavy-tailed length leaves a straggler.
     """
-    t, k = timing, timing.decode_steps_per_call
-    prefill = sum(
-        t.prefill_call_s + workload.bucket(p) * t.prefill_s_per_token for p in prompt_tokens
-    )
+    t, k, rows = timing, timing.decode_steps_per_call, max(1, workload.prefill_rows)
     free_at = [0] * min(workload.decode_slots, max(1, len(response_tokens)))  # in calls
     heapq.heapify(free_at)
+    admitted: dict[tuple[int, int], int] = {}  # (round = decode call index, bucket) -> prompts
     end = 0
-    for tokens in response_tokens:
+    for prompt, tokens in zip(prompt_tokens, response_tokens, strict=True):
         calls = math.ceil(max(0, tokens - 1) / k)
-        if calls == 0:
-            continue
         start = heapq.heappop(free_at)
         heapq.heappush(free_at, start + calls)
+        key = (start, workload.bucket(prompt))
+        admitted[key] = admitted.get(key, 0) + 1
         end = max(end, start + calls)
+    prefill = sum(
+        math.ceil(n / rows) * (t.prefill_call_s + rows * bucket * t.prefill_s_per_token)
+        for (_, bucket), n in admitted.items()
+    )
     decode = end * (t.decode_call_s + k * t.decode_step_s)
     return t.job_overhead_s + prefill + decode + len(response_tokens) * t.rollout_overhead_s
+
+
+def train_seq_len(workload: Workload, prompt_tokens, response_tokens) -> int:
+    """The padded sequence length of a training batch (the controller's padding,
+    rlax_tpu.shapes.padded_seq_len of its longest prompt + response): one compiled shape."""
+    longest = max(p + r for p, r in zip(prompt_tokens, response_tokens, strict=True))
+    return padded_seq_len(longest, workload.max_seq_len)
 
 
 def train_s(timing: TimingModel, workload: Workload, prompt_tokens, response_tokens) -> float:
     """One train step (without the publish): rows padded as the controller pads them
     (rlax_tpu.shapes.padded_seq_len of the batch's longest prompt + response)."""
-    longest = max(p + r for p, r in zip(prompt_tokens, response_tokens, strict=True))
-    seq = padded_seq_len(longest, workload.max_seq_len)
+    seq = train_seq_len(workload, prompt_tokens, response_tokens)
     return timing.train_fixed_s + len(response_tokens) * seq * timing.train_s_per_token
 
 
 def publish_s(timing: TimingModel, workload: Workload) -> float:
-    return timing.publish_fixed_s + workload.model_bytes / timing.publish_bytes_per_s
+    """The trainer's publish of a version: per version, per array, then its bytes."""
+    t = timing
+    return (
+        t.publish_fixed_s
+        + workload.model_arrays * t.publish_s_per_array
+        + workload.model_bytes / t.publish_bytes_per_s
+    )
+
+
+def pull_latency_s(timing: TimingModel, workload: Workload) -> float:
+    """A worker's pull of a version before its bytes flow: per version and per array."""
+    return timing.pull_fixed_s + workload.model_arrays * timing.pull_s_per_array
+
+
+def swap_s(timing: TimingModel, workload: Workload) -> float:
+    """A worker's swap of pulled weights into its engine."""
+    return timing.swap_fixed_s + workload.model_arrays * timing.swap_s_per_array
 
 
 def verify_s(timing: TimingModel, workers: int, n: int, rng: random.Random) -> float:
@@ -513,6 +573,20 @@ def calibrate(
             found, note = fit(workload, bench[kind])
             figures.update(found)
             notes.append(note)
+    loads = [r for run in bench.get("inference", []) for r in run.get("worker_load", {}).values()]
+    if loads:  # a worker's whole load, measured: its pull is what is left of it
+        found, note = _pull_from_worker_loads(loads, figures, sim.timing)
+        figures.update(found)
+        notes.append(note)
+    services = [run["service"] for run in bench.get("trainer", []) if "service" in run]
+    if services:  # the trainer's own publish, measured: the per-version cost is what is left
+        svc, t = services[-1], dataclasses.replace(sim.timing, **figures)
+        rest = svc["publish_s"] - svc["arrays"] * t.publish_s_per_array
+        figures["publish_fixed_s"] = max(0.0, rest - svc["bytes"] / t.publish_bytes_per_s)
+        notes.append(
+            f"trainer publish: {svc['publish_s'] * 1e3:.1f} ms measured for {svc['arrays']} "
+            f"arrays -> {figures['publish_fixed_s'] * 1e3:.1f} ms per version"
+        )
     if sim.hardware.given:
         found, note = _from_hardware(workload, sim.hardware)
         figures.update(found)
@@ -580,15 +654,32 @@ def _from_trainer_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str
     for run in runs:
         for entry in run.get("configs", {}).values():
             points.append((6.0 * entry["params"] * entry["tokens_per_step"], entry["step_s"]))
+        if "service" in run:  # the RL-shaped step timed end to end: one more point
+            svc = run["service"]
+            points.append((6.0 * svc["params"] * svc["rows"] * svc["seq"], svc["step_s"]))
     if not points:
         raise CalibrationError("trainer benchmark JSON without per-config figures ('configs')")
     fixed, s_per_flop = _fit_line(points)
     per_token = s_per_flop * 6.0 * count_params(workload.model)
+    figures = {"train_fixed_s": fixed, "train_s_per_token": per_token}
     note = (
         f"trainer: {len(points)} benchmarked step(s) -> fixed {fixed * 1e3:.1f} ms + "
         f"{1 / s_per_flop / 1e9 if s_per_flop else float('inf'):.2f} GFLOP/s"
     )
-    return {"train_fixed_s": fixed, "train_s_per_token": per_token}, note
+    services = [run["service"] for run in runs if "service" in run]
+    if services:
+        svc = services[-1]
+        # The compile of a new padded length, as measured (it does not scale by FLOPs: give
+        # it explicitly for another model or compiler); the first step's compile alike.
+        figures["trainer_compile_s"] = (svc["compile_s"] + svc["recompile_s"]) / 2
+        figures["train_overhead_s"] = svc["overhead_s"]
+        figures["checkpoint_s"] = svc["checkpoint_s"]
+        note += (
+            f"; train_step end to end: +{svc['overhead_s'] * 1e3:.1f} ms around the step, "
+            f"+{svc['checkpoint_s'] * 1e3:.0f} ms per checkpoint, compile of a new length "
+            f"{figures['trainer_compile_s']:.2f} s"
+        )
+    return figures, note
 
 
 def bench_inference_workload(requests: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -610,8 +701,8 @@ def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, s
     the benchmark runs (runs at different --decode-steps separate the two; from one run the
     per-call cost is taken as 0). Decode FLOPs count every slot of every step (fixed
     shapes); prefill FLOPs the whole bucket; FLOPs per token from the benchmark."""
-    rows = []
-    for run in runs:
+    rows = _rl_batch_rows(runs)
+    for run in runs if not rows else ():
         total_s = run["useful_tokens"] / run["tokens_per_s"]
         slots, k = run["decode_slots"], run["decode_steps_per_call"]
         steps = run["useful_tokens"] / (run["slot_utilization"] * slots)
@@ -633,14 +724,42 @@ def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, s
         "decode_call_s": per_call,
         "prefill_call_s": per_call,
         "prefill_s_per_token": flops_token * s_per_flop,
-        "decode_steps_per_call": int(runs[-1]["decode_steps_per_call"]),
     }
+    source = "RL-batch timings" if _rl_batch_rows(runs) else "benchmark run(s)"
     note = (
-        f"inference: {len(rows)} benchmark run(s) -> {per_call * 1e3:.2f} ms per device call + "
+        f"inference: {len(rows)} {source} -> {per_call * 1e3:.2f} ms per device call + "
         f"{1 / s_per_flop / 1e9:.2f} GFLOP/s; decode step of {workload.decode_slots} slots "
         f"{figures['decode_step_s'] * 1e3:.2f} ms"
     )
+    loads = [r for run in runs for r in run.get("worker_load", {}).values()]
+    if loads:
+        swap = _fit_line([(r["arrays"], r["swap_s"]) for r in loads])
+        figures["swap_fixed_s"], figures["swap_s_per_array"] = swap
+        note += (
+            f"; worker swap {figures['swap_fixed_s'] * 1e3:.1f} ms + "
+            f"{figures['swap_s_per_array'] * 1e3:.3f} ms per array"
+        )
     return figures, note
+
+
+def _rl_batch_rows(runs: list[dict]) -> list[tuple[float, float, float]]:
+    """(device calls, FLOPs, seconds) of bench_inference's RL-batch timings: one batch of
+    short prompts through a rollout worker's engine on its mesh, at 1 and at 8 prefill rows
+    (what separates a prefill call's cost from its padded tokens)."""
+    rows = []
+    for run in runs:
+        rl = run.get("rl_batch")
+        if not rl or "decode_calls_per_batch" not in rl:
+            continue
+        k, slots, bucket = rl["decode_steps_per_call"], rl["decode_slots"], rl["prefill_bucket"]
+        for name, ms in rl["ms_per_batch"].items():
+            prefills, decodes = (
+                rl["prefill_calls_per_batch"][name],
+                rl["decode_calls_per_batch"][name],
+            )
+            tokens = prefills * rl["prefill_batch_size"][name] * bucket + decodes * k * slots
+            rows.append((prefills + decodes, run["model_flops_per_token"] * tokens, ms / 1e3))
+    return rows
 
 
 def _fit_two(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -680,6 +799,14 @@ def _from_param_server_bench(workload: Workload, runs: list[dict]) -> tuple[dict
             figures[f"{what}_bytes_per_s"] = (
                 1 / per_byte if per_byte else largest[f"{what}_bytes_per_s"]
             )
+    small = [r for run in runs for r in run.get("small", [])]
+    if len({r["arrays"] for r in small}) > 1:  # per version and per array, bytes taken out
+        for what, key, rate in (
+            ("publish", "publish_s", figures["publish_bytes_per_s"]),
+            ("pull", "first_pull_s", figures["first_pull_bytes_per_s"]),
+        ):
+            fixed, per_array = _fit_line([(r["arrays"], r[key] - r["bytes"] / rate) for r in small])
+            figures[f"{what}_fixed_s"], figures[f"{what}_s_per_array"] = fixed, per_array
     mb = 2**20
     note = (
         f"param server: publish {figures['publish_bytes_per_s'] / mb:.0f} MB/s, pull "
@@ -687,7 +814,32 @@ def _from_param_server_bench(workload: Workload, runs: list[dict]) -> tuple[dict
         f"{figures['first_pull_bytes_per_s'] / mb:.0f} MB/s); a version is "
         f"{workload.model_bytes / mb:.1f} MB"
     )
+    if "publish_s_per_array" in figures:
+        note += (
+            f"; per version {figures['publish_fixed_s'] * 1e3:.1f} ms publish, "
+            f"{figures['pull_fixed_s'] * 1e3:.1f} ms pull, per array "
+            f"{figures['publish_s_per_array'] * 1e3:.2f} / {figures['pull_s_per_array'] * 1e3:.2f} "
+            f"ms ({workload.model_arrays} arrays)"
+        )
     return figures, note
+
+
+def _pull_from_worker_loads(
+    loads: list[dict], figures: Mapping[str, float], default: TimingModel
+) -> tuple[dict, str]:
+    """A worker's pull latency (per version, per array) from bench_inference's
+    `worker_load`: InferenceWorker.load of a just-published version, less its swap and its
+    bytes at the first-pull rate (the parameter-server benchmark's, when given). It covers
+    what the parameter server's own small-tree pulls do not: placing the arrays on the
+    worker's devices."""
+    rate = figures.get("first_pull_bytes_per_s", default.first_pull_bytes_per_s)
+    points = [(r["arrays"], max(0.0, r["load_s"] - r["swap_s"] - r["bytes"] / rate)) for r in loads]
+    fixed, per_array = _fit_line(points)
+    note = (
+        f"worker load: pull {fixed * 1e3:.1f} ms per version + {per_array * 1e3:.3f} ms per "
+        f"array before its bytes ({len(loads)} measured load(s))"
+    )
+    return {"pull_fixed_s": fixed, "pull_s_per_array": per_array}, note
 
 
 def _from_verifier_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
