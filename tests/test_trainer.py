@@ -1,6 +1,7 @@
 """The train step: sharded equals unsharded, accumulation equals one big batch, bf16
-compute, the metrics (MFU by its formula), the recompute against the inference engine,
-PPO's V_old from the recompute, SFT lowers the NLL."""
+compute, the metrics (MFU by its formula), the recompute against the inference engine
+(at the rollouts' sampling temperature), PPO's V_old from the recompute, SFT lowers the
+NLL."""
 
 import dataclasses
 import json
@@ -20,6 +21,7 @@ from trainer_helpers import (
     SEQ,
     assert_trees_close,
     engine_batch,
+    model_and_params,
     recompute_vs_engine,
     rollout_batch,
     run_config,
@@ -29,6 +31,7 @@ from rlax_tpu.config import AlgorithmConfig, MeshConfig
 from rlax_tpu.models import Transformer
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import BatchSizeError, Trainer, perf
+from rlax_tpu.trainer.step import policy_outputs, policy_temperature
 
 ONE_DEVICE = MeshConfig(data=1, fsdp=1, tensor=1)
 
@@ -165,12 +168,67 @@ def test_recompute_matches_the_inference_engine_to_one_ulp():
     flags: XLA:CPU's YNNPACK fusions reduce in an order that depends on the array's shape
     ([1, bucket] prefill, [slots, 1] decode vs [micro, T]), so some tokens differ by one
     f32 ULP (docs/trainer.md, "Log-prob recompute")."""
-    recomputed, engine = recompute_vs_engine()
+    recomputed, engine, _ = recompute_vs_engine()
     diff = np.abs(recomputed - engine)
     assert diff.size == 8 * ENGINE.max_new_tokens
     assert diff.max() <= 1e-6
     assert (diff / np.spacing(np.abs(engine))).max() <= 2  # f32 ULPs
     assert np.mean(diff == 0) >= 0.6, np.mean(diff == 0)  # 0.82 when measured
+
+
+def test_recompute_at_the_sampling_temperature_matches_the_inference_engine():
+    """Rollouts sampled at temperature 0.7 carry log-probs of softmax(logits / 0.7): the
+    recompute divides the logits by the same temperature and matches them as closely as
+    at temperature 1, while log-probs at temperature 1 are a different distribution."""
+    recomputed, engine, at_1 = recompute_vs_engine(temperature=0.7)
+    diff = np.abs(recomputed - engine)
+    assert diff.size == 8 * ENGINE.max_new_tokens
+    assert diff.max() <= 1e-6
+    assert (diff / np.spacing(np.abs(engine))).max() <= 2  # f32 ULPs
+    assert np.mean(diff == 0) >= 0.6, np.mean(diff == 0)  # 0.79 when measured
+    assert np.mean(np.abs(at_1 - engine)) > 1e-2  # 0.035 when measured
+
+
+def test_greedy_rollouts_are_recomputed_at_temperature_one():
+    """The sampler computes a greedy rollout's (temperature 0) log-probs at temperature 1,
+    and so does the recompute."""
+    assert policy_temperature(dataclasses.replace(ENGINE, temperature=0.0)) == 1.0
+    recomputed, engine, _ = recompute_vs_engine(temperature=0.0)
+    diff = np.abs(recomputed - engine)
+    assert diff.max() <= 1e-6
+    assert (diff / np.spacing(np.abs(engine))).max() <= 2  # f32 ULPs
+
+
+def test_policy_logprobs_and_entropy_are_of_the_temperature_scaled_distribution():
+    """The training forward's log π_θ and entropies at temperature T are those of
+    softmax(logits / T); at T = 1 the forward is the plain one, bit for bit."""
+    graphdef, params = model_and_params()
+    batch = rollout_batch(0)
+    tokens, targets = batch.tokens, batch.targets
+    plain = nnx.merge(graphdef, params).forward_train(tokens, targets, return_logits=True)
+    logits = np.asarray(plain.logits, np.float64)
+
+    def expected(temperature):  # (log-probs of the targets, entropies), in float64
+        z = logits / temperature
+        z = z - z.max(-1, keepdims=True)
+        logp = z - np.log(np.sum(np.exp(z), -1, keepdims=True))
+        picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)[..., 0]
+        return picked, -np.sum(np.exp(logp) * logp, axis=-1)
+
+    def outputs(temperature):
+        return policy_outputs(
+            graphdef, params, tokens, targets, values=False, entropy=True, temperature=temperature
+        )
+
+    lp, _, entropy = outputs(0.7)
+    want_lp, want_entropy = expected(0.7)
+    np.testing.assert_allclose(lp, want_lp, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(entropy, want_entropy, rtol=0, atol=2e-5)
+    assert np.abs(np.asarray(lp) - expected(1.0)[0]).mean() > 1e-2
+
+    lp_1, _, entropy_1 = outputs(1.0)
+    np.testing.assert_array_equal(lp_1, plain.logprobs)
+    np.testing.assert_allclose(entropy_1, expected(1.0)[1], rtol=0, atol=2e-5)
 
 
 def test_recompute_equals_the_inference_engine_bitwise_without_ynnpack_fusions():
@@ -184,8 +242,9 @@ def test_recompute_equals_the_inference_engine_bitwise_without_ynnpack_fusions()
         "XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type= "
         "--xla_force_host_platform_device_count=1",
     }
+    temperatures = ["1.0", "0.7", "0.0"]  # at the rollouts' temperature; greedy at 1
     proc = subprocess.run(
-        [sys.executable, "trainer_helpers.py", "parity", str(ENGINE_KEY_SPAN)],
+        [sys.executable, "trainer_helpers.py", "parity", str(ENGINE_KEY_SPAN), *temperatures],
         cwd=Path(__file__).resolve().parent,
         env=env,
         capture_output=True,
@@ -196,18 +255,25 @@ def test_recompute_equals_the_inference_engine_bitwise_without_ynnpack_fusions()
         pytest.skip("this jaxlib has no --xla_cpu_experimental_ynn_fusion_type flag")
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert figures["n"] == 8 * ENGINE.max_new_tokens
-    assert figures["exact"] == figures["n"], figures
+    assert list(figures) == temperatures
+    for temperature in temperatures:
+        assert figures[temperature]["n"] == 8 * ENGINE.max_new_tokens
+        assert figures[temperature]["exact"] == figures[temperature]["n"], figures
 
 
-@pytest.fixture(scope="module")
-def engine_step(tmp_path_factory):
-    """One step, on one device, of a batch the inference Engine generated from version 0,
-    its behaviour log-probs cached; returns the result."""
-    config = run_config(str(tmp_path_factory.mktemp("engine")), mesh=ONE_DEVICE, micro=4)
+@pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T=1", "T=0.7"])
+def engine_step(request, tmp_path_factory):
+    """One step, on one device, of a batch the inference Engine generated from version 0
+    at sampling temperature `request.param` (the run's inference.temperature), its
+    behaviour log-probs cached; returns the result."""
+    inference = dataclasses.replace(ENGINE, temperature=request.param)
+    config = run_config(
+        str(tmp_path_factory.mktemp("engine")), mesh=ONE_DEVICE, micro=4, inference=inference
+    )
     trainer = Trainer(config, mesh=_one_device_mesh())
+    assert trainer.temperature == request.param
     trainer.initialize()
-    batch = engine_batch(trainer.params(), seq=24)
+    batch = engine_batch(trainer.params(), seq=24, inference=inference)
     result = trainer.train_step(0, batch)
     trainer.close()
     return result
@@ -215,7 +281,9 @@ def engine_step(tmp_path_factory):
 
 def test_the_cached_path_mismatch_with_the_engine_is_reported(engine_step):
     """With real worker log-probs, recomputed and cached π_old agree to f32 rounding, and
-    the step reports it: recomputed vs cached, and π_θ (before the update) vs each."""
+    the step reports it: recomputed vs cached, and π_θ (before the update) vs each. At
+    temperature 0.7 this holds because π_θ, π_old and the reference are all computed at
+    the sampling temperature; the reference (= version 0 here) then gives KL ≈ 0."""
     metrics = engine_step.metrics
     for key in (
         "mismatch/recomputed_vs_cached_mean",
@@ -226,6 +294,7 @@ def test_the_cached_path_mismatch_with_the_engine_is_reported(engine_step):
         "logprob_diff/cached_p95",
     ):
         assert 0 <= metrics[key] <= 1e-6, (key, metrics[key])
+    assert 0 <= metrics["kl"] <= 1e-9, metrics["kl"]  # k3 of |d| ≤ 1e-6 is ≤ 1e-12
 
 
 def test_sft_step_lowers_the_nll_on_a_repeated_batch(tmp_path):
@@ -241,6 +310,29 @@ def test_sft_step_lowers_the_nll_on_a_repeated_batch(tmp_path):
         assert result.version == step + 1
     trainer.close()
     assert nll[-1] < nll[0] - 0.5, nll
+
+
+def test_sft_trains_at_temperature_one_whatever_the_inference_temperature(tmp_path):
+    """SFT's NLL is of the model's own distribution, not of the rollouts' temperature."""
+    inference = dataclasses.replace(ENGINE, temperature=0.7)
+    config = run_config(str(tmp_path / "sft"), mesh=ONE_DEVICE, micro=4, inference=inference)
+    trainer = Trainer(config, mesh=_one_device_mesh())
+    trainer.initialize()
+    abstract = nnx.eval_shape(lambda: Transformer(MODEL, rngs=nnx.Rngs(0)))
+    # Host copies: the step donates the trainer's params.
+    version_0 = jax.tree.map(np.asarray, trainer.params())
+    model = nnx.merge(nnx.split(abstract, nnx.Param)[0], version_0)
+    batch = rollout_batch(2)
+    mask = np.asarray(batch.response_mask, np.float32)
+
+    def nll(temperature):
+        lp = model.forward_train(batch.tokens, batch.targets, temperature=temperature).logprobs
+        return float(-np.sum(np.asarray(lp) * mask) / mask.sum())
+
+    result = trainer.sft_step(0, batch.tokens, batch.targets, batch.response_mask)
+    trainer.close()
+    assert result.metrics["nll"] == pytest.approx(nll(1.0), rel=1e-5)
+    assert abs(nll(0.7) - nll(1.0)) > 1e-2
 
 
 @pytest.mark.parametrize("source", ["recomputed", "cached"])

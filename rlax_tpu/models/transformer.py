@@ -168,7 +168,7 @@ class DecoderLayer(nnx.Module):
 
 class TrainOutput(NamedTuple):
     logprobs: jax.Array  # float32[batch, seq]: log π(targets[b, t] | tokens[b, :t+1])
-    logits: jax.Array | None  # float32[batch, seq, vocab] when asked for
+    logits: jax.Array | None  # float32[batch, seq, vocab] (/ temperature) when asked for
     values: jax.Array | None  # float32[batch, seq] when the model has a value head
 
 
@@ -252,10 +252,20 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         return_logits: bool = False,
+        temperature: float = 1.0,
     ) -> TrainOutput:
-        """Per-token log-probs of `targets` (int32[batch, seq], usually tokens shifted left)."""
+        """Per-token log-probs of `targets` (int32[batch, seq], usually tokens shifted left).
+
+        temperature: a static float > 0; the log-probs (and the logits returned) are those
+        of softmax(logits / temperature), the distribution an inference sampler at that
+        temperature draws from. At 1 no division is made (the graph is the plain one).
+        """
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         h = self.hidden_states(tokens, positions=positions, segment_ids=segment_ids)
         logits = self._logits(h)
+        if temperature != 1.0:
+            logits = logits / temperature
         logprobs = token_logprobs(logits, targets)
         values = self._values(h) if self.config.value_head else None
         return TrainOutput(logprobs, logits if return_logits else None, values)

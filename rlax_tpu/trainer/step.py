@@ -19,7 +19,7 @@ from flax import nnx
 
 from rlax_tpu.algorithms import Objective, RolloutBatch
 from rlax_tpu.algorithms.metrics import masked_mean, masked_quantile
-from rlax_tpu.config import RunConfig, TrainerConfig
+from rlax_tpu.config import InferenceConfig, RunConfig, TrainerConfig
 from rlax_tpu.sharding import constrain
 
 Params = Any  # a pure dict of arrays (nnx.to_pure_dict of the model's nnx.Param state)
@@ -131,6 +131,21 @@ def build_optimizer(
 # -- forward passes -------------------------------------------------------------------------
 
 
+def policy_temperature(inference: InferenceConfig) -> float:
+    """The temperature T the trainer's policy log-probs are computed at: softmax(logits / T).
+
+    The rollouts' sampling temperature (`inference.temperature`), so that π_θ, π_old and
+    the reference are the distribution the inference workers' behaviour log-probs are of
+    (rlax_tpu.inference.sampling.sample_tokens). Greedy rollouts (temperature 0) give 1:
+    the sampler computes their behaviour log-probs at temperature 1. Either
+    `logprobs_of` gives the same T; with "sampled" and top-k/top-p truncation the
+    behaviour log-probs are of the truncated distribution, which the trainer does not
+    reproduce (docs/trainer.md, "Sampling temperature").
+    """
+    temperature = float(inference.temperature)
+    return temperature if temperature > 0 else 1.0
+
+
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
     """float[b, s, V] -> float32[b, s]: H = logsumexp(z) − Σ softmax(z)·z."""
     logits = logits.astype(jnp.float32)
@@ -150,12 +165,14 @@ def policy_outputs(
     *,
     values: bool,
     entropy: bool,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """log π(targets) float32[b, s], and the value head and entropies when asked."""
+    """log π(targets) float32[b, s], and the value head and entropies when asked; π (and
+    its entropy) is softmax(logits / temperature)."""
     tokens = constrain(tokens, ("batch", "length"))
     targets = constrain(targets, ("batch", "length"))
     model = nnx.merge(graphdef, params)
-    out = model.forward_train(tokens, targets, return_logits=entropy)
+    out = model.forward_train(tokens, targets, return_logits=entropy, temperature=temperature)
     return (
         out.logprobs,
         out.values if values else None,
@@ -172,9 +189,10 @@ def inference_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """log softmax(logits)[targets]: float[b, s, V], int32[b, s] -> float32[b, s].
 
     The inference sampler's formula (rlax_tpu.inference.sampling.sample_tokens, "full"
-    log-probs at temperature 1): the shifted logits minus log Σ exp, then the target's
-    entry. `token_logprobs` (picked − logsumexp) is the same value rounded differently
-    (1 f32 ULP apart on about a quarter of the tokens), so the recompute uses this one.
+    log-probs; pass logits already divided by the temperature): the shifted logits minus
+    log Σ exp, then the target's entry. `token_logprobs` (picked − logsumexp) is the same
+    value rounded differently (1 f32 ULP apart on about a quarter of the tokens), so the
+    recompute uses this one.
     """
     full = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
@@ -192,9 +210,11 @@ def recompute(
     *,
     micro_size: int,
     values: bool = False,
+    temperature: float = 1.0,
 ) -> Recomputed:
     """π_old's log-probs of every row's targets (and the value head's V_old when `values`),
-    micro-batch by micro-batch, under `params` and without gradient.
+    micro-batch by micro-batch, under `params` and without gradient; π_old is
+    softmax(logits / temperature) (`policy_temperature`: the rollouts' temperature).
 
     The forward is wrapped in `jax.checkpoint(policy=nothing_saveable)` so that it keeps no
     activation for a backward pass: its graph is the plain forward that inference runs,
@@ -205,7 +225,9 @@ def recompute(
     def forward(p, t):
         t = constrain(t, ("batch", "length"))
         targets = _targets(t)
-        out = nnx.merge(graphdef, p).forward_train(t, targets, return_logits=True)
+        out = nnx.merge(graphdef, p).forward_train(
+            t, targets, return_logits=True, temperature=temperature
+        )
         return inference_logprobs(out.logits, targets), (out.values if values else None)
 
     forward = jax.checkpoint(forward, policy=jax.checkpoint_policies.nothing_saveable)
@@ -218,10 +240,17 @@ def recompute(
 
 
 def recompute_logprobs(
-    graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, *, micro_size: int
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    micro_size: int,
+    temperature: float = 1.0,
 ) -> jax.Array:
     """`recompute(...).logprobs`: float32[G, T]."""
-    return recompute(graphdef, params, tokens, micro_size=micro_size).logprobs
+    return recompute(
+        graphdef, params, tokens, micro_size=micro_size, temperature=temperature
+    ).logprobs
 
 
 # -- the RL update ---------------------------------------------------------------------------
@@ -262,6 +291,8 @@ def make_rl_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     levels: BatchLevels,
+    *,
+    temperature: float = 1.0,
 ) -> Callable:
     """The RL update of one global batch, to be jitted:
 
@@ -281,6 +312,10 @@ def make_rl_step(
     |log π_θ − log π_name| over response tokens, π_θ being the policy at the start of each
     update, averaged over the updates like the objective's `logprob_diff/*` (which is
     against the log-probs in use).
+
+    temperature: log π_θ and the entropies are of softmax(logits / temperature), the
+    temperature the batch's behaviour (and reference) log-probs were computed at
+    (`policy_temperature`).
     """
     need_values = objective.needs_values
     need_entropy = objective.needs_entropy
@@ -288,7 +323,13 @@ def make_rl_step(
 
     def outputs(params, tokens):
         return policy_outputs(
-            graphdef, params, tokens, _targets(tokens), values=need_values, entropy=need_entropy
+            graphdef,
+            params,
+            tokens,
+            _targets(tokens),
+            values=need_values,
+            entropy=need_entropy,
+            temperature=temperature,
         )
 
     def loss_of(mini: RolloutBatch, step, lp, values, entropy):
@@ -400,6 +441,8 @@ def make_sft_step(
     tokens, targets: int32[G, T]; loss_mask: float[G, T]. The loss of a mini-batch is the
     token-mean NLL −Σ mask·log π / Σ mask; its gradient w.r.t. log π is −mask / Σ mask,
     known before the forward, so micro-batches accumulate it exactly in one pass each.
+    SFT trains the model's own distribution: log π at temperature 1, whatever the
+    inference temperature.
     """
     m = levels.micro_per_mini
 

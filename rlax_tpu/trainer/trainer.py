@@ -36,6 +36,7 @@ from rlax_tpu.trainer.step import (
     make_rl_step,
     make_sft_step,
     mismatch_metrics,
+    policy_temperature,
     recompute,
     train_flops,
 )
@@ -146,6 +147,9 @@ class Trainer:
             self._opt_shardings,
         )
         self._keeps_reference = self.objective.needs_reference_logprobs
+        # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
+        # the distribution the inference workers' behaviour log-probs are of; SFT at 1.
+        self.temperature = policy_temperature(config.inference)
 
         self.checkpoints = CheckpointStore(
             storage.join(config.storage.run_dir, "checkpoints"),
@@ -170,13 +174,23 @@ class Trainer:
         self._init_opt = jax.jit(self._optimizer.init, out_shardings=o_sh)
         self._recompute = jax.jit(
             lambda params, tokens, values: recompute(
-                self._graphdef, params, tokens, micro_size=self.levels.micro_size, values=values
+                self._graphdef,
+                params,
+                tokens,
+                micro_size=self.levels.micro_size,
+                values=values,
+                temperature=self.temperature,
             ),
             static_argnums=2,
         )
         self._rl_step = jax.jit(
             make_rl_step(
-                self._graphdef, self.objective, self._optimizer, self._schedule, self.levels
+                self._graphdef,
+                self.objective,
+                self._optimizer,
+                self._schedule,
+                self.levels,
+                temperature=self.temperature,
             ),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, o_sh, replicated),
