@@ -26,6 +26,7 @@ import numpy as np
 from rlax_tpu.algorithms import RolloutBatch
 from rlax_tpu.algorithms.filters import dynamic_sampling_keep
 from rlax_tpu.config import RunConfig
+from rlax_tpu.controller.datasets import decode_response, encode_prompt, stop_tokens
 from rlax_tpu.controller.replay import Entry, ReplayBuffer
 from rlax_tpu.controller.snapshots import RolloutLog, Snapshot, SnapshotError, SnapshotStore
 from rlax_tpu.inference.engine import GenerationRequest
@@ -171,8 +172,7 @@ class Controller:
         self.digest = digest or config.digest()
         ctl = config.controller
         self.num_steps, self.samples = ctl.num_steps, ctl.samples_per_prompt
-        eos = tokenizer.eos_token_id
-        stops = config.inference.stop_token_ids or ((eos,) if eos is not None else ())
+        stops = stop_tokens(config.inference.stop_token_ids, tokenizer)
         base = SamplingParams.from_config(config.inference)
         self.sampling = dataclasses.replace(base, stop_token_ids=tuple(stops))
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
@@ -430,17 +430,7 @@ class Controller:
         return [Prompt(f"b{b}:{r.dataset}:{r.id}", self.encode(r), r) for r in records]
 
     def encode(self, record: Any) -> tuple[int, ...]:
-        if record.messages:
-            ids = self.tokenizer.encode_chat(list(record.messages), add_generation_prompt=True)
-        else:
-            ids = self.tokenizer.encode(record.prompt)
-        limit = self.config.inference.max_prompt_len
-        if len(ids) > limit:
-            raise ControllerError(
-                f"prompt {record.id!r} of dataset {record.dataset!r} has {len(ids)} tokens, "
-                f"more than inference.max_prompt_len={limit}: raise the limit or drop the row"
-            )
-        return tuple(int(t) for t in ids)
+        return encode_prompt(self.tokenizer, record, self.config.inference.max_prompt_len)
 
     def _launch(self, b: int, version: int) -> None:
         batch = _Batch(b, version, [], self.samples, launched_s=time.perf_counter())
@@ -583,10 +573,7 @@ class Controller:
 
     # -- scoring and assembly ------------------------------------------------------------------
     def decode(self, tokens: Sequence[int]) -> str:
-        stops = set(self.sampling.stop_token_ids)
-        return self.tokenizer.decode(
-            [t for t in tokens if t not in stops], skip_special_tokens=True
-        )
+        return decode_response(self.tokenizer, tokens, self.sampling.stop_token_ids)
 
     def verify(self, prompts: Sequence[Prompt], records: Sequence[dict]) -> list[float]:
         by_key = {p.key: p.record for p in prompts}

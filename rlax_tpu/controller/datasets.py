@@ -101,6 +101,34 @@ class PromptRecord:
             raise DatasetError(f"prompt record {data!r} is incomplete: {e}") from None
 
 
+def encode_prompt(tokenizer: Any, record: PromptRecord, max_prompt_len: int) -> tuple[int, ...]:
+    """A record's prompt tokens, as training and evaluation both send them: the chat template
+    with the generation prompt for chat records, the plain text otherwise. A prompt longer
+    than `max_prompt_len` is a DatasetError (never truncated silently)."""
+    if record.messages:
+        ids = tokenizer.encode_chat(list(record.messages), add_generation_prompt=True)
+    else:
+        ids = tokenizer.encode(record.prompt)
+    if len(ids) > max_prompt_len:
+        raise DatasetError(
+            f"prompt {record.id!r} of dataset {record.dataset!r} has {len(ids)} tokens, more "
+            f"than inference.max_prompt_len={max_prompt_len}: raise the limit or drop the row"
+        )
+    return tuple(int(t) for t in ids)
+
+
+def stop_tokens(stop_token_ids: Sequence[int], tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a response: inference.stop_token_ids, else the tokenizer's EOS."""
+    eos = tokenizer.eos_token_id
+    return tuple(stop_token_ids or ((eos,) if eos is not None else ()))
+
+
+def decode_response(tokenizer: Any, tokens: Sequence[int], stops: Sequence[int]) -> str:
+    """A response's text for the verifiers: stop tokens removed, special tokens skipped."""
+    stop_set = set(stops)
+    return tokenizer.decode([t for t in tokens if t not in stop_set], skip_special_tokens=True)
+
+
 def dataset_name(config: DatasetConfig) -> str:
     """The name a dataset goes by in records, counters and snapshots: its file's stem
     ("gs://bucket/data/gsm8k.jsonl" -> "gsm8k")."""
