@@ -297,6 +297,66 @@ def test_benchmark_jsons_are_recognised_and_fitted(tmp_path):
     assert timing.decode_step_s > 0 and len(notes) == 3
 
 
+def _inference_bench(**extra) -> dict:
+    """A bench_inference JSON with the keys calibration reads, plus `extra`."""
+    return {
+        "tokens_per_s": 1000.0,
+        "slot_utilization": 0.9,
+        "useful_tokens": 3332,
+        "decode_slots": 8,
+        "decode_steps_per_call": 4,
+        "requests": 64,
+        "model_flops_per_token": 7e6,
+        **extra,
+    }
+
+
+def _calibrated_timing(tmp_path, *runs: dict) -> TimingModel:
+    calibration = Calibration()
+    for i, data in enumerate(runs):
+        path = tmp_path / f"inference{i}.json"
+        path.write_text(json.dumps(data))
+        calibration.add_file(path)
+    return calibrate(load_config(TINY), calibration)[1]
+
+
+def _worker_loads(served: bool) -> dict:
+    loads = {
+        "tiny": {"arrays": 21, "bytes": 0, "load_s": 0.018, "swap_s": 0.002},
+        "bench": {"arrays": 39, "bytes": 0, "load_s": 0.021, "swap_s": 0.003},
+    }
+    if served:  # the served load adds 25 ms per version and 0.05 ms per array
+        for r in loads.values():
+            r["served_load_s"] = r["load_s"] + 0.025 + r["arrays"] * 5e-5
+    return loads
+
+
+def test_the_served_workers_load_sets_the_pull_latency(tmp_path):
+    in_process = _calibrated_timing(tmp_path, _inference_bench(worker_load=_worker_loads(False)))
+    served = _calibrated_timing(tmp_path, _inference_bench(worker_load=_worker_loads(True)))
+    assert served.pull_fixed_s == pytest.approx(in_process.pull_fixed_s + 0.025)
+    assert served.pull_s_per_array == pytest.approx(in_process.pull_s_per_array + 5e-5)
+    assert served.swap_fixed_s == in_process.swap_fixed_s  # the swap stays in-process
+
+
+def test_the_served_generate_overhead_is_the_job_overhead(tmp_path):
+    def generate(overhead_s: float) -> dict:
+        return {
+            "requests": 64,
+            "served_ms": 60.0 + 1e3 * overhead_s,
+            "in_process_ms": 60.0,
+            "overhead_s": overhead_s,
+        }
+
+    without = _calibrated_timing(tmp_path, _inference_bench())
+    assert without.job_overhead_s == TimingModel().job_overhead_s  # nothing measured it
+    runs = [_inference_bench(served_generate=generate(s)) for s in (0.010, 0.014)]
+    assert _calibrated_timing(tmp_path, *runs).job_overhead_s == pytest.approx(0.012)
+    # Noise can make the served call look faster than the engine: never a negative cost.
+    timing = _calibrated_timing(tmp_path, _inference_bench(served_generate=generate(-0.001)))
+    assert timing.job_overhead_s == 0.0
+
+
 def test_settings_files_and_overrides_apply_in_order(tmp_path):
     path = tmp_path / "tpu.yaml"
     path.write_text(

@@ -21,6 +21,15 @@ with XLA_FLAGS=--xla_force_host_platform_device_count=2 for the CPU demo's two d
 default model, and this benchmark's model): `InferenceWorker.load` of a version just
 published to a real parameter-server process (pull + swap into the engine), and the two
 apart (the pull alone; the swap of already-pulled params), medians over many versions.
+
+The served worker, as a run's controller drives it: a parameter-server process and an
+`rlax-tpu serve inference` process on loopback, timed through `InferenceWorkerClient`. Its
+Load of each version just published (`worker_load.*.served_load_s`: the RPC, the pull in
+the worker process and the swap) and, on the tiny model, its Generate of the RL batch with
+all rollouts streamed back (`served_generate`), next to the same batch through an engine
+built here as the worker builds it (its config, its mesh, one decode step per call): the
+difference is what one Generate call costs beyond the engine's work
+(`served_generate.overhead_s`).
 """
 
 from __future__ import annotations
@@ -127,13 +136,17 @@ def engine_runner(params, workload: Workload, decode_steps: int):
     return engine, run
 
 
-def rl_batch_requests(seed: int = SEED) -> list[GenerationRequest]:
-    """8 prompts x 8 samples: prompts of 38-52 tokens, 4-16 new tokens per sample."""
+def rl_batch_requests(
+    seed: int = SEED, vocab_size: int = MODEL.vocab_size
+) -> list[GenerationRequest]:
+    """8 prompts x 8 samples: prompts of 38-52 tokens, 4-16 new tokens per sample (the same
+    lengths for a model of another `vocab_size`, token ids folded into it)."""
     rng = np.random.default_rng(seed)
     base = SamplingParams.from_config(RL_INFERENCE)
     requests = []
     for p in range(RL_PROMPTS):
-        tokens = tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, int(rng.integers(38, 53))))
+        ids = rng.integers(0, MODEL.vocab_size, int(rng.integers(38, 53))) % vocab_size
+        tokens = tuple(int(t) for t in ids)
         for k in range(RL_SAMPLES):
             sampling = dataclasses.replace(base, max_new_tokens=int(rng.integers(4, 17)))
             requests.append(GenerationRequest(f"rl{p}.{k}", f"rl{p}", k, tokens, sampling))
@@ -234,6 +247,142 @@ def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
         "load_s": statistics.median(loads),
         "pull_s": statistics.median(pulls),
         "swap_s": statistics.median(swaps),
+    }
+
+
+# -- the served worker: processes on loopback, as a run's controller drives them --------------
+GENERATE_REPEATS = 40  # timed Generate calls (and in-process batches): medians
+
+
+def served_config(model: ModelConfig) -> RunConfig:
+    """A rollout worker's config for the RL batch: every sample has a slot, prefill 8 rows."""
+    inference = dataclasses.replace(RL_INFERENCE, prefill_batch_size=RL_PROMPTS)
+    return RunConfig(model=model, inference=inference, seed=SEED)
+
+
+def _inference_process(config_path: str, param_server: str, env: dict):
+    """`rlax-tpu serve inference CONFIG --param-server ADDRESS` on loopback, in a child that
+    gets SIGTERM if this process dies; (process, address, stderr file)."""
+    from rlax_tpu.rpc.process import CHILD_LAUNCHER
+
+    stderr = tempfile.TemporaryFile()
+    process = subprocess.Popen(
+        [sys.executable, "-c", CHILD_LAUNCHER, "serve", "inference", config_path]
+        + [f"--param-server={param_server}", "--host", "127.0.0.1", "--port", "0"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+    line = process.stdout.readline().strip()
+    if not line.startswith("READY "):
+        process.kill()
+        process.wait()
+        stderr.seek(0)
+        tail = stderr.read().decode(errors="replace")[-3000:]
+        raise RuntimeError(f"the inference worker did not start: {line!r}\n{tail}")
+    return process, line.split(" ", 1)[1], stderr
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to this process only; SIGKILL if it has not exited within 30 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def served_worker(
+    model: ModelConfig, versions: int = LOAD_VERSIONS, generate_repeats: int = 0
+) -> dict:
+    """Median Load (through InferenceWorkerClient) of a just-published version of `model` by
+    a served worker; with `generate_repeats`, also the RL batch's Generate through it (all
+    rollouts streamed back, fresh request ids each call) against the same batch through an
+    in-process engine built as the worker builds it, calls of the two interleaved."""
+    from rlax_tpu.inference.service import InferenceWorkerClient
+    from rlax_tpu.param_server.client import ParamServerClient
+
+    token = secrets.token_hex(16)
+    env = dict(os.environ, RLAX_TPU_AUTH_TOKEN=token, JAX_PLATFORMS="cpu")
+    config = served_config(model)
+    params = nnx.to_pure_dict(nnx.state(Transformer(model, rngs=nnx.Rngs(SEED)), nnx.Param))
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = os.path.join(tmp, "worker.json")
+        Path(config_path).write_text(json.dumps(config.to_dict()))
+        server, address = _param_server(os.path.join(tmp, "ps"), env)
+        worker = None
+        try:
+            # _stderr: the worker's log, kept open while it runs (read only on a failed start)
+            worker, worker_address, _stderr = _inference_process(config_path, address, env)
+            publisher = ParamServerClient([address], auth_token=token)
+            client = InferenceWorkerClient(worker_address, auth_token=token)
+            loads = []
+            for v in range(versions + 1):
+                publisher.publish(v, params)
+                t0 = time.perf_counter()
+                client.load(v)
+                if v:  # the first load also builds the worker's param shapes and channel
+                    loads.append(time.perf_counter() - t0)
+            out.update(load_s=statistics.median(loads), versions=len(loads))
+            if generate_repeats:
+                out["generate"] = _served_generate(
+                    client, config, params, versions, generate_repeats
+                )
+            client.close()
+            publisher.close()
+        finally:
+            if worker is not None:
+                _stop(worker)
+            _stop(server)
+    return out
+
+
+def _served_generate(client, config: RunConfig, params, version: int, repeats: int) -> dict:
+    engine = Engine(config.model, config.inference, seed=config.seed, mesh=inference_mesh())
+    engine.load(version, params)
+    requests = rl_batch_requests(vocab_size=config.model.vocab_size)
+    tokens = sum(r.sampling.max_new_tokens for r in requests)
+
+    def served(round_: int) -> float:
+        fresh = [dataclasses.replace(r, request_id=f"{r.request_id}.{round_}") for r in requests]
+        t0 = time.perf_counter()
+        rollouts = list(client.generate(fresh, version=version))
+        seconds = time.perf_counter() - t0
+        assert len(rollouts) == len(requests) and sum(len(r.tokens) for r in rollouts) == tokens
+        return seconds
+
+    def in_process() -> float:
+        t0 = time.perf_counter()
+        rollouts = engine.run(requests)
+        seconds = time.perf_counter() - t0
+        assert sum(len(r.tokens) for r in rollouts) == tokens
+        return seconds
+
+    served(0), in_process()  # warm-up: both compile the batch's shapes
+    served_s, in_process_s = [], []
+    for i in range(1, repeats + 1):  # interleaved: load from elsewhere hits both alike
+        served_s.append(served(i))
+        in_process_s.append(in_process())
+    paired = [a - b for a, b in zip(served_s, in_process_s, strict=True)]
+    return {
+        "requests": len(requests),
+        "response_tokens": tokens,
+        "prefill_batch_size": engine.prefill_rows,
+        "decode_steps_per_call": engine.decode_steps_per_call,
+        "devices": int(inference_mesh().devices.size),
+        "repeats": repeats,
+        "served_ms": round(1e3 * statistics.median(served_s), 2),
+        "in_process_ms": round(1e3 * statistics.median(in_process_s), 2),
+        "served_best_ms": round(1e3 * min(served_s), 2),
+        "in_process_best_ms": round(1e3 * min(in_process_s), 2),
+        # What one Generate call costs beyond the engine's work: the RPC, the worker's
+        # bookkeeping and thread hand-offs, the rollouts' conversion and streaming.
+        "overhead_s": statistics.median(paired),
     }
 
 
@@ -527,6 +676,18 @@ def main(argv: list[str] | None = None) -> int:
             "bench": worker_load(MODEL),
         },
     }
+    # The served worker: Load of each version (both models); Generate of the RL batch on the
+    # tiny model (the demo's size: its engine time, ~60 ms, leaves the call's overhead
+    # measurable above the run-to-run noise, which is larger than it on this benchmark's model).
+    generate_repeats = GENERATE_REPEATS // 2 if args.quick else GENERATE_REPEATS
+    served = {
+        "tiny": served_worker(ModelConfig(), generate_repeats=generate_repeats),
+        "bench": served_worker(MODEL),
+    }
+    for name, r in served.items():
+        figures["worker_load"][name]["served_load_s"] = r["load_s"]
+        figures["worker_load"][name]["served_versions"] = r["versions"]
+    figures["served_generate"] = {"model": "tiny", **served["tiny"]["generate"]}
     print(f"{num_requests} requests, {tokens} response tokens, {figures['device']}")
     print(f"{'system':<32}{'tokens/s':>12}{'vs static':>12}")
     for name, value in [
@@ -562,6 +723,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['devices']} device(s)): {r['load_s'] * 1e3:.1f} ms = pull "
             f"{r['pull_s'] * 1e3:.1f} + swap {r['swap_s'] * 1e3:.1f} (medians of {r['versions']})"
         )
+    for name, r in figures["worker_load"].items():
+        print(
+            f"served worker load ({name} model): {r['served_load_s'] * 1e3:.1f} ms through "
+            f"InferenceWorkerClient.load (median of {r['served_versions']}), in-process "
+            f"{r['load_s'] * 1e3:.1f} ms"
+        )
+    g = figures["served_generate"]
+    print(
+        f"served Generate of the RL batch ({g['model']} model, {g['requests']} requests, "
+        f"prefill_batch_size="
+        f"{g['prefill_batch_size']}, {g['decode_steps_per_call']} decode step per call): "
+        f"{g['served_ms']:.1f} ms streamed back vs {g['in_process_ms']:.1f} ms in-process "
+        f"-> {g['overhead_s'] * 1e3:.1f} ms per call (medians of {g['repeats']})"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -178,7 +178,9 @@ class TimingModel(ConfigBase):
     decode_steps_per_call: int = 1
     prefill_call_s: float = 0.002
     prefill_s_per_token: float = 2e-5
-    job_overhead_s: float = 0.002  # one Generate call (RPC, stream set-up, the rollout log)
+    # One Generate call beyond the engine's work: the RPC, the worker's hand-offs, the
+    # rollouts' conversion and streaming back (bench_inference's `served_generate`).
+    job_overhead_s: float = 0.002
     rollout_overhead_s: float = 0.0  # per rollout: streaming it back to the controller
     worker_compile_s: float = 0.0  # the first generation of a (re)started worker
     # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token,
@@ -731,6 +733,16 @@ def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, s
         f"{1 / s_per_flop / 1e9:.2f} GFLOP/s; decode step of {workload.decode_slots} slots "
         f"{figures['decode_step_s'] * 1e3:.2f} ms"
     )
+    served = [run["served_generate"] for run in runs if "served_generate" in run]
+    if served:  # the served worker's Generate less the engine's own time for the same batch
+        overheads = [max(0.0, g["overhead_s"]) for g in served]
+        figures["job_overhead_s"] = sum(overheads) / len(overheads)
+        g = served[-1]
+        note += (
+            f"; a Generate call costs {figures['job_overhead_s'] * 1e3:.1f} ms beyond the "
+            f"engine ({len(served)} run(s): {g['served_ms']:.1f} ms served vs "
+            f"{g['in_process_ms']:.1f} ms in-process for {g['requests']} requests)"
+        )
     loads = [r for run in runs for r in run.get("worker_load", {}).values()]
     if loads:
         swap = _fit_line([(r["arrays"], r["swap_s"]) for r in loads])
@@ -828,16 +840,21 @@ def _pull_from_worker_loads(
     loads: list[dict], figures: Mapping[str, float], default: TimingModel
 ) -> tuple[dict, str]:
     """A worker's pull latency (per version, per array) from bench_inference's
-    `worker_load`: InferenceWorker.load of a just-published version, less its swap and its
-    bytes at the first-pull rate (the parameter-server benchmark's, when given). It covers
-    what the parameter server's own small-tree pulls do not: placing the arrays on the
-    worker's devices."""
+    `worker_load`: the load of a just-published version, less its swap and its bytes at the
+    first-pull rate (the parameter-server benchmark's, when given). The load is the served
+    worker's (`served_load_s`: the Load RPC to a worker process, its pull and swap) where
+    measured, else InferenceWorker.load in-process (`load_s`). It covers what the parameter
+    server's own small-tree pulls do not: placing the arrays on the worker's devices and,
+    served, the RPC and the process boundary."""
     rate = figures.get("first_pull_bytes_per_s", default.first_pull_bytes_per_s)
-    points = [(r["arrays"], max(0.0, r["load_s"] - r["swap_s"] - r["bytes"] / rate)) for r in loads]
+    served = all("served_load_s" in r for r in loads)
+    key = "served_load_s" if served else "load_s"
+    points = [(r["arrays"], max(0.0, r[key] - r["swap_s"] - r["bytes"] / rate)) for r in loads]
     fixed, per_array = _fit_line(points)
     note = (
-        f"worker load: pull {fixed * 1e3:.1f} ms per version + {per_array * 1e3:.3f} ms per "
-        f"array before its bytes ({len(loads)} measured load(s))"
+        f"worker load ({'served' if served else 'in-process'}): pull {fixed * 1e3:.1f} ms per "
+        f"version + {per_array * 1e3:.3f} ms per array before its bytes ({len(loads)} "
+        "measured load(s))"
     )
     return {"pull_fixed_s": fixed, "pull_s_per_array": per_array}, note
 
