@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_param_server import start_param_server  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlax_tpu.config import InferenceConfig, MeshConfig, ModelConfig, RunConfig  # noqa: E402
@@ -182,21 +183,6 @@ def rl_batch_runner(params, prefill_batch_size: int, decode_steps: int):
 LOAD_VERSIONS = 20  # versions published and loaded per model (medians)
 
 
-def _param_server(storage: str, env: dict) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu", "serve", "param-server", "--storage", storage]
-        + ["--port", "0", "--hot-versions", "3"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    line = process.stdout.readline().strip()
-    if not line.startswith("READY "):
-        process.kill()
-        raise RuntimeError(f"the parameter server did not start: {line!r}")
-    return process, line.split(" ", 1)[1]
-
-
 def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
     """Median `InferenceWorker.load` of a just-published version of `model` (pull from a
     parameter-server process + swap into the engine on the worker's mesh), and its parts."""
@@ -210,7 +196,7 @@ def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
     config = RunConfig(model=model, inference=RL_INFERENCE)
     loads, pulls, swaps = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        server, address = _param_server(os.path.join(tmp, "ps"), env)
+        server, address = start_param_server(os.path.join(tmp, "ps"), env)
         try:
             trainer_side = ParamServerClient([address], auth_token=token)
             worker_side = ParamServerClient([address], auth_token=token)
@@ -314,7 +300,7 @@ def served_worker(
     with tempfile.TemporaryDirectory() as tmp:
         config_path = os.path.join(tmp, "worker.json")
         Path(config_path).write_text(json.dumps(config.to_dict()))
-        server, address = _param_server(os.path.join(tmp, "ps"), env)
+        server, address = start_param_server(os.path.join(tmp, "ps"), env)
         worker = None
         try:
             # _stderr: the worker's log, kept open while it runs (read only on a failed start)

@@ -126,6 +126,14 @@ def start(cmd: list[str], env: dict) -> tuple[subprocess.Popen, str]:
     return process, line.split(" ", 1)[1]
 
 
+def start_param_server(storage: str, env: dict, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`rlax-tpu serve param-server` on loopback with persistent `storage` and K=3 (the
+    benchmarks' server; tools/bench_trainer.py and bench_inference.py start theirs here too):
+    (process, address). Stop it with `stop`."""
+    command = [sys.executable, "-m", "rlax_tpu", "serve", "param-server", "--storage", storage]
+    return start([*command, "--port", "0", "--hot-versions", "3", *flags], env)
+
+
 def stop(process: subprocess.Popen) -> None:
     process.terminate()
     try:
@@ -169,24 +177,7 @@ def bench_size(label: str, target_bytes: int, env: dict, storage: str) -> dict:
     tree, logical = model_tree(target_bytes)
     total = sum(a.nbytes for a in tree.values())
     token = env["RLAX_TPU_AUTH_TOKEN"]
-    server, address = start(
-        [
-            sys.executable,
-            "-m",
-            "rlax_tpu",
-            "serve",
-            "param-server",
-            "--storage",
-            storage,
-            "--port",
-            "0",
-            "--hot-versions",
-            "3",
-            "--chunk-bytes",
-            str(CHUNK_BYTES),
-        ],
-        env,
-    )
+    server, address = start_param_server(storage, env, "--chunk-bytes", str(CHUNK_BYTES))
     try:
         client = ParamServerClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
         t0 = time.perf_counter()
@@ -264,24 +255,7 @@ def bench_small(arrays: int, env: dict, storage: str) -> dict:
     on a fresh server (as a small run's trainer and worker see them)."""
     tree = small_tree(arrays, SMALL_BYTES)
     token = env["RLAX_TPU_AUTH_TOKEN"]
-    server, address = start(
-        [
-            sys.executable,
-            "-m",
-            "rlax_tpu",
-            "serve",
-            "param-server",
-            "--storage",
-            storage,
-            "--port",
-            "0",
-            "--hot-versions",
-            "3",
-            "--chunk-bytes",
-            str(CHUNK_BYTES),
-        ],
-        env,
-    )
+    server, address = start_param_server(storage, env, "--chunk-bytes", str(CHUNK_BYTES))
     publish, first, warm = [], [], []
     try:
         client = ParamServerClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)

@@ -24,7 +24,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_param_server import start_param_server  # noqa: E402
 
 from rlax_tpu.algorithms import RolloutBatch  # noqa: E402
 from rlax_tpu.config import (  # noqa: E402
@@ -157,21 +157,6 @@ SERVICE_SEQ, SERVICE_RECOMPILE_SEQ = 48, 64  # two padded lengths (rlax_tpu.shap
 SERVICE_CHECKPOINT_EVERY = 4
 
 
-def _param_server(storage: str, env: dict) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu", "serve", "param-server", "--storage", storage]
-        + ["--port", "0", "--hot-versions", "3"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    line = process.stdout.readline().strip()
-    if not line.startswith("READY "):
-        process.kill()
-        raise RuntimeError(f"the parameter server did not start: {line!r}")
-    return process, line.split(" ", 1)[1]
-
-
 def bench_service(steps: int) -> dict[str, float]:
     """`Trainer.train_step` end to end on the tiny model and an RL batch, publishing to a
     parameter-server process, checkpointing every SERVICE_CHECKPOINT_EVERY steps."""
@@ -180,7 +165,7 @@ def bench_service(steps: int) -> dict[str, float]:
     token = secrets.token_hex(16)
     env = dict(os.environ, RLAX_TPU_AUTH_TOKEN=token, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as run_dir:
-        server, address = _param_server(os.path.join(run_dir, "ps"), env)
+        server, address = start_param_server(os.path.join(run_dir, "ps"), env)
         try:
             base = _config("tiny", run_dir)
             config = base.apply_overrides(
