@@ -210,13 +210,14 @@ def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
                 worker.load(v)
                 t1 = time.perf_counter()
                 trainer_side.publish(v + 1, params)  # apart: the pull, then the swap
+                t_published = time.perf_counter()
                 pulled = worker_side.pull(v + 1, like)
                 t2 = time.perf_counter()
                 worker.load(v + 1, pulled)
                 t3 = time.perf_counter()
                 if v:  # the first load also compiles nothing but warms the channel
                     loads.append(t1 - t0)
-                    pulls.append(t2 - t1)
+                    pulls.append(t2 - t_published)
                     swaps.append(t3 - t2)
             worker.close()
             trainer_side.close()
