@@ -145,3 +145,21 @@ def test_every_call_kind_needs_the_token(kind):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         server.stop(grace=None).wait()
+
+
+def test_a_serve_command_on_a_taken_port_says_so_and_binds_nothing(capsys):
+    from rlax_tpu.config import RunConfig
+    from rlax_tpu.rpc.process import bind_server
+
+    config = RunConfig()
+    first = bind_server("trainer", config, "127.0.0.1", 0, auth_token="t", max_workers=2)
+    assert first is not None
+    server, port = first
+    try:
+        again = bind_server("verifier", config, "127.0.0.1", port, auth_token="t", max_workers=2)
+        assert again is None
+        assert (
+            f"rlax-tpu serve verifier: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+        )
+    finally:
+        server.stop(0)

@@ -18,6 +18,7 @@ import sys
 from rlax_tpu.rpc import format_address
 from rlax_tpu.rpc.process import (
     announce_ready,
+    bind_server,
     component_config,
     join_distributed_job,
     stop_on_signals,
@@ -57,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
     from rlax_tpu.inference.worker import InferenceWorker
     from rlax_tpu.param_server.client import ParamServerClient
-    from rlax_tpu.rpc import HealthServicer, make_server
+    from rlax_tpu.rpc import HealthServicer
     from rlax_tpu.sharding import build_mesh
 
     worker_id = args.worker_id or DEFAULT_WORKER_ID
@@ -78,18 +79,13 @@ def main(args: argparse.Namespace) -> int:
         consumer_id=worker_id,
         mesh=build_mesh(config.inference.mesh),
     )
-    try:
-        server, port = make_server(
-            host,
-            args.port,
-            auth_token=token,
-            auth_token_env=config.param_server.auth_token_env,
-            max_workers=_MAX_STREAMS,
-        )
-    except OSError as e:  # the port is taken
-        print(f"rlax-tpu serve inference: {e}", file=sys.stderr)
+    bound = bind_server(
+        "inference", config, host, args.port, auth_token=token, max_workers=_MAX_STREAMS
+    )
+    if bound is None:
         worker.close()
         return 2
+    server, port = bound
     InferenceWorkerServicer(worker).add_to_server(server)
     digest = config.digest()
     HealthServicer(

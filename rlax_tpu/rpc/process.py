@@ -64,6 +64,26 @@ def component_config(args: argparse.Namespace, component: str) -> tuple[RunConfi
         return None
 
 
+def bind_server(
+    component: str, config: RunConfig, host: str, port: int, *, auth_token: str, max_workers: int
+) -> tuple[Any, int] | None:
+    """The gRPC server of `serve COMPONENT` on host:port (0 = any free) and the port bound,
+    not started; None (after saying why, e.g. the port is taken) when it cannot listen."""
+    from rlax_tpu.rpc.channels import make_server
+
+    try:
+        return make_server(
+            host,
+            port,
+            auth_token=auth_token,
+            auth_token_env=config.param_server.auth_token_env,
+            max_workers=max_workers,
+        )
+    except OSError as e:
+        print(f"rlax-tpu serve {component}: {e}", file=sys.stderr)
+        return None
+
+
 def join_distributed_job(component: str) -> Any:
     """Join the JAX job the environment describes (rlax_tpu.distributed), before anything
     touches a device; returns its DistributedEnv, or None after saying what is wrong with

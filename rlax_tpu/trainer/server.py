@@ -26,6 +26,7 @@ from rlax_tpu.config import RunConfig
 from rlax_tpu.rpc import format_address
 from rlax_tpu.rpc.process import (
     announce_ready,
+    bind_server,
     component_config,
     join_distributed_job,
     stop_on_signals,
@@ -173,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
 
     import jax
 
-    from rlax_tpu.rpc import HealthServicer, make_server
+    from rlax_tpu.rpc import HealthServicer
     from rlax_tpu.sharding import build_mesh
     from rlax_tpu.trainer import Trainer
     from rlax_tpu.trainer.service import TrainerServicer, trainer_status
@@ -186,17 +187,12 @@ def main(args: argparse.Namespace) -> int:
         param_server = connect_param_server(config, args.param_server, token)
     server = None
     if leader:
-        try:
-            server, port = make_server(
-                host,
-                args.port,
-                auth_token=token,
-                auth_token_env=config.param_server.auth_token_env,
-                max_workers=_MAX_WORKERS,
-            )
-        except OSError as e:  # the port is taken
-            print(f"rlax-tpu serve trainer: {e}", file=sys.stderr)
+        bound = bind_server(
+            "trainer", config, host, args.port, auth_token=token, max_workers=_MAX_WORKERS
+        )
+        if bound is None:
             return 2
+        server, port = bound
     mesh = build_mesh(config.trainer.mesh)
     trainer = Trainer(config, param_server=param_server, mesh=mesh)
     step = trainer.initialize()

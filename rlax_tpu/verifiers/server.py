@@ -19,7 +19,13 @@ from pathlib import Path
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.rpc import format_address
-from rlax_tpu.rpc.process import announce_ready, component_config, stop_on_signals, wait_for
+from rlax_tpu.rpc.process import (
+    announce_ready,
+    bind_server,
+    component_config,
+    stop_on_signals,
+    wait_for,
+)
 from rlax_tpu.verifiers.service import (
     DEFAULT_DEADLINE_S,
     DEFAULT_QUEUE_CAPACITY,
@@ -95,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"rlax-tpu serve verifier: {e}", file=sys.stderr)
         return 2
 
-    from rlax_tpu.rpc import HealthServicer, make_server
+    from rlax_tpu.rpc import HealthServicer
     from rlax_tpu.verifiers.code import CodeVerifier
     from rlax_tpu.verifiers.local import POOL_PRELOAD, LocalVerifier
     from rlax_tpu.verifiers.pool import WorkerPool
@@ -108,17 +114,12 @@ def main(args: argparse.Namespace) -> int:
 
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
-    try:
-        server, port = make_server(
-            host,
-            args.port,
-            auth_token=token,
-            auth_token_env=config.param_server.auth_token_env,
-            max_workers=_MAX_CALLS,
-        )
-    except OSError as e:  # the port is taken
-        print(f"rlax-tpu serve verifier: {e}", file=sys.stderr)
+    bound = bind_server(
+        "verifier", config, host, args.port, auth_token=token, max_workers=_MAX_CALLS
+    )
+    if bound is None:
         return 2
+    server, port = bound
     resolver = ProblemResolver(options.test_data_cache, roots=options.test_data_roots)
     pool = WorkerPool(
         options.num_workers,
