@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -237,17 +238,39 @@ def _drive(
         return controller.run()
 
 
-def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
-    """The whole job; returns the controller's summary (see Controller.run)."""
+def _connect(
+    config: RunConfig,
+    token: str,
+    *,
+    param_server: Sequence[str],
+    trainer: str,
+    inference: Sequence[str],
+    verifier: Sequence[str],
+) -> Any:  # rlax_tpu.controller.controller.Components
+    """The controller's clients of the components at these addresses (one per inference
+    worker; verification spread over every verifier replica)."""
     from rlax_tpu.controller.controller import Components
-    from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
     from rlax_tpu.inference.service import InferenceWorkerClient
-    from rlax_tpu.models.tokenizer import Tokenizer
     from rlax_tpu.param_server.client import ParamServerClient
-    from rlax_tpu.run_dir import prepare_run_dir
-    from rlax_tpu.runtime import configure_jax
     from rlax_tpu.trainer.service import TrainerClient
     from rlax_tpu.verifiers.service import VerifierClient
+
+    return Components(
+        trainer=TrainerClient(trainer, auth_token=token),
+        param_server=ParamServerClient(
+            list(param_server), auth_token=token, chunk_bytes=config.param_server.chunk_bytes
+        ),
+        workers=[InferenceWorkerClient(a, auth_token=token) for a in inference],
+        verifier=_ServiceVerifier([VerifierClient(a, auth_token=token) for a in verifier]),
+    )
+
+
+def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
+    """The whole job; returns the controller's summary (see Controller.run)."""
+    from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
+    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.run_dir import prepare_run_dir
+    from rlax_tpu.runtime import configure_jax
 
     stop = stop or threading.Event()
     run_dir = prepare_run_dir(config)
@@ -278,22 +301,13 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
         threading.Thread(
             target=lambda: (cluster.failed.wait(), stop.set()), daemon=True, name="on-failure"
         ).start()
-        token = cluster.token
-        ps = ParamServerClient(
-            cluster.addresses["param_server"],
-            auth_token=token,
-            chunk_bytes=config.param_server.chunk_bytes,
-        )
-        components = Components(
-            trainer=TrainerClient(cluster.addresses["trainer"][0], auth_token=token),
-            param_server=ps,
-            workers=[
-                InferenceWorkerClient(a, auth_token=token)
-                for a in cluster.addresses["inference_worker"]
-            ],
-            verifier=_ServiceVerifier(
-                [VerifierClient(cluster.addresses["verifier"][0], auth_token=token)]
-            ),
+        components = _connect(
+            config,
+            cluster.token,
+            param_server=cluster.addresses["param_server"],
+            trainer=cluster.addresses["trainer"][0],
+            inference=cluster.addresses["inference_worker"],
+            verifier=cluster.addresses["verifier"],
         )
         try:
             summary = _drive(
@@ -301,7 +315,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
             )
         finally:
             failure = cluster.failure
-        ps.close()
+        components.param_server.close()
     storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
     if failure:
         raise ComponentFailed(failure)
@@ -334,13 +348,8 @@ def run_connected(
     except AuthTokenError as e:
         raise ConnectError(str(e)) from None
 
-    from rlax_tpu.controller.controller import Components
-    from rlax_tpu.inference.service import InferenceWorkerClient
     from rlax_tpu.models.tokenizer import Tokenizer
-    from rlax_tpu.param_server.client import ParamServerClient
     from rlax_tpu.run_dir import prepare_run_dir
-    from rlax_tpu.trainer.service import TrainerClient
-    from rlax_tpu.verifiers.service import VerifierClient
 
     stop = stop or threading.Event()
     run_dir = prepare_run_dir(config)
@@ -359,18 +368,13 @@ def run_connected(
         threading.Thread(
             target=lambda: (watchdog.failed.wait(), stop.set()), daemon=True, name="on-failure"
         ).start()
-        ps = ParamServerClient(
-            list(addresses.param_server),
-            auth_token=token,
-            chunk_bytes=config.param_server.chunk_bytes,
-        )
-        components = Components(
-            trainer=TrainerClient(addresses.trainer, auth_token=token),
-            param_server=ps,
-            workers=[InferenceWorkerClient(a, auth_token=token) for a in addresses.inference],
-            verifier=_ServiceVerifier(
-                [VerifierClient(a, auth_token=token) for a in addresses.verifier]
-            ),
+        components = _connect(
+            config,
+            token,
+            param_server=list(addresses.param_server),
+            trainer=addresses.trainer,
+            inference=addresses.inference,
+            verifier=addresses.verifier,
         )
         try:
             summary = _drive(
@@ -379,7 +383,7 @@ def run_connected(
         finally:
             failure = watchdog.failure
             watchdog.close()
-            ps.close()
+            components.param_server.close()
     finally:
         probe.close()
     storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
