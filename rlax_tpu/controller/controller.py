@@ -635,14 +635,13 @@ class Controller:
             if self._wait(b) is None:
                 return None
 
-    def _select(self, batch: _Batch) -> list[Prompt]:
+    def _select(self, batch: _Batch, has: Mapping[str, bool]) -> list[Prompt]:
         """The batch's groups: all of them, or with dynamic sampling the first
         prompts_per_batch groups with reward variance (in draw order), topped up with the
         first groups without when the extra rounds ran out."""
         if not self.dynamic:
             return batch.prompts
         wanted = self.config.controller.prompts_per_batch
-        has = self._with_signal(batch)
         signal = [p for p in batch.prompts if has[p.key]]
         flat = [p for p in batch.prompts if not has[p.key]]
         self.stats["groups_generated"] += len(batch.prompts)
@@ -654,6 +653,7 @@ class Controller:
         """The training batch of step `batch.index`: its own groups, or (replay mode) groups
         sampled from the replay buffer after this step's sync."""
         self._score(batch)
+        has = self._with_signal(batch)
         if self.replay is not None:
             groups = self._replay_groups(batch)
         else:
@@ -662,9 +662,9 @@ class Controller:
                     (batch.rollouts[(p.key, i)], batch.rewards[(p.key, i)])
                     for i in range(self.samples)
                 ]
-                for p in self._select(batch)
+                for p in self._select(batch, has)
             ]
-        flat = len(batch.prompts) - sum(self._with_signal(batch).values())
+        flat = len(batch.prompts) - sum(has.values())
         return self._build(batch.index, groups, filtered_fraction=flat / len(batch.prompts))
 
     def _build(
