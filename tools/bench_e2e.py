@@ -50,6 +50,17 @@ LABELS = {
 # Steps whose time counts as warm-up (compiles of the trainer and workers) in steps/s.
 WARMUP_STEPS = 2
 WARM_START_FILES = ("tokenizer", "data", "sft_model")
+# A step's parts (step_ms): the controller's view, then the trainer's own.
+STEP_PARTS = {
+    "controller_step": "time/controller_step_s",
+    "worker_load": "time/worker_load_s",
+    "worker_generate": "time/worker_generate_s",
+    "verify_assemble": "time/verify_assemble_s",
+    "train_step_call": "time/train_step_call_s",
+    "trainer_jitted_step": "train/time/step_s",
+    "trainer_recompute": "train/time/recompute_s",
+    "trainer_publish": "train/time/publish_s",
+}
 
 # Full: the demo's own model, SFT warm start and learning rates, fewer RL steps than the
 # demo and a held-out evaluation every 5 steps to resolve the time to the target.
@@ -174,6 +185,12 @@ def figures(summary: dict, rows: list[dict], target: float) -> dict:
         "trainer_idle_fraction": round(summary["trainer_idle_fraction"], 3),
         "worker_idle_fraction": round(summary["worker_idle_fraction"], 3),
         "reward_mean_last_10": round(statistics.mean(r["reward_mean"] for r in rows[-10:]), 3),
+        # Medians over the warm steps, in ms: where a step's time goes (docs/controller.md).
+        "step_ms": {
+            name: round(1e3 * statistics.median(values), 1)
+            for name, key in STEP_PARTS.items()
+            if (values := [r[key] for r in rows[WARMUP_STEPS:] if key in r])
+        },
     }
 
 
@@ -307,8 +324,10 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
         ),
     )
     rewards: list[float] = []  # every sample's, in order
+    rewarded: list[float] = []  # when each reward call came (after that batch's rollouts)
 
     def arithmetic(prompts, completions, answer, **_):
+        rewarded.append(time.perf_counter())
         out = [score_arithmetic(c, str(a)).reward for c, a in zip(completions, answer, strict=True)]
         rewards.extend(out)
         return out
@@ -342,9 +361,20 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
     warm_s = pulled[steps] - pulled[WARMUP_STEPS]
     per_step = [rewards[i : i + groups * samples] for i in range(0, len(rewards), groups * samples)]
     means = [statistics.mean(r) for r in per_step if r]
+    # Where a warm step's time goes: batch drawn -> reward call (its rollouts), reward call
+    # -> next batch drawn (advantages and the update); meaningful when Tunix scores each
+    # batch in one call, as its GRPO learner does.
+    one_call_per_step = len(rewarded) == steps
+    phases = [
+        (rewarded[k] - pulled[k], pulled[k + 1] - rewarded[k])
+        for k in range(WARMUP_STEPS, steps if one_call_per_step else 0)
+    ]
     return {
         "steps": steps,
         "steps_per_s": round((steps - WARMUP_STEPS) / warm_s, 3),
+        "rollout_s": round(statistics.median(g for g, _ in phases), 4) if phases else None,
+        "update_s": round(statistics.median(u for _, u in phases), 4) if phases else None,
+        "reward_calls": len(rewarded),
         "wall_s": round(time.perf_counter() - t0, 1),
         "reward_mean_first_10": round(statistics.mean(means[:10]), 3) if means else None,
         "reward_mean_last_10": round(statistics.mean(means[-10:]), 3) if means else None,
@@ -377,6 +407,9 @@ def print_table(report: dict) -> None:
     print(header)
     for name in MODES:
         m = report[name]
+        if m is None:
+            print(f"{LABELS[name]:<32}{'(not run)':>9}")
+            continue
         print(
             f"{LABELS[name]:<32}{show(m['steps_per_s']):>9}"
             f"{show(m['time_to_target_s'], '{:.1f}'):>13}{show(m['final_accuracy'], '{:.3f}'):>11}"
@@ -385,6 +418,16 @@ def print_table(report: dict) -> None:
         )
     tunix = report["tunix"]
     print(f"{'tunix GRPO learner (on-policy)':<32}{show(tunix['steps_per_s']):>9}")
+    on = report["on_policy"]
+    if on is not None:
+        ms = on["step_ms"]
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in ms.items())
+        print(f"on-policy step, median ms: {parts}")
+    if tunix.get("rollout_s") is not None:
+        print(
+            f"tunix step, median ms: rollouts {1e3 * tunix['rollout_s']:.0f}, "
+            f"update {1e3 * tunix['update_s']:.0f}"
+        )
     print(
         f"speedup vs on-policy (time to target): off-policy {times(report['speedup_off_vs_on'])}, "
         f"one-step {times(report['speedup_one_step_vs_on'])}; final accuracy off - on: "
@@ -420,9 +463,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="inference workers, every mode")
     parser.add_argument("--no-tunix", action="store_true", help="skip the Tunix peer")
     parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes to run (default: all of {','.join(MODES)}); figures "
+        "of a mode not run are null",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
     )
     args = parser.parse_args(argv)
+    selected = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(selected) - set(MODES))
+    if unknown or not selected:
+        parser.error(f"unknown mode(s) {unknown} in --modes: choose from {list(MODES)}")
     target = (
         args.target
         if args.target is not None
@@ -439,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"work dir {work}; SFT warm start ({config.controller.sft_steps} steps)", flush=True)
         warm, sft_s, reused = warm_start(config, work, work / "warm_start.log")
         print(f"warm start {'reused' if reused else 'ready'} in {sft_s:.0f}s: {warm}", flush=True)
-        modes = {}
-        for name in MODES:
+        modes: dict[str, dict | None] = dict.fromkeys(MODES)
+        for name in selected:
             t0 = time.perf_counter()
             modes[name] = run_mode(config, name, warm, work, target)
             m = modes[name]
@@ -464,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     on, one, off = modes["on_policy"], modes["one_step"], modes["off_policy"]
+
+    def get(mode: dict | None, key: str) -> float | None:
+        return None if mode is None else mode[key]
+
     ctl = config.controller
     report = {
         "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
@@ -483,14 +540,18 @@ def main(argv: list[str] | None = None) -> int:
         "on_policy": on,
         "one_step": one,
         "off_policy": off,
-        "speedup_off_vs_on": ratio(on["time_to_target_s"], off["time_to_target_s"]),
-        "speedup_one_step_vs_on": ratio(on["time_to_target_s"], one["time_to_target_s"]),
+        "speedup_off_vs_on": ratio(get(on, "time_to_target_s"), get(off, "time_to_target_s")),
+        "speedup_one_step_vs_on": ratio(get(on, "time_to_target_s"), get(one, "time_to_target_s")),
         "speedup_off_vs_on_excl_eval": ratio(
-            on["time_to_target_excl_eval_s"], off["time_to_target_excl_eval_s"]
+            get(on, "time_to_target_excl_eval_s"), get(off, "time_to_target_excl_eval_s")
         ),
-        "accuracy_delta_off_vs_on": round(off["final_accuracy"] - on["final_accuracy"], 4),
+        "accuracy_delta_off_vs_on": (
+            None
+            if on is None or off is None
+            else round(off["final_accuracy"] - on["final_accuracy"], 4)
+        ),
         "tunix_steps_per_s": tunix["steps_per_s"],
-        "speedup_vs_tunix": ratio(on["steps_per_s"], tunix["steps_per_s"]),
+        "speedup_vs_tunix": ratio(get(on, "steps_per_s"), tunix["steps_per_s"]),
         "tunix_status": tunix["status"],
         "tunix": tunix,
         "total_s": round(time.perf_counter() - t_start, 1),

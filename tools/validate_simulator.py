@@ -205,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     e2e = json.loads(Path(args.e2e).read_text())
+    not_run = [mode for mode in MODES if e2e.get(mode) is None]
+    if not_run:
+        parser.error(
+            f"{args.e2e} has no figures for {not_run} (bench_e2e --modes left them out): "
+            "validation compares every mode; run bench_e2e with all of them"
+        )
     for path in args.calibration:
         data = json.loads(Path(path).read_text())
         from rlax_tpu.simulator.model import benchmark_kind
