@@ -151,6 +151,24 @@ def test_retention_through_the_client(servers, tmp_path):
         np.testing.assert_array_equal(client.pull_arrays(3)["w"], tree["w"] + 3)
 
 
+def test_wait_persisted_returns_once_versions_are_on_storage_and_names_what_is_not(
+    servers, tmp_path
+):
+    (address,) = servers(storage=str(tmp_path / "params"))
+    (memory_only,) = servers()
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        for version in range(2):
+            client.publish(version, {"w": np.arange(6, dtype=np.float32) + version})
+        client.wait_persisted([0, 1], timeout_s=30)
+        assert [v.persisted for v in client.list_versions().versions] == [True, True]
+        assert (tmp_path / "params" / "versions" / "0000000001" / "MANIFEST.json").exists()
+        with pytest.raises(ParamServerCallError, match=r"versions \[5\] are not held"):
+            client.wait_persisted([1, 5], timeout_s=5)
+    with ParamServerClient([memory_only], auth_token=TOKEN) as client:
+        client.publish(0, {"w": np.zeros(3, np.float32)})
+        client.wait_persisted([0, 1])  # no storage: nothing to wait for
+
+
 def test_bfloat16_round_trip_is_bit_exact(servers):
     tree = {
         "a": jnp.linspace(-3, 3, 96, dtype=jnp.bfloat16).reshape(8, 12),

@@ -121,6 +121,7 @@ def shared(servers, tmp_path_factory):
     process = servers.start_param_server(str(root), token=TOKEN, args=["--chunk-bytes", "1024"])
     stub = stub_for(process.address)
     assert stub.Publish(publish_requests(0, tree(0)), timeout=30).version == 0
+    stub.WaitPersisted(pb.WaitPersistedRequest(versions=[0], timeout_s=30), timeout=40)
     return process, stub, root
 
 
@@ -285,6 +286,10 @@ def kill_and_restart(servers, storage_url, version_exists):
     stub = stub_for(first.address)
     for v in range(3):
         stub.Publish(publish_requests(v, tree(v)), timeout=30)
+    # A publish returns with the memory copy; 0-2 must be on storage before the kill.
+    waited = stub.WaitPersisted(pb.WaitPersistedRequest(versions=[0, 1, 2, 7], timeout_s=30))
+    assert waited.persistent and list(waited.persisted) == [0, 1, 2]
+    assert list(waited.missing) == [7] and not waited.persist_error
     sent, release = threading.Event(), threading.Event()
     broken = stub.Publish.future(publish_requests(3, tree(3), stall=(sent, release)), timeout=60)
     try:

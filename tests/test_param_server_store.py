@@ -18,6 +18,7 @@ from rlax_tpu.param_server import (
     LayoutMismatchError,
     Piece,
     PublishInProgressError,
+    StorageFailedError,
     VersionConflictError,
     VersionNotFoundError,
     VersionStore,
@@ -58,10 +59,15 @@ def send(txn, arrays, chunk_bytes=16):
 
 
 def publish(store, version, arrays, **piece_kwargs):
+    """Publish and wait for the persistent copy (the tests below are about what is on
+    storage; the ones on persisting in the background publish without waiting)."""
     pieces = pieces_of(arrays, **piece_kwargs)
     txn = store.begin_publish(version, pieces, layout.version_digest(pieces))
     send(txn, arrays)
-    return txn.commit()
+    result = txn.commit()
+    if store.storage_url is not None:
+        assert store.wait_persisted(version, timeout_s=30), store.persist_error
+    return result
 
 
 def bits(a):
@@ -390,6 +396,7 @@ def test_memory_and_storage_stay_bounded_over_thousands_of_publishes(local_dir):
     grown = rss_mb() - before
     assert grown < 24, f"resident memory grew by {grown:.1f} MiB over {publishes} publishes"
     newest = list(range(warm_up + publishes - keep, warm_up + publishes))
+    assert all(store.wait_persisted(v, timeout_s=30) for v in newest)  # written in background
     assert [v.version for v in store.versions()] == newest
     assert [v.in_memory for v in store.versions()] == [False, False, True, True, True]
     assert version_dirs(local_dir) == [f"{v:010d}" for v in newest]
@@ -412,6 +419,104 @@ def test_evicted_versions_give_their_memory_back():
     assert rss_mb() - baseline < 80
 
 
+# -- persisting in the background ----------------------------------------------------------
+def publish_now(store, version, arrays):
+    """Publish without waiting for the persistent copy."""
+    pieces = pieces_of(arrays)
+    txn = store.begin_publish(version, pieces, layout.version_digest(pieces))
+    send(txn, arrays)
+    return txn.commit()
+
+
+def gate_storage_writes(monkeypatch, store, version, failure=None):
+    """Hold back (or, with `failure`, fail) the persistent array writes of `version`;
+    returns the event that lets them through."""
+    gate, write = threading.Event(), store._write_persistent
+
+    def gated(v, *args):
+        if v == version:
+            assert gate.wait(30)
+            if failure is not None:
+                raise failure
+        write(v, *args)
+
+    monkeypatch.setattr(store, "_write_persistent", gated)
+    return gate
+
+
+def manifest(root, version):
+    return root / "versions" / f"{version:010d}" / "MANIFEST.json"
+
+
+def test_a_publish_returns_with_the_memory_copy_and_persists_in_the_background(
+    tmp_path, monkeypatch
+):
+    store = VersionStore(str(tmp_path), hot_versions=2)
+    gate = gate_storage_writes(monkeypatch, store, 0)
+    publish_now(store, 0, tree(0))  # returns although no array is on storage yet
+    [info] = store.versions()
+    assert (info.in_memory, info.persisted) == (True, False)
+    assert_version(store, 0, tree(0))  # served from memory meanwhile
+    assert not store.wait_persisted(0, timeout_s=0.2) and not manifest(tmp_path, 0).exists()
+    gate.set()
+    assert store.wait_persisted(0, timeout_s=30)
+    assert manifest(tmp_path, 0).exists() and store.versions()[0].persisted
+    assert_version(VersionStore(str(tmp_path), hot_versions=2), 0, tree(0))  # a restart
+    assert not VersionStore(None, hot_versions=1).wait_persisted(0)  # no storage: never
+
+
+def test_a_version_stays_in_memory_until_it_is_on_storage(tmp_path, monkeypatch):
+    store = VersionStore(str(tmp_path), hot_versions=1)
+    gate = gate_storage_writes(monkeypatch, store, 0)
+    publish_now(store, 0, tree(0))
+    publish_now(store, 1, tree(1))  # K = 1: version 0 would leave memory, but has nowhere to go
+    assert [(v.version, v.in_memory) for v in store.versions()] == [(0, True), (1, True)]
+    assert_version(store, 0, tree(0))
+    gate.set()
+    assert store.wait_persisted(0, timeout_s=30) and store.wait_persisted(1, timeout_s=30)
+    assert [(v.version, v.in_memory) for v in store.versions()] == [(0, False), (1, True)]
+    assert_version(store, 0, tree(0))  # now from storage
+
+
+def test_garbage_collection_waits_for_writes_in_flight_and_leaves_no_files(tmp_path, monkeypatch):
+    store = VersionStore(str(tmp_path), hot_versions=3)
+    gate = gate_storage_writes(monkeypatch, store, 1)
+    for v in range(3):
+        publish_now(store, v, tree(v))
+    collected: list[int] = []
+    collector = threading.Thread(target=lambda: collected.extend(store.garbage_collect(2)))
+    collector.start()
+    collector.join(0.3)
+    assert collector.is_alive()  # version 1's arrays are still being written
+    gate.set()
+    collector.join(30)
+    assert collected == [0, 1]
+    assert not store.wait_persisted(1, timeout_s=30)  # gone, never committed on storage
+    assert store.wait_persisted(2, timeout_s=30)  # storage commits go in publish order
+    assert version_dirs(tmp_path) == ["0000000002"]
+    assert [v.version for v in VersionStore(str(tmp_path), hot_versions=3).versions()] == [2]
+    publish(store, 1, tree(1))  # the version number is free again, and whole
+    assert_version(store, 1, tree(1))
+
+
+def test_a_failed_persistent_copy_refuses_later_publishes_and_says_why(tmp_path, monkeypatch):
+    store = VersionStore(str(tmp_path), hot_versions=2)
+    publish(store, 0, tree(0))
+    gate = gate_storage_writes(monkeypatch, store, 1, failure=OSError("disk full"))
+    publish_now(store, 1, tree(1))
+    gate.set()
+    assert not store.wait_persisted(1, timeout_s=30)
+    assert "persisting version 1" in store.persist_error and "disk full" in store.persist_error
+    with pytest.raises(
+        StorageFailedError, match="version 2 refused: persisting version 1.*restart"
+    ):
+        publish_now(store, 2, tree(2))
+    assert_version(store, 1, tree(1))  # still served from memory
+    restarted = VersionStore(str(tmp_path), hot_versions=2)
+    assert [v.version for v in restarted.versions()] == [0]  # 1 never reached storage
+    publish(restarted, 1, tree(1))
+
+
 # -- restart ---------------------------------------------------------------------------------
 def test_restart_serves_committed_versions_and_removes_uncommitted_ones(tmp_path):
     store = VersionStore(str(tmp_path), hot_versions=2)
@@ -421,6 +526,8 @@ def test_restart_serves_committed_versions_and_removes_uncommitted_ones(tmp_path
     crashed = store.begin_publish(3, pieces, layout.version_digest(pieces))
     send(crashed, tree(3))  # all bytes written, never committed: the process "dies" here
     for future, _ in crashed._writes:  # (a dead process writes nothing more)
+        future.result()
+    for future in crashed._storage_writes:
         future.result()
     assert "0000000003" in version_dirs(tmp_path)
     del store, crashed

@@ -387,6 +387,12 @@ class Controller:
                 **{f"worker-{i}": v for i, v in enumerate(self._worker_versions)},
             },
         )
+        # A resume from `checkpoint` generates with versions [oldest needed, checkpoint]
+        # from the server: they must be on its storage (a publish returns once the memory
+        # copy is complete, the persistent one follows) before a snapshot relies on them.
+        self.c.param_server.wait_persisted(
+            range(self.policy.oldest_needed(checkpoint), checkpoint + 1)
+        )
         self.snapshots.write(snapshot)
         # Versions a resume from `checkpoint` may generate with must survive on the server.
         # Then the server may delete what no consumer needs (memory and persisted copies).

@@ -574,9 +574,39 @@ class ParamServerClient:
             deleted = set(reply.deleted) if deleted is None else deleted & set(reply.deleted)
         return sorted(deleted or ())
 
-    def _call(self, replica: int, method: str, request: Any) -> Any:
+    def wait_persisted(self, versions: Iterable[int], timeout_s: float = 600.0) -> None:
+        """Return once every replica has `versions` on storage (a publish returns when the
+        memory copy is complete; the persistent copy follows). Servers without storage
+        have nothing to wait for. Raises ParamServerCallError naming the versions that a
+        replica does not hold or did not persist within `timeout_s`, and why."""
+        versions = sorted(set(int(v) for v in versions))
+        if not versions:
+            return
+        request = pb.WaitPersistedRequest(versions=versions, timeout_s=timeout_s)
+        for replica in range(len(self._stubs)):
+            reply = self._call(replica, "WaitPersisted", request, timeout_s=timeout_s)
+            if not reply.persistent:
+                continue
+            missing = list(reply.missing)
+            late = sorted(set(versions) - set(reply.persisted) - set(missing))
+            if missing or late or reply.persist_error:
+                problems = []
+                if missing:
+                    problems.append(f"versions {missing} are not held there")
+                if late:
+                    problems.append(f"versions {late} are not on storage after {timeout_s:g} s")
+                if reply.persist_error:
+                    problems.append(reply.persist_error)
+                raise ParamServerCallError(
+                    f"parameter server {self.addresses[replica]}: " + "; ".join(problems),
+                    code=grpc.StatusCode.UNAVAILABLE,
+                )
+
+    def _call(self, replica: int, method: str, request: Any, timeout_s: float = 0.0) -> Any:
+        """`method` on `replica`; `timeout_s` is time the server may take beyond the usual
+        deadline (a call that waits server-side)."""
         call: Callable[..., Any] = getattr(self._stubs[replica], method)
         try:
-            return call(request, timeout=self.timeout_s)
+            return call(request, timeout=self.timeout_s + timeout_s)
         except grpc.RpcError as e:
             raise _raise_from(e, f"{method} on {self.addresses[replica]}") from None

@@ -11,6 +11,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -22,6 +23,7 @@ from rlax_tpu.param_server.store import (
     InvalidReadError,
     ParamServerError,
     PublishInProgressError,
+    StorageFailedError,
     VersionConflictError,
     VersionNotFoundError,
     VersionStore,
@@ -32,6 +34,7 @@ from rlax_tpu.rpc.protos import param_server_pb2 as pb
 # content; PublishInProgress is ABORTED: a concurrency clash the client may retry.
 STATUS_CODES: dict[type[ParamServerError], grpc.StatusCode] = {
     InvalidPublishError: grpc.StatusCode.INVALID_ARGUMENT,  # LayoutMismatchError included
+    StorageFailedError: grpc.StatusCode.FAILED_PRECONDITION,
     InvalidReadError: grpc.StatusCode.INVALID_ARGUMENT,
     VersionConflictError: grpc.StatusCode.ALREADY_EXISTS,
     VersionNotFoundError: grpc.StatusCode.NOT_FOUND,
@@ -206,6 +209,7 @@ class ParamServerServicer:
             ("ListVersions", pb.ListVersionsRequest, pb.ListVersionsReply),
             ("Confirm", pb.ConfirmRequest, pb.ConfirmReply),
             ("GarbageCollect", pb.GarbageCollectRequest, pb.GarbageCollectReply),
+            ("WaitPersisted", pb.WaitPersistedRequest, pb.WaitPersistedReply),
         ):
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 getattr(self, name),
@@ -408,6 +412,21 @@ class ParamServerServicer:
         self, request: pb.GarbageCollectRequest, context: grpc.ServicerContext
     ) -> pb.GarbageCollectReply:
         return pb.GarbageCollectReply(deleted=self.store.garbage_collect(request.oldest_needed))
+
+    def WaitPersisted(
+        self, request: pb.WaitPersistedRequest, context: grpc.ServicerContext
+    ) -> pb.WaitPersistedReply:
+        reply = pb.WaitPersistedReply(persistent=self.store.storage_url is not None)
+        if reply.persistent:
+            held = {v.version for v in self.store.versions()}
+            deadline = time.monotonic() + max(0.0, request.timeout_s)
+            for v in request.versions:
+                if v not in held:
+                    reply.missing.append(v)
+                elif self.store.wait_persisted(v, max(0.0, deadline - time.monotonic())):
+                    reply.persisted.append(v)
+        reply.persist_error = self.store.persist_error or ""
+        return reply
 
 
 def _slabs(box: Box, itemsize: int) -> Iterator[tuple[int, Box]]:

@@ -1,8 +1,13 @@
 """The parameter server's storage: immutable, versioned weight trees on TensorStore (DESIGN §3).
 
-Each committed version is persisted as zarr3 arrays with a MANIFEST.json written last (its
-presence is the commit), and the newest K versions are also kept hot in TensorStore memory
-kvstores. The gRPC servicer (service.py) is a thin layer over `VersionStore`.
+Each committed version is kept hot in TensorStore memory kvstores (the newest K) and persisted
+as zarr3 arrays with a MANIFEST.json written last (its presence is the commit on storage).
+A publish is acknowledged once the hot copy is complete; the persistent copy is finished in
+the background ("written continuously", DESIGN §3), and `VersionInfo.persisted` says when it
+is on storage: a caller that needs a version to survive a restart waits for that
+(`wait_persisted`; the controller does so before a snapshot may rely on it). A failed
+persistent write is kept as `persist_error` and refuses later publishes until a restart.
+The gRPC servicer (service.py) is a thin layer over `VersionStore`.
 
 Storage layout under `storage_url` (under `replica-I-of-R/` when there are R > 1 replicas):
 
@@ -23,6 +28,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -37,6 +43,8 @@ from rlax_tpu import storage
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.layout import Box, Piece
 
+_log = logging.getLogger(__name__)
+
 FORMAT = "rlax_tpu.param_server/1"
 # zarr chunks of at most this size: TensorStore writes them in parallel and a box read touches
 # only the chunks it overlaps. Dimensions are split from the first, so chunks are row blocks.
@@ -47,6 +55,8 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(
     max(4, min(16, 2 * (os.cpu_count() or 2))), thread_name_prefix="param-server-publish"
 )
+# Committing versions on storage once their arrays are written, in publish order.
+_PERSISTING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-server-persist")
 
 
 class ParamServerError(Exception):
@@ -71,6 +81,10 @@ class VersionNotFoundError(ParamServerError):
 
 class PublishInProgressError(ParamServerError):
     """Another publish of the same version is under way; retry when it has finished."""
+
+
+class StorageFailedError(ParamServerError):
+    """Persisting a version failed earlier; publishes are refused until a restart."""
 
 
 class InvalidReadError(ParamServerError):
@@ -105,6 +119,9 @@ class _Version:
     persisted: bool
     hot: dict[str, ts.TensorStore] | None = None
     load_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # The persistent array writes still running (futures), until the manifest is written.
+    persisting: list[concurrent.futures.Future] | None = None
+    persisted_event: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
     def num_bytes(self) -> int:
@@ -150,6 +167,8 @@ class VersionStore:
         self._cold: collections.OrderedDict[tuple[int, str], ts.TensorStore] = (
             collections.OrderedDict()
         )
+        self._layout_written = False  # LAYOUT.json is on storage
+        self.persist_error: str | None = None  # the first failed persistent copy, if any
         if self._root is not None:
             self._recover()
 
@@ -163,6 +182,12 @@ class VersionStore:
         bytes and commits as `already_present`; with a different digest, VersionConflictError.
         """
         by_path = _check_pieces(version, pieces)
+        if self.persist_error is not None:
+            raise StorageFailedError(
+                f"version {version} refused: {self.persist_error}; this server cannot keep "
+                "versions on storage, so a restart could lose them; fix the storage and "
+                "restart the parameter server (the run resumes from its snapshot)"
+            )
         if version_digest and all(p.digest for p in by_path.values()):
             expected = layout.version_digest(by_path.values())
             if version_digest != expected:
@@ -192,8 +217,16 @@ class VersionStore:
             self._delete_persisted(version)
         return PublishTransaction(self, version, by_path, version_digest, mode)
 
-    def _commit(self, txn: PublishTransaction, pieces: dict[str, Piece], digest: str) -> bool:
-        """Make `txn` a committed version; True if the same content was there already."""
+    def _commit(
+        self,
+        txn: PublishTransaction,
+        pieces: dict[str, Piece],
+        digest: str,
+        persisting: list[concurrent.futures.Future],
+    ) -> bool:
+        """Make `txn` a committed version, served from memory at once; its persistent copy
+        (the `persisting` writes, then the manifest) finishes in the background. True if
+        the same content was there already."""
         v = txn.version
         with self._commit_lock:
             with self._lock:
@@ -211,30 +244,73 @@ class VersionStore:
             if not first:  # two first versions may have raced; only one defines the layout
                 _check_layout(v, self._layout, pieces)
             keys = _array_keys(pieces)
-            record = _Version(v, digest, pieces, keys, self._root is not None, txn.hot)
+            record = _Version(v, digest, pieces, keys, False, txn.hot)
             if self._root is not None:
-                # The manifest is the commit: written only after every array is on storage.
-                storage.write_text(self._manifest_url(v), _manifest_json(record))
-                if first:  # after the manifest: _recover() rebuilds it if we die in between
-                    storage.write_text(self._url("LAYOUT.json"), _layout_json(v, pieces))
+                record.persisting = persisting
             with self._lock:
                 self._versions[v] = record
                 if first:
                     self._layout = {p: dataclasses.replace(x, digest="") for p, x in pieces.items()}
                 self._enforce_hot_bound()
+        if self._root is not None:
+            _PERSISTING.submit(self._finish_persisting, record)
         return False
+
+    def _finish_persisting(self, record: _Version) -> None:
+        """Wait for `record`'s array writes, then commit it on storage (its manifest) unless
+        it was garbage-collected meanwhile (the collection waited for the writes and
+        deleted them)."""
+        v = record.version
+        try:
+            for future in record.persisting or ():
+                future.result()
+            with self._commit_lock:
+                with self._lock:
+                    if self._versions.get(v) is not record:
+                        return
+                # The manifest is the commit: written only after every array is on storage.
+                storage.write_text(self._manifest_url(v), _manifest_json(record))
+                if not self._layout_written:  # _recover() rebuilds it if we die before
+                    with self._lock:
+                        layout_pieces = dict(self._layout or record.pieces)
+                    storage.write_text(self._url("LAYOUT.json"), _layout_json(v, layout_pieces))
+                    self._layout_written = True
+                with self._lock:
+                    record.persisted, record.persisting = True, None
+                    self._enforce_hot_bound()
+        except Exception as e:  # noqa: BLE001 - kept and reported: publishes are refused
+            error = f"persisting version {v} under {self._version_url(v)} failed: {e}"
+            _log.error("%s", error)
+            with self._lock:
+                if self.persist_error is None:
+                    self.persist_error = error
+                record.persisting = None
+        finally:
+            record.persisted_event.set()
+
+    def wait_persisted(self, version: int, timeout_s: float | None = None) -> bool:
+        """Wait until `version`'s persistent copy is committed (or failed, or the version
+        is gone); True if it is on storage. Without storage: False at once."""
+        with self._lock:
+            record = self._versions.get(version)
+        if record is None or self._root is None:
+            return False
+        record.persisted_event.wait(timeout_s)
+        return record.persisted
 
     def _release(self, version: int) -> None:
         with self._lock:
             self._in_flight.discard(version)
 
     def _enforce_hot_bound(self) -> None:
-        """Keep only the newest K versions in memory (caller holds self._lock)."""
+        """Keep only the newest K versions in memory (caller holds self._lock). A version
+        whose persistent copy is still being written stays until it is on storage."""
         newest = set(sorted(self._versions)[-self.hot_versions :])
         for v in [v for v in self._versions if v not in newest]:
-            if self._versions[v].persisted:
-                self._versions[v].hot = None  # still served, from storage
-            else:  # memory only: there is nowhere else to serve it from
+            record = self._versions[v]
+            if record.persisted:
+                record.hot = None  # still served, from storage
+            elif record.persisting is None:  # memory only: nowhere else to serve it from
                 del self._versions[v]
 
     # -- reads -----------------------------------------------------------------------------
@@ -387,12 +463,14 @@ class VersionStore:
                 bound = min([int(oldest_needed), *self._consumers.values()])
                 newest = max(self._versions, default=None)
                 deleted = sorted(v for v in self._versions if v < bound and v != newest)
-                for v in deleted:
-                    del self._versions[v]
+                records = [self._versions.pop(v) for v in deleted]
                 for key in [k for k in self._cold if k[0] in deleted]:
                     del self._cold[key]
-            for v in deleted:
-                self._delete_persisted(v)
+            for record in records:
+                # Array writes still running would land after the delete: let them finish.
+                for future in record.persisting or ():
+                    concurrent.futures.wait([future])
+                self._delete_persisted(record.version)
         return deleted
 
     # -- persistent storage ----------------------------------------------------------------
@@ -444,6 +522,7 @@ class VersionStore:
                 self._delete_persisted(version)
                 continue
             self._versions[version] = _record_from_manifest(manifest)
+            self._versions[version].persisted_event.set()
         if storage.exists(self._url("LAYOUT.json")):
             self._layout = _pieces_from_json(
                 json.loads(storage.read_text(self._url("LAYOUT.json")))
@@ -452,6 +531,7 @@ class VersionStore:
             first = self._versions[min(self._versions)]
             storage.write_text(self._url("LAYOUT.json"), _layout_json(first.version, first.pieces))
             self._layout = {p: dataclasses.replace(x, digest="") for p, x in first.pieces.items()}
+        self._layout_written = self._layout is not None
         if storage.exists(self._url("CONSUMERS.json")):
             self._consumers = json.loads(storage.read_text(self._url("CONSUMERS.json")))[
                 "consumers"
@@ -486,9 +566,10 @@ class PublishTransaction:
         self._keys = _array_keys(pieces)
         self._context = _memory_context(store._context) if mode == "new" else None
         self.hot: dict[str, ts.TensorStore] = {}
-        # Writes to memory and storage still running, with the arrays they read from.
-        self._writes: list[tuple[Any, np.ndarray]] = []  # ts or concurrent futures
-        self._wrote_storage = False
+        # Writes to memory still running (TensorStore futures, with the arrays they read).
+        self._writes: list[tuple[Any, np.ndarray]] = []
+        # Writes to storage (concurrent futures): they outlive the commit (VersionStore).
+        self._storage_writes: list[concurrent.futures.Future] = []
 
     def write(self, path: str, offset: int, data: bytes | memoryview) -> None:
         """Bytes [offset, offset + len(data)) of the C-order little-endian bytes of `path`."""
@@ -556,11 +637,10 @@ class PublishTransaction:
             self.hot[path] = _open_hot(self._context, self._keys[path], piece)
             self._writes.append((self.hot[path].write(array), array))  # `array` outlives it
             if self._store._root is not None:
-                self._wrote_storage = True
                 # On a thread: creating the array is a synchronous round trip to storage.
                 write = self._store._write_persistent
                 future = _BACKGROUND.submit(write, self.version, self._keys[path], piece, array)
-                self._writes.append((future, array))
+                self._storage_writes.append(future)
         # Hashed on another thread (hashlib releases the GIL) while more bytes arrive.
         self._hashing[path] = _BACKGROUND.submit(layout.digest_bytes, data)
 
@@ -608,7 +688,14 @@ class PublishTransaction:
                 f"version {v}: version_digest {self._declared[:16]}… does not match the pieces "
                 f"received ({digest[:16]}…); compute it with layout.version_digest"
             )
-        already = store._commit(self, pieces, digest)
+        storage_writes, self._storage_writes = self._storage_writes, []
+        try:
+            already = store._commit(self, pieces, digest, storage_writes)
+        except BaseException:
+            self._storage_writes = storage_writes  # _abort waits for them and deletes
+            raise
+        if already and storage_writes:  # the same content committed meanwhile: not ours
+            concurrent.futures.wait(storage_writes)
         return PublishResult(v, digest, already, self._bytes_received)
 
     def _abort(self) -> None:
@@ -622,8 +709,11 @@ class PublishTransaction:
             except Exception:
                 pass
         self._writes.clear()
+        wrote_storage = bool(self._storage_writes)
+        concurrent.futures.wait(self._storage_writes)
+        self._storage_writes = []
         try:
-            if self._wrote_storage:
+            if wrote_storage:
                 self._store._delete_persisted(self.version)
         finally:
             self._store._release(self.version)
