@@ -462,7 +462,9 @@ def test_a_publish_returns_with_the_memory_copy_and_persists_in_the_background(
     assert store.wait_persisted(0, timeout_s=30)
     assert manifest(tmp_path, 0).exists() and store.versions()[0].persisted
     assert_version(VersionStore(str(tmp_path), hot_versions=2), 0, tree(0))  # a restart
-    assert not VersionStore(None, hot_versions=1).wait_persisted(0)  # no storage: never
+    memory_only = VersionStore(None, hot_versions=1)
+    publish_now(memory_only, 0, tree(0))
+    assert not memory_only.wait_persisted(0)  # no storage: never, and at once
 
 
 def test_a_version_stays_in_memory_until_it_is_on_storage(tmp_path, monkeypatch):

@@ -694,8 +694,6 @@ class PublishTransaction:
         except BaseException:
             self._storage_writes = storage_writes  # _abort waits for them and deletes
             raise
-        if already and storage_writes:  # the same content committed meanwhile: not ours
-            concurrent.futures.wait(storage_writes)
         return PublishResult(v, digest, already, self._bytes_received)
 
     def _abort(self) -> None:
