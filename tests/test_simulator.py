@@ -272,15 +272,7 @@ def test_benchmark_jsons_are_recognised_and_fitted(tmp_path):
             "b": {"params": 5e6, "tokens_per_step": 2048, "step_s": 3.05},
         },
     }
-    inference = {
-        "tokens_per_s": 1000.0,
-        "slot_utilization": 0.9,
-        "useful_tokens": 3332,
-        "decode_slots": 8,
-        "decode_steps_per_call": 4,
-        "requests": 64,
-        "model_flops_per_token": 7e6,
-    }
+    inference = _inference_bench()
     ps = {"bytes": 1e8, "publish_bytes_per_s": 1e8, "pull_bytes_per_s": 1e9}
     paths = []
     for name, data in (("trainer", trainer), ("inference", inference), ("param_server", ps)):
