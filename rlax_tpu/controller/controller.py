@@ -200,6 +200,9 @@ class Controller:
         self._threads: list[threading.Thread] = []
         # Confirmations and garbage collection at snapshots (they only free memory).
         self._housekeeping = concurrent.futures.ThreadPoolExecutor(1, "controller-housekeeping")
+        # The checkpoint whose versions were last found on the server's storage: snapshots
+        # between checkpoints rely on the same versions, so they are checked once.
+        self._persisted_for: int | None = None
         self.history: list[dict[str, Any]] = []  # per step metrics, for callers and benches
         self.evals: dict[int, float] = {}
         self.eval_elapsed_s: dict[int, float] = {}
@@ -390,9 +393,11 @@ class Controller:
         # A resume from `checkpoint` generates with versions [oldest needed, checkpoint]
         # from the server: they must be on its storage (a publish returns once the memory
         # copy is complete, the persistent one follows) before a snapshot relies on them.
-        self.c.param_server.wait_persisted(
-            range(self.policy.oldest_needed(checkpoint), checkpoint + 1)
-        )
+        if checkpoint != self._persisted_for:  # a new checkpoint: new versions to check
+            self.c.param_server.wait_persisted(
+                range(self.policy.oldest_needed(checkpoint), checkpoint + 1)
+            )
+            self._persisted_for = checkpoint
         self.snapshots.write(snapshot)
         # Versions a resume from `checkpoint` may generate with must survive on the server.
         # Then the server may delete what no consumer needs (memory and persisted copies).
