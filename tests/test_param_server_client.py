@@ -20,10 +20,10 @@ from rlax_tpu.param_server.client import (
     ParamServerCallError,
     ParamServerClient,
     ReplicaPlan,
-    flatten,
     split_dims_from_logical,
 )
 from rlax_tpu.sharding import build_mesh, shard_model, state_shardings
+from rlax_tpu.tree import flatten
 
 TOKEN = secrets.token_hex(8)
 MODEL = ModelConfig(

@@ -2,66 +2,42 @@
 
 `VersionStore` keeps immutable versions on TensorStore (hot in memory, persisted on a
 directory or gs://); `ParamServerServicer` serves it over gRPC; `rlax-tpu serve param-server`
-runs it as a process (`server`). `layout` defines pieces, boxes and digests for both ends.
+runs it as a process (`server`). `layout` defines pieces, boxes and digests for both ends,
+`wire` the Pull stream's codec, `errors` the errors both ends raise; `ParamServerClient`
+talks to it (JAX only for publish and pull, `arrays`). Names load on first use, so a client
+does not load the store and TensorStore, nor a server the client's JAX.
 """
 
-from rlax_tpu.param_server.layout import Box, Piece
-from rlax_tpu.param_server.server import RunningServer, ServeOptions, start_server
-from rlax_tpu.param_server.service import STATUS_CODES, ParamServerServicer, decode_pull_chunk
-from rlax_tpu.param_server.store import (
-    InvalidPublishError,
-    InvalidReadError,
-    LayoutMismatchError,
-    ParamServerError,
-    PublishInProgressError,
-    PublishResult,
-    PublishTransaction,
-    StorageFailedError,
-    VersionConflictError,
-    VersionInfo,
-    VersionNotFoundError,
-    VersionStore,
-)
+from rlax_tpu._lazy import lazy_exports
 
-__all__ = [
-    "STATUS_CODES",
-    "Box",
-    "InvalidPublishError",
-    "InvalidReadError",
-    "LayoutMismatchError",
-    "ParamServerError",
-    "ParamServerServicer",
-    "Piece",
-    "PublishInProgressError",
-    "PublishResult",
-    "PublishTransaction",
-    "RunningServer",
-    "ServeOptions",
-    "StorageFailedError",
-    "VersionConflictError",
-    "VersionInfo",
-    "VersionNotFoundError",
-    "VersionStore",
-    "decode_pull_chunk",
-    "start_server",
-]
-
-# The client imports JAX; load it only when asked for, so the server process starts fast.
-_CLIENT_NAMES = (
-    "ParamServerCallError",
-    "ParamServerClient",
-    "PublishReceipt",
-    "ReplicaPlan",
-    "flatten",
-    "split_dims_from_logical",
-    "unflatten_like",
-)
-__all__ += list(_CLIENT_NAMES)
-
-
-def __getattr__(name: str):
-    if name in _CLIENT_NAMES:
-        from rlax_tpu.param_server import client
-
-        return getattr(client, name)
-    raise AttributeError(f"module 'rlax_tpu.param_server' has no attribute {name!r}")
+# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
+_EXPORTS = {
+    "Box": "layout",
+    "Piece": "layout",
+    "InvalidPublishError": "errors",
+    "InvalidReadError": "errors",
+    "LayoutMismatchError": "errors",
+    "ParamServerError": "errors",
+    "PublishInProgressError": "errors",
+    "StorageFailedError": "errors",
+    "VersionConflictError": "errors",
+    "VersionNotFoundError": "errors",
+    "decode_pull_chunk": "wire",
+    "encode_pull_chunk": "wire",
+    "RunningServer": "server",
+    "ServeOptions": "server",
+    "start_server": "server",
+    "STATUS_CODES": "service",
+    "ParamServerServicer": "service",
+    "PublishResult": "store",
+    "PublishTransaction": "store",
+    "VersionInfo": "store",
+    "VersionStore": "store",
+    "ParamServerCallError": "client",
+    "ParamServerClient": "client",
+    "PublishReceipt": "client",
+    "ReplicaPlan": "client",
+    "split_dims_from_logical": "client",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

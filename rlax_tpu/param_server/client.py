@@ -1,10 +1,13 @@
-"""The parameter-server client used by the trainer (publish) and inference workers (pull).
+"""The parameter-server client used by the trainer (publish), inference workers (pull) and
+the controller (list, confirm, garbage-collect, wait for persistence).
 
 `publish(version, tree)` sends a pytree of arrays (JAX arrays, sharded or not, or numpy)
 to every replica, each getting the pieces it holds. `pull(version, like)` fills a pytree
 with the shardings of `like`, asking each replica only for the boxes this process's
 devices hold, so a tensor-parallel worker moves only its slices. Both work in a multi-host
 job (arrays spanning processes): every process calls them with the same global tree.
+Only those two load JAX (`param_server.arrays`, `rlax_tpu.tree`): the controller's process
+imports this module without it.
 """
 
 from __future__ import annotations
@@ -16,18 +19,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
-import jax
 import numpy as np
 
 from rlax_tpu.param_server import layout
+from rlax_tpu.param_server.errors import ParamServerError
 from rlax_tpu.param_server.layout import Box, Piece
-from rlax_tpu.param_server.service import decode_pull_chunk
-from rlax_tpu.param_server.store import ParamServerError
+from rlax_tpu.param_server.wire import decode_pull_chunk
 from rlax_tpu.rpc import make_channel
 from rlax_tpu.rpc.client import RpcCallError
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 from rlax_tpu.rpc.protos import param_server_pb2_grpc as pb_grpc
-from rlax_tpu.tree import flatten, unflatten_like
 
 DEFAULT_CHUNK_BYTES = 2 * 2**20
 
@@ -92,114 +93,6 @@ def split_dims_from_logical(
             (d for d, n in enumerate(names) if n is not None and mesh_axis in table.get(n, ())),
             None,
         )
-    return out
-
-
-# -- host data ------------------------------------------------------------------------------
-def _host_box(leaf: Any, box: Box) -> np.ndarray:
-    """The C-contiguous host copy of `box` of `leaf` (a jax.Array, sharded or not, or numpy).
-
-    A jax.Array is read from this process's shards, each distinct shard once; they must
-    cover `box` (`_covered_by` says whether a process's do).
-    """
-    if isinstance(leaf, jax.Array) and len(leaf.addressable_shards) > 1:
-        out = np.empty(layout.box_shape(box), dtype=leaf.dtype)
-        seen: set[Box] = set()
-        for shard in leaf.addressable_shards:
-            shard_box = layout.box_from_slices(shard.index, leaf.shape)
-            if shard_box in seen:  # a replica of a shard already copied
-                continue
-            seen.add(shard_box)
-            common = layout.intersect(shard_box, box)
-            if common is not None:
-                data = np.asarray(shard.data)
-                out[layout.relative(common, box)] = data[layout.relative(common, shard_box)]
-        return out
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        data = leaf.addressable_shards[0]
-        shard_box = layout.box_from_slices(data.index, leaf.shape)
-        return np.ascontiguousarray(np.asarray(data.data)[layout.relative(box, shard_box)])
-    array = np.asarray(leaf)
-    return np.ascontiguousarray(array[layout.relative(box, layout.full_box(array.shape))])
-
-
-def _spans_processes(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-
-
-def _covered_by(leaf: jax.Array, process: int, box: Box) -> bool:
-    """Whether the shards on `process`'s devices hold all of `box` of `leaf`."""
-    shape = tuple(leaf.shape)
-    boxes = {
-        layout.box_from_slices(index, shape)
-        for device, index in leaf.sharding.devices_indices_map(shape).items()
-        if device.process_index == process
-    }
-    # Distinct shard boxes of a sharding do not overlap, so their parts of `box` add up.
-    inside = sum(
-        layout.box_size(common)
-        for common in (layout.intersect(b, box) for b in boxes)
-        if common is not None
-    )
-    return inside == layout.box_size(box)
-
-
-_REPLICATED_SLICES: dict[Any, Callable[..., tuple[jax.Array, ...]]] = {}
-
-
-def _replicated_boxes(leaf: jax.Array, boxes: tuple[Box, ...]) -> tuple[jax.Array, ...]:
-    """`boxes` of `leaf` copied to every device of its mesh (a collective: every process of
-    the mesh calls it). Only the boxes are gathered, so the device memory this takes is at
-    most one array's. Compiled once per shape, sharding and boxes: equal layers share it."""
-    sharding = leaf.sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        raise NotImplementedError(
-            f"publishing an array sharded by {type(sharding).__name__} across processes; "
-            "shard it with a NamedSharding"
-        )
-    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    fn = _REPLICATED_SLICES.get(replicated)
-    if fn is None:
-        fn = jax.jit(_slice_boxes, static_argnums=1, out_shardings=replicated)
-        _REPLICATED_SLICES[replicated] = fn
-    return fn(leaf, boxes)
-
-
-def _slice_boxes(x: jax.Array, boxes: tuple[Box, ...]) -> tuple[jax.Array, ...]:
-    return tuple(x[tuple(slice(lo, hi) for lo, hi in box)] for box in boxes)
-
-
-def _multi_process_boxes(
-    leaves: Mapping[str, Any], held: Sequence[Mapping[str, Box]], sender: Sequence[int]
-) -> dict[tuple[int, str], np.ndarray]:
-    """{(replica, path): host data} of the replicas this process sends (`sender[r]` is the
-    process that sends replica r's stream).
-
-    A box that its sender's own shards cover is read from them; the others of an array are
-    first gathered onto every device (`_replicated_boxes`). Every process takes the same
-    decisions in the same order from the global shardings, so the gathers (collectives)
-    match up.
-    """
-    me = jax.process_index()
-    out: dict[tuple[int, str], np.ndarray] = {}
-    for path in sorted(leaves):
-        leaf = leaves[path]
-        gather: list[tuple[int, Box]] = []
-        for replica, boxes in enumerate(held):
-            box = boxes.get(path)
-            if box is None:
-                continue
-            if not _spans_processes(leaf) or _covered_by(leaf, sender[replica], box):
-                if sender[replica] == me:
-                    out[(replica, path)] = _host_box(leaf, box)
-            else:
-                gather.append((replica, box))
-        if gather:
-            gathered = _replicated_boxes(leaf, tuple(box for _, box in gather))
-            for (replica, _), data in zip(gather, gathered, strict=True):
-                if sender[replica] == me:
-                    out[(replica, path)] = np.asarray(data.addressable_data(0))
-            del gathered
     return out
 
 
@@ -279,17 +172,20 @@ class ParamServerClient:
         on-device gather of that box; every byte goes to each replica once. The receipt
         covers every process's streams.
         """
+        from rlax_tpu.param_server import arrays
+        from rlax_tpu.tree import flatten
+
         leaves = flatten(tree)
         shapes = {path: tuple(np.shape(leaf)) for path, leaf in leaves.items()}
         held = self.plan.boxes(shapes)
-        if any(_spans_processes(leaf) for leaf in leaves.values()):
+        if any(arrays.spans_processes(leaf) for leaf in leaves.values()):
             return self._publish_multi_process(version, leaves, shapes, held)
         return self._publish_replicas(
             version,
             range(len(self._stubs)),
             shapes,
             held,
-            lambda replica, path: _host_box(leaves[path], held[replica][path]),
+            lambda replica, path: arrays.host_box(leaves[path], held[replica][path]),
         )
 
     def _publish_multi_process(
@@ -302,14 +198,17 @@ class ParamServerClient:
         """Every process sends its replicas' streams; then all learn how every stream went
         (a collective), so that publish returns in every process only once the version is
         committed on every replica, and fails in every process if any stream failed."""
+        import jax
         from jax.experimental import multihost_utils
+
+        from rlax_tpu.param_server import arrays
 
         count, me = jax.process_count(), jax.process_index()
         sender = [r % count for r in range(len(self._stubs))]
         error: BaseException | None = None
         receipt = PublishReceipt(version=version, already_present=True, bytes_sent=0)
         try:
-            host = _multi_process_boxes(leaves, held, sender)
+            host = arrays.multi_process_boxes(leaves, held, sender)
             mine = [r for r in range(len(self._stubs)) if sender[r] == me]
             receipt = self._publish_replicas(
                 version, mine, shapes, held, lambda replica, path: host.pop((replica, path))
@@ -519,25 +418,19 @@ class ParamServerClient:
 
         Only the boxes of this process's devices are fetched.
         """
+        from rlax_tpu.param_server import arrays
+        from rlax_tpu.tree import flatten, unflatten_like
+
         targets = flatten(like)
-        wanted: dict[str, list[Box]] = {}
-        device_boxes: dict[str, dict[Any, Box]] = {}
-        for path, leaf in targets.items():
-            shape = tuple(leaf.shape)
-            index_map = leaf.sharding.addressable_devices_indices_map(shape)
-            boxes = {d: layout.box_from_slices(idx, shape) for d, idx in index_map.items()}
-            device_boxes[path] = boxes
-            wanted[path] = sorted(set(boxes.values()))
+        device_boxes = {path: arrays.device_boxes(leaf) for path, leaf in targets.items()}
+        wanted = {path: sorted(set(boxes.values())) for path, boxes in device_boxes.items()}
         fetched = self.pull_boxes(version, wanted)
-        values = {}
-        for path, leaf in targets.items():
-            arrays = [
-                jax.device_put(fetched[(path, box)].astype(leaf.dtype, copy=False), device)
-                for device, box in device_boxes[path].items()
-            ]
-            values[path] = jax.make_array_from_single_device_arrays(
-                tuple(leaf.shape), leaf.sharding, arrays
+        values = {
+            path: arrays.assemble(
+                leaf, device_boxes[path], {box: fetched[(path, box)] for box in wanted[path]}
             )
+            for path, leaf in targets.items()
+        }
         return unflatten_like(like, values)
 
     # -- bookkeeping ----------------------------------------------------------------------

@@ -17,8 +17,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.layout import Box, Piece
-from rlax_tpu.param_server.store import (
+from rlax_tpu.param_server.errors import (
     InvalidPublishError,
     InvalidReadError,
     ParamServerError,
@@ -26,8 +25,10 @@ from rlax_tpu.param_server.store import (
     StorageFailedError,
     VersionConflictError,
     VersionNotFoundError,
-    VersionStore,
 )
+from rlax_tpu.param_server.layout import Box, Piece
+from rlax_tpu.param_server.store import VersionStore
+from rlax_tpu.param_server.wire import encode_pull_chunk
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 
 # Store errors -> gRPC status. A conflict is ALREADY_EXISTS: the version exists with other
@@ -44,8 +45,6 @@ SERVICE_NAME = "rlax_tpu.v1.ParamServer"
 # Boxes are read from the store in slabs of about this size, a few ahead of the wire.
 _SLAB_BYTES = 8 * 2**20
 _READ_AHEAD = 3
-_DATA_FIELD = pb.PullChunk.DESCRIPTOR.fields_by_name["data"].number
-_DATA_TAG = bytes([_DATA_FIELD << 3 | 2])
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
@@ -60,71 +59,6 @@ def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     if isinstance(error, ParamServerError):
         context.abort(status_code(error), str(error))
     context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chunk:
-    """A PullChunk whose `data` is still a view into the array read from the store."""
-
-    header: pb.PullChunk  # every field but data
-    data: memoryview
-
-
-def _serialize_chunk(chunk: _Chunk) -> bytes:
-    """PullChunk wire format: the header's fields, then field `data`. One copy of the bytes,
-    where PullChunk(data=bytes(view)).SerializeToString() makes two and runs at half speed."""
-    n = len(chunk.data)
-    head = chunk.header.SerializeToString()
-    if not n:
-        return head
-    return b"".join((head, _DATA_TAG, _varint(n), chunk.data))
-
-
-def decode_pull_chunk(raw: bytes) -> tuple[pb.PullChunk, memoryview]:
-    """A serialized PullChunk as (every field but data, data as a view into `raw`).
-
-    For clients: use it as the Pull response_deserializer (with identity) to skip the two
-    copies of each chunk's bytes that PullChunk.FromString and `.data` make.
-    """
-    view, pos = memoryview(raw), 0
-    while pos < len(view):
-        tag, end = _read_varint(view, pos)
-        wire = tag & 7
-        if wire == 0:
-            _, end = _read_varint(view, end)
-        elif wire == 2:
-            length, start = _read_varint(view, end)
-            end = start + length
-            if tag >> 3 == _DATA_FIELD:
-                header = pb.PullChunk.FromString(bytes(view[:pos]) + bytes(view[end:]))
-                return header, view[start:end]
-        elif wire in (1, 5):
-            end += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"PullChunk: unsupported wire type {wire}")
-        pos = end
-    return pb.PullChunk.FromString(raw), memoryview(b"")
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-    """(value, position after it) of the varint at `pos`."""
-    value = shift = 0
-    while True:
-        byte = view[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
 
 
 class _PullCache:
@@ -361,7 +295,7 @@ class ParamServerServicer:
             if offset + start == 0:
                 info = dataclasses.replace(piece, domain=box, digest=digest)
                 layout.piece_to_proto(info, header.info)
-            message = _serialize_chunk(_Chunk(header, data[start : start + self.chunk_bytes]))
+            message = encode_pull_chunk(header, data[start : start + self.chunk_bytes])
             messages.append(message)
             yield message
         if last:

@@ -41,6 +41,15 @@ import tensorstore as ts
 
 from rlax_tpu import storage
 from rlax_tpu.param_server import layout
+from rlax_tpu.param_server.errors import (
+    InvalidPublishError,
+    InvalidReadError,
+    LayoutMismatchError,
+    PublishInProgressError,
+    StorageFailedError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from rlax_tpu.param_server.layout import Box, Piece
 
 _log = logging.getLogger(__name__)
@@ -57,38 +66,6 @@ _BACKGROUND = concurrent.futures.ThreadPoolExecutor(
 )
 # Committing versions on storage once their arrays are written, in publish order.
 _PERSISTING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-server-persist")
-
-
-class ParamServerError(Exception):
-    """Base of the parameter server's errors; each message says what to do about it."""
-
-
-class InvalidPublishError(ParamServerError):
-    """A publish that cannot be accepted as sent: bytes, digests or metadata are wrong."""
-
-
-class LayoutMismatchError(InvalidPublishError):
-    """A version whose tree (paths, dtypes, shapes, boxes) differs from the first version's."""
-
-
-class VersionConflictError(ParamServerError):
-    """The version exists already with different content: the run is no longer deterministic."""
-
-
-class VersionNotFoundError(ParamServerError):
-    """The version was never published here, was garbage-collected or is not committed yet."""
-
-
-class PublishInProgressError(ParamServerError):
-    """Another publish of the same version is under way; retry when it has finished."""
-
-
-class StorageFailedError(ParamServerError):
-    """Persisting a version failed earlier; publishes are refused until a restart."""
-
-
-class InvalidReadError(ParamServerError):
-    """A read of an array or box that this replica does not hold."""
 
 
 @dataclasses.dataclass(frozen=True)
