@@ -18,6 +18,15 @@ from collections.abc import Mapping, Sequence
 
 from rlax_tpu.rpc.process import CHILD_LAUNCHER as _LAUNCHER
 
+# The same parent-death signal for a test's own server scripts: `python -c ... SCRIPT ARGS`.
+_SCRIPT_LAUNCHER = (
+    "import ctypes, runpy, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
 
 class ServerProcess:
     """One `rlax-tpu serve ...` process; `address` is "host:port" from its READY line."""
@@ -28,12 +37,15 @@ class ServerProcess:
         *,
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 30.0,
+        script: str | None = None,
     ) -> None:
+        """`script`: run this Python file with `args` instead of `rlax-tpu args`."""
         self.args = list(args)
         self._stderr = tempfile.TemporaryFile()
         full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+        launcher = [_LAUNCHER] if script is None else [_SCRIPT_LAUNCHER, script]
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCHER, *self.args],
+            [sys.executable, "-c", *launcher, *self.args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

@@ -189,7 +189,8 @@ def test_eval_defaults_to_the_newest_trainer_checkpoint(tmp_path, capsys):
     save_hf(model_params(config, seed=1), config.model, str(run_dir / "sft_model"))
     seven = _always_seven(config, tmp_path)
     model = dataclasses.replace(config.model, hf_checkpoint=seven)
-    trainer = Trainer(dataclasses.replace(config, model=model))
+    rl_only = dataclasses.replace(config.controller, sft_steps=0)  # checkpoint 0 at once
+    trainer = Trainer(dataclasses.replace(config, model=model, controller=rl_only))
     trainer.initialize()
     trainer.save(wait=True)
     trainer.close()

@@ -156,7 +156,7 @@ def start_run(
         )
     if warm_from is not None:  # reuse the reference's SFT warm start: same bits, less time
         run_dir.mkdir()
-        for part in ("sft_model", "tokenizer"):
+        for part in ("checkpoints_warm_start", "tokenizer"):
             shutil.copytree(warm_from / part, run_dir / part)
     path = write_config(config, root / f"{name}.json")
     return Job(["run", str(path)], run_dir)
@@ -291,6 +291,40 @@ def test_replay_mode_samples_within_the_staleness_bound_and_resumes_exactly(work
     assert 0 < summary(killed.run_dir)["start_step"] < STEPS
     assert summary(killed.run_dir)["final_digest"] == summary(uninterrupted.run_dir)["final_digest"]
     assert RolloutLog(str(killed.run_dir)).consumed() == consumed
+
+
+def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(workspace, reference):
+    """`--set staleness=off_policy` (η = 16, N = 32) with the demo's eval_every = 20 used to
+    die at step 20, asking workers for version 20, which they refuse. Evaluations measure
+    the newest loadable version at or before their step, and say which."""
+    root, data = workspace
+    run_dir = root / "off_policy_eval"
+    config = e2e_config(run_dir, data)
+    config = dataclasses.replace(
+        config,
+        staleness=StalenessConfig.PRESETS["off_policy"](),
+        controller=dataclasses.replace(
+            config.controller,
+            num_steps=24,
+            eval_dataset=str(data),
+            eval_size=8,
+            eval_every=20,
+        ),
+    )
+    run_dir.mkdir()
+    for part in ("checkpoints_warm_start", "tokenizer"):
+        shutil.copytree(reference / part, run_dir / part)
+    job = Job(["run", str(write_config(config, root / "off_policy_eval.json"))], run_dir)
+    try:
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    result = summary(run_dir)
+    assert result["end_step"] == 24
+    assert {int(k): v for k, v in result["eval_versions"].items()} == {0: 0, 20: 16, 24: 16}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {m["step"]: m["eval_version"] for m in metrics if "eval_version" in m}
+    assert evals == {0: 0, 20: 16, 24: 16}
 
 
 def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, reference):

@@ -12,9 +12,9 @@ from model_helpers import model_params
 from processes import ProcessGroup
 
 from rlax_tpu.config import load_config
+from rlax_tpu.inference.client import InferenceCallError, InferenceWorkerClient
 from rlax_tpu.inference.engine import Engine, GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
-from rlax_tpu.inference.service import InferenceCallError, InferenceWorkerClient
 from rlax_tpu.param_server.client import ParamServerClient
 
 TOKEN = "inference-test-token"

@@ -297,8 +297,15 @@ def test_the_cached_path_mismatch_with_the_engine_is_reported(engine_step):
     assert 0 <= metrics["kl"] <= 1e-9, metrics["kl"]  # k3 of |d| ≤ 1e-6 is ≤ 1e-12
 
 
+def with_warm_start(config, steps: int, learning_rate: float = 1e-2):
+    controller = dataclasses.replace(
+        config.controller, sft_steps=steps, sft_learning_rate=learning_rate
+    )
+    return dataclasses.replace(config, controller=controller)
+
+
 def test_sft_step_lowers_the_nll_on_a_repeated_batch(tmp_path):
-    config = run_config(str(tmp_path / "sft"), mesh=ONE_DEVICE, micro=4)
+    config = with_warm_start(run_config(str(tmp_path / "sft"), mesh=ONE_DEVICE, micro=4), 4)
     trainer = Trainer(config, mesh=_one_device_mesh())
     trainer.initialize()
     batch = rollout_batch(2)
@@ -307,7 +314,6 @@ def test_sft_step_lowers_the_nll_on_a_repeated_batch(tmp_path):
     for step in range(4):
         result = trainer.sft_step(step, batch.tokens, targets, batch.response_mask)
         nll.append(result.metrics["nll"])
-        assert result.version == step + 1
     trainer.close()
     assert nll[-1] < nll[0] - 0.5, nll
 
@@ -316,6 +322,7 @@ def test_sft_trains_at_temperature_one_whatever_the_inference_temperature(tmp_pa
     """SFT's NLL is of the model's own distribution, not of the rollouts' temperature."""
     inference = dataclasses.replace(ENGINE, temperature=0.7)
     config = run_config(str(tmp_path / "sft"), mesh=ONE_DEVICE, micro=4, inference=inference)
+    config = with_warm_start(config, 1)
     trainer = Trainer(config, mesh=_one_device_mesh())
     trainer.initialize()
     abstract = nnx.eval_shape(lambda: Transformer(MODEL, rngs=nnx.Rngs(0)))

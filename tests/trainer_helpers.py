@@ -18,6 +18,7 @@ from rlax_tpu.config import (
     MeshConfig,
     ModelConfig,
     RunConfig,
+    StalenessConfig,
     StorageConfig,
     TrainerConfig,
 )
@@ -48,6 +49,8 @@ def run_config(
     return RunConfig(
         seed=0,
         model=model,
+        # The batches here are all of version 0 (rollout_batch): any step up to 16 takes them.
+        staleness=StalenessConfig(reload_every=1, max_staleness=16),
         controller=ControllerConfig(prompts_per_batch=4, samples_per_prompt=2, num_steps=10),
         trainer=TrainerConfig(
             mesh=mesh or MeshConfig(data=2, fsdp=2, tensor=2),

@@ -49,7 +49,9 @@ LABELS = {
 }
 # Steps whose time counts as warm-up (compiles of the trainer and workers) in steps/s.
 WARMUP_STEPS = 2
-WARM_START_FILES = ("tokenizer", "data", "sft_model")
+# The warm start's trainer checkpoint: a run directory holding it starts RL from its version 0
+# (the trainer does not redo the warm start); its HF export sft_model/ is for the peers.
+WARM_START_FILES = ("tokenizer", "data", "checkpoints_warm_start")
 # A step's parts (step_ms): the controller's view, then the trainer's own.
 STEP_PARTS = {
     "controller_step": "time/controller_step_s",

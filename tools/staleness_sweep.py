@@ -67,7 +67,9 @@ QUICK_STALENESS = (0, 4)
 # The seed papers' reading (docs/algorithms.md, "Which presets tolerate stale data").
 MOST_ROBUST = ("trajectory_balance", "online_dpo")
 PPO_STYLE = ("grpo", "dr_grpo")
-WARM_START_FILES = ("tokenizer", "data", "sft_model")
+# The warm start's trainer checkpoint: a run directory holding it starts RL from its version 0
+# (the trainer does not redo the warm start); its HF export sft_model/ is for the peers.
+WARM_START_FILES = ("tokenizer", "data", "checkpoints_warm_start")
 # Steps whose trainer `kl` metric is averaged.
 LAST_STEPS = 5
 KL_SAMPLES = 4  # responses per held-out prompt for the KL estimate

@@ -8,53 +8,34 @@ log-probs (and values, entropies) passed next to it. Algorithms are configuratio
 the parts in `parts` (w, ρ, A, M, R); trajectory balance and online DPO are separate
 objectives on the same inputs. `dynamic_sampling_keep` is DAPO's group filter for the
 controller; `reference_reset_due` tells the trainer when to reset π_ref.
-`REQUIRED_METRICS` names the metrics every objective reports.
-"""
+`REQUIRED_METRICS` names the metrics every objective reports."""
 
-from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
-from rlax_tpu.algorithms.dpo import online_dpo_loss
-from rlax_tpu.algorithms.filters import dynamic_sampling_keep
-from rlax_tpu.algorithms.metrics import REFERENCE_METRICS, REQUIRED_METRICS
-from rlax_tpu.algorithms.objective import (
-    Objective,
-    build_objective,
-    describe,
-    objective,
-    policy_gradient_loss,
-)
-from rlax_tpu.algorithms.parts import (
-    ADVANTAGES,
-    AGGREGATIONS,
-    GRADIENT_MASKS,
-    IMPORTANCE_WEIGHTS,
-    KL_ESTIMATORS,
-    gae,
-)
-from rlax_tpu.algorithms.presets import PRESETS, preset
-from rlax_tpu.algorithms.schedules import kl_beta_at, reference_reset_due
-from rlax_tpu.algorithms.trajectory_balance import trajectory_balance_loss
+from rlax_tpu._lazy import lazy_exports
 
-__all__ = [
-    "ADVANTAGES",
-    "AGGREGATIONS",
-    "GRADIENT_MASKS",
-    "IMPORTANCE_WEIGHTS",
-    "KL_ESTIMATORS",
-    "PRESETS",
-    "REFERENCE_METRICS",
-    "REQUIRED_METRICS",
-    "MissingInputError",
-    "Objective",
-    "RolloutBatch",
-    "build_objective",
-    "describe",
-    "dynamic_sampling_keep",
-    "gae",
-    "kl_beta_at",
-    "objective",
-    "online_dpo_loss",
-    "policy_gradient_loss",
-    "preset",
-    "reference_reset_due",
-    "trajectory_balance_loss",
-]
+# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
+_EXPORTS = {
+    "MissingInputError": "batch",
+    "RolloutBatch": "batch",
+    "online_dpo_loss": "dpo",
+    "dynamic_sampling_keep": "filters",
+    "REFERENCE_METRICS": "metrics",
+    "REQUIRED_METRICS": "metrics",
+    "Objective": "objective",
+    "build_objective": "objective",
+    "describe": "objective",
+    "objective": "objective",
+    "policy_gradient_loss": "objective",
+    "ADVANTAGES": "parts",
+    "AGGREGATIONS": "parts",
+    "GRADIENT_MASKS": "parts",
+    "IMPORTANCE_WEIGHTS": "parts",
+    "KL_ESTIMATORS": "parts",
+    "gae": "parts",
+    "PRESETS": "presets",
+    "preset": "presets",
+    "kl_beta_at": "schedules",
+    "reference_reset_due": "schedules",
+    "trajectory_balance_loss": "trajectory_balance",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,9 +1,10 @@
 """`rlax-tpu sft` and `rlax-tpu eval`: the SFT warm start alone, and a model's held-out
 greedy accuracy, both in this process.
 
-`sft` is the warm start `rlax-tpu run` does before RL (controller/job.py: `materialise`,
-`warm_start`): the Hugging Face export lands in RUN_DIR/sft_model, where a later
-`rlax-tpu run` of the same config finds it and starts RL from it.
+`sft` is the warm start `rlax-tpu run` does before RL (the same steps on the same stream:
+controller/warm_start.py), on a trainer in this process (controller/job.py: `warm_start`):
+its checkpoint lands in RUN_DIR/checkpoints_warm_start, where a later `rlax-tpu run` of the
+same config finds it and starts RL from it, and a Hugging Face export in RUN_DIR/sft_model.
 
 `eval` measures what the controller's held-out evaluation measures — the first
 `controller.eval_size` prompts of `controller.eval_dataset`, encoded, greedily generated

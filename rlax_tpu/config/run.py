@@ -399,12 +399,14 @@ class ControllerConfig(ConfigBase):
     keep_snapshots: int = 3
     # Held-out greedy accuracy: "" = none, else a dataset file (or "builtin:arithmetic"),
     # its first eval_size rows, measured at step 0, every eval_every steps (0 = only at
-    # the start and the end) and at the end.
+    # the start and the end) and at the end; at step s workers measure the newest version
+    # they may load (s - s % reload_every), which metrics.jsonl names as eval_version.
     eval_dataset: str = ""
     eval_size: int = 64
     eval_every: int = 0
-    # SFT warm start inside the same job before RL (the demo): steps on the training
-    # datasets' reference answers, at this learning rate; 0 = start RL from the model as is.
+    # SFT warm start before RL (the demo): steps on the training datasets' reference
+    # answers at this learning rate, driven through the trainer; version 0 is the model
+    # after them. 0 = start RL from the model as is.
     sft_steps: int = 0
     sft_learning_rate: float = 1e-3
     # DAPO's dynamic sampling: a prompt group whose rewards are all equal carries no
@@ -428,6 +430,14 @@ class ControllerConfig(ConfigBase):
     replay_generation_lag: int = 1
     # Batches generated with version 0 into the buffer before the first step (TBA pre-fill).
     replay_prefill_batches: int = 0
+    # Rewards carry verdicts: a sample the verifiers could not judge (a verifier error, a
+    # missed deadline, an unreachable service) is sent again up to verify_retries times,
+    # after verify_retry_backoff_s, doubling. Still unjudged, it is never trained on: its
+    # group is dropped (and replaced from the refill stream). More than
+    # max_unjudged_fraction of a round's samples unjudged stops the run.
+    verify_retries: int = 2
+    verify_retry_backoff_s: float = 1.0
+    max_unjudged_fraction: float = 0.1
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -452,6 +462,13 @@ class ControllerConfig(ConfigBase):
         require(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
         require(self.keep_snapshots >= 1, "keep_snapshots", "must be >= 1")
+        require(self.verify_retries >= 0, "verify_retries", "must be >= 0")
+        require(self.verify_retry_backoff_s >= 0, "verify_retry_backoff_s", "must be >= 0")
+        require(
+            0 <= self.max_unjudged_fraction <= 1,
+            "max_unjudged_fraction",
+            "must be in [0, 1] (0: stop at the first sample left unjudged)",
+        )
 
     @property
     def global_batch_size(self) -> int:

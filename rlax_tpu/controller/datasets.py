@@ -223,6 +223,7 @@ class PromptMixture:
         self._seed = int(seed)
         self._names = list(records)
         self._records = records
+        self._weights = weights
         total = sum(weights[n] for n in self._names)
         self._cdf = np.cumsum([weights[n] / total for n in self._names])
         self._rng = np.random.Generator(
@@ -230,6 +231,13 @@ class PromptMixture:
         )
         self._counters = dict.fromkeys(self._names, 0)
         self._permutations: dict[str, tuple[int, np.ndarray]] = {}  # name -> (epoch, perm)
+
+    def sibling(self, seed: int) -> PromptMixture:
+        """Another named stream over the same datasets (shared in memory, not reloaded): the
+        SFT warm start's and the refill stream's draws never shift this one's."""
+        mixture = PromptMixture.__new__(PromptMixture)
+        mixture._setup(self._records, self._weights, seed)
+        return mixture
 
     @property
     def names(self) -> list[str]:

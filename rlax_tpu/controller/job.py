@@ -3,14 +3,14 @@
 1. The run directory gets the config dump (a different config there is refused).
 2. Built-in inputs are materialised into it: `model.tokenizer = "builtin:char"` writes a
    character tokenizer, a dataset path `builtin:arithmetic` writes the arithmetic task.
-3. With `controller.sft_steps`, the model is warm-started by SFT in this process and
-   exported in Hugging Face format; the RL components start from that export.
-4. The local launcher starts every component; the controller runs in the foreground.
+3. The local launcher starts every component; the controller runs in the foreground: the
+   SFT warm start first (`controller.sft_steps`, through the trainer's SftStep), then RL.
 Running it again on the same run directory (or `rlax-tpu resume RUN_DIR`) resumes.
 
 `rlax-tpu run CONFIG --connect` (`run_connected`) is the controller alone, driving
-components that already run elsewhere (GKE pods, XManager jobs) at given addresses; it
-does no SFT warm start, so the config's model must name a Hugging Face checkpoint.
+components that already run elsewhere (GKE pods, XManager jobs) at given addresses, warm
+start included. This process never imports JAX; `warm_start` (for `rlax-tpu sft` and the
+benchmarks) runs the same warm start on a trainer in this process instead.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -91,90 +90,38 @@ def tokenizer_path(config: RunConfig) -> str:
     return path
 
 
-# -- SFT warm start ----------------------------------------------------------------------------
-def sft_rows(config: RunConfig, tokenizer: Any, records: list[Any]) -> tuple:
-    """(tokens, targets, loss_mask) of prompt + reference + eos; loss on the answer part."""
-    import numpy as np
-
-    eos = tokenizer.eos_token_id
-    seqs, starts = [], []
-    for r in records:
-        prompt = tokenizer.encode(r.prompt)
-        answer = tokenizer.encode(r.reference, add_special_tokens=False)
-        seqs.append(prompt + answer + ([eos] if eos is not None else []))
-        starts.append(len(prompt))
-    seq = min(config.trainer.max_seq_len, 16 * -(-max(len(s) for s in seqs) // 16))
-    tokens = np.zeros((len(seqs), seq), np.int32)
-    mask = np.zeros((len(seqs), seq), np.float32)
-    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
-        s = s[:seq]
-        tokens[i, : len(s)] = s
-        mask[i, start - 1 : len(s) - 1] = 1.0  # position t predicts tokens[t + 1]
-    targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
-    return tokens, targets, mask
-
-
+# -- SFT warm start in this process --------------------------------------------------------------
 def warm_start(config: RunConfig, tokenizer: Any) -> str:
-    """SFT `controller.sft_steps` steps in this process; the model exported in HF format
-    (once: a finished export is reused on resume). Returns its directory."""
+    """The run's SFT warm start on a trainer in this process (`rlax-tpu sft`): the same
+    steps the run drives through the trainer service, into the same run directory (its
+    warm-start checkpoint, from which a later `rlax-tpu run` starts RL), the model also
+    exported in Hugging Face format (once: a finished export is reused). Returns the
+    export's directory."""
     out = storage.join(config.storage.run_dir, SFT_MODEL_DIR)
     if storage.exists(storage.join(out, "config.json")):  # written last by save_hf
         return out
     from rlax_tpu.controller.datasets import PromptMixture
+    from rlax_tpu.controller.warm_start import run_warm_start
     from rlax_tpu.models.hf import save_hf
     from rlax_tpu.trainer import Trainer
 
-    ctl = config.controller
-    sft_config = dataclasses.replace(
-        config,
-        trainer=dataclasses.replace(
-            config.trainer,
-            learning_rate=ctl.sft_learning_rate,
-            checkpoint_every=max(ctl.sft_steps, 1),
-        ),
-        controller=dataclasses.replace(ctl, num_steps=ctl.sft_steps),
-        storage=dataclasses.replace(
-            config.storage, run_dir=storage.join(config.storage.run_dir, "sft")
-        ),
-    )
-    trainer = Trainer(sft_config)
+    trainer = Trainer(config)
     trainer.initialize()
-    # Its own named stream: SFT draws never shift the RL prompt order.
-    mixture = PromptMixture(ctl.datasets, seed=config.seed + 7919)
-    t0 = time.perf_counter()
-    for step in range(trainer.step, ctl.sft_steps):
-        records = mixture.draw(ctl.global_batch_size)
-        result = trainer.sft_step(step, *sft_rows(config, tokenizer, records))
-        if step % 50 == 0 or step == ctl.sft_steps - 1:
-            print(
-                f"sft step {step + 1}/{ctl.sft_steps}: loss {result.metrics.get('loss', 0):.3f} "
-                f"({time.perf_counter() - t0:.0f}s)",
-                flush=True,
-            )
+    mixture = PromptMixture(config.controller.datasets, seed=config.seed)
+    run_warm_start(
+        config,
+        trainer,
+        tokenizer,
+        mixture,
+        next_step=trainer.warm_start_step,
+        report=lambda line: print(line, flush=True),
+    )
     save_hf(trainer.params(), config.model, out)
     trainer.close()
     return out
 
 
 # -- the run -----------------------------------------------------------------------------------
-class _ServiceVerifier:
-    """Scores through one or more verifier services: in chunks well under a service's queue
-    (a batch over it is refused whole), chunk i to service i mod n, the services in
-    parallel. A retried batch sends each chunk to the same service (its results cache)."""
-
-    def __init__(self, clients: list[Any]) -> None:
-        self.clients = clients
-
-    def verify_many(self, requests: list[Any]) -> list[Any]:
-        chunks = [requests[start : start + 256] for start in range(0, len(requests), 256)]
-        if len(self.clients) == 1 or len(chunks) <= 1:
-            return [r for chunk in chunks for r in self.clients[0].verify(chunk)]
-        n = len(self.clients)
-        with ThreadPoolExecutor(n, thread_name_prefix="verify") as pool:
-            results = pool.map(lambda i: self.clients[i % n].verify(chunks[i]), range(len(chunks)))
-            return [r for chunk in results for r in chunk]
-
-
 def _progress(row: dict[str, Any], num_steps: int) -> None:
     if "reward_mean" not in row:  # the evaluation before the first step
         print(f"step {row['step']:>4}/{num_steps}  held-out {row['eval_accuracy']:.3f}", flush=True)
@@ -190,27 +137,24 @@ def _progress(row: dict[str, Any], num_steps: int) -> None:
     print(line, flush=True)
 
 
-def _prompt_sources(config: RunConfig) -> tuple[Any, Any, list[Any]]:
-    """The prompt mixture, the refill stream of dynamic sampling, the held-out prompts."""
+def _prompt_sources(config: RunConfig) -> tuple[Any, list[Any]]:
+    """The prompt mixture (the controller derives its other streams from it) and the
+    held-out prompts."""
     from rlax_tpu.controller.datasets import PromptMixture, load_dataset
 
     ctl = config.controller
     mixture = PromptMixture(ctl.datasets, seed=config.seed)
-    # Extra rounds of dynamic sampling draw from their own stream (see Controller._resample).
-    refill = (
-        PromptMixture(ctl.datasets, seed=config.seed + 104729) if ctl.dynamic_sampling else None
-    )
     eval_prompts = []
     if ctl.eval_dataset:
         eval_prompts = load_dataset(DatasetConfig(path=ctl.eval_dataset))
         eval_prompts = eval_prompts[: ctl.eval_size]
-    return mixture, refill, eval_prompts
+    return mixture, eval_prompts
 
 
 def _drive(
     config: RunConfig,
     components: Any,
-    sources: tuple[Any, Any, list[Any]],
+    sources: tuple[Any, list[Any]],
     *,
     tokenizer: Any,
     digest: str,
@@ -220,7 +164,7 @@ def _drive(
     from rlax_tpu.controller.controller import Controller
     from rlax_tpu.controller.metrics import MetricsWriter
 
-    mixture, refill, eval_prompts = sources
+    mixture, eval_prompts = sources
     num_steps = config.controller.num_steps
     with MetricsWriter(config.storage.run_dir) as metrics:
         controller = Controller(
@@ -228,10 +172,10 @@ def _drive(
             components,
             tokenizer=tokenizer,
             mixture=mixture,
-            refill=refill,
             eval_prompts=eval_prompts,
             metrics=metrics,
             progress=lambda row: _progress(row, num_steps),
+            report=lambda line: print(line, flush=True),
             stop=stop,
             digest=digest,
         )
@@ -250,9 +194,10 @@ def _connect(
     """The controller's clients of the components at these addresses (one per inference
     worker; verification spread over every verifier replica)."""
     from rlax_tpu.controller.controller import Components
-    from rlax_tpu.inference.service import InferenceWorkerClient
+    from rlax_tpu.controller.scoring import ServiceVerifier
+    from rlax_tpu.inference.client import InferenceWorkerClient
     from rlax_tpu.param_server.client import ParamServerClient
-    from rlax_tpu.trainer.service import TrainerClient
+    from rlax_tpu.trainer.client import TrainerClient
     from rlax_tpu.verifiers.service import VerifierClient
 
     return Components(
@@ -261,7 +206,7 @@ def _connect(
             list(param_server), auth_token=token, chunk_bytes=config.param_server.chunk_bytes
         ),
         workers=[InferenceWorkerClient(a, auth_token=token) for a in inference],
-        verifier=_ServiceVerifier([VerifierClient(a, auth_token=token) for a in verifier]),
+        verifier=ServiceVerifier([VerifierClient(a, auth_token=token) for a in verifier]),
     )
 
 
@@ -270,7 +215,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
     from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
     from rlax_tpu.models.tokenizer import Tokenizer
     from rlax_tpu.run_dir import prepare_run_dir
-    from rlax_tpu.runtime import configure_jax
 
     stop = stop or threading.Event()
     run_dir = prepare_run_dir(config)
@@ -278,12 +222,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
     print(f"run {config.name!r}: digest {digest[:12]}, run dir {run_dir}", flush=True)
     effective = materialise(config)
     tokenizer = Tokenizer.load(tokenizer_path(effective))
-    if effective.controller.sft_steps:
-        configure_jax(effective)
-        model_dir = warm_start(effective, tokenizer)
-        effective = dataclasses.replace(
-            effective, model=dataclasses.replace(effective.model, hf_checkpoint=model_dir)
-        )
     config_url = storage.join(run_dir, EFFECTIVE_CONFIG)
     storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
     local_dir = Path(run_dir) if not storage.is_remote(run_dir) else Path("logs") / config.name
@@ -338,11 +276,6 @@ def run_connected(
     from rlax_tpu.controller.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
     from rlax_tpu.rpc import AuthTokenError, auth_token_from_env
 
-    if config.controller.sft_steps:
-        raise ConnectError(
-            "controller.sft_steps > 0: --connect does no SFT warm start; set it to 0 and point "
-            "model.hf_checkpoint at a Hugging Face checkpoint (e.g. sft_model/ of a local run)"
-        )
     try:
         token = auth_token_from_env(config.param_server.auth_token_env)
     except AuthTokenError as e:

@@ -1,13 +1,14 @@
 """The TBA replay buffer: verified rollouts kept per prompt, sampled by recency or reward.
 
-In replay mode the controller adds each generated batch's verified rollouts here (every
-`sync_every` steps) and trains on batches sampled from the buffer: each prompt of a batch
-is, with probability m, one of the prompts that got new data at the latest sync, else
-drawn by a softmax of its mean reward (temperature T; T = 0: uniform); K responses per
-prompt, with replacement only when the prompt has fewer than K. Only rollouts acceptable
-for the step (b − version ≤ N) are ever sampled; those too old to be acceptable again are
-evicted, as are the oldest beyond the per-prompt and global caps. Deterministic given its
-RNG stream, whose state is part of the controller snapshot with the buffer's contents.
+In replay mode the controller adds each generated batch's judged rollouts here (every
+`sync_every` steps, through `ReplayStage`; a group with an unjudged sample never enters)
+and trains on batches sampled from the buffer: each prompt of a batch is, with probability
+m, one of the prompts that got new data at the latest sync, else drawn by a softmax of its
+mean reward (temperature T; T = 0: uniform); K responses per prompt, with replacement only
+when the prompt has fewer than K. Only rollouts acceptable for the step (b − version ≤ N)
+are ever sampled; those too old to be acceptable again are evicted, as are the oldest
+beyond the per-prompt and global caps. Deterministic given its RNG stream, whose state is
+part of the controller snapshot with the buffer's contents.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from rlax_tpu.controller.errors import ControllerError
+from rlax_tpu.controller.snapshots import SnapshotError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,3 +178,91 @@ class ReplayBuffer:
         self._by_prompt = by_prompt
         self._recent = recent
         self._seen = {e.key for entries in by_prompt.values() for e in entries}
+
+
+class ReplayStage:
+    """Replay mode's part of the controller: each generated batch's judged groups are queued
+    for the buffer and added every `sync_every` steps; step b trains on groups sampled from
+    the buffer after evicting what b can no longer accept. The buffer keeps entries; the
+    rollouts' tokens are looked up here (or in the rollout log after a resume)."""
+
+    def __init__(self, config: Any, *, log: Any, max_staleness: int) -> None:
+        ctl = config.controller
+        self.buffer = ReplayBuffer(
+            per_prompt_cap=ctl.replay_per_prompt_cap,
+            global_cap=ctl.replay_global_cap,
+            recency_prob=ctl.replay_recency_prob,
+            reward_temperature=ctl.replay_reward_temperature,
+            seed=config.seed,
+        )
+        self.sync_every = ctl.replay_sync_every
+        self.prompts_per_batch, self.samples = ctl.prompts_per_batch, ctl.samples_per_prompt
+        self.max_staleness = max_staleness
+        self.log = log  # rlax_tpu.controller.snapshots.RolloutLog
+        self._pending: list[tuple[str, Entry]] = []
+        self._records: dict[tuple[str, int, int], dict] = {}
+
+    def entries(
+        self, batch: int, groups: Sequence[tuple[str, Sequence[tuple[dict, float]]]]
+    ) -> list[tuple[str, Entry]]:
+        """(prompt uid, entry) of `groups` — (uid, [(rollout record, reward)]) — of `batch`,
+        their records kept for sampling."""
+        out = []
+        for uid, group in groups:
+            for record, reward in group:
+                entry = Entry(
+                    batch=batch,
+                    prompt_key=record["prompt_id"],
+                    sample_index=record["sample_index"],
+                    version=record["version"],
+                    reward=reward,
+                    added_at=batch,
+                )
+                self._records[entry.key] = record
+                out.append((uid, entry))
+        return out
+
+    def prefill(self, items: list[tuple[str, Entry]]) -> None:
+        """TBA's pre-fill before step 0."""
+        self.buffer.add(0, items)
+
+    def groups(self, step: int, new: list[tuple[str, Entry]]) -> list[list[tuple[dict, float]]]:
+        """Queue `new` (this step's batch); every `sync_every` steps add what is queued;
+        evict what `step` can no longer accept; sample the step's groups."""
+        self._pending.extend(new)
+        if step % self.sync_every == 0:
+            self.buffer.add(step, self._pending)
+            self._pending = []
+        self.buffer.evict_older_than(step - self.max_staleness)
+        groups = []
+        for _, entries in self.buffer.sample(self.prompts_per_batch, self.samples):
+            groups.append([(self._record(e), e.reward) for e in entries])
+        live = {e.key for u in self.buffer.prompts for e in self.buffer.entries(u)}
+        live |= {e.key for _, e in self._pending}
+        self._records = {k: v for k, v in self._records.items() if k in live}
+        return groups
+
+    def _record(self, entry: Entry) -> dict:
+        record = self._records.get(entry.key)
+        if record is None:  # after a resume: the rollout log has it
+            for key, logged in self.log.read_batch(entry.batch).items():
+                self._records.setdefault(key, logged)
+            record = self._records.get(entry.key)
+            if record is None:
+                raise ControllerError(
+                    f"replay buffer entry {entry.key} of batch {entry.batch} is not in the "
+                    "rollout log: the run directory is incomplete"
+                )
+        return record
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "buffer": self.buffer.state(),
+            "pending": [[uid, dataclasses.asdict(e)] for uid, e in self._pending],
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            raise SnapshotError("the snapshot has no replay buffer state (replay mode is on)")
+        self.buffer.restore(state["buffer"])
+        self._pending = [(uid, Entry(**e)) for uid, e in state["pending"]]

@@ -4,7 +4,9 @@ A snapshot is written atomically at every weight-reload boundary (every η steps
 the trainer checkpoint the run resumes from and everything the controller's deterministic
 choices depend on at that step: the prompt-mixture RNG and counters, the accounting.
 The rollout log keeps every finished rollout, keyed by (batch, prompt id, sample index,
-version), one object each, so a resumed run reuses what was generated before the stop.
+version), one object each, so a resumed run reuses what was generated before the stop; and
+each rollout's final verdict (its reward, or that it stayed unjudged), so a resumed run
+trains on exactly the rewards the uninterrupted one did, faults of the verifier included.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _log = logging.getLogger(__name__)
 SNAPSHOT_DIR = "snapshots"
 ROLLOUT_DIR = "rollouts"
 CONSUMED_DIR = "consumed"
+ROLLOUTS_PREFIX = "rollouts-"
+VERDICTS_PREFIX = "verdicts-"
 FORMAT = 1
 
 
@@ -132,8 +136,9 @@ def rollout_key(batch: int, prompt_id: str, sample_index: int, version: int) -> 
 
 class RolloutLog:
     """Every finished rollout of the run, as JSON lines under rollouts/batch_<b>/: one file
-    per write (a worker job's rollouts, written as the job finishes); and per batch, what
-    the trainer consumed."""
+    per write (a worker job's rollouts, written as the job finishes); their final verdicts
+    (verdicts-*.jsonl, written once each scoring round's retries are over); and per batch,
+    what the trainer consumed."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
@@ -146,6 +151,9 @@ class RolloutLog:
         """Persist rollout records (each holds prompt_id, sample_index, version) in one
         atomic write. The file is named by the records' keys, so writing the same rollouts
         again replaces the file instead of duplicating them."""
+        self._write(batch, ROLLOUTS_PREFIX, records)
+
+    def _write(self, batch: int, prefix: str, records: Sequence[dict[str, Any]]) -> None:
         if not records:
             return
         keys = sorted(
@@ -153,17 +161,30 @@ class RolloutLog:
         )
         name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:24]
         lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-        storage.write_text(storage.join(self._batch_dir(batch), f"rollouts-{name}.jsonl"), lines)
+        storage.write_text(storage.join(self._batch_dir(batch), f"{prefix}{name}.jsonl"), lines)
 
     def read_batch(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
         """The logged rollouts of `batch` by (prompt_id, sample_index, version); a record
         that does not parse is ignored (with a warning) and will be regenerated."""
+        return self._read(batch, ROLLOUTS_PREFIX, "regenerating")
+
+    def append_verdicts(self, batch: int, verdicts: Sequence[dict[str, Any]]) -> None:
+        """Persist final verdicts (each: prompt_id, sample_index, version, reward — None when
+        unjudged —, verdict, reason) of `batch`'s rollouts, in one atomic write."""
+        self._write(batch, VERDICTS_PREFIX, verdicts)
+
+    def read_verdicts(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
+        """The logged verdicts of `batch` by (prompt_id, sample_index, version); one that
+        does not parse is ignored (with a warning): its rollout is judged again."""
+        return self._read(batch, VERDICTS_PREFIX, "judging again")
+
+    def _read(self, batch: int, prefix: str, then: str) -> dict[tuple[str, int, int], dict]:
         directory = self._batch_dir(batch)
         if not storage.exists(directory):
             return {}
         out = {}
         for name in storage.listdir(directory):
-            if not name.endswith(".jsonl"):
+            if not (name.startswith(prefix) and name.endswith(".jsonl")):
                 continue
             text = storage.read_text(storage.join(directory, name))
             for line in text.splitlines():
@@ -172,7 +193,7 @@ class RolloutLog:
                     key = (record["prompt_id"], int(record["sample_index"]), int(record["version"]))
                 except (ValueError, KeyError, TypeError):
                     _log.warning(
-                        "rollout log entry in %s/%s is unreadable; regenerating", directory, name
+                        "rollout log entry in %s/%s is unreadable; %s", directory, name, then
                     )
                     continue
                 out[key] = record

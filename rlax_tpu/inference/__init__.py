@@ -1,97 +1,46 @@
 """The inference worker (DESIGN §4): a paged KV cache over a shared page pool, its host-side
 page allocator, and the attention backends (pure JAX, Pallas TPU/GPU kernels)."""
 
-from rlax_tpu.inference.attention import (
-    Backend,
-    UnsupportedShapeError,
-    gather_pages,
-    paged_attention,
-    paged_attention_jax,
-    paged_decode_attention_gpu,
-    paged_decode_attention_tpu,
-    resolve_backend,
-)
-from rlax_tpu.inference.page_allocator import (
-    PADDING_PAGE,
-    OutOfPagesError,
-    PageAllocator,
-    SequenceTooLongError,
-    num_pages_for_budget,
-)
-from rlax_tpu.inference.paged_cache import PagedKVCache
+from rlax_tpu._lazy import lazy_exports
 
-__all__ = [
-    "PADDING_PAGE",
-    "Backend",
-    "OutOfPagesError",
-    "PageAllocator",
-    "PagedKVCache",
-    "SequenceTooLongError",
-    "UnsupportedShapeError",
-    "gather_pages",
-    "num_pages_for_budget",
-    "paged_attention",
-    "paged_attention_jax",
-    "paged_decode_attention_gpu",
-    "paged_decode_attention_tpu",
-    "resolve_backend",
-]
-
-# --- The worker (weights by version, idempotent generation) and its gRPC service -------------
-from rlax_tpu.inference.service import (  # noqa: E402
-    InferenceCallError,
-    InferenceWorkerClient,
-    InferenceWorkerServicer,
-)
-from rlax_tpu.inference.worker import (  # noqa: E402
-    InferenceWorker,
-    InferenceWorkerError,
-    InvalidRequestError,
-    LoadResult,
-    NoParamServerError,
-    NotLoadableError,
-    NotLoadedError,
-    PullFailedError,
-    RolloutStream,
-    UnknownVersionError,
-    VersionMismatchError,
-    WorkerClosedError,
-)
-
-__all__ += [
-    "InferenceCallError",
-    "InferenceWorker",
-    "InferenceWorkerClient",
-    "InferenceWorkerError",
-    "InferenceWorkerServicer",
-    "InvalidRequestError",
-    "LoadResult",
-    "NoParamServerError",
-    "NotLoadableError",
-    "NotLoadedError",
-    "PullFailedError",
-    "RolloutStream",
-    "UnknownVersionError",
-    "VersionMismatchError",
-    "WorkerClosedError",
-]
-
-# --- The engine (continuous batching) and its sampler -----------------------------------------
-from rlax_tpu.inference.engine import (  # noqa: E402
-    Engine,
-    EngineNotLoadedError,
-    GenerationRequest,
-    ParamsMismatchError,
-    Rollout,
-)
-from rlax_tpu.inference.sampling import SamplingParams, request_key  # noqa: E402
-
-__all__ += [
-    "Engine",
-    "EngineNotLoadedError",
-    "GenerationRequest",
-    "ParamsMismatchError",
-    "Rollout",
-    "SamplingParams",
-    "request_key",
-]
+# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
+_EXPORTS = {
+    "Backend": "attention",
+    "UnsupportedShapeError": "attention",
+    "gather_pages": "attention",
+    "paged_attention": "attention",
+    "paged_attention_jax": "attention",
+    "paged_decode_attention_gpu": "attention",
+    "paged_decode_attention_tpu": "attention",
+    "resolve_backend": "attention",
+    "PADDING_PAGE": "page_allocator",
+    "OutOfPagesError": "page_allocator",
+    "PageAllocator": "page_allocator",
+    "SequenceTooLongError": "page_allocator",
+    "num_pages_for_budget": "page_allocator",
+    "PagedKVCache": "paged_cache",
+    "InferenceCallError": "client",
+    "InferenceWorkerClient": "client",
+    "InferenceWorkerServicer": "service",
+    "InferenceWorker": "worker",
+    "InferenceWorkerError": "worker",
+    "InvalidRequestError": "worker",
+    "LoadResult": "types",
+    "NoParamServerError": "worker",
+    "NotLoadableError": "worker",
+    "NotLoadedError": "worker",
+    "PullFailedError": "worker",
+    "RolloutStream": "worker",
+    "UnknownVersionError": "worker",
+    "VersionMismatchError": "worker",
+    "WorkerClosedError": "worker",
+    "Engine": "engine",
+    "EngineNotLoadedError": "engine",
+    "GenerationRequest": "types",
+    "ParamsMismatchError": "engine",
+    "Rollout": "types",
+    "SamplingParams": "types",
+    "request_key": "sampling",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

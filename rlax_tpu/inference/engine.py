@@ -26,11 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.inference.page_allocator import PADDING_PAGE
 from rlax_tpu.inference.paged_cache import PagedKVCache
-from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens
+from rlax_tpu.inference.sampling import request_key_data, sample_tokens
+from rlax_tpu.inference.types import FinishReason, GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.models import Transformer
 from rlax_tpu.sharding import logical_to_spec, state_shardings, use_mesh
-
-FinishReason = str  # "stop" | "length" | "aborted" | "error"
 
 
 class EngineNotLoadedError(RuntimeError):
@@ -39,42 +38,6 @@ class EngineNotLoadedError(RuntimeError):
 
 class ParamsMismatchError(ValueError):
     """A params tree given to `load` does not match the model config (names or shapes)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """One sample to generate. (prompt_id, sample_index) with the model version and the
-    engine seed fix the PRNG key, so the same request always gives the same rollout."""
-
-    request_id: str
-    prompt_id: str
-    sample_index: int
-    prompt_tokens: tuple[int, ...]
-    sampling: SamplingParams | None = None  # None = the engine's defaults (from the config)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """A finished request.
-
-    tokens: the response (a stop token that ended it included); logprobs: the behaviour
-    log-prob of each response token under the distribution named by the request's
-    `SamplingParams.logprobs_of` ("full": temperature-scaled full softmax; "sampled": the
-    top-k/top-p truncated, renormalised one); version: the model version that generated
-    every token. finish_reason: "stop" (a stop token), "length" (max_new_tokens or the
-    slot's maximum sequence length), "aborted" (weights reloaded mid-flight; tokens so far
-    are kept but must be regenerated), "error" (see `error`; nothing was generated).
-    """
-
-    request_id: str
-    prompt_id: str
-    sample_index: int
-    version: int
-    prompt_tokens: tuple[int, ...]
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: FinishReason
-    error: str = ""
 
 
 @dataclasses.dataclass(eq=False)

@@ -8,68 +8,19 @@ not depend on what shares its batch (the engine's batch invariance rests on this
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_tpu.config import InferenceConfig
-
-LogprobsOf = Literal["full", "sampled"]
+# The parameters this sampler reads are the wire type (inference/types.py), named here too.
+from rlax_tpu.inference.types import LogprobsOf, SamplingParams  # noqa: F401
 
 # Keys are threefry2x32 whatever jax_default_prng_impl says, so they are stable everywhere.
 KEY_IMPL = "threefry2x32"
 _KEY_DOMAIN = b"rlax_tpu.inference.request_key.v1\0"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples. Defaults for a worker: `SamplingParams.from_config(cfg)`.
-
-    temperature: 0 = greedy (argmax). top_k: 0 = off. top_p: 1 = off. Top-k is applied
-    first, then top-p on the top-k renormalised distribution (the smallest set of most
-    likely tokens whose mass reaches top_p; the most likely token is always kept).
-    logprobs_of: which distribution the returned behaviour log-probs are of —
-      "full":    log softmax(logits / temperature), the whole temperature-scaled distribution;
-      "sampled": the top-k/top-p truncated, renormalised distribution actually sampled from.
-    At temperature 0 both are computed as at temperature 1 (a greedy token's point mass
-    would say nothing): "full" is then log softmax(logits), what a trainer recomputes.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs_of: LogprobsOf = "full"
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.logprobs_of not in ("full", "sampled"):
-            raise ValueError(f"logprobs_of must be 'full' or 'sampled', got {self.logprobs_of!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @classmethod
-    def from_config(cls, config: InferenceConfig) -> SamplingParams:
-        return cls(
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
-            max_new_tokens=config.max_new_tokens,
-            stop_token_ids=config.stop_token_ids,
-            logprobs_of=config.logprobs_of,
-        )
 
 
 def request_key_data(seed: int, prompt_id: str, sample_index: int, version: int) -> np.ndarray:

@@ -23,8 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.inference.engine import Engine, GenerationRequest, Rollout
-from rlax_tpu.inference.sampling import SamplingParams
+from rlax_tpu.inference.engine import Engine
+from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
 from rlax_tpu.models import Transformer
 from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
 from rlax_tpu.sharding import state_shardings
@@ -74,13 +74,6 @@ class InvalidRequestError(InferenceWorkerError, ValueError):
 
 class WorkerClosedError(InferenceWorkerError):
     """The worker was closed, or its engine failed and it can no longer generate."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadResult:
-    version: int  # the version now held
-    already_loaded: bool  # it was held before the call: nothing changed
-    aborted: tuple[Rollout, ...]  # in-flight requests ended by the swap (also sent to callers)
 
 
 def _request_key(request: GenerationRequest, default: SamplingParams) -> tuple:

@@ -1,40 +1,26 @@
 """Model family (Llama 3 / Qwen2 / Qwen3), its KV-cache seam, Hugging Face checkpoints and
 tokenizers."""
 
-from rlax_tpu.models.hf import (
-    CheckpointError,
-    CheckpointMismatchError,
-    UnsupportedCheckpointError,
-    load_hf_config,
-    load_hf_model,
-    load_hf_params,
-    save_hf,
-)
-from rlax_tpu.models.kv_cache import DenseKVCache, KVCache, grouped_attention
-from rlax_tpu.models.tokenizer import Tokenizer
-from rlax_tpu.models.transformer import (
-    TrainOutput,
-    Transformer,
-    apply_rope,
-    rope_inv_freq,
-    token_logprobs,
-)
+from rlax_tpu._lazy import lazy_exports
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "DenseKVCache",
-    "KVCache",
-    "Tokenizer",
-    "TrainOutput",
-    "Transformer",
-    "UnsupportedCheckpointError",
-    "apply_rope",
-    "grouped_attention",
-    "load_hf_config",
-    "load_hf_model",
-    "load_hf_params",
-    "rope_inv_freq",
-    "save_hf",
-    "token_logprobs",
-]
+# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
+_EXPORTS = {
+    "CheckpointError": "hf",
+    "CheckpointMismatchError": "hf",
+    "UnsupportedCheckpointError": "hf",
+    "load_hf_config": "hf",
+    "load_hf_model": "hf",
+    "load_hf_params": "hf",
+    "save_hf": "hf",
+    "DenseKVCache": "kv_cache",
+    "KVCache": "kv_cache",
+    "grouped_attention": "kv_cache",
+    "Tokenizer": "tokenizer",
+    "TrainOutput": "transformer",
+    "Transformer": "transformer",
+    "apply_rope": "transformer",
+    "rope_inv_freq": "transformer",
+    "token_logprobs": "transformer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

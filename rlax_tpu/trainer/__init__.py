@@ -6,25 +6,25 @@ versions published to the parameter server, and orbax checkpoints.
     result = trainer.train_step(step, batch)  # trains batch `step`, publishes step + 1
 
 `step` holds the pure jitted functions (batch levels, optimizer, recompute, updates),
-`checkpoints` the orbax store. docs/trainer.md explains batch levels and recompute.
-"""
+`checkpoints` the orbax store. docs/trainer.md explains batch levels and recompute."""
 
-from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
-from rlax_tpu.trainer.step import BatchLevels, BatchSizeError
-from rlax_tpu.trainer.trainer import (
-    NotInitializedError,
-    OutOfOrderStepError,
-    StepResult,
-    Trainer,
-)
+from rlax_tpu._lazy import lazy_exports
 
-__all__ = [
-    "BatchLevels",
-    "BatchSizeError",
-    "CheckpointStore",
-    "NoValidCheckpointError",
-    "NotInitializedError",
-    "OutOfOrderStepError",
-    "StepResult",
-    "Trainer",
-]
+# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
+_EXPORTS = {
+    "CheckpointStore": "checkpoints",
+    "NoValidCheckpointError": "checkpoints",
+    "BatchLevels": "step",
+    "BatchSizeError": "step",
+    "NotInitializedError": "trainer",
+    "OutOfOrderStepError": "trainer",
+    "StaleRolloutError": "trainer",
+    "WarmStartPendingError": "trainer",
+    "StepResult": "wire",
+    "Trainer": "trainer",
+    "RolloutArrays": "wire",
+    "TrainerCallError": "client",
+    "TrainerClient": "client",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -90,14 +90,14 @@ class LeaderTrainer:
         broadcast_bytes(_encode(op, fields, payload))
 
     def train_step(self, step: int, batch: Any) -> Any:
-        from rlax_tpu.trainer.service import batch_to_proto
+        from rlax_tpu.trainer.wire import batch_to_proto
 
         self._send("train_step", batch_to_proto(batch).SerializeToString(), step=step)
         return self._trainer.train_step(step, batch)
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> Any:
         from rlax_tpu.rpc.protos import trainer_pb2 as pb
-        from rlax_tpu.trainer.service import tensor_to_proto
+        from rlax_tpu.trainer.wire import tensor_to_proto
 
         request = pb.SftStepRequest(step=step)
         for name, array in (("tokens", tokens), ("targets", targets), ("loss_mask", loss_mask)):
@@ -133,10 +133,17 @@ def follow(trainer: Any) -> None:
         NotInitializedError,
         NoValidCheckpointError,
         OutOfOrderStepError,
+        StaleRolloutError,
     )
     from rlax_tpu.trainer.service import batch_from_proto, sft_arrays_from_proto
 
-    refused = (BatchSizeError, NotInitializedError, NoValidCheckpointError, OutOfOrderStepError)
+    refused = (
+        BatchSizeError,
+        NotInitializedError,
+        NoValidCheckpointError,
+        OutOfOrderStepError,
+        StaleRolloutError,
+    )
     while True:
         command, payload = _decode(broadcast_bytes(None))
         op = command["op"]

@@ -1,5 +1,5 @@
-"""The Trainer gRPC service (protos/rlax_tpu/v1/trainer.proto) over a Trainer, and the client
-the controller uses to drive it.
+"""The Trainer gRPC service (protos/rlax_tpu/v1/trainer.proto) over a Trainer; its client is
+trainer/client.py, and both speak trainer/wire.py.
 
 A thin layer: arrays travel as raw-byte Tensors (no per-element fields, no chunking),
 a malformed batch is INVALID_ARGUMENT naming the field, and trainer errors map to status codes.
@@ -16,10 +16,6 @@ import grpc
 import numpy as np
 
 from rlax_tpu.algorithms import RolloutBatch
-from rlax_tpu.param_server.layout import dtype_name, parse_dtype, to_bytes
-from rlax_tpu.rpc import MAX_MESSAGE_BYTES, get_status
-from rlax_tpu.rpc.client import ComponentClient, RpcCallError
-from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import trainer_pb2 as pb
 from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
 from rlax_tpu.trainer import (
@@ -27,33 +23,22 @@ from rlax_tpu.trainer import (
     NotInitializedError,
     NoValidCheckpointError,
     OutOfOrderStepError,
-    StepResult,
+    StaleRolloutError,
     Trainer,
 )
-
-# (field, rank, kind): kind "int" -> int32, "float" -> float32, "mask" -> bool or float32.
-_BATCH_FIELDS = (
-    ("tokens", 2, "int"),
-    ("response_mask", 2, "mask"),
-    ("group_ids", 1, "int"),
-    ("rewards", 1, "float"),
-    ("behaviour_logprobs", 2, "float"),
-    ("versions", 1, "int"),
+from rlax_tpu.trainer.wire import (
+    BATCH_FIELDS,
+    OPTIONAL_BATCH_FIELDS,
+    SFT_FIELDS,
+    BatchFormatError,
+    arrays_from_proto,
+    check_tokens,
+    result_to_proto,
 )
-_OPTIONAL_BATCH_FIELDS = (("reference_logprobs", 2, "float"), ("values", 2, "float"))
-_SFT_FIELDS = (("tokens", 2, "int"), ("targets", 2, "int"), ("loss_mask", 2, "mask"))
-
-
-class BatchFormatError(ValueError):
-    """A request's arrays are missing or inconsistent; `field` names the culprit."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field} {problem}")
-        self.field = field
-
 
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     OutOfOrderStepError: grpc.StatusCode.FAILED_PRECONDITION,
+    StaleRolloutError: grpc.StatusCode.FAILED_PRECONDITION,  # a rollout outside [s - N, s]
     NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
     BatchFormatError: grpc.StatusCode.INVALID_ARGUMENT,
     BatchSizeError: grpc.StatusCode.INVALID_ARGUMENT,  # the batch does not fit the config
@@ -68,154 +53,26 @@ def status_code(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-# -- conversions ------------------------------------------------------------------------------
-def tensor_to_proto(array: Any, out: pb.Tensor | None = None) -> pb.Tensor:
-    """`array` (numpy or JAX) as a Tensor: dtype name, shape, C-order little-endian bytes;
-    written into `out` (a message's field) when given, saving a copy of the bytes."""
-    array = np.asarray(array)
-    out = pb.Tensor() if out is None else out
-    out.dtype = dtype_name(array.dtype)
-    out.shape[:] = array.shape
-    out.data = bytes(to_bytes(array))
-    return out
-
-
-def tensor_from_proto(message: pb.Tensor, field: str) -> np.ndarray:
-    """The array in `message` (read-only, no copy of the received bytes)."""
-    try:
-        dtype = parse_dtype(message.dtype)
-    except (TypeError, ValueError):
-        raise BatchFormatError(field, f"has unknown dtype {message.dtype!r}") from None
-    if dtype.kind not in "biufV" or dtype.itemsize == 0:
-        raise BatchFormatError(field, f"has non-numeric dtype {message.dtype!r}")
-    shape = tuple(message.shape)
-    if any(d < 0 for d in shape):
-        raise BatchFormatError(field, f"has a negative dimension in shape {list(shape)}")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(message.data) != expected:
-        raise BatchFormatError(
-            field,
-            f"has {len(message.data)} bytes of data; {message.dtype}{list(shape)} needs {expected}",
-        )
-    return np.frombuffer(message.data, dtype.newbyteorder("<")).reshape(shape)
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    # bfloat16 and the float8 types (ml_dtypes) are not np.floating subtypes.
-    return np.issubdtype(dtype, np.floating) or (
-        dtype.kind == "V" and dtype.name.startswith(("bfloat", "float"))
-    )
-
-
-def _cast(array: np.ndarray, field: str, kind: str) -> np.ndarray:
-    dtype = array.dtype
-    if kind == "int":
-        if not np.issubdtype(dtype, np.integer):
-            raise BatchFormatError(field, f"must be an integer array, got {dtype.name}")
-        return array.astype(np.int32, copy=False)
-    if kind == "mask" and dtype == np.bool_:
-        return array
-    if not (_is_float(dtype) or kind == "mask" and np.issubdtype(dtype, np.integer)):
-        raise BatchFormatError(field, f"must be a floating-point array, got {dtype.name}")
-    return array.astype(np.float32, copy=False)
-
-
-def _arrays_from_proto(
-    message: Any, prefix: str, fields: tuple, *, optional: tuple = ()
-) -> dict[str, np.ndarray | None]:
-    """Decode and check `fields` of `message`: the rank, the dtype kind, and that every
-    per-sequence dimension equals the batch size and every per-token one the length."""
-    out: dict[str, np.ndarray | None] = {}
-    batch = seq = None
-    for (name, rank, kind), required in [
-        *((f, True) for f in fields),
-        *((f, False) for f in optional),
-    ]:
-        field = f"{prefix}{name}"
-        if not message.HasField(name):
-            if required:
-                raise BatchFormatError(field, "is missing")
-            out[name] = None
-            continue
-        array = _cast(tensor_from_proto(getattr(message, name), field), field, kind)
-        if array.ndim != rank:
-            dims = "[batch, seq]" if rank == 2 else "[batch]"
-            raise BatchFormatError(field, f"must have shape {dims}, got {list(array.shape)}")
-        if batch is None:
-            batch = array.shape[0]
-        if array.shape[0] != batch:
-            raise BatchFormatError(
-                field, f"has {array.shape[0]} sequences, {prefix}{fields[0][0]} has {batch}"
-            )
-        if rank == 2:
-            if seq is None:
-                seq = array.shape[1]
-            if array.shape[1] != seq:
-                raise BatchFormatError(
-                    field, f"has length {array.shape[1]}, {prefix}{fields[0][0]} has {seq}"
-                )
-        out[name] = array
-    if batch == 0 or seq == 0:
-        raise BatchFormatError(f"{prefix}{fields[0][0]}", "is empty")
-    return out
-
-
-def batch_to_proto(
-    batch: RolloutBatch, out: pb.RolloutBatchMessage | None = None
-) -> pb.RolloutBatchMessage:
-    """`batch` as a message (written into `out` when given); None fields are left unset."""
-    message = pb.RolloutBatchMessage() if out is None else out
-    for name, _, _ in (*_BATCH_FIELDS, *_OPTIONAL_BATCH_FIELDS):
-        value = getattr(batch, name)
-        if value is not None:
-            tensor_to_proto(value, getattr(message, name))
-    return message
-
-
 def batch_from_proto(
     message: pb.RolloutBatchMessage, *, vocab_size: int | None = None
 ) -> RolloutBatch:
     """A RolloutBatch of host arrays, or BatchFormatError naming the first bad field."""
-    arrays = _arrays_from_proto(message, "batch.", _BATCH_FIELDS, optional=_OPTIONAL_BATCH_FIELDS)
-    _check_tokens(arrays["tokens"], "batch.tokens", vocab_size)
+    arrays = arrays_from_proto(message, "batch.", BATCH_FIELDS, optional=OPTIONAL_BATCH_FIELDS)
+    check_tokens(arrays["tokens"], "batch.tokens", vocab_size)
     group_ids, size = arrays["group_ids"], arrays["tokens"].shape[0]
     if group_ids.min() < 0 or group_ids.max() >= size:
         raise BatchFormatError("batch.group_ids", f"must lie in [0, {size}) (the batch size)")
     return RolloutBatch(**arrays)
 
 
-def _check_tokens(tokens: np.ndarray, field: str, vocab_size: int | None) -> None:
-    # An out-of-range id would be clamped silently inside the jitted embedding lookup.
-    if vocab_size is not None and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise BatchFormatError(field, f"must lie in [0, {vocab_size}) (model.vocab_size)")
-
-
 def sft_arrays_from_proto(
     message: pb.SftStepRequest, *, vocab_size: int | None = None
 ) -> dict[str, np.ndarray]:
     """{tokens, targets, loss_mask} of an SftStep request, checked like a batch."""
-    arrays = _arrays_from_proto(message, "", _SFT_FIELDS)
+    arrays = arrays_from_proto(message, "", SFT_FIELDS)
     for name in ("tokens", "targets"):
-        _check_tokens(arrays[name], name, vocab_size)
+        check_tokens(arrays[name], name, vocab_size)
     return arrays
-
-
-def result_to_proto(result: StepResult) -> pb.TrainStepReply:
-    return pb.TrainStepReply(
-        step=result.step,
-        version=result.version,
-        already_done=result.already_done,
-        metrics={str(k): float(v) for k, v in result.metrics.items()},
-    )
-
-
-def result_from_proto(reply: pb.TrainStepReply) -> StepResult:
-    return StepResult(
-        step=reply.step,
-        version=reply.version,
-        metrics=dict(reply.metrics),
-        already_done=reply.already_done,
-    )
 
 
 # -- server side --------------------------------------------------------------------------------
@@ -312,62 +169,3 @@ def trainer_status(trainer: Trainer, *, instance_id: str, config_digest: str) ->
         "config_digest": config_digest,
         "details": details,
     }
-
-
-# -- client side ------------------------------------------------------------------------------
-class TrainerCallError(RpcCallError):
-    """A call to the trainer failed; `code` is its gRPC status."""
-
-
-class TrainerClient(ComponentClient):
-    """Drives one trainer process: train and SFT steps, save, restore, status."""
-
-    def __init__(self, address: str, **channel_options: Any) -> None:
-        super().__init__(address, **channel_options)
-        self._stub = pb_grpc.TrainerStub(self._channel)
-
-    def train_step(self, step: int, batch: RolloutBatch) -> StepResult:
-        """Train step `step` on `batch` (publishing version step + 1), or its recorded result."""
-        request = pb.TrainStepRequest(step=step)
-        batch_to_proto(batch, request.batch)
-        return result_from_proto(self._call("TrainStep", request, f"TrainStep({step})"))
-
-    def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:
-        """tokens, targets: int32[batch, seq]; loss_mask: bool|float32[batch, seq]."""
-        request = pb.SftStepRequest(step=step)
-        for name, array in (("tokens", tokens), ("targets", targets), ("loss_mask", loss_mask)):
-            tensor_to_proto(array, getattr(request, name))
-        return result_from_proto(self._call("SftStep", request, f"SftStep({step})"))
-
-    def save(self, wait: bool = True) -> int:
-        """Checkpoint the trainer; returns the step the checkpoint holds."""
-        return self._call("Save", pb.SaveRequest(wait=wait), "Save").step
-
-    def restore(self, step: int | None = None) -> int:
-        """Restore checkpoint `step` (default: the newest complete one); returns the step."""
-        request = pb.RestoreRequest() if step is None else pb.RestoreRequest(step=step)
-        return self._call("Restore", request, f"Restore({step})").step
-
-    def status(self) -> common_pb2.ComponentStatus:
-        try:
-            return get_status(self._channel)
-        except grpc.RpcError as e:
-            raise _call_error(e, f"GetStatus on {self.address}") from None
-
-    def _call(self, method: str, request: Any, what: str) -> Any:
-        size = request.ByteSize()
-        if size > MAX_MESSAGE_BYTES:
-            raise TrainerCallError(
-                f"{what}: the request is {size / 2**20:.1f} MiB, over the "
-                f"{MAX_MESSAGE_BYTES // 2**20} MiB gRPC message limit "
-                "(rlax_tpu.rpc.MAX_MESSAGE_BYTES); send fewer or shorter sequences per step",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise _call_error(e, f"{what} on {self.address}") from None
-
-
-def _call_error(e: grpc.RpcError, what: str) -> TrainerCallError:
-    return TrainerCallError.from_rpc(e, what)

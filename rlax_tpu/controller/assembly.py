@@ -1,0 +1,131 @@
+"""Batch assembly: from judged groups of rollouts to the arrays of one train step. Pure
+functions of their arguments (no threads, no servers), so each rule is tested directly.
+
+* `group_has_signal`: DAPO's predicate — a group whose rewards are not all equal.
+* `select_groups`: which of a batch's groups train — only fully judged ones (a group with an
+  unjudged sample is dropped whole: its advantages would be computed against a reward that
+  does not exist), with dynamic sampling those with signal first, in draw order.
+* `assemble_batch`: the `RolloutArrays` of step b, padded to few shapes, after checking
+  every rollout is acceptable for b (b − version ≤ N; the trainer checks it again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rlax_tpu.algorithms.filters import dynamic_sampling_keep
+from rlax_tpu.controller.errors import ControllerError
+from rlax_tpu.shapes import padded_seq_len
+from rlax_tpu.staleness import StalenessPolicy
+from rlax_tpu.trainer.wire import RolloutArrays
+
+
+def group_has_signal(rewards: Sequence[float]) -> bool:
+    """Whether one group's rewards differ: DAPO's predicate (algorithms.filters), since a
+    group whose rewards are all equal has zero advantage everywhere and trains nothing."""
+    return bool(dynamic_sampling_keep(rewards, np.zeros(len(rewards), np.int32))[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The groups (prompt keys, in draw order) that train, and what the choice left out."""
+
+    keys: list[str]
+    flat: int  # judged groups without reward variance
+    dropped: int  # groups with an unjudged sample
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def select_groups(
+    groups: Sequence[tuple[str, bool, bool]], wanted: int, *, dynamic: bool
+) -> Selection:
+    """`groups`: (prompt key, fully judged, has signal) in draw order. The first `wanted`
+    judged groups; with dynamic sampling those with signal first, then flat ones to fill
+    the batch (when the extra rounds ran out). Never a group with an unjudged sample."""
+    judged = [(key, signal) for key, ok, signal in groups if ok]
+    dropped = len(groups) - len(judged)
+    flat = sum(1 for _, signal in judged if not signal)
+    if dynamic:
+        ordered = [k for k, s in judged if s] + [k for k, s in judged if not s]
+    else:
+        ordered = [k for k, _ in judged]
+    chosen = set(ordered[:wanted])
+    keys = [key for key, _, _ in groups if key in chosen]
+    return Selection(keys=keys, flat=flat, dropped=dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+    """One train step's batch and what the controller logs about it."""
+
+    batch: RolloutArrays
+    keys: list[tuple[str, int, int]]  # (prompt id, sample index, version) per row
+    rewards: np.ndarray  # float32[rows]
+    staleness_mean: float
+    response_tokens: int
+
+
+def assemble_batch(
+    step: int,
+    groups: Sequence[Sequence[tuple[dict[str, Any], float]]],
+    *,
+    policy: StalenessPolicy,
+    max_seq_len: int,
+) -> Assembled:
+    """The batch of train step `step` from `groups`, each a list of (rollout record, reward).
+
+    Rows are the groups' samples in order; tokens are prompt + response, padded to
+    `padded_seq_len` of the longest; position t scores tokens[t + 1], so response token j of
+    a row with prompt length P sits at P − 1 + j in the mask and behaviour log-probs. A
+    rollout that step may not train on is a ControllerError (the schedule and the replay
+    buffer's eviction prevent it; it is never trained on)."""
+    records, rewards, group_ids = [], [], []
+    for g, group in enumerate(groups):
+        for record, reward in group:
+            if not policy.is_acceptable(step, record["version"]):
+                raise ControllerError(
+                    f"rollout {record['prompt_id']}/s{record['sample_index']} has version "
+                    f"{record['version']}, too stale for batch {step} "
+                    f"(N={policy.max_staleness})"
+                )
+            records.append(record)
+            rewards.append(reward)
+            group_ids.append(g)
+    if not records:
+        raise ControllerError(f"batch {step} has no rollouts to train on")
+    lengths = [len(r["prompt_tokens"]) + len(r["tokens"]) for r in records]
+    seq = padded_seq_len(max(lengths), max_seq_len)
+    rows = len(records)
+    tokens = np.zeros((rows, seq), np.int32)
+    mask = np.zeros((rows, seq), bool)
+    behaviour = np.zeros((rows, seq), np.float32)
+    for row, r in enumerate(records):
+        p, resp = r["prompt_tokens"], r["tokens"]
+        full = (list(p) + list(resp))[:seq]
+        tokens[row, : len(full)] = full
+        n = min(len(resp), seq - len(p))
+        mask[row, len(p) - 1 : len(p) - 1 + n] = True
+        behaviour[row, len(p) - 1 : len(p) - 1 + n] = r["logprobs"][:n]
+    rewards_array = np.asarray(rewards, np.float32)
+    versions = np.asarray([r["version"] for r in records], np.int32)
+    batch = RolloutArrays(
+        tokens=tokens,
+        response_mask=mask,
+        group_ids=np.asarray(group_ids, np.int32),
+        rewards=rewards_array,
+        behaviour_logprobs=behaviour,
+        versions=versions,
+    )
+    return Assembled(
+        batch=batch,
+        keys=[(r["prompt_id"], r["sample_index"], r["version"]) for r in records],
+        rewards=rewards_array,
+        staleness_mean=float(np.mean(step - versions)),
+        response_tokens=int(sum(len(r["tokens"]) for r in records)),
+    )

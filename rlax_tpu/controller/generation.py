@@ -1,0 +1,295 @@
+"""The generation pool: the controller's threads that drive the inference workers.
+
+A batch's requests go into one priority queue (the batch the trainer waits for first,
+evaluations before everything), split into jobs of whole groups; each worker thread takes a
+job, loads its version if the worker holds another, generates it and hands the finished
+rollouts over. A rollout aborted by a reload is regenerated (its request id, and so its
+tokens, are the same). Finished rollouts are written to the rollout log before anything can
+train on them, and a batch first takes what the log already holds (a resumed run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+from rlax_tpu.controller.errors import ControllerError
+from rlax_tpu.controller.scoring import Judgement
+from rlax_tpu.controller.snapshots import RolloutLog
+from rlax_tpu.inference.types import GenerationRequest, Rollout, SamplingParams
+
+FINAL_REASONS = ("stop", "length")
+_TIMINGS = ("load_s", "generate_s", "log_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt of one batch: `key` is unique per draw ("b<batch>:<dataset>:<id>"), so two
+    draws of the same dataset row in different batches sample independently."""
+
+    key: str
+    tokens: tuple[int, ...]
+    record: Any  # rlax_tpu.controller.datasets.PromptRecord
+
+
+@dataclasses.dataclass
+class BatchState:
+    """One batch as its rollouts arrive and are judged, by (prompt key, sample index)."""
+
+    index: int
+    version: int
+    samples: int
+    prompts: list[Prompt] = dataclasses.field(default_factory=list)
+    rollouts: dict[tuple[str, int], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    judgements: dict[tuple[str, int], Judgement] = dataclasses.field(default_factory=dict)
+    rounds: int = 1  # rounds of prompts drawn for this batch (refills add rounds)
+    error: str | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # Seconds the worker threads spent on this batch: loading weights, generating, logging.
+    timing: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(_TIMINGS, 0.0)
+    )
+
+    @property
+    def expected(self) -> int:
+        return len(self.prompts) * self.samples
+
+    def group(self, prompt: Prompt) -> list[tuple[dict[str, Any], Judgement]]:
+        """The prompt's samples in index order: (rollout record, judgement)."""
+        return [
+            (self.rollouts[(prompt.key, i)], self.judgements[(prompt.key, i)])
+            for i in range(self.samples)
+        ]
+
+    def unjudged(self) -> list[tuple[Prompt, int]]:
+        """(prompt, sample index) of every rollout that has no judgement yet, in draw order."""
+        return [
+            (p, i)
+            for p in self.prompts
+            for i in range(self.samples)
+            if (p.key, i) not in self.judgements
+        ]
+
+
+@dataclasses.dataclass(order=True)
+class _Job:
+    """Requests for one worker, generated with exactly `version`. Ordered by `priority`."""
+
+    priority: tuple[int, int]
+    version: int = dataclasses.field(compare=False)
+    requests: list[GenerationRequest] = dataclasses.field(compare=False)
+    deliver: Callable[[list[Rollout]], None] = dataclasses.field(compare=False)
+    fail: Callable[[str], None] = dataclasses.field(compare=False)
+    timing: dict[str, float] = dataclasses.field(
+        compare=False, default_factory=lambda: dict.fromkeys(_TIMINGS, 0.0)
+    )
+
+
+_STOP = _Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
+
+
+def rollout_record(batch: int, rollout: Rollout) -> dict[str, Any]:
+    """A rollout as the rollout log keeps it (JSON types)."""
+    return {
+        "batch": batch,
+        "prompt_id": rollout.prompt_id,
+        "sample_index": rollout.sample_index,
+        "version": rollout.version,
+        "prompt_tokens": list(rollout.prompt_tokens),
+        "tokens": list(rollout.tokens),
+        "logprobs": list(rollout.logprobs),
+        "finish_reason": rollout.finish_reason,
+    }
+
+
+class GenerationPool:
+    """One thread per inference worker client, fed from one priority queue.
+
+    `counters` is the run's snapshotted accounting: `reused` (rollouts taken from the log)
+    and `regenerated` (aborted by a reload and generated again) are counted into it."""
+
+    def __init__(
+        self,
+        workers: Sequence[Any],
+        log: RolloutLog,
+        *,
+        samples: int,
+        sampling: SamplingParams,
+        counters: MutableMapping[str, Any],
+    ) -> None:
+        self.workers = list(workers)
+        self.log = log
+        self.samples = samples
+        self.sampling = sampling
+        self.counters = counters
+        for key in ("reused", "regenerated"):
+            counters.setdefault(key, 0)
+        self.worker_versions = [-1] * len(self.workers)  # the version each worker loaded last
+        self.busy_s = [0.0] * len(self.workers)
+        self.failure: str | None = None  # a dead worker ends the run (resume later)
+        self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
+        self._lock = threading.Lock()  # batches' rollouts, filled by the worker threads
+        self._threads: list[threading.Thread] = []
+
+    # -- threads ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._threads:
+            return
+        for i in range(len(self.workers)):
+            thread = threading.Thread(target=self._work, args=(i,), name=f"worker-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout=60)
+        self._threads = []
+
+    def _work(self, i: int) -> None:
+        client = self.workers[i]
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            t0 = time.perf_counter()
+            try:
+                if self.worker_versions[i] != job.version:
+                    self.worker_versions[i] = client.load(job.version).version
+                t_loaded = time.perf_counter()
+                job.timing["load_s"] += t_loaded - t0
+                retry, finished = [], []
+                for rollout in client.generate(job.requests, version=job.version):
+                    if rollout.finish_reason in FINAL_REASONS:
+                        finished.append(rollout)
+                    elif rollout.finish_reason == "aborted":
+                        retry.append(rollout.request_id)
+                    else:
+                        job.fail(
+                            f"request {rollout.request_id} failed on worker {i}: {rollout.error}"
+                        )
+                t_generated = time.perf_counter()
+                job.timing["generate_s"] += t_generated - t_loaded
+                if finished:
+                    job.deliver(finished)
+                job.timing["log_s"] += time.perf_counter() - t_generated
+                if retry:
+                    with self._lock:
+                        self.counters["regenerated"] += len(retry)
+                    again = [r for r in job.requests if r.request_id in set(retry)]
+                    self._jobs.put(dataclasses.replace(job, requests=again))
+            except Exception as e:  # noqa: BLE001 - a dead worker ends the run (resume later)
+                self.failure = f"inference worker {i} failed: {type(e).__name__}: {e}"
+                job.fail(self.failure)
+                return
+            finally:
+                self.busy_s[i] += time.perf_counter() - t0
+
+    # -- batches ------------------------------------------------------------------------------
+    def request(self, prompt: Prompt, sample_index: int, version: int) -> GenerationRequest:
+        """The request of one sample: its id (and so its PRNG key) is a function of the
+        prompt key, the sample index and the version."""
+        return GenerationRequest(
+            request_id=f"{prompt.key}/s{sample_index}/v{version}",
+            prompt_id=prompt.key,
+            sample_index=sample_index,
+            prompt_tokens=prompt.tokens,
+            sampling=self.sampling,
+        )
+
+    def submit(self, batch: BatchState, prompts: list[Prompt]) -> None:
+        """Add `prompts` to `batch`: reuse what the rollout log has, generate the rest."""
+        b, version = batch.index, batch.version
+        with self._lock:
+            batch.prompts.extend(prompts)
+            batch.done.clear()
+        logged = self.log.read_batch(b)
+        missing: list[GenerationRequest] = []
+        for prompt in prompts:
+            for i in range(self.samples):
+                record = logged.get((prompt.key, i, version))
+                if record is not None:
+                    batch.rollouts[(prompt.key, i)] = record
+                    self.counters["reused"] += 1
+                else:
+                    missing.append(self.request(prompt, i, version))
+        with self._lock:
+            if len(batch.rollouts) == batch.expected:
+                batch.done.set()
+        if not missing:
+            return
+        per_worker = math.ceil(len(missing) / len(self.workers))
+        per_worker = self.samples * math.ceil(per_worker / self.samples)  # whole groups
+        for k in range(0, len(missing), per_worker):
+            self._jobs.put(
+                _Job(
+                    (b, batch.rounds * 2**20 + k),
+                    version,
+                    missing[k : k + per_worker],
+                    deliver=lambda r, batch=batch: self._deliver(batch, r),
+                    fail=lambda e, batch=batch: self._fail(batch, e),
+                    timing=batch.timing,
+                )
+            )
+
+    def _deliver(self, batch: BatchState, rollouts: list[Rollout]) -> None:
+        records = [rollout_record(batch.index, r) for r in rollouts]
+        self.log.append(batch.index, records)  # persisted before they can be trained on
+        with self._lock:
+            for record in records:
+                batch.rollouts[(record["prompt_id"], record["sample_index"])] = record
+            if len(batch.rollouts) == batch.expected:
+                batch.done.set()
+
+    def _fail(self, batch: BatchState, error: str) -> None:
+        batch.error = error
+        batch.done.set()
+
+    def wait(self, batch: BatchState, stop: threading.Event) -> bool:
+        """Until all of `batch`'s rollouts are in (True), or the run is stopped (False)."""
+        while not batch.done.wait(0.5):
+            if stop.is_set():
+                return False
+            self._raise_on_failure()
+        if batch.error:
+            raise ControllerError(f"batch {batch.index}: {batch.error}")
+        return True
+
+    def _raise_on_failure(self) -> None:
+        if self.failure:
+            raise ControllerError(self.failure)
+
+    # -- one-off generation (evaluation) -------------------------------------------------------
+    def generate(self, requests: list[GenerationRequest], version: int) -> dict[str, Rollout]:
+        """The rollouts of `requests` generated with `version`, by request id, ahead of every
+        batch in the queue; spread over the workers. Blocks until all are in."""
+        if not requests:
+            return {}
+        done = threading.Event()
+        got: dict[str, Rollout] = {}
+        errors: list[str] = []
+
+        def deliver(rollouts: list[Rollout]) -> None:
+            with self._lock:
+                got.update((rollout.request_id, rollout) for rollout in rollouts)
+                if len(got) == len(requests):
+                    done.set()
+
+        def fail(error: str) -> None:
+            errors.append(error)
+            done.set()
+
+        per_worker = math.ceil(len(requests) / len(self.workers))
+        for k in range(0, len(requests), per_worker):
+            self._jobs.put(_Job((-1, k), version, requests[k : k + per_worker], deliver, fail))
+        while not done.wait(0.5):
+            self._raise_on_failure()
+        if errors:
+            raise ControllerError(errors[0])
+        return got

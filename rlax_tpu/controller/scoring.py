@@ -1,0 +1,199 @@
+"""Rewards that carry their verdicts (DESIGN §8): every rollout is judged by the verifiers,
+and one they could not judge is never trained as a wrong answer.
+
+A result with verdict VERIFIER_ERROR (a verifier exception, a missing sandbox, a missed batch
+deadline) or a failed call (service unavailable, queue full) is sent again, up to
+`controller.verify_retries` times with a doubling backoff; the service is idempotent by
+request id and keeps no error in its cache, so a retry judges again and a success returns
+the verdict the first try would have. A sample still unjudged after that is `unjudged`: the
+controller drops its group (assembly.select_groups), and when more than
+`controller.max_unjudged_fraction` of a round is unjudged it stops the run, naming the
+verifiers' reasons — a broken sandbox must not train a model on zeros. Which samples end
+unjudged depends only on which requests the verifier fails, never on timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+
+from rlax_tpu.controller.datasets import decode_response
+from rlax_tpu.controller.errors import ControllerError, UnjudgedError
+from rlax_tpu.rpc.client import RpcCallError
+from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
+
+_log = logging.getLogger(__name__)
+
+# A call failing with one of these is the caller's bug or a setup error: retrying cannot help.
+_FATAL_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+# Requests per Verify call: well under a service's queue (a batch over it is refused whole).
+CHUNK = 256
+
+
+class Verifier(Protocol):
+    def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]: ...
+
+
+class ServiceVerifier:
+    """Scores through one or more verifier services: chunk i of a call to service i mod n, the
+    services in parallel. A retried request goes wherever its new chunk goes (the result
+    does not depend on who judges it)."""
+
+    def __init__(self, clients: list[Any]) -> None:
+        self.clients = clients
+
+    def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]:
+        chunks = [requests[start : start + CHUNK] for start in range(0, len(requests), CHUNK)]
+        if len(self.clients) == 1 or len(chunks) <= 1:
+            return [r for chunk in chunks for r in self.clients[0].verify(chunk)]
+        n = len(self.clients)
+        with ThreadPoolExecutor(n, thread_name_prefix="verify") as pool:
+            results = pool.map(lambda i: self.clients[i % n].verify(chunks[i]), range(len(chunks)))
+            return [r for chunk in results for r in chunk]
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """A rollout's final verdict: `reward` is None when it stayed unjudged."""
+
+    reward: float | None
+    verdict: str
+    reason: str = ""
+
+    @property
+    def judged(self) -> bool:
+        return self.reward is not None
+
+    def to_json(self, rollout: dict[str, Any]) -> dict[str, Any]:
+        """The rollout log's verdict record for `rollout` (a rollout record)."""
+        return {
+            "prompt_id": rollout["prompt_id"],
+            "sample_index": rollout["sample_index"],
+            "version": rollout["version"],
+            "reward": self.reward,
+            "verdict": self.verdict,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Judgement:
+        reward = record["reward"]
+        return cls(None if reward is None else float(reward), record["verdict"], record["reason"])
+
+
+UNSCORED = Judgement(0.0, "unscored")  # a dataset row with verifier "none"
+
+
+def request_id(rollout: dict[str, Any]) -> str:
+    """The verifier's idempotency key of a rollout: (prompt id, sample index, version)."""
+    return f"{rollout['prompt_id']}/s{rollout['sample_index']}/v{rollout['version']}"
+
+
+class Scorer:
+    """Judges rollouts through `verifier` with bounded retries; counts into `counters` (the
+    run's snapshotted accounting): verify_errors (error results received, retried or not),
+    verify_retries (requests sent again), verify_unjudged (samples unjudged at the end)."""
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        tokenizer: Any,
+        stop_token_ids: Sequence[int],
+        *,
+        retries: int,
+        backoff_s: float,
+        max_unjudged_fraction: float,
+        counters: MutableMapping[str, Any],
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.max_unjudged_fraction = max_unjudged_fraction
+        self.counters = counters
+        for key in ("verify_errors", "verify_retries", "verify_unjudged"):
+            counters.setdefault(key, 0)
+        self._sleep = sleep
+
+    def request(self, record: Any, rollout: dict[str, Any]) -> VerificationRequest:
+        """The verification request of `rollout` (a rollout record) for prompt `record`."""
+        return VerificationRequest(
+            kind=record.verifier,
+            response=decode_response(self.tokenizer, rollout["tokens"], self.stop_token_ids),
+            reference=record.reference,
+            problem=record.problem,
+            request_id=request_id(rollout),
+        )
+
+    def judge(self, items: Sequence[tuple[Any, dict[str, Any]]], *, what: str) -> list[Judgement]:
+        """One Judgement per (prompt record, rollout record) of `items`, in order; raises
+        UnjudgedError when more than max_unjudged_fraction of them stay unjudged. `what`
+        names them in messages ("batch 7", "evaluation of version 4")."""
+        requests = [self.request(record, rollout) for record, rollout in items]
+        out: list[Judgement | None] = [UNSCORED if q.kind == "none" else None for q in requests]
+        pending = [i for i, q in enumerate(requests) if q.kind != "none"]
+        reasons: dict[int, str] = {}
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.counters["verify_retries"] += len(pending)
+                self._sleep(self.backoff_s * 2 ** (attempt - 1))
+            results = self._call([requests[i] for i in pending])
+            failed = []
+            for i, result in zip(pending, results, strict=True):
+                if result.verdict == Verdict.VERIFIER_ERROR:
+                    self.counters["verify_errors"] += 1
+                    reasons[i] = result.reason
+                    failed.append(i)
+                else:
+                    out[i] = Judgement(float(result.reward), str(result.verdict), result.reason)
+            pending = failed
+            if not pending:
+                break
+        for i in pending:
+            out[i] = Judgement(None, str(Verdict.VERIFIER_ERROR), reasons[i])
+        self.counters["verify_unjudged"] += len(pending)
+        if pending:
+            _log.warning(
+                "%s: %d of %d samples unjudged after %d retries (first: %s)",
+                what,
+                len(pending),
+                len(items),
+                self.retries,
+                reasons[pending[0]],
+            )
+        if items and len(pending) > self.max_unjudged_fraction * len(items):
+            distinct = list(dict.fromkeys(reasons[i] for i in pending))[:3]
+            raise UnjudgedError(
+                f"{what}: {len(pending)} of {len(items)} samples are unjudged after "
+                f"{self.retries} retries, over controller.max_unjudged_fraction = "
+                f"{self.max_unjudged_fraction}; the verifiers say: {' | '.join(distinct)}. "
+                "Fix the verifier (e.g. its sandbox), then resume the run; nothing was "
+                "trained on these samples"
+            )
+        return out  # type: ignore[return-value]
+
+    def _call(self, requests: list[VerificationRequest]) -> list[VerificationResult]:
+        """The verifier's results; a failed call counts as an error result for each request
+        (retried like one), unless it failed for a reason no retry can fix."""
+        try:
+            return self.verifier.verify_many(requests)
+        except RpcCallError as e:
+            if e.code in _FATAL_CODES:
+                raise ControllerError(f"the verifier refused the requests: {e}") from None
+            reason = f"verifier call failed: {e}"
+        except Exception as e:  # noqa: BLE001 - any other failure of the call: retried
+            reason = f"verifier call failed: {type(e).__name__}: {e}"
+        error = VerificationResult(reward=0.0, verdict=Verdict.VERIFIER_ERROR, reason=reason)
+        return [error] * len(requests)

@@ -1,0 +1,72 @@
+"""The SFT warm start (`controller.sft_steps` = S): S supervised steps on the training
+datasets' reference answers before RL, after which the trainer publishes version 0.
+
+The controller drives it like RL steps, through the trainer's `SftStep` (the same service,
+local or on a pod, so `--connect` warm-starts too; no JAX in the controller). Batches come
+from the prompt mixture's own named stream (seed + SFT_STREAM), so the warm start never
+shifts the RL prompt order; a warm start the trainer resumed from its checkpoint continues
+at the trainer's next step, the stream fast-forwarded to it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rlax_tpu.config import RunConfig
+
+SFT_STREAM = 7919  # the warm start's prompt stream: seed + SFT_STREAM
+
+
+def sft_rows(config: RunConfig, tokenizer: Any, records: list[Any]) -> tuple:
+    """(tokens, targets, loss_mask) of prompt + reference + eos, the loss on the answer part:
+    int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16)."""
+    eos = tokenizer.eos_token_id
+    seqs, starts = [], []
+    for r in records:
+        prompt = tokenizer.encode(r.prompt)
+        answer = tokenizer.encode(r.reference, add_special_tokens=False)
+        seqs.append(prompt + answer + ([eos] if eos is not None else []))
+        starts.append(len(prompt))
+    seq = min(config.trainer.max_seq_len, 16 * -(-max(len(s) for s in seqs) // 16))
+    tokens = np.zeros((len(seqs), seq), np.int32)
+    mask = np.zeros((len(seqs), seq), np.float32)
+    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+        s = s[:seq]
+        tokens[i, : len(s)] = s
+        mask[i, start - 1 : len(s) - 1] = 1.0  # position t predicts tokens[t + 1]
+    targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
+    return tokens, targets, mask
+
+
+def run_warm_start(
+    config: RunConfig,
+    trainer: Any,
+    tokenizer: Any,
+    mixture: Any,
+    *,
+    next_step: int,
+    report: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+) -> None:
+    """SFT steps [next_step, sft_steps) on `trainer` (a TrainerClient, or a Trainer in this
+    process); `mixture` is the run's prompt mixture, whose sibling stream they draw from.
+    Returns early once `stop` is set (the trainer is then at a step boundary)."""
+    ctl = config.controller
+    stream = mixture.sibling(config.seed + SFT_STREAM)
+    stream.draw(next_step * ctl.global_batch_size)  # the steps the trainer has done
+    t0 = time.perf_counter()
+    for step in range(next_step, ctl.sft_steps):
+        if stop is not None and stop.is_set():
+            return
+        records = stream.draw(ctl.global_batch_size)
+        result = trainer.sft_step(step, *sft_rows(config, tokenizer, records))
+        if step % 50 == 0 or step == ctl.sft_steps - 1:
+            report(
+                f"sft step {step + 1}/{ctl.sft_steps}: loss {result.metrics.get('loss', 0):.3f} "
+                f"({time.perf_counter() - t0:.0f}s)"
+            )

@@ -1,0 +1,112 @@
+"""The controller's client of an inference worker (protos/rlax_tpu/v1/inference.proto):
+load a version, generate a batch of requests, read status. It speaks the plain types of
+`rlax_tpu.inference.types` and imports no JAX; the servicer (inference/service.py) is the
+other end of the same messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
+from rlax_tpu.rpc import get_status
+from rlax_tpu.rpc.client import ComponentClient, RpcCallError
+from rlax_tpu.rpc.protos import common_pb2
+from rlax_tpu.rpc.protos import inference_pb2 as pb
+from rlax_tpu.rpc.protos import inference_pb2_grpc as pb_grpc
+
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "aborted": pb.FINISH_REASON_ABORTED,
+    "error": pb.FINISH_REASON_ERROR,
+}
+FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "logprobs_of")
+
+
+# -- conversions (the servicer uses them too) --------------------------------------------
+def request_to_proto(request: GenerationRequest, defaults: SamplingParams | None = None):
+    """A GenerationRequest message; sampling fields equal to `defaults` are left unset."""
+    message = pb.GenerationRequest(
+        request_id=request.request_id,
+        prompt_id=request.prompt_id,
+        sample_index=request.sample_index,
+        prompt_tokens=[int(t) for t in request.prompt_tokens],
+    )
+    if request.sampling is not None:
+        sampling = request.sampling
+        for name in SAMPLING_OVERRIDES:
+            value = getattr(sampling, name)
+            if defaults is None or value != getattr(defaults, name):
+                setattr(message.sampling, name, value)
+        if defaults is None or sampling.stop_token_ids != defaults.stop_token_ids:
+            message.sampling.stop_token_ids.ids.extend(sampling.stop_token_ids)
+        message.sampling.SetInParent()  # present even when nothing differs from `defaults`
+    return message
+
+
+def rollout_from_proto(message: pb.RolloutMessage) -> Rollout:
+    return Rollout(
+        request_id=message.request_id,
+        prompt_id=message.prompt_id,
+        sample_index=message.sample_index,
+        version=message.version,
+        prompt_tokens=tuple(message.prompt_tokens),
+        tokens=tuple(message.tokens),
+        logprobs=tuple(message.logprobs),  # float32 values, as the engine's
+        finish_reason=FINISH_NAMES.get(message.finish_reason, "error"),
+        error=message.error,
+    )
+
+
+# -- client side ------------------------------------------------------------------------------
+class InferenceCallError(RpcCallError):
+    """A call to an inference worker failed; `code` is its gRPC status."""
+
+
+class InferenceWorkerClient(ComponentClient):
+    """Drives one inference worker process: load versions, generate batches, read status."""
+
+    def __init__(self, address: str, **channel_options: Any) -> None:
+        super().__init__(address, **channel_options)
+        self._stub = pb_grpc.InferenceWorkerStub(self._channel)
+
+    def load(self, version: int) -> LoadResult:
+        try:
+            reply = self._stub.Load(pb.LoadRequest(version=version), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _call_error(e, f"Load({version}) on {self.address}") from None
+        aborted = tuple(rollout_from_proto(m) for m in reply.aborted)
+        return LoadResult(reply.version, reply.already_loaded, aborted)
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], *, version: int | None = None
+    ) -> Iterator[Rollout]:
+        """Rollouts of `requests` as the worker completes them."""
+        message = pb.GenerateRequest(requests=[request_to_proto(r) for r in requests])
+        if version is not None:
+            message.version = version
+        call = self._stub.Generate(message, timeout=self.timeout_s)
+        try:
+            for rollout in call:
+                yield rollout_from_proto(rollout)
+        except grpc.RpcError as e:
+            raise _call_error(e, f"Generate on {self.address}") from None
+        finally:
+            # A caller that stops early frees the stream; the worker finishes and records
+            # the requests, so a retry with the same ids costs nothing.
+            call.cancel()
+
+    def status(self) -> common_pb2.ComponentStatus:
+        try:
+            return get_status(self._channel)
+        except grpc.RpcError as e:
+            raise _call_error(e, f"GetStatus on {self.address}") from None
+
+
+def _call_error(e: grpc.RpcError, what: str) -> InferenceCallError:
+    return InferenceCallError.from_rpc(e, what)

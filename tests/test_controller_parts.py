@@ -1,0 +1,253 @@
+"""The controller's pure parts, without threads or servers: the schedule (what to generate,
+which version an evaluation measures), group selection and batch assembly, and scoring with
+retries against a real VerificationService whose check fails on chosen requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlax_tpu.config import StalenessConfig, load_config
+from rlax_tpu.controller.assembly import assemble_batch, group_has_signal, select_groups
+from rlax_tpu.controller.errors import ControllerError, UnjudgedError
+from rlax_tpu.controller.schedule import Schedule
+from rlax_tpu.controller.scoring import Scorer, ServiceVerifier
+from rlax_tpu.staleness import StalenessPolicy
+from rlax_tpu.verifiers.service import VerificationService
+from rlax_tpu.verifiers.tasks import score_arithmetic
+from rlax_tpu.verifiers.types import Verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = ("on_policy", "one_step_off_policy", "off_policy")
+
+
+# -- schedule -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_evaluation_of_the_shipped_demo_measures_a_version_workers_load(preset):
+    """`rlax-tpu run configs/tiny_cpu.py --set staleness=PRESET` with the shipped eval_every:
+    each evaluation (step 0, every eval_every steps, the end) asks for a loadable version at
+    or before its step; off-policy (η = 16) measures version 16 at step 20."""
+    config = load_config(str(ROOT / "configs" / "tiny_cpu.py"), [f"staleness={preset}"])
+    schedule = Schedule(config)
+    ctl = config.controller
+    steps = [0, *(s for s in range(1, ctl.num_steps + 1) if schedule.eval_due(s)), ctl.num_steps]
+    assert steps[1] == ctl.eval_every == 20
+    policy = StalenessPolicy.from_config(config.staleness)
+    for step in steps:
+        version = schedule.eval_version(step)
+        assert policy.is_loadable(version) and 0 <= step - version < policy.reload_every
+    if preset == "off_policy":
+        assert [schedule.eval_version(s) for s in steps[:3]] == [0, 16, 32]
+
+
+@st.composite
+def configs(draw):
+    eta = draw(st.integers(1, 8))
+    n = draw(st.integers(eta - 1, eta + 8))
+    steps = draw(st.integers(1, 40))
+    base = load_config(str(ROOT / "configs" / "tiny_cpu.py"), [])
+    controller = dataclasses.replace(base.controller, num_steps=steps)
+    return dataclasses.replace(
+        base,
+        staleness=StalenessConfig(reload_every=eta, max_staleness=n),
+        controller=controller,
+        param_server=dataclasses.replace(base.param_server, hot_versions=None),
+    )
+
+
+@given(config=configs())
+def test_the_schedule_launches_each_batch_once_with_a_published_acceptable_version(config):
+    schedule, policy = Schedule(config), StalenessPolicy.from_config(config.staleness)
+    launched: dict[int, int] = {}
+    for step in range(config.controller.num_steps):  # the trainer at version `step`
+        for batch, version in schedule.to_launch(step, launched):
+            assert batch not in launched and batch >= step
+            assert version <= step  # published
+            assert policy.is_loadable(version) and policy.is_acceptable(batch, version)
+            launched[batch] = version
+        assert step in launched  # the batch the trainer needs now is under way
+    assert sorted(launched) == list(range(config.controller.num_steps))
+
+
+# -- selection and assembly ------------------------------------------------------------------
+def test_groups_with_an_unjudged_sample_are_never_selected():
+    groups = [("a", True, False), ("b", False, False), ("c", True, True), ("d", True, False)]
+    plain = select_groups(groups, 2, dynamic=False)
+    assert (plain.keys, plain.flat, plain.dropped) == (["a", "c"], 2, 1)
+    dynamic = select_groups(groups, 2, dynamic=True)  # signal first, then flat, draw order
+    assert dynamic.keys == ["a", "c"]
+    assert select_groups(groups, 1, dynamic=True).keys == ["c"]
+    assert select_groups(groups, 4, dynamic=True).keys == ["a", "c", "d"]  # never "b"
+
+
+def test_group_has_signal_is_dapos_predicate():
+    assert group_has_signal([0.0, 1.0]) and not group_has_signal([1.0, 1.0, 1.0])
+
+
+def rollout(prompt, sample, version, prompt_tokens, tokens):
+    return {
+        "prompt_id": prompt,
+        "sample_index": sample,
+        "version": version,
+        "prompt_tokens": prompt_tokens,
+        "tokens": tokens,
+        "logprobs": [-0.5 - i for i in range(len(tokens))],
+    }
+
+
+def test_assemble_batch_aligns_responses_with_the_positions_that_score_them():
+    groups = [
+        [(rollout("p", 0, 3, [5, 6, 7], [8, 9]), 1.0), (rollout("p", 1, 3, [5, 6, 7], [4]), 0.0)],
+        [(rollout("q", 0, 2, [1, 2], [3, 4, 5]), 0.5), (rollout("q", 1, 2, [1, 2], []), 0.0)],
+    ]
+    policy = StalenessPolicy(reload_every=1, max_staleness=1)
+    out = assemble_batch(3, groups, policy=policy, max_seq_len=64)
+    batch = out.batch
+    assert batch.tokens.shape[0] == 4 and batch.tokens.shape[1] >= 5
+    np.testing.assert_array_equal(batch.tokens[0, :5], [5, 6, 7, 8, 9])
+    np.testing.assert_array_equal(np.flatnonzero(batch.response_mask[0]), [2, 3])
+    np.testing.assert_array_equal(np.flatnonzero(batch.response_mask[2]), [1, 2, 3])
+    assert not batch.response_mask[3].any()
+    np.testing.assert_array_equal(batch.behaviour_logprobs[0, 2:4], [-0.5, -1.5])
+    np.testing.assert_array_equal(batch.group_ids, [0, 0, 1, 1])
+    np.testing.assert_array_equal(batch.versions, [3, 3, 2, 2])
+    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0, 0.5, 0.0])
+    assert out.keys[2] == ("q", 0, 2) and out.staleness_mean == 0.5
+    assert out.response_tokens == 6
+
+
+def test_assemble_batch_refuses_a_rollout_staler_than_n():
+    groups = [[(rollout("p", 0, 1, [1, 2], [3]), 1.0)]]
+    with pytest.raises(ControllerError, match="too stale for batch 3"):
+        assemble_batch(3, groups, policy=StalenessPolicy(1, 1), max_seq_len=64)
+
+
+# -- scoring ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Row:  # the fields of a PromptRecord the scorer reads
+    verifier: str = "arithmetic"
+    reference: str = "5"
+    problem: str = ""
+
+
+class CharTokenizer:
+    def decode(self, tokens, **_):
+        return "".join(chr(t) for t in tokens)
+
+
+class FaultyService:
+    """A real VerificationService whose arithmetic check raises for `always` request ids and
+    for the first attempt of `once` ones; `calls` records each batch it was sent."""
+
+    def __init__(self, always=(), once=()):
+        self.always, self.once, self.seen, self.calls = set(always), set(once), set(), []
+        self.service = VerificationService(self._check, concurrency=1)
+
+    def _check(self, request):
+        first = request.request_id not in self.seen
+        self.seen.add(request.request_id)
+        if request.request_id in self.always or (first and request.request_id in self.once):
+            raise RuntimeError(f"injected fault for {request.request_id}")
+        return score_arithmetic(request.response, request.reference)
+
+    def verify_many(self, requests):
+        self.calls.append([r.request_id for r in requests])
+        return [o.result for o in self.service.verify_batch(requests)]
+
+
+def items(n):
+    answers = ["5", "4", "5", "7"]
+    return [
+        (Row(), rollout(f"b0:d:{i}", 0, 0, [1], [ord(c) for c in answers[i % 4]])) for i in range(n)
+    ]
+
+
+def scorer(verifier, counters, **kw):
+    kw.setdefault("max_unjudged_fraction", 0.5)
+    return Scorer(verifier, CharTokenizer(), (), retries=2, backoff_s=0.0, counters=counters, **kw)
+
+
+def test_scoring_retries_errors_and_leaves_the_persistent_ones_unjudged():
+    service = FaultyService(always={"b0:d:1/s0/v0"}, once={"b0:d:2/s0/v0"})
+    counters = {}
+    judgements = scorer(service, counters).judge(items(4), what="batch 0")
+    assert [j.reward for j in judgements] == [1.0, None, 1.0, 0.0]
+    assert judgements[1].verdict == Verdict.VERIFIER_ERROR and "injected" in judgements[1].reason
+    # Retries send only what failed: twice the persistent fault, once the transient one.
+    assert service.calls[1:] == [["b0:d:1/s0/v0", "b0:d:2/s0/v0"], ["b0:d:1/s0/v0"]]
+    assert counters == {"verify_errors": 4, "verify_retries": 3, "verify_unjudged": 1}
+    service.service.close()
+
+
+def test_too_many_unjudged_samples_stop_with_the_verifiers_reasons():
+    service = FaultyService(always={f"b0:d:{i}/s0/v0" for i in range(3)})
+    with pytest.raises(UnjudgedError) as info:
+        scorer(service, {}).judge(items(4), what="batch 0")
+    assert "batch 0: 3 of 4 samples are unjudged after 2 retries" in str(info.value)
+    assert "injected fault for b0:d:0/s0/v0" in str(info.value)
+    service.service.close()
+
+
+def test_a_failed_call_is_retried_like_an_error_result():
+    class Flaky:
+        def __init__(self):
+            self.calls = 0
+
+        def verify_many(self, requests):
+            self.calls += 1
+            if self.calls == 1:
+                raise ConnectionError("verifier restarting")
+            return [score_arithmetic("5", "5") for _ in requests]
+
+    counters = {}
+    judgements = scorer(Flaky(), counters).judge(items(2), what="batch 0")
+    assert [j.reward for j in judgements] == [1.0, 1.0]
+    assert counters["verify_errors"] == 2 and counters["verify_unjudged"] == 0
+
+
+def test_verification_is_spread_over_the_verifier_services_in_order():
+    class Service:
+        def __init__(self):
+            self.chunks = []
+
+        def verify(self, requests):
+            self.chunks.append(list(requests))
+            return [f"r{r}" for r in requests]
+
+    services = [Service(), Service()]
+    results = ServiceVerifier(services).verify_many(list(range(600)))
+    assert results == [f"r{i}" for i in range(600)]
+    # Chunk i (CHUNK = 256 requests) goes to service i mod n; results come back in order.
+    assert [len(c) for c in services[0].chunks] == [256, 88]
+    assert services[1].chunks == [list(range(256, 512))]
+
+
+# -- no JAX in the controller's process -----------------------------------------------------
+def test_the_controller_and_the_clients_it_uses_import_no_jax():
+    modules = [
+        "rlax_tpu.controller",
+        "rlax_tpu.controller.controller",
+        "rlax_tpu.controller.job",
+        "rlax_tpu.param_server.client",
+        "rlax_tpu.verifiers.service",
+        "rlax_tpu.trainer.client",
+        "rlax_tpu.inference.client",
+        "rlax_tpu.models.tokenizer",
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in ('jax', 'jaxlib', 'flax', 'optax', 'orbax', 'tensorstore')"
+        " if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout
