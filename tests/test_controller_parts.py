@@ -235,6 +235,7 @@ def test_the_controller_and_the_clients_it_uses_import_no_jax():
         "rlax_tpu.controller",
         "rlax_tpu.controller.controller",
         "rlax_tpu.controller.job",
+        "rlax_tpu.controller.prefilter",
         "rlax_tpu.param_server.client",
         "rlax_tpu.verifiers.service",
         "rlax_tpu.trainer.client",

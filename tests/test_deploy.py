@@ -309,11 +309,16 @@ def test_every_checked_in_manifest_has_a_shipped_config():
 def test_a_local_config_is_refused_with_every_reason(capsys):
     assert cli_main(["deploy", "gke", str(ROOT / "configs" / "tiny_cpu.py")]) == 2
     err = capsys.readouterr().err
-    for reason in ("storage.run_dir", "sft_steps", "hf_checkpoint", "trainer.mesh"):
+    for reason in ("storage.run_dir", "hf_checkpoint", "trainer.mesh"):
         assert reason in err
+    assert "sft_steps" not in err  # the warm start runs on the trainer, deployed or not
     config = load_config(str(ROOT / "configs" / "tiny_cpu.py"))
     with pytest.raises(DeployError, match="gs://"):
         check_deployable(config)
+
+
+def test_a_pod_config_with_an_sft_warm_start_is_deployable():
+    assert problems(load_config(str(TPU_CONFIGS[0]), ["controller.sft_steps=10"])) == []
 
 
 def test_a_mesh_that_does_not_fill_its_slice_is_refused():
@@ -341,15 +346,23 @@ def test_a_tpu_slice_derives_its_hosts_and_checks_chips_per_host():
 
 
 # -- XManager ---------------------------------------------------------------------------------
-def test_xmanager_dry_run_builds_the_same_jobs_without_network(tmp_path):
+# The packaged command, and the script `xmanager launch` runs (a thin wrapper over it).
+XMANAGER_ENTRY_POINTS = {
+    "rlax-tpu": "from rlax_tpu.cli import main\n"
+    "sys.exit(main(['deploy', 'xmanager', {config!r}, '--dry-run', *{overrides!r}]))\n",
+    "launch.py": "import runpy\n"
+    f"sys.argv = [{str(LAUNCH)!r}, '--config={{config}}', '--dry_run', *{{overrides!r}}]\n"
+    f"runpy.run_path({str(LAUNCH)!r}, run_name='__main__')\n",
+}
+
+
+@pytest.mark.parametrize("entry", sorted(XMANAGER_ENTRY_POINTS))
+def test_xmanager_dry_run_builds_the_same_jobs_without_network(tmp_path, entry):
     config_path = TPU_CONFIGS[0]
     overrides = ["--set=storage.run_dir=gs://bucket/runs/x"]
+    run = XMANAGER_ENTRY_POINTS[entry].format(config=str(config_path), overrides=overrides)
     code = NO_NETWORK + (
-        "import runpy\n"
-        f"sys.argv = [{str(LAUNCH)!r}, '--config={config_path}', '--dry_run', *{overrides!r}]\n"
-        "try:\n"
-        f"    runpy.run_path({str(LAUNCH)!r}, run_name='__main__')\n"
-        "finally:\n"
+        "try:\n" + "".join(f"    {line}\n" for line in run.splitlines()) + "finally:\n"
         "    assert 'xmanager' not in sys.modules and 'grpc' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RLAX_TPU_AUTH_TOKEN"}
@@ -446,38 +459,6 @@ def test_component_addresses_without_connect_are_refused(capsys):
     args = ["run", str(ROOT / "configs" / "tiny_cpu.py"), "--trainer=t:1"]
     assert cli_main(args) == 2
     assert "need --connect" in capsys.readouterr().err
-
-
-def test_connect_refuses_an_sft_warm_start_before_touching_anything(tmp_path, monkeypatch, capsys):
-    import signal
-
-    monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's handlers
-    monkeypatch.setenv("RLAX_TPU_AUTH_TOKEN", "t0ken")
-    args = ["run", str(ROOT / "configs" / "tiny_cpu.py"), "--connect"]
-    args += [f"--set=storage.run_dir={tmp_path / 'run'}", "--param-server=a:1", "--trainer=b:1"]
-    args += ["--inference=c:1", "--verifier=d:1"]
-    assert cli_main(args) == 1
-    assert "sft_steps" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
-
-
-def test_verification_is_spread_over_the_verifier_services_in_order():
-    from rlax_tpu.controller.job import _ServiceVerifier
-
-    class Service:
-        def __init__(self):
-            self.chunks = []
-
-        def verify(self, requests):
-            self.chunks.append(list(requests))
-            return [f"r{r}" for r in requests]
-
-    services = [Service(), Service()]
-    results = _ServiceVerifier(services).verify_many(list(range(600)))
-    assert results == [f"r{i}" for i in range(600)]
-    # Chunk i (256 requests) goes to service i mod n: a retry hits the same service.
-    assert [len(c) for c in services[0].chunks] == [256, 88]
-    assert services[1].chunks == [list(range(256, 512))]
 
 
 @pytest.fixture

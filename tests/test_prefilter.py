@@ -1,4 +1,4 @@
-"""tools/prefilter.py end to end: the run's components (launcher, parameter server, trainer,
+"""`rlax-tpu prefilter` end to end: the run's components (launcher, parameter server, trainer,
 inference worker, verifier service) score a tiny arithmetic dataset with a checkpoint.
 
 The checkpoint is built, not trained: every layer is zero and every embedding row the same,
@@ -20,6 +20,7 @@ import pytest
 from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu.config import ControllerConfig, DatasetConfig, RunConfig
+from rlax_tpu.controller.prefilter import Band, pass_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 8
@@ -75,7 +76,9 @@ def run_prefilter(workspace: Path, name: str) -> Path:
     result = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tools" / "prefilter.py"),
+            "-m",
+            "rlax_tpu",
+            "prefilter",
             str(workspace / "config.json"),
             f"--dataset={workspace / 'sums.jsonl'}",
             f"--checkpoint={workspace / 'model'}",
@@ -158,13 +161,18 @@ def test_two_runs_with_the_same_seed_write_identical_outputs(outputs):
 
 
 def test_an_out_of_range_band_is_refused():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import prefilter
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
     with pytest.raises(ValueError, match="band"):
-        prefilter.Band(0.9, 0.1)
-    band = prefilter.Band(0.25, 0.75)
+        Band(0.9, 0.1)
+    band = Band(0.25, 0.75)
     assert band.keeps(0.25) and band.keeps(0.75) and not band.keeps(0.8)
     assert not band.keeps(None)
+
+
+def test_a_prompt_with_an_unjudged_sample_gets_no_pass_rate():
+    """A sample the verifier could not judge is not a failure: its prompt has no pass rate
+    (and so is never kept), where counting it as 0 would bias the rate down."""
+    rewards = {("a", 0): 1.0, ("a", 1): 0.0, ("b", 0): 1.0, ("b", 1): None}
+    rates = pass_rates(["a", "b"], rewards, samples=2)
+    assert rates[0] == {"id": "a", "pass_rate": 0.5, "k": 2}
+    assert rates[1]["pass_rate"] is None and rates[1]["k"] == 0
+    assert rates[1]["error"] == "1 of 2 samples unjudged by the verifier"

@@ -1,5 +1,5 @@
 """The tiny job that process-level tests run end to end (`rlax-tpu run`, `--connect`,
-tools/prefilter.py): a one-layer character-tokenizer model on 2 CPU devices, GRPO without
+`rlax-tpu prefilter`): a one-layer character-tokenizer model on 2 CPU devices, GRPO without
 KL, one prefill bucket; each test sets its own controller (data, steps, batch), seed and
 the few trainer or inference fields it cares about."""
 

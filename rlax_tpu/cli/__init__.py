@@ -2,7 +2,8 @@
 
 `run` / `resume` (the RL job, controller/job.py), `sft` and `eval` (the warm start alone
 and held-out accuracy, cli/sft_eval.py), `serve` (one component), `config show`,
-`deploy gke`, `simulate` (cli/simulate.py) and `bench` (tools/bench_*.py, cli/bench.py).
+`deploy gke|xmanager` (rlax_tpu/deploy), `simulate` (cli/simulate.py), `prefilter`
+(controller/prefilter.py) and `bench` (tools/bench_*.py, cli/bench.py).
 The parser reads only the config here; each command imports JAX and its component itself.
 """
 
@@ -22,8 +23,9 @@ _COMMANDS = {
     "sft": "the SFT warm start alone: train controller.sft_steps, export to RUN_DIR/sft_model",
     "eval": "held-out greedy accuracy of the run's newest model (or --model DIR) by the verifiers",
     "config": "show the resolved config (`config show CONFIG [--set k=v ...]`)",
-    "deploy": "render a run's cluster manifests (`deploy gke CONFIG [--set k=v ...]`)",
+    "deploy": "a run's cluster jobs (`deploy gke|xmanager CONFIG [--set k=v ...]`)",
     "bench": "run a benchmark from the source checkout's tools/ (`bench NAME [ARGS ...]`)",
+    "prefilter": "pass rates of a checkpoint on a dataset, and the rows within a band",
     "simulate": "simulate a run to size it: step time, idle, staleness (no JAX)",
 }
 COMPONENTS = ("param-server", "inference", "trainer", "verifier")
@@ -159,7 +161,7 @@ def _add_connect_args(parser: argparse.ArgumentParser) -> None:
         "--connect",
         action="store_true",
         help="run only the controller, driving components already running elsewhere (GKE, "
-        "XManager) at the addresses below; no SFT warm start",
+        "XManager) at the addresses below (an SFT warm start runs on that trainer)",
     )
     for flag, env, many, what in (
         ("--param-server", "RLAX_TPU_PARAM_SERVER", True, "a parameter-server replica"),
@@ -230,11 +232,23 @@ def build_parser() -> argparse.ArgumentParser:
             gke.add_argument(
                 "--name", help="the run's name on the cluster (default: the config's name)"
             )
+            xm = target.add_parser(
+                "xmanager", help="XManager jobs of the same processes (docs/deploy.md)"
+            )
+            _add_config_args(xm)
+            from rlax_tpu.deploy.xmanager import add_args as add_xmanager_args
+
+            add_xmanager_args(xm)
         elif name == "simulate":
             from rlax_tpu.cli.simulate import add_args as add_simulate_args
 
             _add_config_args(p)
             add_simulate_args(p)
+        elif name == "prefilter":
+            from rlax_tpu.controller.prefilter import add_args as add_prefilter_args
+
+            _add_config_args(p)
+            add_prefilter_args(p)
         elif name == "bench":
             from rlax_tpu.cli.bench import add_args as add_bench_args
 
@@ -328,6 +342,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.cli.sft_eval import eval_main
 
         return eval_main(args)
+    if args.command == "prefilter":
+        from rlax_tpu.controller.prefilter import main as prefilter
+
+        return prefilter(load_config(args.config, args.overrides), args)
     if args.command == "bench":
         from rlax_tpu.cli.bench import main as bench
 
@@ -336,12 +354,29 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    """`rlax-tpu deploy gke`: the manifests to stdout or DIR/<config name>.yaml."""
+    """`rlax-tpu deploy gke`: the manifests to stdout or DIR/<config name>.yaml;
+    `rlax-tpu deploy xmanager`: the XManager jobs' specs (--dry-run) or their launch."""
     from pathlib import Path
 
     from rlax_tpu.deploy import DeployError
     from rlax_tpu.deploy.gke import output_name, render
 
+    if args.target == "xmanager":
+        from rlax_tpu.deploy import xmanager
+
+        try:
+            xmanager.main(
+                args.config,
+                args.overrides,
+                dry_run=args.dry_run,
+                image=args.image,
+                address_template=args.address_template,
+                experiment_title=args.experiment_title,
+            )
+        except DeployError as e:
+            print(f"rlax-tpu deploy {args.target}: {e}", file=sys.stderr)
+            return 2
+        return 0
     config = load_config(args.config, args.overrides)
     command = ["rlax-tpu", "deploy", args.target, args.config]
     command += [f"--set={o}" for o in args.overrides]

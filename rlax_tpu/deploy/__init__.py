@@ -1,6 +1,6 @@
 """Running a run on a cluster: the plan of its processes (`plan.py`) and its GKE JobSet
-manifests (`gke.py`, `rlax-tpu deploy gke`). deploy/xmanager/launch.py builds the same
-processes as XManager jobs. See docs/deploy.md."""
+manifests (`gke.py`, `rlax-tpu deploy gke`); `xmanager.py` (`rlax-tpu deploy xmanager`)
+builds the same processes as XManager jobs. See docs/deploy.md."""
 
 from rlax_tpu.deploy.plan import (
     COORDINATOR_PORT,

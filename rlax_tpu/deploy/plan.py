@@ -1,6 +1,6 @@
 """A run laid out for a cluster: which processes run, how many, on what, with which args.
 
-One plan feeds both renderers — `gke.py` (JobSet manifests) and deploy/xmanager/launch.py
+One plan feeds both renderers — `gke.py` (JobSet manifests) and `xmanager.py`
 (XManager jobs) — so both start the same `rlax-tpu` commands. The plan needs only the
 config (no JAX, no cluster): `check_deployable` says what would stop the run on a cluster
 before anything is launched.
@@ -100,12 +100,6 @@ def problems(config: RunConfig, name: str | None = None) -> list[str]:
     if not _is_gs(run_dir):
         out.append(
             f"storage.run_dir must be a gs:// URL: every pod reads and writes it (got {run_dir!r})"
-        )
-    if config.controller.sft_steps:
-        out.append(
-            "controller.sft_steps must be 0: a deployed run does no SFT warm start; point "
-            "model.hf_checkpoint at a Hugging Face checkpoint (e.g. one exported by a local "
-            "`rlax-tpu run`, sft_model/ in its run directory)"
         )
     if not _is_gs(config.model.hf_checkpoint):
         out.append(

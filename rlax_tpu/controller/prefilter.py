@@ -1,20 +1,19 @@
-#!/usr/bin/env python3
-"""Pre-filter a prompt dataset by the pass rate of a checkpoint (before an RL run).
+"""Pre-filter a prompt dataset by the pass rate of a checkpoint, before an RL run
+(`rlax-tpu prefilter CONFIG --dataset PATH --checkpoint HF_DIR --out DIR`).
 
-    python tools/prefilter.py CONFIG --dataset PATH --checkpoint HF_DIR --out DIR
-        [--samples K] [--min-pass 0.1] [--max-pass 0.9] [--verifier KIND] [--set key=value ...]
-
-Prompts a model always solves or never solves give a group of equal rewards, so no
-gradient (group-baselined advantages are exactly 0); filtering them out before the run saves
-their generation. This tool starts the run's own components with the local launcher (the
+Prompts a model always solves or never solves give a group of equal rewards, so no gradient
+(group-baselined advantages are exactly 0); filtering them out before the run saves their
+generation. The run's own components do the work, started by the local launcher (the
 parameter server, the verifier service, `inference.num_workers` inference workers, and the
-trainer, which publishes the checkpoint as version 0 for the workers to pull), samples K
-responses per prompt with the config's sampling settings, scores them with the verifiers
-and writes to DIR (local or gs://):
+trainer, which publishes the checkpoint as version 0 for the workers to pull); the
+controller's generation pool samples K responses per prompt with the config's sampling
+settings and its scorer judges them, verdict-aware as in a run. Written to DIR (local or
+gs://):
 
-    pass_rates.jsonl  {"id", "pass_rate", "k"} per row in dataset order (a row that cannot be
-                      generated, e.g. a prompt over inference.max_prompt_len, gets
-                      pass_rate null, k 0 and an "error")
+    pass_rates.jsonl  {"id", "pass_rate", "k"} per row in dataset order; a row without a
+                      pass rate (a prompt over inference.max_prompt_len, verifier "none", a
+                      sample the verifier could not judge after its retries) gets
+                      pass_rate null, k 0 and an "error"
     filtered.jsonl    the dataset's original rows whose pass rate is in [min, max]
     summary.json      what was run (config digest, checkpoint, K, band) and the counts
 
@@ -28,28 +27,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
-import queue
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rlax_tpu import storage  # noqa: E402
-from rlax_tpu.config import DatasetConfig, RunConfig, load_config  # noqa: E402
-
-_log = logging.getLogger("prefilter")
+from rlax_tpu import storage
+from rlax_tpu.config import DatasetConfig, RunConfig
 
 VERSION = 0  # the checkpoint, as the trainer publishes it
-FINAL_REASONS = ("stop", "length")
-VERIFY_CHUNK = 256  # well under the verifier service's queue (a batch over it is refused whole)
 
 
 class PrefilterError(RuntimeError):
@@ -76,12 +65,26 @@ class Band:
 
 # -- the pure part --------------------------------------------------------------------------------
 def pass_rates(
-    ids: Sequence[str], rewards: dict[tuple[str, int], float], samples: int
+    ids: Sequence[str], rewards: Mapping[tuple[str, int], float | None], samples: int
 ) -> list[dict[str, Any]]:
-    """{"id", "pass_rate", "k"} per id, in order; rewards[(id, i)] for i < samples."""
+    """{"id", "pass_rate", "k"} per id, in order, from rewards[(id, i)] for i < samples. A
+    reward of None is a sample the verifier could not judge: its prompt gets no pass rate
+    (counting it as a failure would bias the rate down)."""
     out = []
     for prompt_id in ids:
-        passes = sum(rewards[(prompt_id, i)] >= 1.0 for i in range(samples))
+        group = [rewards[(prompt_id, i)] for i in range(samples)]
+        unjudged = sum(r is None for r in group)
+        if unjudged:
+            out.append(
+                {
+                    "id": prompt_id,
+                    "pass_rate": None,
+                    "k": 0,
+                    "error": f"{unjudged} of {samples} samples unjudged by the verifier",
+                }
+            )
+            continue
+        passes = sum(r >= 1.0 for r in group)
         out.append({"id": prompt_id, "pass_rate": passes / samples, "k": samples})
     return out
 
@@ -100,58 +103,6 @@ def read_rows(path: str) -> list[Any]:
 
 
 # -- generation and scoring through the run's components ------------------------------------------
-def _encode(tokenizer: Any, record: Any) -> list[int]:
-    if record.messages:
-        return tokenizer.encode_chat(list(record.messages), add_generation_prompt=True)
-    return tokenizer.encode(record.prompt)
-
-
-def _generate(workers: list[Any], jobs: list[list[Any]]) -> dict[str, Any]:
-    """Rollouts by request id; one thread per worker takes jobs (lists of requests) in turn."""
-    todo: queue.Queue[list[Any]] = queue.Queue()
-    for job in jobs:
-        todo.put(job)
-    got: dict[str, Any] = {}
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def work(i: int) -> None:
-        client = workers[i]
-        try:
-            client.load(VERSION)
-            while not errors:
-                try:
-                    requests = todo.get_nowait()
-                except queue.Empty:
-                    return
-                while requests:  # aborted requests (a reload overtook them) go again
-                    retry = []
-                    for rollout in client.generate(requests, version=VERSION):
-                        if rollout.finish_reason in FINAL_REASONS:
-                            with lock:
-                                got[rollout.request_id] = rollout
-                        elif rollout.finish_reason == "aborted":
-                            retry.append(rollout.request_id)
-                        else:
-                            raise PrefilterError(
-                                f"request {rollout.request_id} failed on worker {i}: "
-                                f"{rollout.error}"
-                            )
-                    again = set(retry)
-                    requests = [r for r in requests if r.request_id in again]
-        except Exception as e:  # noqa: BLE001 - reported once all threads stop
-            errors.append(f"inference worker {i}: {type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(workers))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise PrefilterError(errors[0])
-    return got
-
-
 def prefilter(
     config: RunConfig,
     *,
@@ -162,19 +113,19 @@ def prefilter(
     out: str,
     verifier: str | None = None,
     work_dir: str | None = None,
-    chunk_prompts: int = 64,
 ) -> dict[str, Any]:
     """Evaluate `dataset` with `checkpoint` (K = `samples` per prompt) and write the pass
     rates and the filtered dataset under `out`; returns the summary (also written)."""
     from rlax_tpu.controller import job
-    from rlax_tpu.controller.datasets import dataset_name, load_dataset
-    from rlax_tpu.controller.launcher import LocalCluster
-    from rlax_tpu.inference.engine import GenerationRequest
-    from rlax_tpu.inference.sampling import SamplingParams
-    from rlax_tpu.inference.service import InferenceWorkerClient
+    from rlax_tpu.controller.datasets import (
+        DatasetError,
+        dataset_name,
+        encode_prompt,
+        load_dataset,
+        stop_tokens,
+    )
+    from rlax_tpu.inference.types import SamplingParams
     from rlax_tpu.models.tokenizer import Tokenizer
-    from rlax_tpu.verifiers.service import VerifierClient
-    from rlax_tpu.verifiers.types import VerificationRequest
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
@@ -208,79 +159,30 @@ def prefilter(
     config_url = str(work / job.EFFECTIVE_CONFIG)
     storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
 
-    eos = tokenizer.eos_token_id
-    stops = tuple(effective.inference.stop_token_ids or ((eos,) if eos is not None else ()))
+    stops = stop_tokens(effective.inference.stop_token_ids, tokenizer)
     sampling = dataclasses.replace(
         SamplingParams.from_config(effective.inference), stop_token_ids=stops
     )
-    limit = effective.inference.max_prompt_len
     errors: dict[str, str] = {}  # record id -> why it has no pass rate
     prompts: list[tuple[str, Any, tuple[int, ...]]] = []  # (prompt id, record, tokens)
     for record in records:
-        tokens = tuple(int(t) for t in _encode(tokenizer, record))
         if record.verifier == "none":
             errors[record.id] = "not scored (verifier 'none')"
-        elif len(tokens) > limit:
-            errors[record.id] = (
-                f"{len(tokens)} prompt tokens, more than inference.max_prompt_len={limit}"
-            )
-        else:
-            prompts.append((f"prefilter:{name}:{record.id}", record, tokens))
-    jobs = [
-        [
-            GenerationRequest(
-                request_id=f"{prompt_id}/s{i}",
-                prompt_id=prompt_id,
-                sample_index=i,
-                prompt_tokens=tokens,
-                sampling=sampling,
-            )
-            for prompt_id, _, tokens in prompts[start : start + chunk_prompts]
-            for i in range(samples)
-        ]
-        for start in range(0, len(prompts), chunk_prompts)
-    ]
+            continue
+        try:
+            tokens = encode_prompt(tokenizer, record, effective.inference.max_prompt_len)
+        except DatasetError as e:
+            errors[record.id] = str(e)
+            continue
+        prompts.append((f"prefilter:{name}:{record.id}", record, tokens))
 
     t0 = time.perf_counter()
+    counters: dict[str, Any] = {}
     failed = True
     try:
-        with LocalCluster(
-            config_url,
-            num_workers=effective.inference.num_workers,
-            log_dir=work / "logs",
-            param_storage=str(work / "params"),
-            token_env=effective.param_server.auth_token_env,
-        ) as cluster:
-            cluster.start()
-            token = cluster.token
-            workers = [
-                InferenceWorkerClient(a, auth_token=token)
-                for a in cluster.addresses["inference_worker"]
-            ]
-            rollouts = _generate(workers, jobs)
-            if cluster.failure:
-                raise PrefilterError(cluster.failure)
-            keys, requests = [], []
-            for prompt_id, record, _ in prompts:
-                for i in range(samples):
-                    rollout = rollouts[f"{prompt_id}/s{i}"]
-                    text = tokenizer.decode(
-                        [t for t in rollout.tokens if t not in stops], skip_special_tokens=True
-                    )
-                    keys.append((record.id, i))
-                    requests.append(
-                        VerificationRequest(
-                            kind=record.verifier,
-                            response=text,
-                            reference=record.reference,
-                            problem=record.problem,
-                            request_id=rollout.request_id,
-                        )
-                    )
-            verifier_client = VerifierClient(cluster.addresses["verifier"][0], auth_token=token)
-            results = []
-            for start in range(0, len(requests), VERIFY_CHUNK):
-                results += verifier_client.verify(requests[start : start + VERIFY_CHUNK])
+        rewards = _judge_samples(
+            effective, config_url, work, prompts, samples, sampling, tokenizer, counters
+        )
         failed = False
     finally:
         if failed:
@@ -288,7 +190,6 @@ def prefilter(
         elif own_work_dir:
             shutil.rmtree(work, ignore_errors=True)
 
-    rewards = {key: float(r.reward) for key, r in zip(keys, results, strict=True)}
     rates = {r["id"]: r for r in pass_rates([p[1].id for p in prompts], rewards, samples)}
     table = [
         rates.get(record.id)
@@ -311,7 +212,9 @@ def prefilter(
         "band": [band.low, band.high],
         "prompts": len(records),
         "kept": len(kept),
-        "errors": len(errors),
+        "errors": len(records) - len(measured),
+        "unjudged_samples": counters.get("verify_unjudged", 0),
+        "verify_retries": counters.get("verify_retries", 0),
         "always_solved": sum(r == 1.0 for r in measured),
         "never_solved": sum(r == 0.0 for r in measured),
         "mean_pass_rate": sum(measured) / len(measured) if measured else None,
@@ -321,15 +224,95 @@ def prefilter(
         f"prefilter: {len(records)} prompts x {samples} samples in "
         f"{time.perf_counter() - t0:.0f}s; kept {len(kept)} with pass rate in "
         f"[{band.low}, {band.high}] ({summary['never_solved']} never solved, "
-        f"{summary['always_solved']} always solved, {len(errors)} not generated) -> {out}",
+        f"{summary['always_solved']} always solved, {summary['errors']} without a pass "
+        f"rate) -> {out}",
         flush=True,
     )
     return summary
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="a configs/*.py file or a run's config.json")
+def _judge_samples(
+    config: RunConfig,
+    config_url: str,
+    work: Path,
+    prompts: Sequence[tuple[str, Any, tuple[int, ...]]],
+    samples: int,
+    sampling: Any,
+    tokenizer: Any,
+    counters: dict[str, Any],
+) -> dict[tuple[str, int], float | None]:
+    """{(record id, sample index): reward, None if unjudged} of `samples` responses per
+    prompt, generated by the launched workers with version 0 and judged by the verifier
+    service with the run's retries (`controller.verify_retries`)."""
+    from rlax_tpu.controller.generation import GenerationPool, rollout_record
+    from rlax_tpu.controller.launcher import LocalCluster
+    from rlax_tpu.controller.scoring import Scorer, ServiceVerifier
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.inference.client import InferenceWorkerClient
+    from rlax_tpu.inference.types import GenerationRequest
+    from rlax_tpu.verifiers.service import VerifierClient
+
+    ctl = config.controller
+    requests = [
+        GenerationRequest(
+            request_id=f"{prompt_id}/s{i}",
+            prompt_id=prompt_id,
+            sample_index=i,
+            prompt_tokens=tokens,
+            sampling=sampling,
+        )
+        for prompt_id, _, tokens in prompts
+        for i in range(samples)
+    ]
+    with LocalCluster(
+        config_url,
+        num_workers=config.inference.num_workers,
+        log_dir=work / "logs",
+        param_storage=str(work / "params"),
+        token_env=config.param_server.auth_token_env,
+    ) as cluster:
+        cluster.start()
+        token = cluster.token
+        workers = [
+            InferenceWorkerClient(a, auth_token=token)
+            for a in cluster.addresses["inference_worker"]
+        ]
+        pool = GenerationPool(
+            workers, RolloutLog(str(work)), samples=samples, sampling=sampling, counters=counters
+        )
+        pool.start()
+        try:
+            rollouts = pool.generate(requests, VERSION)
+        finally:
+            pool.stop()
+        if cluster.failure:
+            raise PrefilterError(cluster.failure)
+        verifier = ServiceVerifier(
+            [VerifierClient(a, auth_token=token) for a in cluster.addresses["verifier"]]
+        )
+        scorer = Scorer(
+            verifier,
+            tokenizer,
+            sampling.stop_token_ids,
+            retries=ctl.verify_retries,
+            backoff_s=ctl.verify_retry_backoff_s,
+            max_unjudged_fraction=ctl.max_unjudged_fraction,
+            counters=counters,
+        )
+        records = {prompt_id: record for prompt_id, record, _ in prompts}
+        items = [
+            (records[q.prompt_id], rollout_record(-1, rollouts[q.request_id])) for q in requests
+        ]
+        judgements = scorer.judge(items, what="the pre-filter's samples")
+    return {
+        (records[q.prompt_id].id, q.sample_index): j.reward
+        for q, j in zip(requests, judgements, strict=True)
+    }
+
+
+# -- rlax-tpu prefilter ---------------------------------------------------------------------------
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `rlax-tpu prefilter` (the config and --set come from the caller)."""
     parser.add_argument("--dataset", required=True, help="JSONL or Parquet prompts (local, gs://)")
     parser.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
     parser.add_argument("--samples", type=int, default=8, help="K samples per prompt")
@@ -344,29 +327,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--work-dir", default=None, help="scratch run directory (default: a temporary one)"
     )
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], help="config override key=value"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def main(config: RunConfig, args: argparse.Namespace) -> int:
     try:
-        band = Band(args.min_pass, args.max_pass)
-        config = load_config(args.config, args.overrides)
         prefilter(
             config,
             dataset=args.dataset,
             checkpoint=args.checkpoint,
             samples=args.samples,
-            band=band,
+            band=Band(args.min_pass, args.max_pass),
             out=args.out,
             verifier=args.verifier,
             work_dir=args.work_dir,
         )
     except (ValueError, RuntimeError) as e:  # config, dataset, component or request errors
-        print(f"prefilter: {e}", file=sys.stderr)
+        print(f"rlax-tpu prefilter: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
