@@ -5,6 +5,7 @@ stale-16 -> stale-32 step time, LlamaRL's Table 3 speedups) with stated toleranc
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import subprocess
@@ -32,7 +33,9 @@ from rlax_tpu.simulator import (
     simulate,
     split_jobs,
 )
+from rlax_tpu.simulator import workloads as bench_workload
 from rlax_tpu.simulator.fit import fit_to_measurement
+from rlax_tpu.simulator.model import CalibrationError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
@@ -290,11 +293,12 @@ def test_benchmark_jsons_are_recognised_and_fitted(tmp_path):
 
 
 def _inference_bench(**extra) -> dict:
-    """A bench_inference JSON with the keys calibration reads, plus `extra`."""
+    """A bench_inference JSON with the keys calibration reads, plus `extra`: a run of the
+    benchmark's workload (rlax_tpu.simulator.workloads) of 64 requests."""
     return {
         "tokens_per_s": 1000.0,
         "slot_utilization": 0.9,
-        "useful_tokens": 3332,
+        "useful_tokens": sum(bench_workload.lengths(64)[1]),
         "decode_slots": 8,
         "decode_steps_per_call": 4,
         "requests": 64,
@@ -321,6 +325,30 @@ def _worker_loads(served: bool) -> dict:
         for r in loads.values():
             r["served_load_s"] = r["load_s"] + 0.025 + r["arrays"] * 5e-5
     return loads
+
+
+def test_an_inference_benchmark_of_another_workload_is_refused(tmp_path):
+    """Calibration reads a run's prefill work off the benchmark's workload definition; a run
+    measured on other lengths cannot be read that way, and says so."""
+    timing = _calibrated_timing(tmp_path, _inference_bench())
+    assert timing.decode_step_s > 0
+    other = _inference_bench(useful_tokens=_inference_bench()["useful_tokens"] + 1)
+    with pytest.raises(CalibrationError, match="measured with another workload"):
+        _calibrated_timing(tmp_path, other)
+
+
+def test_the_benchmark_draws_the_shared_workload():
+    """tools/bench_inference.py's requests have exactly the shared workload's lengths."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        bench = importlib.import_module("bench_inference")
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    workload = bench.make_workload(64)
+    prompts, outputs = bench_workload.lengths(64)
+    assert [len(p) for p in workload.prompts] == prompts
+    assert workload.output_lens == outputs
+    assert bench.MODEL == bench_workload.MODEL and bench.INFERENCE == bench_workload.INFERENCE
 
 
 def test_the_served_workers_load_sets_the_pull_latency(tmp_path):

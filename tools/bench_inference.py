@@ -58,37 +58,17 @@ import jax.numpy as jnp  # noqa: E402
 from bench_param_server import start_param_server  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from rlax_tpu.config import InferenceConfig, MeshConfig, ModelConfig, RunConfig  # noqa: E402
+from rlax_tpu.config import MeshConfig, ModelConfig, RunConfig  # noqa: E402
 from rlax_tpu.inference.engine import Engine, GenerationRequest  # noqa: E402
 from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens  # noqa: E402
 from rlax_tpu.models import DenseKVCache, Transformer  # noqa: E402
+from rlax_tpu.simulator import workloads as bench_workload  # noqa: E402
+from rlax_tpu.simulator.model import decode_flops_per_token  # noqa: E402
 
-SEED = 0
-MODEL = ModelConfig(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=768,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=32,
-)
-INFERENCE = InferenceConfig(
-    max_decode_slots=8,
-    page_size=16,
-    kv_cache_bytes=32 * 2**20,
-    prefill_buckets=(16, 32, 64, 128),
-    max_prompt_len=128,
-    max_new_tokens=256,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-)
-# One RL batch: every sample of the batch has a slot, as in a rollout worker.
-RL_PROMPTS, RL_SAMPLES = 8, 8
-RL_INFERENCE = dataclasses.replace(
-    INFERENCE, max_decode_slots=RL_PROMPTS * RL_SAMPLES, max_new_tokens=16
-)
+# The workload (model, engine config, lengths) is the simulator's calibration's too.
+MODEL, INFERENCE, SEED = bench_workload.MODEL, bench_workload.INFERENCE, bench_workload.SEED
+RL_INFERENCE = bench_workload.RL_INFERENCE
+RL_PROMPTS, RL_SAMPLES = bench_workload.RL_PROMPTS, bench_workload.RL_SAMPLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,14 +82,11 @@ class Workload:
 
 
 def make_workload(num_requests: int, seed: int = SEED) -> Workload:
-    """Heavy-tailed lengths: lognormal prompts (median 24) and outputs (median 32)."""
+    """Heavy-tailed lengths (rlax_tpu.simulator.workloads), then random prompt tokens."""
     rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(rng.lognormal(np.log(24), 0.8, num_requests), 4, INFERENCE.max_prompt_len)
-    output_lens = np.clip(rng.lognormal(np.log(32), 1.0, num_requests), 1, INFERENCE.max_new_tokens)
-    prompts = [
-        tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, int(n))) for n in prompt_lens
-    ]
-    return Workload(prompts, [int(n) for n in output_lens])
+    prompt_lens, output_lens = bench_workload.draw_lengths(rng, num_requests)
+    prompts = [tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, n)) for n in prompt_lens]
+    return Workload(prompts, output_lens)
 
 
 def requests_for(workload: Workload) -> list[GenerationRequest]:
@@ -290,7 +267,7 @@ def served_worker(
     a served worker; with `generate_repeats`, also the RL batch's Generate through it (all
     rollouts streamed back, fresh request ids each call) against the same batch through an
     in-process engine built as the worker builds it, calls of the two interleaved."""
-    from rlax_tpu.inference.service import InferenceWorkerClient
+    from rlax_tpu.inference.client import InferenceWorkerClient
     from rlax_tpu.param_server.client import ParamServerClient
 
     token = secrets.token_hex(16)
@@ -555,19 +532,14 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 10) -> float:
 
 
 def flops_per_token(workload: Workload) -> float:
-    """Matmul FLOPs of one decode token: 2 x weights used, plus attention over the mean
-    context of the workload's response tokens (q·k and p·v)."""
-    c = MODEL
-    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    weights = c.num_layers * (attn + mlp) + c.hidden_size * c.vocab_size
+    """Matmul FLOPs of one decode token at the mean context of the workload's response
+    tokens: the simulator's count (`decode_flops_per_token`), so its calibration transfers."""
     contexts = [
         len(p) + t
         for p, n in zip(workload.prompts, workload.output_lens, strict=True)
         for t in range(n)
     ]
-    attention = 4 * c.num_layers * c.num_heads * c.head_dim * float(np.mean(contexts))
-    return 2 * weights + attention
+    return decode_flops_per_token(MODEL, float(np.mean(contexts)))
 
 
 def best_seconds(runs: dict, repeats: int) -> dict:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from rlax_tpu.config import ConfigBase, ConfigError, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
 from rlax_tpu.shapes import padded_seq_len
+from rlax_tpu.simulator import workloads as bench_workload
 from rlax_tpu.staleness import StalenessPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -70,8 +71,8 @@ def model_bytes(model: ModelConfig) -> int:
 
 def decode_flops_per_token(model: ModelConfig, context: float) -> float:
     """Matmul FLOPs of one decoded token at `context` tokens of context: 2 × the weights a
-    token uses (the embedding is a gather) plus attention (q·k and p·v). The same count as
-    tools/bench_inference.py's `flops_per_token`, so its measured rates transfer."""
+    token uses (the embedding is a gather) plus attention (q·k and p·v). tools/bench_inference.py
+    reports its rates with this count, so they transfer."""
     c = model
     attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
     mlp = 3 * c.hidden_size * c.intermediate_size
@@ -684,20 +685,6 @@ def _from_trainer_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str
     return figures, note
 
 
-def bench_inference_workload(requests: int, seed: int = 0) -> tuple[list[int], list[int]]:
-    """tools/bench_inference.py's workload lengths (prompt, output): lognormal prompts
-    (median 24, σ 0.8, within [4, 128]) and outputs (median 32, σ 1.0, within [1, 256])."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    prompts = np.clip(rng.lognormal(np.log(24), 0.8, requests), 4, 128)
-    outputs = np.clip(rng.lognormal(np.log(32), 1.0, requests), 1, 256)
-    return [int(p) for p in prompts], [int(o) for o in outputs]
-
-
-_BENCH_BUCKETS = (16, 32, 64, 128)
-
-
 def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
     """Engine wall time = calls × seconds-per-call + FLOPs × seconds-per-FLOP, fitted over
     the benchmark runs (runs at different --decode-steps separate the two; from one run the
@@ -708,11 +695,15 @@ def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, s
         total_s = run["useful_tokens"] / run["tokens_per_s"]
         slots, k = run["decode_slots"], run["decode_steps_per_call"]
         steps = run["useful_tokens"] / (run["slot_utilization"] * slots)
-        prompts, outputs = bench_inference_workload(run["requests"])
-        if sum(outputs) == run["useful_tokens"]:
-            prefill_tokens = sum(next(b for b in _BENCH_BUCKETS if b >= p) for p in prompts)
-        else:  # another workload than the one known here: median prompt 24 -> bucket 32
-            prefill_tokens = 32 * run["requests"]
+        prompts, outputs = bench_workload.lengths(run["requests"])
+        if sum(outputs) != run["useful_tokens"]:
+            raise CalibrationError(
+                f"an inference benchmark run of {run['requests']} requests generated "
+                f"{run['useful_tokens']} tokens, but the benchmark's workload "
+                f"(rlax_tpu.simulator.workloads) has {sum(outputs)}: it was measured with "
+                "another workload; measure again with this version's tools/bench_inference.py"
+            )
+        prefill_tokens = sum(bench_workload.prefill_bucket(p) for p in prompts)
         flops = run["model_flops_per_token"] * (steps * slots + prefill_tokens)
         calls = run["requests"] + steps / k
         rows.append((calls, flops, total_s))
