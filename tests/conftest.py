@@ -1,12 +1,26 @@
 """Test-wide setup. JAX sees 8 virtual CPU devices so sharding tests run on any machine;
-this must happen before anything imports jax."""
+this must happen before anything imports jax.
 
+Every process of the session (this one and the components tests start) shares one
+persistent JAX compilation cache: dozens of short-lived trainer, inference and job
+processes compile the same tiny programs, and a cached executable is the same program, so
+results are unchanged. The cache lives in a temporary directory removed at the end."""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="rlax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 # --- GCS emulator (tests/gcs_emulator.py) -----------------------------------------------
