@@ -165,15 +165,15 @@ def test_batch_of_the_wrong_size_is_rejected(unsharded):
 def test_recompute_matches_the_inference_engine_to_one_ulp():
     """The recompute against the real inference Engine's behaviour log-probs (paged
     prefill + decode, sampler at temperature 1) for the same params, CPU f32, default XLA
-    flags: XLA:CPU's YNNPACK fusions reduce in an order that depends on the array's shape
-    ([1, bucket] prefill, [slots, 1] decode vs [micro, T]), so some tokens differ by one
-    f32 ULP (docs/trainer.md, "Log-prob recompute")."""
+    flags: XLA:CPU's kernels reduce in an order that depends on the array's shape ([1,
+    bucket] prefill, [slots, 1] decode vs [micro, T]) and on the machine, so some tokens
+    differ by one f32 ULP (docs/trainer.md, "Log-prob recompute")."""
     recomputed, engine, _ = recompute_vs_engine()
     diff = np.abs(recomputed - engine)
     assert diff.size == 8 * ENGINE.max_new_tokens
     assert diff.max() <= 1e-6
     assert (diff / np.spacing(np.abs(engine))).max() <= 2  # f32 ULPs
-    assert np.mean(diff == 0) >= 0.6, np.mean(diff == 0)  # 0.82 when measured
+    assert np.mean(diff == 0) >= 0.6, np.mean(diff == 0)  # 0.82 and 0.875 on two hosts
 
 
 def test_recompute_at_the_sampling_temperature_matches_the_inference_engine():
@@ -185,7 +185,7 @@ def test_recompute_at_the_sampling_temperature_matches_the_inference_engine():
     assert diff.size == 8 * ENGINE.max_new_tokens
     assert diff.max() <= 1e-6
     assert (diff / np.spacing(np.abs(engine))).max() <= 2  # f32 ULPs
-    assert np.mean(diff == 0) >= 0.6, np.mean(diff == 0)  # 0.79 when measured
+    assert np.mean(diff == 0) >= 0.6, np.mean(diff == 0)  # 0.79 and 0.81 on two hosts
     assert np.mean(np.abs(at_1 - engine)) > 1e-2  # 0.035 when measured
 
 
@@ -231,16 +231,24 @@ def test_policy_logprobs_and_entropy_are_of_the_temperature_scaled_distribution(
     np.testing.assert_allclose(entropy_1, expected(1.0)[1], rtol=0, atol=2e-5)
 
 
-def test_recompute_equals_the_inference_engine_bitwise_without_ynnpack_fusions():
-    """With XLA:CPU's YNNPACK library fusions off (their reductions are the shape-dependent
-    part) and rows as long as the engine's key span, the recompute's log-probs are the
-    engine's, bit for bit: the same graph and formula, nothing else differs. Runs in a
-    subprocess because XLA flags are read once per process."""
+# XLA:CPU kernel choices that differ from the defaults the in-process tests get: YNNPACK
+# fusions off, Eigen's single-threaded contraction, and code for an older ISA (SSE4.2: no
+# AVX, no FMA), as another machine might pick them.
+OTHER_KERNELS = (
+    "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_multi_thread_eigen=false "
+    "--xla_cpu_max_isa=SSE4_2"
+)
+
+
+def test_recompute_matches_the_inference_engine_to_one_ulp_with_other_xla_kernels():
+    """The tolerance holds whatever kernels XLA:CPU picks; bitwise equality does not: which
+    tokens match exactly depends on the machine's ISA, its Eigen threading and the YNNPACK
+    fusions (docs/trainer.md). Runs in a subprocess because XLA flags are read once per
+    process."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type= "
-        "--xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": f"{OTHER_KERNELS} --xla_force_host_platform_device_count=1",
     }
     temperatures = ["1.0", "0.7", "0.0"]  # at the rollouts' temperature; greedy at 1
     proc = subprocess.run(
@@ -251,14 +259,14 @@ def test_recompute_equals_the_inference_engine_bitwise_without_ynnpack_fusions()
         text=True,
         timeout=600,
     )
-    if "Unknown flag in XLA_FLAGS" in proc.stderr:
-        pytest.skip("this jaxlib has no --xla_cpu_experimental_ynn_fusion_type flag")
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert list(figures) == temperatures
     for temperature in temperatures:
-        assert figures[temperature]["n"] == 8 * ENGINE.max_new_tokens
-        assert figures[temperature]["exact"] == figures[temperature]["n"], figures
+        got = figures[temperature]
+        assert got["n"] == 8 * ENGINE.max_new_tokens
+        assert got["max"] <= 1e-6 and got["ulps"] <= 2, (temperature, got)
+        assert got["exact"] >= 0.6 * got["n"], (temperature, got)
 
 
 @pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T=1", "T=0.7"])

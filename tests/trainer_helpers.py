@@ -188,7 +188,9 @@ def recompute_vs_engine(
 
 if __name__ == "__main__":
     # `python trainer_helpers.py parity SEQ TEMPERATURE...`: the parity figures of each
-    # sampling temperature, {temperature: {n, exact, max}}, as JSON on stdout.
+    # sampling temperature, {temperature: {n, exact, max, ulps}}, as JSON on stdout. Run it
+    # with other XLA_FLAGS to see how the kernels XLA:CPU picks move the last bit
+    # (docs/trainer.md, "How closely it matches the inference worker").
     import json
     import sys
 
@@ -200,5 +202,6 @@ if __name__ == "__main__":
             "n": int(diff.size),
             "exact": int(np.sum(diff == 0)),
             "max": float(diff.max()),
+            "ulps": float((diff / np.spacing(np.abs(engine))).max()),  # in f32 ULPs
         }
     print(json.dumps(figures))
