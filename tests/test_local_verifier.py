@@ -7,7 +7,13 @@ import json
 import pytest
 
 from rlax_tpu.config import VerifierConfig
-from rlax_tpu.verifiers.local import POOL_PRELOAD, CodeVerifierMissing, LocalVerifier
+from rlax_tpu.verifiers.local import (
+    POOL_PRELOAD,
+    CodeVerifierMissing,
+    LocalVerifier,
+    pool_for,
+    truncate_response,
+)
 from rlax_tpu.verifiers.pool import WorkerPool
 from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
@@ -136,3 +142,41 @@ def test_reasoning_gym_request_is_scored_in_the_pool(verifier):
         kind="reasoning_gym", response="<answer>-1</answer>", reference=problem["answer"]
     )
     assert [r.reward for r in verifier.verify_many([right, wrong])] == [1.0, 0.0]
+
+
+def test_long_responses_are_cut_to_their_end_and_counted(pool):
+    config = VerifierConfig(math_timeout_s=20.0, max_response_bytes=1000)
+    local = LocalVerifier(config, pool)
+    padding = "é" * 2000  # 4000 bytes of two-byte characters
+    answer_at_the_end = VerificationRequest(
+        kind="math", response=padding + r" so \boxed{5}", reference="5"
+    )
+    assert local.verify(answer_at_the_end).verdict == Verdict.ACCEPTED
+    answer_at_the_start = VerificationRequest(
+        kind="math", response=r"\boxed{5} " + padding, reference="5"
+    )
+    assert local.verify(answer_at_the_start).verdict == Verdict.NO_ANSWER
+    short = VerificationRequest(kind="math", response=r"\boxed{5}", reference="5")
+    assert local.verify(short).verdict == Verdict.ACCEPTED
+    assert local.stats() == {"responses_truncated": 2}
+
+
+def test_truncation_keeps_whole_characters_at_the_end():
+    assert truncate_response("abc", 3) == ("abc", False)
+    assert truncate_response("aé€😀", 7) == ("€😀", True)  # 1 + 2 + 3 + 4 bytes
+    assert truncate_response("aé€😀", 6) == ("😀", True)  # never half a character
+    assert truncate_response("x" * 10, 4) == ("xxxx", True)
+
+
+def test_the_pool_for_a_config_caps_its_workers_memory():
+    config = VerifierConfig(num_workers=1, math_memory_limit_bytes=768 * 2**20)
+    with pool_for(config) as capped:
+        assert capped.memory_bytes == 768 * 2**20
+        limit = capped.run(address_space_limit, timeout_s=60)
+    assert limit == 768 * 2**20
+
+
+def address_space_limit() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_AS)[0]

@@ -14,6 +14,7 @@ import pytest
 from rlax_tpu.verifiers.pool import (
     PoolClosed,
     RemoteTraceback,
+    TaskOutOfMemory,
     TaskTimeout,
     WorkerCrashed,
     WorkerPool,
@@ -146,6 +147,18 @@ def test_worker_that_died_while_idle_is_replaced_without_failing_the_task():
         assert _wait_gone([old_pid])
         assert pool.run(add, 2, 2, timeout_s=10) == 4
         assert pool.pids() != [old_pid]
+
+
+def test_a_task_past_the_memory_limit_fails_alone_and_its_worker_is_replaced():
+    with WorkerPool(1, name="test", memory_bytes=512 * 2**20) as pool:
+        old_pid = pool.run(getpid, timeout_s=10)
+        assert len(pool.run(bytearray, 64 * 2**20, timeout_s=10)) == 64 * 2**20
+        with pytest.raises(TaskOutOfMemory, match="536870912 bytes"):
+            pool.run(bytearray, 2 * 2**30, timeout_s=10)
+        assert pool.run(getpid, timeout_s=10) != old_pid
+        assert pool.stats()["out_of_memory"] == 1 and pool.stats()["crashes"] == 0
+        with pytest.raises(ValueError, match="memory_bytes"):
+            WorkerPool(1, memory_bytes=0)
 
 
 def test_worker_is_recycled_after_max_tasks():

@@ -217,9 +217,15 @@ def test_requests_whose_deadline_passed_in_the_queue_are_not_run(scripted):
 
 def test_metrics_count_verdicts_and_latency(scripted):
     _, make = scripted
-    service = make(pool_stats=lambda: {"recycled": 3})
+    service = make(
+        pool_stats=lambda: {"recycled": 3},
+        input_stats=lambda: {"responses_truncated": 2},
+        sandbox={"sandbox": "bwrap", "uid": "65534"},
+    )
     service.verify_batch([req("ok"), req("ok"), req("no")])
     metrics = service.metrics()
+    assert metrics["inputs"] == {"responses_truncated": 2}
+    assert metrics["sandbox"] == {"sandbox": "bwrap", "uid": "65534"}
     assert metrics["verdicts"] == {"accepted": 2, "wrong_answer": 1}
     assert metrics["judged"] == 3 and metrics["queue_depth"] == metrics["running"] == 0
     assert 0 < metrics["latency_p50_s"] <= metrics["latency_p95_s"] < 5
@@ -427,6 +433,11 @@ def test_metrics_count_verdicts_in_get_metrics_and_health(server, test_data):
     assert int(status.details["judged"]) == after["judged"]
     assert "wrong_answer=" in status.details["verdicts"]
     assert float(status.details["latency_p95_s"]) > 0
+    # How code runs, and the inputs' counters, in both.
+    assert after["sandbox"]["sandbox"] == "bwrap" and after["sandbox"]["uid"].isdigit()
+    assert status.details["sandbox.uid"] == after["sandbox"]["uid"]
+    assert after["inputs"] == {"responses_truncated": 0}
+    assert status.details["inputs"] == "responses_truncated=0"
 
 
 def test_workers_recycled_after_their_task_limit_keep_serving(server):

@@ -331,9 +331,9 @@ def greedy_responses(
 def score(config: RunConfig, records: Sequence[Any], responses: Sequence[str]) -> list[Any]:
     """Each response's VerificationResult from the local verifiers (None for a record whose
     verifier is "none"), built as `rlax-tpu serve verifier` builds them."""
-    from rlax_tpu.verifiers import LocalVerifier, VerificationRequest, WorkerPool
+    from rlax_tpu.verifiers import LocalVerifier, VerificationRequest
     from rlax_tpu.verifiers.code import CodeVerifier
-    from rlax_tpu.verifiers.local import POOL_PRELOAD
+    from rlax_tpu.verifiers.local import pool_for
     from rlax_tpu.verifiers.repository import ProblemResolver
     from rlax_tpu.verifiers.server import default_cache_dir
 
@@ -350,7 +350,7 @@ def score(config: RunConfig, records: Sequence[Any], responses: Sequence[str]) -
     }
     if not requests:
         return [None] * len(records)
-    pool = WorkerPool(config.verifiers.num_workers, name="verifier", preload=POOL_PRELOAD)
+    pool = pool_for(config.verifiers)
     try:
         verifier = LocalVerifier(
             config.verifiers,

@@ -367,14 +367,30 @@ class VerifierConfig(ConfigBase):
     code_memory_limit_bytes: int = 512 * 2**20
     code_output_limit_bytes: int = 1 * 2**20
     code_reward: Literal["all_passed", "fraction_passed"] = "all_passed"
-    # Running untrusted code without the bubblewrap sandbox is refused unless this is set.
+    # Running untrusted code without the bubblewrap sandbox is refused unless this is set
+    # (also when bwrap cannot start as uid 65534 under a root verifier: never as root).
     allow_unsandboxed: bool = False
+    sandbox_bwrap: str = "bwrap"  # the bubblewrap binary (a path or a name on PATH)
+    # Each run's own cgroup (tasks, memory without swap, CPU): "auto" where the verifier may
+    # manage its cgroup (v2, else v1), "off", or a cgroup v2 directory to create runs under.
+    sandbox_cgroup: str = "auto"
+    # The verifier's own workers (math, task scorers): address-space limit of each process.
+    math_memory_limit_bytes: int = 2 * 2**30
+    # Longer responses are cut to their last this-many bytes before anything reads them
+    # (the final answer and the last code block are at the end); counted in the metrics.
+    max_response_bytes: int = 1 * 2**20
 
     def validate(self) -> None:
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
         for name in ("math_timeout_s", "code_time_limit_s"):
             require(getattr(self, name) > 0, name, "must be > 0")
-        require(self.code_memory_limit_bytes > 0, "code_memory_limit_bytes", "must be > 0")
+        for name in ("code_memory_limit_bytes", "math_memory_limit_bytes", "max_response_bytes"):
+            require(getattr(self, name) > 0, name, "must be > 0")
+        require(
+            self.sandbox_cgroup in ("auto", "off") or self.sandbox_cgroup.startswith("/"),
+            "sandbox_cgroup",
+            f"must be auto, off or an absolute cgroup directory, got {self.sandbox_cgroup!r}",
+        )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -154,7 +154,11 @@ class CodeVerifier:
         if max_parallel_tests < 1:
             raise ValueError(f"max_parallel_tests must be >= 1, got {max_parallel_tests}")
         self.config = config
-        self.sandbox = sandbox or Sandbox(allow_unsandboxed=config.allow_unsandboxed)
+        self.sandbox = sandbox or Sandbox(
+            bwrap=config.sandbox_bwrap,
+            allow_unsandboxed=config.allow_unsandboxed,
+            cgroup=config.sandbox_cgroup,
+        )
         self.languages = dict(languages)
         self.max_parallel_tests = max_parallel_tests
         self.stop_on_first_failure = (

@@ -1,19 +1,22 @@
 """In-process verification: one `VerificationRequest` in, one `VerificationResult` out.
 
 Dispatches by kind: math and reasoning-gym checks run in a `WorkerPool` under
-`VerifierConfig.math_timeout_s`, arithmetic runs inline (it is a regex), code goes to the
-`CodeVerifier` it was given. The controller uses this when no verifier service is set.
+`VerifierConfig.math_timeout_s` and `math_memory_limit_bytes`, arithmetic runs inline (it
+is a regex), code goes to the `CodeVerifier` it was given. A response longer than
+`max_response_bytes` is cut to its last that-many bytes first (counted). The controller
+uses this when no verifier service is set.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.verifiers.math import check_extraction_methods, verify_math_in_pool
-from rlax_tpu.verifiers.pool import TaskTimeout, WorkerCrashed, WorkerPool
+from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed, WorkerPool
 from rlax_tpu.verifiers.tasks import score_arithmetic, score_reasoning_gym
 from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
@@ -26,6 +29,31 @@ class CodeVerifierLike(Protocol):
     def verify(
         self, response: str, problem_dir: str, *, language: str = ""
     ) -> VerificationResult: ...
+
+
+def truncate_response(response: str, max_bytes: int) -> tuple[str, bool]:
+    """`response` cut to its last `max_bytes` UTF-8 bytes (whole characters), and whether it
+    was cut. The end is kept: that is where the final answer and the last code block are."""
+    if len(response) * 4 <= max_bytes:  # no character is wider than 4 bytes
+        return response, False
+    data = response.encode("utf-8", errors="surrogatepass")
+    if len(data) <= max_bytes:
+        return response, False
+    return data[-max_bytes:].decode("utf-8", errors="ignore"), True
+
+
+def pool_for(
+    config: VerifierConfig, *, num_workers: int | None = None, max_tasks_per_worker: int = 100
+) -> WorkerPool:
+    """The worker pool `config` asks for (`num_workers` overrides its size): workers with
+    the checks' modules preloaded and `math_memory_limit_bytes` of address space each."""
+    return WorkerPool(
+        num_workers or config.num_workers,
+        max_tasks_per_worker=max_tasks_per_worker,
+        name="verifier",
+        preload=POOL_PRELOAD,
+        memory_bytes=config.math_memory_limit_bytes,
+    )
 
 
 class CodeVerifierMissing(RuntimeError):
@@ -52,25 +80,39 @@ class LocalVerifier:
         self.config = config
         self._methods = check_extraction_methods(config.math_answer_extraction)
         self._owns_pool = pool is None
-        self.pool = pool or WorkerPool(config.num_workers, name="verifier", preload=POOL_PRELOAD)
+        self.pool = pool or pool_for(config)
         self.code_verifier = code_verifier
         self.problem_resolver = problem_resolver
+        self._lock = threading.Lock()
+        self._counts = {"responses_truncated": 0}
+
+    def stats(self) -> dict[str, int]:
+        """responses_truncated: responses cut to `max_response_bytes` before judging."""
+        with self._lock:
+            return dict(self._counts)
 
     def verify(self, request: VerificationRequest) -> VerificationResult:
         """The result for one request; never raises for a bad response, only for a request
         this verifier cannot judge (unknown kind, code without a code verifier)."""
+        response, truncated = truncate_response(request.response, self.config.max_response_bytes)
+        if truncated:
+            with self._lock:
+                self._counts["responses_truncated"] += 1
         if request.kind == "math":
-            return verify_math_in_pool(
-                self.pool,
-                request.response,
-                request.reference,
-                timeout_s=self.config.math_timeout_s,
-                methods=self._methods,
-            )
+            try:
+                return verify_math_in_pool(
+                    self.pool,
+                    response,
+                    request.reference,
+                    timeout_s=self.config.math_timeout_s,
+                    methods=self._methods,
+                )
+            except TaskOutOfMemory as exc:
+                return _out_of_memory("the math check", exc)
         if request.kind == "arithmetic":
-            return score_arithmetic(request.response, request.reference)
+            return score_arithmetic(response, request.reference)
         if request.kind == "reasoning_gym":
-            return self._in_pool(score_reasoning_gym, request.response, request.reference)
+            return self._in_pool(score_reasoning_gym, response, request.reference)
         if request.kind == "code":
             if self.code_verifier is None:
                 raise CodeVerifierMissing(
@@ -80,9 +122,7 @@ class LocalVerifier:
             problem_dir = (
                 self.problem_resolver(request.problem) if self.problem_resolver else request.problem
             )
-            return self.code_verifier.verify(
-                request.response, problem_dir, language=request.language
-            )
+            return self.code_verifier.verify(response, problem_dir, language=request.language)
         raise ValueError(
             f"unknown verifier kind {request.kind!r}; "
             "expected 'math', 'arithmetic', 'reasoning_gym' or 'code'"
@@ -98,6 +138,8 @@ class LocalVerifier:
                 verdict=Verdict.TIME_LIMIT,
                 reason=f"{fn.__name__} ran past {timeout_s:g}s",
             )
+        except TaskOutOfMemory as exc:
+            return _out_of_memory(fn.__name__, exc)
         except WorkerCrashed as exc:
             return VerificationResult(
                 reward=0.0,
@@ -124,3 +166,11 @@ class LocalVerifier:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _out_of_memory(what: str, exc: TaskOutOfMemory) -> VerificationResult:
+    return VerificationResult(
+        reward=0.0,
+        verdict=Verdict.MEMORY_LIMIT,
+        reason=f"{what} ran out of memory on this response ({exc})",
+    )

@@ -3,7 +3,9 @@
 Verifiers run untrusted or hang-prone work (sympy on a model's answer, task scorers) here:
 a task past its time limit gets its worker SIGKILLed and replaced, a worker that dies is
 replaced, and every worker is recycled after `max_tasks_per_worker` tasks. Workers are
-fresh interpreters ("spawn"), never forks of the multithreaded JAX parent.
+fresh interpreters ("spawn"), never forks of the multithreaded JAX parent. With
+`memory_bytes`, each worker's address space is capped (RLIMIT_AS): a task that runs out of
+it raises TaskOutOfMemory and its worker is replaced.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import resource
 import threading
 import time
 import traceback
@@ -42,6 +45,10 @@ class WorkerCrashed(Exception):
     """The worker died (segfault, OOM kill, os._exit) running the task; it was replaced."""
 
 
+class TaskOutOfMemory(Exception):
+    """The task ran out of the worker's memory limit; the worker was replaced."""
+
+
 class PoolClosed(RuntimeError):
     """`run` was called on (or was running when) the pool was closed."""
 
@@ -68,12 +75,16 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _worker_main(conn: Connection, parent_pid: int, preload: Sequence[str]) -> None:
-    """Runs in the worker: a pickled (fn, args) in, ("started",) and then ("ok", value) or
-    ("error", exc, tb) out; exits on an empty message, on EOF of the pipe, or when the parent
-    process is gone."""
+def _worker_main(
+    conn: Connection, parent_pid: int, preload: Sequence[str], memory_bytes: int | None
+) -> None:
+    """Runs in the worker: a pickled (fn, args) in, ("started",) and then ("ok", value),
+    ("error", exc, tb) or ("memory", tb) out; exits on an empty message, on EOF of the pipe,
+    when the parent process is gone, or after a MemoryError (its heap may be unusable)."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
+        if memory_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
         for module in preload:
             importlib.import_module(module)
     except BaseException:
@@ -93,12 +104,16 @@ def _worker_main(conn: Connection, parent_pid: int, preload: Sequence[str]) -> N
         try:
             fn, args = pickle.loads(message)
             reply: tuple[Any, ...] = ("ok", fn(*args))
+        except MemoryError:
+            reply = ("memory", traceback.format_exc(limit=-8))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             reply = ("error", _portable(exc), traceback.format_exc())
         try:
             conn.send(reply)
         except Exception as exc:  # the return value would not pickle
             conn.send(("error", _portable(exc), traceback.format_exc()))
+        if reply[0] == "memory":
+            return
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -111,11 +126,13 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class _Worker:
-    def __init__(self, context: Any, name: str, preload: Sequence[str]) -> None:
+    def __init__(
+        self, context: Any, name: str, preload: Sequence[str], memory_bytes: int | None
+    ) -> None:
         self.conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
             target=_worker_main,
-            args=(child_conn, os.getpid(), tuple(preload)),
+            args=(child_conn, os.getpid(), tuple(preload), memory_bytes),
             name=name,
             daemon=True,
         )
@@ -185,7 +202,8 @@ class WorkerPool:
     worker still starting waits for it, which counts as queue time, not task time) and a
     replacement starts as soon as a worker is killed, crashes or is recycled. `preload`
     names modules each worker imports before it takes tasks (e.g. sympy's users), so a
-    task's time limit is not spent importing. Thread-safe; a context manager.
+    task's time limit is not spent importing. `memory_bytes` caps each worker's address
+    space (None: no cap). Thread-safe; a context manager.
     """
 
     def __init__(
@@ -195,6 +213,7 @@ class WorkerPool:
         max_tasks_per_worker: int = 100,
         name: str = "verifier",
         preload: Sequence[str] = (),
+        memory_bytes: int | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -203,21 +222,32 @@ class WorkerPool:
         self.num_workers = num_workers
         self.max_tasks_per_worker = max_tasks_per_worker
         self.name = name
+        if memory_bytes is not None and memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be > 0 or None, got {memory_bytes}")
         self._preload = tuple(preload)
+        self.memory_bytes = memory_bytes
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Condition()
         self._closed = False
         self._serial = 0
         self._idle: list[_Worker] = []
         self._workers: set[_Worker] = set()
-        self._counts = {"tasks_done": 0, "timeouts": 0, "crashes": 0, "recycled": 0}
+        self._counts = {
+            "tasks_done": 0,
+            "timeouts": 0,
+            "crashes": 0,
+            "out_of_memory": 0,
+            "recycled": 0,
+        }
         with self._lock:
             for _ in range(num_workers):
                 self._idle.append(self._start_worker_locked())
 
     def _start_worker_locked(self) -> _Worker:
         self._serial += 1
-        worker = _Worker(self._context, f"{self.name}-worker-{self._serial}", self._preload)
+        worker = _Worker(
+            self._context, f"{self.name}-worker-{self._serial}", self._preload, self.memory_bytes
+        )
         self._workers.add(worker)
         return worker
 
@@ -254,9 +284,10 @@ class WorkerPool:
         """Runs `fn(*args)` in a worker and returns its value; blocks until done.
 
         `fn` must be a picklable top-level function. Raises TaskTimeout when the task runs
-        past `timeout_s` (counted from when a worker takes it), WorkerCrashed when the worker
-        dies, PoolClosed after `close()`, and re-raises what `fn` raised (the same type when
-        it pickles, else RuntimeError), with the worker's traceback as its `__cause__`.
+        past `timeout_s` (counted from when a worker takes it), TaskOutOfMemory when it runs
+        out of `memory_bytes`, WorkerCrashed when the worker dies, PoolClosed after
+        `close()`, and re-raises what `fn` raised (the same type when it pickles, else
+        RuntimeError), with the worker's traceback as its `__cause__`.
         """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -325,6 +356,11 @@ class WorkerPool:
         worker.tasks_done += 1
         with self._lock:
             self._counts["tasks_done"] += 1
+        if reply[0] == "memory":  # the worker exits after sending this
+            self._replace(worker, counter="out_of_memory")
+            raise TaskOutOfMemory(
+                f"{worker.process.name} ran out of its {self.memory_bytes} bytes of memory"
+            ) from RemoteTraceback(reply[1])
         if worker.tasks_done >= self.max_tasks_per_worker:
             self._replace(worker, counter="recycled")
         else:
@@ -335,7 +371,8 @@ class WorkerPool:
         raise exc from RemoteTraceback(tb)
 
     def stats(self) -> dict[str, int]:
-        """workers (alive or starting), busy, tasks_done, timeouts, crashes, recycled."""
+        """workers (alive or starting), busy, tasks_done, timeouts, crashes, out_of_memory,
+        recycled."""
         with self._lock:
             return {
                 "workers": len(self._workers),

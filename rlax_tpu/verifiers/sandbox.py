@@ -2,7 +2,11 @@
 
 The code verifier compiles and runs model-written programs and the problems' checkers
 through `Sandbox.run`; docs/verifiers.md describes exactly what the sandbox isolates.
-Without a working `bwrap` it refuses to run anything unless told `allow_unsandboxed`.
+Every run, and the self-test that decides how runs are made, goes through one launcher
+process (sandbox_launcher.py): the verifier never forks a child that switches uid. A
+verifier running as root runs bwrap as uid 65534 or not at all: without a working bwrap
+(or one that cannot start as 65534) it refuses to run anything unless told
+`allow_unsandboxed`. Each run also gets its own cgroup (cgroups.py) where the host allows.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlax_tpu.verifiers import cgroups
+
 # Inside the sandbox the run's work directory is mounted here and is the cwd.
 SANDBOX_WORKDIR = "/box"
 # The only environment a sandboxed program sees (bwrap --clearenv, then these).
@@ -32,6 +38,13 @@ SANDBOX_ENV = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "HOME": SANDBOX_WORKDIR,
 # The unprivileged identity programs run as (nobody:nogroup on Debian).
 NOBODY_UID = 65534
 NOBODY_GID = 65534
+
+# A run's cgroup holds bwrap and the PID namespace's init besides the program's processes,
+# and their memory (and the loader's) besides the program's.
+_SANDBOX_TASKS = 2
+_SANDBOX_MEMORY_BYTES = 64 * 2**20
+# The launcher between the verifier and each run (a file of this package, run by path).
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
 
 _STDERR_TAIL_BYTES = 8192
 _READ_CHUNK = 65536
@@ -55,7 +68,8 @@ class SandboxUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunLimits:
     """Limits of one run. Set with rlimits inside the sandbox, except the wall clock and the
-    output cap, which the parent enforces.
+    output cap, which the parent enforces; where per-run cgroups are available, the run's
+    cgroup also caps its tasks, its memory (no swap) and its CPU bandwidth (`cgroup_limits`).
 
     cpu_time_s:       CPU seconds (RLIMIT_CPU rounds up to whole seconds; the measured time
                       is compared with this exact value afterwards).
@@ -67,6 +81,7 @@ class RunLimits:
     open_files:       RLIMIT_NOFILE.
     stack_bytes:      RLIMIT_STACK.
     tmp_bytes:        size of the private tmpfs at /tmp (and /dev/shm).
+    cpu_cores:        CPU bandwidth of the whole run, in cores (cgroup cpu.max).
     """
 
     cpu_time_s: float = 2.0
@@ -78,9 +93,10 @@ class RunLimits:
     open_files: int = 64
     stack_bytes: int = 64 * 2**20
     tmp_bytes: int = 64 * 2**20
+    cpu_cores: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("cpu_time_s", "memory_bytes", "output_bytes", "max_processes"):
+        for name in ("cpu_time_s", "memory_bytes", "output_bytes", "max_processes", "cpu_cores"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RunLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.wall_time_s is not None and self.wall_time_s <= 0:
@@ -89,6 +105,16 @@ class RunLimits:
     @property
     def wall_s(self) -> float:
         return self.wall_time_s if self.wall_time_s is not None else 2 * self.cpu_time_s + 1
+
+    def cgroup_limits(self) -> cgroups.CgroupLimits:
+        """The run's cgroup: its tasks (the program's `max_processes`, plus bwrap and the
+        namespace's init), its memory (the program's, both tmpfs, and headroom for bwrap and
+        the loader), and its CPU bandwidth."""
+        return cgroups.CgroupLimits(
+            pids=self.max_processes + _SANDBOX_TASKS,
+            memory_bytes=self.memory_bytes + 2 * self.tmp_bytes + _SANDBOX_MEMORY_BYTES,
+            cpu_cores=self.cpu_cores,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,6 +137,9 @@ class RunOutcome:
     memory_limit_exceeded: bool = False
     output_limit_exceeded: bool = False
     sandboxed: bool = True
+    uid: int = -1  # the host uid the program ran as (-1: this process's own)
+    cgroup: bool = False  # the run had its own cgroup
+    peak_processes: int | None = None  # most tasks of the run at once (cgroup pids.peak)
 
     @property
     def ok(self) -> bool:
@@ -176,8 +205,9 @@ class Sandbox:
     loader cache, a new /proc and minimal /dev, a size-capped tmpfs at /tmp, and the run's
     work directory at /box (read-only unless `writable`). It has its own user, PID, network,
     IPC, UTS and cgroup namespaces, no environment but `SANDBOX_ENV`, and runs as uid/gid
-    65534. When the verifier runs as root, bwrap itself is started as 65534 so that the
-    program is unprivileged on the host too and RLIMIT_NPROC applies.
+    65534. When the verifier runs as root, bwrap itself is started as 65534 (by the
+    launcher), so that the program is unprivileged on the host too and RLIMIT_NPROC
+    applies; if that does not work the sandbox is unavailable (never root).
 
     bwrap:             the bwrap binary (a path or a name on PATH).
     allow_unsandboxed: without a working bwrap, run with rlimits only instead of refusing.
@@ -185,6 +215,8 @@ class Sandbox:
                        sandbox, /usr's is used).
     work_root:         where work directories are made (default: the temp dir); uid 65534
                        must be able to traverse it.
+    cgroup:            per-run cgroups: "auto" (where this process may manage them), "off",
+                       or a cgroup v2 directory to create runs under (cgroups.detect).
     """
 
     def __init__(
@@ -194,17 +226,22 @@ class Sandbox:
         allow_unsandboxed: bool = False,
         prlimit: str = "prlimit",
         work_root: str | os.PathLike[str] | None = None,
+        cgroup: str = "auto",
     ) -> None:
         self.bwrap = bwrap
         self.allow_unsandboxed = allow_unsandboxed
         self.prlimit = prlimit
         self.work_root = Path(work_root) if work_root is not None else None
+        self.cgroup = cgroup
 
     # --- availability ---------------------------------------------------------------------
 
+    def _probe(self) -> _Probe:
+        return _probe(self.bwrap, self.cgroup)
+
     def available(self) -> tuple[bool, str]:
         """Whether bwrap works here (a real sandboxed run of `true`, cached), and why not."""
-        probe = _probe(self.bwrap)
+        probe = self._probe()
         return probe.mode is not None, probe.reason
 
     @property
@@ -213,15 +250,15 @@ class Sandbox:
 
     def check(self) -> str:
         """Raise `SandboxUnavailable` unless runs are allowed; else describe how they run."""
-        probe = _probe(self.bwrap)
+        probe = self._probe()
         reason = probe.reason
         if probe.mode is not None:
             return reason
         if not self.allow_unsandboxed:
             raise SandboxUnavailable(
                 f"refusing to run untrusted code without a sandbox: {reason}. Install "
-                "bubblewrap (apt-get install bubblewrap) or set "
-                "verifiers.allow_unsandboxed=true to run with rlimits only"
+                "bubblewrap (apt-get install bubblewrap), make it runnable by uid "
+                f"{NOBODY_UID}, or set verifiers.allow_unsandboxed=true to run with rlimits only"
             )
         if shutil.which(self.prlimit) is None:
             raise SandboxUnavailable(
@@ -229,6 +266,23 @@ class Sandbox:
                 "rlimits; install util-linux"
             )
         return f"UNSANDBOXED (rlimits only; {reason})"
+
+    def identity(self) -> dict[str, str]:
+        """How runs are made here, for the service's startup log and metrics: "sandbox"
+        (bwrap, unsandboxed or refused), "uid" (the host uid programs run as), "cgroup" (the
+        per-run cgroups, or why there are none) and "reason"."""
+        probe = self._probe()
+        if probe.mode is not None:
+            how = "bwrap"
+        else:
+            how = "unsandboxed" if self.allow_unsandboxed else "refused"
+        uid = NOBODY_UID if self._drops_privileges() else os.getuid()
+        return {
+            "sandbox": how,
+            "uid": str(uid),
+            "cgroup": probe.cgroups.description if probe.cgroups else f"none: {probe.no_cgroups}",
+            "reason": probe.reason,
+        }
 
     # --- work directories -----------------------------------------------------------------
 
@@ -264,7 +318,7 @@ class Sandbox:
 
         Raises `SandboxUnavailable` when there is no sandbox and unsandboxed runs are not
         allowed. Every process the run started is gone when this returns."""
-        probe = _probe(self.bwrap)
+        probe = self._probe()
         mode = probe.mode
         if mode is None:
             self.check()  # raises unless allowed
@@ -276,51 +330,21 @@ class Sandbox:
         else:
             cmd, cwd, env = inner, str(workdir), dict(SANDBOX_ENV)
         uid = NOBODY_UID if self._drops_privileges() else -1
-        report_r, report_w = os.pipe()
-        with tempfile.TemporaryFile() as stdin_file:
-            stdin_file.write(stdin)
-            stdin_file.flush()
-            stdin_file.seek(0)
-            try:
-                # No preexec_fn: forking a multithreaded process is only safe in
-                # subprocess's C code. The launcher (a fresh single-threaded interpreter)
-                # becomes a child subreaper and starts the command as `uid`; prlimit in the
-                # command sets the rlimits.
-                proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-I",
-                        "-S",
-                        "-c",
-                        _LAUNCHER,
-                        str(report_w),
-                        str(uid),
-                        str(NOBODY_GID),
-                        *cmd,
-                    ],
-                    stdin=stdin_file,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                    pass_fds=(report_w,),
-                )
-            except BaseException:
-                os.close(report_r)
-                raise
-            finally:
-                os.close(report_w)
-            try:
-                return _supervise(proc, limits, report_fd=report_r, sandboxed=mode is not None)
-            finally:
-                os.close(report_r)
+        return _launch(
+            cmd,
+            cwd=cwd,
+            env=env,
+            uid=uid,
+            limits=limits,
+            stdin=stdin,
+            sandboxed=mode is not None,
+            cgroups=probe.cgroups,
+        )
 
     # --- command lines --------------------------------------------------------------------
 
     def _drops_privileges(self) -> bool:
-        mode = _probe(self.bwrap).mode
+        mode = self._probe().mode
         return mode == "nobody" or (mode is None and _is_root())
 
     def _prlimit_argv(self, limits: RunLimits, *, sandboxed: bool) -> list[str]:
@@ -420,67 +444,79 @@ def bwrap_argv(
 
 @dataclasses.dataclass(frozen=True)
 class _Probe:
-    mode: str | None  # "nobody": bwrap started as 65534; "self": as this user; None: broken
+    mode: str | None  # "nobody": bwrap started as 65534; "self": as this (non-root) user
     path: str  # the resolved bwrap binary
     reason: str
+    cgroups: cgroups.Cgroups | None = None  # per-run cgroups, when usable
+    no_cgroups: str = ""  # why there are none
 
 
 _probe_lock = threading.Lock()
+_SELF_TEST_LIMITS = RunLimits(cpu_time_s=5.0, wall_time_s=20.0, max_processes=4)
 
 
 @functools.cache
-def _probe_cached(bwrap: str, root: bool) -> _Probe:
+def _probe_cached(bwrap: str, root: bool, cgroup: str) -> _Probe:
+    try:
+        found: cgroups.Cgroups | None = cgroups.detect(cgroup)
+        no_cgroups = ""
+    except cgroups.CgroupUnavailable as e:
+        found, no_cgroups = None, str(e)
     path = shutil.which(bwrap)
     if path is None:
-        return _Probe(None, bwrap, f"bubblewrap ({bwrap!r}) is not installed")
-    errors = []
-    for mode in ("nobody", "self") if root else ("self",):
-        error = _self_test(path, drop=mode == "nobody")
-        if error is None:
-            if mode == "nobody":
-                reason = f"sandboxed by {path} (bwrap started as uid {NOBODY_UID})"
-            elif root:
-                reason = (
-                    f"sandboxed by {path} (started as root: programs run as uid {NOBODY_UID} "
-                    "in their namespace, but RLIMIT_NPROC is not enforced for root)"
-                )
-            else:
-                reason = f"sandboxed by {path}"
-            return _Probe(mode, path, reason)
-        errors.append(f"{mode}: {error}")
-    return _Probe(None, path, f"bubblewrap ({path}) fails its self-test: " + "; ".join(errors))
+        return _Probe(None, bwrap, f"bubblewrap ({bwrap!r}) is not installed", found, no_cgroups)
+    # As root, only bwrap started as 65534 will do: started as root, the programs would be
+    # root on the host, where RLIMIT_NPROC does not apply (a fork bomb takes the host).
+    mode = "nobody" if root else "self"
+    if found is not None:
+        error = _self_test(path, mode=mode, cgroups_=found)
+        if error is not None:  # the sandbox may work without the cgroup: try that, say why
+            found, no_cgroups = None, f"a sandboxed run cannot join its cgroup: {error}"
+    error = _self_test(path, mode=mode, cgroups_=found)
+    if error is not None:
+        who = f"as uid {NOBODY_UID}" if root else "as this user"
+        return _Probe(
+            None,
+            path,
+            f"bubblewrap ({path}) fails its self-test {who}: {error}",
+            found,
+            no_cgroups,
+        )
+    if root:
+        reason = f"sandboxed by {path} (bwrap started as uid {NOBODY_UID})"
+    else:
+        reason = f"sandboxed by {path} (as uid {os.getuid()})"
+    return _Probe(mode, path, reason, found, no_cgroups)
 
 
-def _probe(bwrap: str) -> _Probe:
+def _probe(bwrap: str, cgroup: str = "auto") -> _Probe:
     """How bwrap can be used here, from a real sandboxed run (cached per binary)."""
     with _probe_lock:
-        return _probe_cached(bwrap, _is_root())
+        return _probe_cached(bwrap, _is_root(), cgroup)
 
 
-def _self_test(bwrap_path: str, *, drop: bool) -> str | None:
-    """None when a sandboxed `prlimit ... true` runs, else the error."""
+def _self_test(bwrap_path: str, *, mode: str, cgroups_: cgroups.Cgroups | None) -> str | None:
+    """None when a sandboxed `prlimit ... true` runs the way runs will (through the
+    launcher, as 65534 when `mode` is "nobody", in a cgroup when given), else the error."""
     with tempfile.TemporaryDirectory(prefix="rlax-sandbox-probe-") as tmp:
         os.chmod(tmp, 0o755)
         cmd = [*bwrap_argv(bwrap_path, tmp), "prlimit", "--nproc=4", "--", "true"]
-        kwargs: dict = {}
-        if drop:
-            kwargs = {"user": NOBODY_UID, "group": NOBODY_GID, "extra_groups": []}
         try:
-            done = subprocess.run(
+            outcome = _launch(
                 cmd,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
                 cwd="/",
                 env={"PATH": SANDBOX_PATH},
-                timeout=20,
-                start_new_session=True,
-                **kwargs,
+                uid=NOBODY_UID if mode == "nobody" else -1,
+                limits=_SELF_TEST_LIMITS,
+                stdin=b"",
+                sandboxed=True,
+                cgroups=cgroups_,
             )
-        except (OSError, subprocess.SubprocessError) as e:
+        except (OSError, SandboxUnavailable) as e:
             return str(e)
-        if done.returncode != 0:
-            error = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
-            return error[-300:]
+        if not outcome.ok:
+            detail = outcome.stderr_tail.decode(errors="replace").strip()
+            return (detail or outcome.describe())[-300:]
     return None
 
 
@@ -519,84 +555,72 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-# Runs between the verifier and the command (argv: report fd, uid, gid, command...). It
-# stays with the verifier's uid, out of the program's reach, and starts the command as
-# `uid` (when >= 0). As a child subreaper it inherits every orphan of the run (bwrap's PID-1
-# included: bwrap exits without reaping it), kills them once the command has exited, and
-# reaps everything, so its RUSAGE_CHILDREN is the whole run's CPU time and peak RSS and
-# nothing of the run is left when it exits. SIGTERM = kill the run now. It reports one JSON
-# line per event on the report fd: {"error"} if the command could not start, then
-# {"status", "cpu_s", "maxrss_kb"}. Being single-threaded, it may fork.
-_LAUNCHER = """
-import ctypes, json, os, resource, signal, sys
-fd, uid, gid, argv = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-os.set_inheritable(fd, False)
-ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-done = False
-def kill_children():
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                kids = f.read().split()
-        except OSError:
-            continue
-        for kid in kids:
-            try:
-                os.kill(int(kid), signal.SIGKILL)
-            except OSError:
-                pass
-def tree_cpu_s(root):
-    # CPU seconds of a live process tree: a killed PID namespace's processes are reaped
-    # without their times reaching anyone's RUSAGE_CHILDREN, so sample before killing.
-    ticks, todo = 0, [root]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ticks += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:15])
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
-sampled_cpu_s = 0.0
-def on_term(signum, frame):
-    global done, sampled_cpu_s
-    if not done:
-        sampled_cpu_s = tree_cpu_s(pid)
-    done = True
-    kill_children()
-pid = 0
-signal.signal(signal.SIGTERM, on_term)
-pid = os.fork()
-if pid == 0:
+def _launch(
+    cmd: Sequence[str],
+    *,
+    cwd: str,
+    env: dict[str, str],
+    uid: int,
+    limits: RunLimits,
+    stdin: bytes,
+    sandboxed: bool,
+    cgroups: cgroups.Cgroups | None,
+) -> RunOutcome:
+    """Run `cmd` through the launcher (sandbox_launcher.py): as `uid` when >= 0, in a fresh
+    cgroup leaf when `cgroups` is given, `stdin` readable (only) on its stdin; supervise it
+    and remove the leaf. Every process of the run is gone when this returns."""
+    leaf = cgroups.create(limits.cgroup_limits()) if cgroups is not None else None
+    procs = ":".join(leaf.procs_files) if leaf is not None else "-"
+    report_r, report_w = os.pipe()
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if uid >= 0:
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
-        os.execv(argv[0], argv)
-    except BaseException as e:
-        os.write(fd, (json.dumps({"error": f"cannot start {argv[0]}: {e}"}) + "\\n").encode())
-    os._exit(127)
-status = None
-while True:
-    try:
-        child, st = os.waitpid(-1, 0)
-    except ChildProcessError:
-        break
-    if child == pid:
-        status, done = st, True
-    if done:
-        kill_children()
-ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-report = {"status": status, "cpu_s": max(ru.ru_utime + ru.ru_stime, sampled_cpu_s),
-          "maxrss_kb": ru.ru_maxrss}
-os.write(fd, (json.dumps(report) + "\\n").encode())
-os._exit(0)
-"""
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin)
+            stdin_file.flush()
+            # The program gets a read-only descriptor of the file: it cannot write into the
+            # verifier's temporary file (reopened through /proc, not shared with the writer).
+            with open(f"/proc/self/fd/{stdin_file.fileno()}", "rb") as readonly:
+                try:
+                    # No preexec_fn, user= or group=: those make subprocess fork (not vfork)
+                    # this multithreaded process; the launcher switches uid itself.
+                    proc = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-I",
+                            "-S",
+                            str(LAUNCHER),
+                            str(report_w),
+                            str(uid),
+                            str(NOBODY_GID),
+                            procs,
+                            *cmd,
+                        ],
+                        stdin=readonly,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        cwd=cwd,
+                        env=env,
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=(report_w,),
+                    )
+                finally:
+                    os.close(report_w)
+        outcome = _supervise(proc, limits, report_fd=report_r, sandboxed=sandboxed)
+    finally:
+        os.close(report_r)
+        stats = leaf.stats() if leaf is not None else None
+        if leaf is not None:
+            leaf.close()
+    if stats is None:
+        return dataclasses.replace(outcome, uid=uid)
+    return dataclasses.replace(
+        outcome,
+        uid=uid,
+        cgroup=True,
+        peak_processes=stats.peak_pids,
+        memory_limit_exceeded=outcome.memory_limit_exceeded
+        or (stats.oom_kills > 0 and not outcome.time_limit_exceeded and not outcome.ok),
+    )
 
 
 def _supervise(

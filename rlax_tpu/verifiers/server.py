@@ -1,12 +1,19 @@
 """The verifier process behind `rlax-tpu serve verifier`.
 
-Starts a pool of worker processes (recycled after --max-tasks-per-worker tasks) for math
-and reasoning-gym checks, a sandboxed CodeVerifier (up to --max-parallel-tests test cases
-of one request at once) and a VerificationService over them with a bounded queue; serves
-Verifier and Health on one gRPC server bound to loopback unless told otherwise, prints
-`READY host:port` on stdout once serving, and on SIGTERM or SIGINT stops serving, answers
-what is queued and kills its workers before exiting 0. Code problems are fetched from the
+Starts a pool of worker processes (recycled after --max-tasks-per-worker tasks, each
+capped at `verifiers.math_memory_limit_bytes`) for math and reasoning-gym checks, a
+sandboxed CodeVerifier (up to --max-parallel-tests test cases of one request at once) and a
+VerificationService over them with a bounded queue; serves Verifier and Health on one gRPC
+server bound to loopback unless told otherwise, prints `READY host:port` on stdout once
+serving, and on SIGTERM or SIGINT stops serving, answers what is queued and kills its
+workers before exiting 0. Code problems are fetched from the
 test-data repository into --test-data-cache once per host.
+
+The sandbox is tested first, before the gRPC server and its threads exist. How code runs (bwrap or
+refused, the uid programs run as, per-run cgroups or why none) is logged at startup and
+reported in the metrics' "sandbox" map; when programs cannot run sandboxed as an
+unprivileged uid, the log says so and every code request is refused with the reason
+(`verifiers.allow_unsandboxed` is the only way to run them anyway).
 """
 
 from __future__ import annotations
@@ -89,6 +96,17 @@ def options_from_args(args: argparse.Namespace, config: RunConfig) -> ServerOpti
     return ServerOptions(**{k: v for k, v in given.items() if v is not None})
 
 
+def refusal(code_verifier) -> str:  # noqa: ANN001 - a CodeVerifier (imported lazily)
+    """Why the code verifier's sandbox refuses to run programs ("" when it does not)."""
+    from rlax_tpu.verifiers.sandbox import SandboxUnavailable
+
+    try:
+        code_verifier.sandbox.check()
+    except SandboxUnavailable as e:
+        return str(e)
+    return ""
+
+
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu serve verifier`: serve until SIGTERM or SIGINT, then exit 0."""
     resolved = component_config(args, "verifier")
@@ -103,8 +121,7 @@ def main(args: argparse.Namespace) -> int:
 
     from rlax_tpu.rpc import HealthServicer
     from rlax_tpu.verifiers.code import CodeVerifier
-    from rlax_tpu.verifiers.local import POOL_PRELOAD, LocalVerifier
-    from rlax_tpu.verifiers.pool import WorkerPool
+    from rlax_tpu.verifiers.local import LocalVerifier, pool_for
     from rlax_tpu.verifiers.repository import ProblemResolver
     from rlax_tpu.verifiers.service import (
         VerificationService,
@@ -112,6 +129,23 @@ def main(args: argparse.Namespace) -> int:
         verifier_status,
     )
 
+    # The sandbox's self-test runs now, while this process has a single thread.
+    code_verifier = CodeVerifier(config.verifiers, max_parallel_tests=options.max_parallel_tests)
+    sandbox = code_verifier.sandbox.identity()
+    name = f"verifier {options.instance_id}"
+    print(
+        f"{name}: code runs: sandbox={sandbox['sandbox']} uid={sandbox['uid']} "
+        f"cgroup={sandbox['cgroup']!r} ({sandbox['reason']})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if sandbox["sandbox"] == "refused":
+        print(
+            f"{name}: ERROR: code requests will be refused (verdict verifier_error): "
+            f"{refusal(code_verifier)}",
+            file=sys.stderr,
+            flush=True,
+        )
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
     bound = bind_server(
@@ -121,20 +155,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     server, port = bound
     resolver = ProblemResolver(options.test_data_cache, roots=options.test_data_roots)
-    pool = WorkerPool(
-        options.num_workers,
+    pool = pool_for(
+        config.verifiers,
+        num_workers=options.num_workers,
         max_tasks_per_worker=options.max_tasks_per_worker,
-        name="verifier",
-        preload=POOL_PRELOAD,
     )
     try:
         verifier = LocalVerifier(
-            config.verifiers,
-            pool,
-            code_verifier=CodeVerifier(
-                config.verifiers, max_parallel_tests=options.max_parallel_tests
-            ),
-            problem_resolver=resolver,
+            config.verifiers, pool, code_verifier=code_verifier, problem_resolver=resolver
         )
         service = VerificationService(
             verifier.verify,
@@ -143,6 +171,8 @@ def main(args: argparse.Namespace) -> int:
             results_cache_size=options.results_cache,
             default_deadline_s=options.deadline_s,
             pool_stats=pool.stats,
+            input_stats=verifier.stats,
+            sandbox=sandbox,
         )
     except BaseException:
         pool.close()

@@ -114,6 +114,8 @@ class VerificationService:
                          VERIFIER_ERROR results are not kept: a retry judges again.
     default_deadline_s:  a batch's deadline when the call names none.
     pool_stats:          the worker pool's counters, reported with the metrics.
+    input_stats:         the verifier's input counters (LocalVerifier.stats), likewise.
+    sandbox:             how code runs (Sandbox.identity), likewise.
     """
 
     def __init__(
@@ -125,6 +127,8 @@ class VerificationService:
         results_cache_size: int = DEFAULT_RESULTS_CACHE_SIZE,
         default_deadline_s: float = DEFAULT_DEADLINE_S,
         pool_stats: Callable[[], Mapping[str, int]] | None = None,
+        input_stats: Callable[[], Mapping[str, int]] | None = None,
+        sandbox: Mapping[str, str] | None = None,
     ) -> None:
         if concurrency < 1 or queue_capacity < 1 or results_cache_size < 0:
             raise ValueError(
@@ -139,6 +143,8 @@ class VerificationService:
         self.results_cache_size = results_cache_size
         self.default_deadline_s = default_deadline_s
         self._pool_stats = pool_stats
+        self._input_stats = input_stats
+        self._sandbox = dict(sandbox or {})
         self._cond = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._running = 0
@@ -240,7 +246,8 @@ class VerificationService:
 
     def metrics(self) -> dict[str, Any]:
         """Queue depth, running, counters, latency p50/p95 (admission to result, recent
-        verifications), verdict counts and the pool's counters."""
+        verifications), verdict counts, the pool's and the inputs' counters, and how code
+        runs ("sandbox")."""
         with self._cond:
             latencies = sorted(self._latencies)
             out: dict[str, Any] = {
@@ -254,6 +261,8 @@ class VerificationService:
                 "verdicts": dict(self._verdicts),
             }
         out["pool"] = dict(self._pool_stats()) if self._pool_stats is not None else {}
+        out["inputs"] = dict(self._input_stats()) if self._input_stats is not None else {}
+        out["sandbox"] = dict(self._sandbox)
         return out
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -377,11 +386,16 @@ def result_from_proto(message: pb.VerificationResultMessage) -> VerificationResu
     )
 
 
+_MAPS = ("verdicts", "pool", "inputs", "sandbox")
+
+
 def metrics_to_proto(metrics: Mapping[str, Any]) -> pb.VerifierMetrics:
     return pb.VerifierMetrics(
-        **{k: v for k, v in metrics.items() if k not in ("verdicts", "pool")},
+        **{k: v for k, v in metrics.items() if k not in _MAPS},
         verdicts=metrics["verdicts"],
         pool={k: int(v) for k, v in metrics["pool"].items()},
+        inputs={k: int(v) for k, v in metrics.get("inputs", {}).items()},
+        sandbox={k: str(v) for k, v in metrics.get("sandbox", {}).items()},
     )
 
 
@@ -389,9 +403,10 @@ def metrics_from_proto(message: pb.VerifierMetrics) -> dict[str, Any]:
     out: dict[str, Any] = {
         field.name: getattr(message, field.name)
         for field in message.DESCRIPTOR.fields
-        if field.name not in ("verdicts", "pool")
+        if field.name not in _MAPS
     }
-    out["verdicts"], out["pool"] = dict(message.verdicts), dict(message.pool)
+    for name in _MAPS:
+        out[name] = dict(getattr(message, name))
     return out
 
 
@@ -402,7 +417,10 @@ def verifier_status(
     metrics = service.metrics()
     details = {k: f"{v:.6g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
     details["verdicts"] = ",".join(f"{k}={v}" for k, v in sorted(metrics["verdicts"].items()))
-    details["pool"] = ",".join(f"{k}={v}" for k, v in sorted(metrics["pool"].items()))
+    for name in ("pool", "inputs"):
+        details[name] = ",".join(f"{k}={v}" for k, v in sorted(metrics[name].items()))
+    details.pop("sandbox")
+    details.update({f"sandbox.{k}": v for k, v in metrics["sandbox"].items()})
     return {
         "component": "verifier",
         "instance_id": instance_id,
