@@ -1,25 +1,33 @@
 """The code verifier: compile a response's program once, run it on a problem's tests.
 
-Each run is a sandboxed process (rlax_tpu.verifiers.sandbox) fed a test's input on stdin;
-its stdout is compared with the reference answer (exact, whitespace or float tolerance) or
-judged by the problem's checker program. The reward is all-or-nothing or the passed fraction.
+Each run is a sandboxed process (rlax_tpu.verifiers.sandbox). For a stdio problem it is
+fed a test's input on stdin and its stdout is compared with the reference answer (exact,
+whitespace or float tolerance) or judged by the problem's checker program. For a function
+problem (HumanEval, MBPP) the run is the trusted function-call harness, which calls the
+program's functions from the test's asserts and reports under a per-run token that the
+program cannot forge. The reward is all-or-nothing or the passed fraction.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import re
+import secrets
 import shutil
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from rlax_tpu.config.run import VerifierConfig
+from rlax_tpu.verifiers import function_harness
 from rlax_tpu.verifiers.languages import LANGUAGES, Language, extract_code, language_for_fence
 from rlax_tpu.verifiers.problems import (
     CheckerCompileError,
+    FunctionTest,
     Problem,
     ProblemFormatError,
     TestCase,
@@ -35,6 +43,22 @@ _COMPILE_ERROR_CHARS = 600
 # Checker programs (testlib convention): argv[1..3] = input, contestant output, answer.
 CHECKER_ACCEPTED = 0
 CHECKER_WRONG_ANSWER = 1
+
+# The function-call harness, as it is named in a run's work directory.
+HARNESS_FILE = "function_harness.py"
+_HARNESS_VERDICTS = {
+    "accepted": Verdict.ACCEPTED,
+    "wrong_answer": Verdict.WRONG_ANSWER,
+    "runtime_error": Verdict.RUNTIME_ERROR,
+    "time_limit": Verdict.TIME_LIMIT,
+    "memory_limit": Verdict.MEMORY_LIMIT,
+    # Failures found before the candidate's code ran: the problem or the harness is broken.
+    "problem_error": Verdict.VERIFIER_ERROR,
+    "harness_error": Verdict.VERIFIER_ERROR,
+}
+_HEX = re.compile(r"[0-9a-f]{32}")
+
+_Test = TypeVar("_Test")
 
 
 # --- comparing outputs ------------------------------------------------------------------
@@ -256,6 +280,8 @@ class CodeVerifier:
         )
 
     def _judge(self, source: str, lang: Language, problem: Problem) -> VerificationResult:
+        if problem.kind == "function":
+            return self._judge_function(source, lang, problem)
         checker: Path | None = None
         if problem.checker is not None:
             try:
@@ -281,13 +307,15 @@ class CodeVerifier:
                     return _result(
                         Verdict.COMPILE_ERROR, f"compile error: no {lang.binary_name} produced"
                     )
-            return self._run_all(work, lang, problem, checker)
+            limits = self._limits(problem)
+            return self._run_all(
+                problem.tests,
+                lambda test: self._run_one(test, work, lang, problem, limits, checker),
+            )
 
     def _run_all(
-        self, work: Path, lang: Language, problem: Problem, checker: Path | None
+        self, tests: Sequence[_Test], run_one: Callable[[_Test], TestCaseResult]
     ) -> VerificationResult:
-        limits = self._limits(problem)
-        tests = problem.tests
         results: list[TestCaseResult | None] = [None] * len(tests)
         lock = threading.Lock()
         state = {"next": 0, "stop": False}
@@ -301,7 +329,7 @@ class CodeVerifier:
                         return
                     index = state["next"]
                     state["next"] += 1
-                result = self._run_one(tests[index], work, lang, problem, limits, checker)
+                result = run_one(tests[index])
                 results[index] = result
                 if result.verdict != Verdict.ACCEPTED and self.stop_on_first_failure:
                     with lock:
@@ -379,6 +407,98 @@ class CodeVerifier:
         )
         return done(Verdict.ACCEPTED if ok else Verdict.WRONG_ANSWER, reason)
 
+    # --- function problems ----------------------------------------------------------------
+
+    def _judge_function(self, source: str, lang: Language, problem: Problem) -> VerificationResult:
+        """Syntax-check the program once, then run the harness once per test."""
+        if lang.name != "python":
+            return _result(
+                Verdict.COMPILE_ERROR,
+                f"problem {problem.name!r} tests Python functions "
+                f"({', '.join(problem.entry_points)}); answer in a ```python block, "
+                f"not {lang.name}",
+            )
+        # Read on the host and sent on the harness's stdin: the candidate never sees the
+        # tests' expected values, only the arguments it is called with.
+        setup = None
+        if problem.setup_path is not None:
+            setup = problem.setup_path.read_text(encoding="utf-8")
+        codes = {t.name: t.code_path.read_text(encoding="utf-8") for t in problem.function_tests}
+        sandboxed = self.sandbox.sandboxed
+        candidate = function_harness.CANDIDATE_FILE
+        with self.sandbox.workdir(writable=True) as work:
+            (work / candidate).write_text(source)
+            os.chmod(work / candidate, 0o644)
+            if lang.compile is not None:
+                outcome = self.sandbox.run(
+                    lang.compile_argv(source=candidate, binary=candidate),
+                    workdir=work,
+                    limits=lang.compile_limits,
+                    writable=True,
+                )
+                if not outcome.ok:
+                    return _result(Verdict.COMPILE_ERROR, _compile_error(outcome))
+            # Copied after the compile step, which is the last run with a writable /box.
+            _copy(Path(function_harness.__file__), work / HARNESS_FILE)
+            limits = self._limits(problem)
+
+            def run_one(test: FunctionTest) -> TestCaseResult:
+                spec = {
+                    "test": test.name,
+                    "entry_points": list(problem.entry_points),
+                    "setup": setup,
+                    "code": codes[test.name],
+                    "sandboxed": sandboxed,
+                }
+                return self._run_function_test(test.name, spec, work, limits)
+
+            return self._run_all(problem.function_tests, run_one)
+
+    def _run_function_test(
+        self, name: str, spec: dict, work: Path, limits: RunLimits
+    ) -> TestCaseResult:
+        token = secrets.token_hex(16)
+        stdin = f"{token}\n{json.dumps(spec)}".encode()
+        outcome = self.sandbox.run(
+            ["python3", "-I", "-B", HARNESS_FILE, name], workdir=work, limits=limits, stdin=stdin
+        )
+
+        def done(verdict: Verdict, reason: str) -> TestCaseResult:
+            return TestCaseResult(
+                name=name, verdict=verdict, time_s=outcome.cpu_time_s, reason=reason
+            )
+
+        if outcome.output_limit_exceeded:
+            return done(
+                Verdict.OUTPUT_LIMIT, f"output limit exceeded (over {limits.output_bytes} bytes)"
+            )
+        if outcome.time_limit_exceeded:
+            return done(
+                Verdict.TIME_LIMIT,
+                f"time limit exceeded ({outcome.cpu_time_s:.2f}s CPU, "
+                f"{outcome.wall_time_s:.2f}s wall; limit {limits.cpu_time_s:g}s)",
+            )
+        if outcome.memory_limit_exceeded:
+            return done(
+                Verdict.MEMORY_LIMIT,
+                f"memory limit exceeded (limit {limits.memory_bytes // 2**20} MiB)",
+            )
+        report = harness_report(outcome.stdout, token) if outcome.exit_code == 0 else None
+        if report is None:
+            last = _last_line(outcome.stderr_tail)
+            return done(
+                Verdict.RUNTIME_ERROR,
+                f"runtime error: the harness reported nothing, the program ended the run "
+                f"({outcome.describe()}{': ' + last if last else ''})",
+            )
+        verdict = _HARNESS_VERDICTS[report["verdict"]]
+        reason = report["reason"]
+        if verdict == Verdict.VERIFIER_ERROR:
+            reason = f"bad problem or harness: {reason}"
+        elif verdict != Verdict.ACCEPTED:
+            reason = f"{report['verdict'].replace('_', ' ')}: {reason}"
+        return done(verdict, reason)
+
     def _check(
         self, test: TestCase, output: bytes, problem: Problem, checker: Path
     ) -> tuple[Verdict, str]:
@@ -411,6 +531,38 @@ class CodeVerifier:
         return Verdict.CHECKER_FAILURE, f"checker failure (exit code {outcome.exit_code}{suffix})"
 
 
+def harness_report(stdout: bytes, token: str) -> dict | None:
+    """The function-call harness's outcome in a run's stdout, or None without a valid one.
+
+    Valid means: stdout is exactly two lines, "<token> <key>", written by the harness before
+    the candidate's code ran, then "<token> <key> <outcome JSON>" with a known verdict. The
+    key is made inside the sandbox by the harness and never leaves it but through stdout, so
+    the candidate cannot know it, even if it could read the token. Nothing else writes to
+    the run's stdout, so any other byte there is tampering (a forged line, or junk meant to
+    hide the harness's own line) and fails the run."""
+    lines = stdout.split(b"\n")
+    if len(lines) != 3 or lines[2]:
+        return None
+    first = lines[0].decode("ascii", errors="replace").split(" ")
+    if len(first) != 2 or first[0] != token or not _HEX.fullmatch(first[1]):
+        return None
+    prefix = f"{token} {first[1]} ".encode()
+    if not lines[1].startswith(prefix):
+        return None
+    try:
+        report = json.loads(lines[1][len(prefix) :])
+    except ValueError:
+        return None
+    if (
+        not isinstance(report, dict)
+        or report.get("verdict") not in _HARNESS_VERDICTS
+        or report.get("passed") is not (report.get("verdict") == "accepted")
+        or not isinstance(report.get("reason"), str)
+    ):
+        return None
+    return report
+
+
 def _compile_error(outcome: RunOutcome) -> str:
     text = outcome.stderr_tail.decode(errors="replace").strip()
     if not outcome.ok and (outcome.time_limit_exceeded or outcome.memory_limit_exceeded):
@@ -424,4 +576,4 @@ def _result(verdict: Verdict, reason: str) -> VerificationResult:
     return VerificationResult(reward=0.0, verdict=verdict, reason=reason)
 
 
-__all__ = ["CodeVerifier", "compare_output"]
+__all__ = ["CodeVerifier", "compare_output", "harness_report"]

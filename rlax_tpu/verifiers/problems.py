@@ -1,14 +1,18 @@
 """Programming problems on disk: the directory format the code verifier reads.
 
-A problem is a directory with problem.json, tests/<name>.in and tests/<name>.ans, and an
-optional checker program. The test-data repository uploads and fetches these directories;
-`compile_checker` builds the checker once so it is stored compiled (docs/verifiers.md).
+A problem is a directory with problem.json and its tests. A "stdio" problem (the default)
+has tests/<name>.in and tests/<name>.ans and an optional checker program; a "function"
+problem has tests/<name>.py, trusted assert-style Python that calls the candidate's
+functions through the function-call harness (HumanEval, MBPP). The test-data repository
+uploads and fetches these directories; `compile_checker` builds the checker once so it is
+stored compiled (docs/verifiers.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
 import math
 import os
 import re
@@ -25,6 +29,10 @@ from rlax_tpu.verifiers.sandbox import Sandbox
 PROBLEM_FILE = "problem.json"
 TESTS_DIR = "tests"
 CHECKER_BINARY = "checker.bin"
+
+ProblemKind = Literal["stdio", "function"]
+PROBLEM_KINDS: tuple[str, ...] = ("stdio", "function")
+SETUP_FILE = "setup.py"  # the default name of a function problem's setup code
 
 CompareMode = Literal["exact", "whitespace", "float"]
 COMPARE_MODES: tuple[str, ...] = ("exact", "whitespace", "float")
@@ -62,17 +70,40 @@ class TestCase:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class FunctionTest:
+    """One test of a function problem: trusted Python (asserts calling the entry points)."""
+
+    __test__ = False  # not a pytest test class
+
+    name: str
+    code_path: Path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Problem:
-    """A loaded problem directory. Limits left None take the verifier config's values."""
+    """A loaded problem directory. Limits left None take the verifier config's values.
+
+    A stdio problem has `tests` (and compare / checker); a function problem has
+    `entry_points`, an optional `setup_path` and `function_tests`, and no `tests`."""
 
     directory: Path
     name: str
+    kind: ProblemKind = "stdio"
     compare: CompareMode = "whitespace"
     float_tolerance: float = DEFAULT_FLOAT_TOLERANCE
     checker: Checker | None = None
     time_limit_s: float | None = None
     memory_limit_bytes: int | None = None
     tests: tuple[TestCase, ...] = ()
+    entry_points: tuple[str, ...] = ()
+    setup_path: Path | None = None
+    function_tests: tuple[FunctionTest, ...] = ()
+
+    @property
+    def test_names(self) -> tuple[str, ...]:
+        """The names of the tests, whichever kind, in order."""
+        tests = self.function_tests if self.kind == "function" else self.tests
+        return tuple(t.name for t in tests)
 
     @property
     def checker_binary(self) -> Path | None:
@@ -99,11 +130,14 @@ def load_problem(directory: str | os.PathLike[str]) -> Problem:
         raise _fail(directory, "", f"{PROBLEM_FILE} must hold a JSON object")
     known = {
         "name",
+        "kind",
         "compare",
         "float_tolerance",
         "checker",
         "time_limit_s",
         "memory_limit_bytes",
+        "entry_points",
+        "setup",
         "tests",
     }
     for key in spec:
@@ -113,6 +147,51 @@ def load_problem(directory: str | os.PathLike[str]) -> Problem:
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise _fail(directory, "name", "must be a non-empty string")
+
+    kind = spec.get("kind", "stdio")
+    if kind not in PROBLEM_KINDS:
+        raise _fail(directory, "kind", f"must be one of {PROBLEM_KINDS}, got {kind!r}")
+    only_for = (
+        {"compare": "stdio", "float_tolerance": "stdio", "checker": "stdio"}
+        if kind == "function"
+        else {"entry_points": "function", "setup": "function"}
+    )
+    for key, other in only_for.items():
+        if spec.get(key) is not None:
+            raise _fail(directory, key, f"only {other} problems have it; this one is {kind!r}")
+
+    time_limit = spec.get("time_limit_s")
+    if time_limit is not None and (
+        isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or time_limit <= 0
+    ):
+        raise _fail(directory, "time_limit_s", f"must be a number > 0, got {time_limit!r}")
+    memory_limit = spec.get("memory_limit_bytes")
+    if memory_limit is not None and (
+        isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0
+    ):
+        raise _fail(
+            directory, "memory_limit_bytes", f"must be an integer > 0, got {memory_limit!r}"
+        )
+
+    names = spec.get("tests")
+    if not isinstance(names, list) or not names:
+        raise _fail(directory, "tests", "must be a non-empty list of test names")
+    seen = set()
+    for test in names:
+        if not isinstance(test, str) or not _NAME.match(test):
+            raise _fail(directory, "tests", f"test names must be plain names, got {test!r}")
+        if test in seen:
+            raise _fail(directory, "tests", f"test {test!r} is listed twice")
+        seen.add(test)
+
+    common = {
+        "directory": directory,
+        "name": name,
+        "time_limit_s": None if time_limit is None else float(time_limit),
+        "memory_limit_bytes": memory_limit,
+    }
+    if kind == "function":
+        return _load_function_problem(directory, spec, names, common)
 
     compare = spec.get("compare", "whitespace")
     if compare not in COMPARE_MODES:
@@ -147,30 +226,8 @@ def load_problem(directory: str | os.PathLike[str]) -> Problem:
             raise _fail(directory, "checker.source", f"{directory / source} does not exist")
         checker = Checker(language=language, source=source)
 
-    time_limit = spec.get("time_limit_s")
-    if time_limit is not None and (
-        isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or time_limit <= 0
-    ):
-        raise _fail(directory, "time_limit_s", f"must be a number > 0, got {time_limit!r}")
-    memory_limit = spec.get("memory_limit_bytes")
-    if memory_limit is not None and (
-        isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0
-    ):
-        raise _fail(
-            directory, "memory_limit_bytes", f"must be an integer > 0, got {memory_limit!r}"
-        )
-
-    names = spec.get("tests")
-    if not isinstance(names, list) or not names:
-        raise _fail(directory, "tests", "must be a non-empty list of test names")
     tests = []
-    seen = set()
     for test in names:
-        if not isinstance(test, str) or not _NAME.match(test):
-            raise _fail(directory, "tests", f"test names must be plain names, got {test!r}")
-        if test in seen:
-            raise _fail(directory, "tests", f"test {test!r} is listed twice")
-        seen.add(test)
         case = TestCase(
             name=test,
             input_path=directory / TESTS_DIR / f"{test}.in",
@@ -182,14 +239,59 @@ def load_problem(directory: str | os.PathLike[str]) -> Problem:
         tests.append(case)
 
     return Problem(
-        directory=directory,
-        name=name,
+        **common,
         compare=compare,
         float_tolerance=float(tolerance),
         checker=checker,
-        time_limit_s=None if time_limit is None else float(time_limit),
-        memory_limit_bytes=memory_limit,
         tests=tuple(tests),
+    )
+
+
+def _check_python(directory: Path, field: str, path: Path, what: str) -> None:
+    """Raise naming `field` unless `path` is readable UTF-8 Python that compiles."""
+    try:
+        compile(path.read_text(encoding="utf-8"), str(path), "exec", dont_inherit=True)
+    except FileNotFoundError:
+        raise _fail(directory, field, f"{what}: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _fail(directory, field, f"{what}: {path} is not readable UTF-8: {e}") from None
+    except (SyntaxError, ValueError) as e:
+        line = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        detail = e.msg if isinstance(e, SyntaxError) else str(e)
+        raise _fail(
+            directory, field, f"{what}: {path} is not valid Python: {detail}{line}"
+        ) from None
+
+
+def _load_function_problem(directory: Path, spec: dict, names: list[str], common: dict) -> Problem:
+    entry_points = spec.get("entry_points")
+    if not isinstance(entry_points, list) or not entry_points:
+        raise _fail(directory, "entry_points", "must be a non-empty list of function names")
+    for entry in entry_points:
+        if not isinstance(entry, str) or not entry.isidentifier() or keyword.iskeyword(entry):
+            raise _fail(directory, "entry_points", f"must be Python identifiers, got {entry!r}")
+    if len(set(entry_points)) != len(entry_points):
+        raise _fail(directory, "entry_points", f"lists a name twice: {entry_points}")
+
+    setup_path = None
+    setup = spec.get("setup")
+    if setup is not None:
+        if not isinstance(setup, str) or not _NAME.match(setup) or setup == PROBLEM_FILE:
+            raise _fail(directory, "setup", f"must be null or a plain file name, got {setup!r}")
+        setup_path = directory / setup
+        _check_python(directory, "setup", setup_path, "setup")
+
+    tests = []
+    for test in names:
+        case = FunctionTest(name=test, code_path=directory / TESTS_DIR / f"{test}.py")
+        _check_python(directory, "tests", case.code_path, f"test {test!r}")
+        tests.append(case)
+    return Problem(
+        **common,
+        kind="function",
+        entry_points=tuple(entry_points),
+        setup_path=setup_path,
+        function_tests=tuple(tests),
     )
 
 
@@ -236,6 +338,46 @@ def write_problem(
         )
         (directory / source_name).write_text(checker_source)
         spec["checker"] = {"language": checker_language, "source": source_name}
+    if time_limit_s is not None:
+        spec["time_limit_s"] = time_limit_s
+    if memory_limit_bytes is not None:
+        spec["memory_limit_bytes"] = memory_limit_bytes
+    spec["tests"] = [test for test, _ in named]
+    (directory / PROBLEM_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    return directory
+
+
+def write_function_problem(
+    directory: str | os.PathLike[str],
+    *,
+    name: str,
+    entry_points: Sequence[str],
+    tests: Sequence[str] | Mapping[str, str],
+    setup: str | None = None,
+    time_limit_s: float | None = None,
+    memory_limit_bytes: int | None = None,
+) -> Path:
+    """Write a function problem directory (created if needed) and return it.
+
+    entry_points: the function names the tests call (the candidate must define them).
+    tests: test code (trusted Python, asserts calling the entry points) named 01, 02, ... in
+    order, or a mapping name -> code. setup: Python run before each test, in the harness and
+    before the candidate's program (HumanEval's prompt, MBPP's test_setup_code)."""
+    directory = Path(directory)
+    if isinstance(tests, Mapping):
+        named = list(tests.items())
+    else:
+        width = max(2, len(str(len(tests))))
+        named = [(f"{i + 1:0{width}d}", code) for i, code in enumerate(tests)]
+    (directory / TESTS_DIR).mkdir(parents=True, exist_ok=True)
+    for test, code in named:
+        if not _NAME.match(test):
+            raise ValueError(f"test name {test!r} is not a plain name")
+        (directory / TESTS_DIR / f"{test}.py").write_text(code, encoding="utf-8")
+    spec: dict = {"name": name, "kind": "function", "entry_points": list(entry_points)}
+    if setup is not None:
+        (directory / SETUP_FILE).write_text(setup, encoding="utf-8")
+        spec["setup"] = SETUP_FILE
     if time_limit_s is not None:
         spec["time_limit_s"] = time_limit_s
     if memory_limit_bytes is not None:
@@ -319,12 +461,15 @@ def compile_checker(
 __all__ = [
     "CHECKER_BINARY",
     "COMPARE_MODES",
+    "PROBLEM_KINDS",
     "Checker",
     "CheckerCompileError",
+    "FunctionTest",
     "Problem",
     "ProblemFormatError",
     "TestCase",
     "compile_checker",
     "load_problem",
+    "write_function_problem",
     "write_problem",
 ]
