@@ -61,6 +61,24 @@ _HEX = re.compile(r"[0-9a-f]{32}")
 _Test = TypeVar("_Test")
 
 
+def _limit_hit(outcome: RunOutcome, limits: RunLimits) -> tuple[Verdict, str] | None:
+    """The verdict and reason of a run stopped by one of its limits, else None."""
+    if outcome.output_limit_exceeded:
+        return Verdict.OUTPUT_LIMIT, f"output limit exceeded (over {limits.output_bytes} bytes)"
+    if outcome.time_limit_exceeded:
+        return (
+            Verdict.TIME_LIMIT,
+            f"time limit exceeded ({outcome.cpu_time_s:.2f}s CPU, "
+            f"{outcome.wall_time_s:.2f}s wall; limit {limits.cpu_time_s:g}s)",
+        )
+    if outcome.memory_limit_exceeded:
+        return (
+            Verdict.MEMORY_LIMIT,
+            f"memory limit exceeded (limit {limits.memory_bytes // 2**20} MiB)",
+        )
+    return None
+
+
 # --- comparing outputs ------------------------------------------------------------------
 
 _NUMBER = re.compile(rb"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
@@ -377,21 +395,9 @@ class CodeVerifier:
                 name=test.name, verdict=verdict, time_s=outcome.cpu_time_s, reason=reason
             )
 
-        if outcome.output_limit_exceeded:
-            return done(
-                Verdict.OUTPUT_LIMIT, f"output limit exceeded (over {limits.output_bytes} bytes)"
-            )
-        if outcome.time_limit_exceeded:
-            return done(
-                Verdict.TIME_LIMIT,
-                f"time limit exceeded ({outcome.cpu_time_s:.2f}s CPU, "
-                f"{outcome.wall_time_s:.2f}s wall; limit {limits.cpu_time_s:g}s)",
-            )
-        if outcome.memory_limit_exceeded:
-            return done(
-                Verdict.MEMORY_LIMIT,
-                f"memory limit exceeded (limit {limits.memory_bytes // 2**20} MiB)",
-            )
+        limit = _limit_hit(outcome, limits)
+        if limit is not None:
+            return done(*limit)
         if not outcome.ok:
             detail = outcome.describe()
             last = _last_line(outcome.stderr_tail)
@@ -468,21 +474,9 @@ class CodeVerifier:
                 name=name, verdict=verdict, time_s=outcome.cpu_time_s, reason=reason
             )
 
-        if outcome.output_limit_exceeded:
-            return done(
-                Verdict.OUTPUT_LIMIT, f"output limit exceeded (over {limits.output_bytes} bytes)"
-            )
-        if outcome.time_limit_exceeded:
-            return done(
-                Verdict.TIME_LIMIT,
-                f"time limit exceeded ({outcome.cpu_time_s:.2f}s CPU, "
-                f"{outcome.wall_time_s:.2f}s wall; limit {limits.cpu_time_s:g}s)",
-            )
-        if outcome.memory_limit_exceeded:
-            return done(
-                Verdict.MEMORY_LIMIT,
-                f"memory limit exceeded (limit {limits.memory_bytes // 2**20} MiB)",
-            )
+        limit = _limit_hit(outcome, limits)
+        if limit is not None:
+            return done(*limit)
         report = harness_report(outcome.stdout, token) if outcome.exit_code == 0 else None
         if report is None:
             last = _last_line(outcome.stderr_tail)

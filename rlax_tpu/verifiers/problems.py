@@ -21,10 +21,12 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from rlax_tpu.verifiers.languages import LANGUAGES, Language
 from rlax_tpu.verifiers.sandbox import Sandbox
+
+_T = TypeVar("_T")
 
 PROBLEM_FILE = "problem.json"
 TESTS_DIR = "tests"
@@ -295,6 +297,14 @@ def _load_function_problem(directory: Path, spec: dict, names: list[str], common
     )
 
 
+def _named(tests: Sequence[_T] | Mapping[str, _T]) -> list[tuple[str, _T]]:
+    """(name, test) pairs: a mapping's items, or a sequence named 01, 02, ... in order."""
+    if isinstance(tests, Mapping):
+        return list(tests.items())
+    width = max(2, len(str(len(tests))))
+    return [(f"{i + 1:0{width}d}", test) for i, test in enumerate(tests)]
+
+
 def write_problem(
     directory: str | os.PathLike[str],
     *,
@@ -315,11 +325,7 @@ def write_problem(
     named `checker_file` (default checker.cpp / checker.py). Call `compile_checker` after.
     """
     directory = Path(directory)
-    if isinstance(tests, Mapping):
-        named = list(tests.items())
-    else:
-        width = max(2, len(str(len(tests))))
-        named = [(f"{i + 1:0{width}d}", pair) for i, pair in enumerate(tests)]
+    named = _named(tests)
     (directory / TESTS_DIR).mkdir(parents=True, exist_ok=True)
     for test, (given, answer) in named:
         if not _NAME.match(test):
@@ -364,11 +370,7 @@ def write_function_problem(
     order, or a mapping name -> code. setup: Python run before each test, in the harness and
     before the candidate's program (HumanEval's prompt, MBPP's test_setup_code)."""
     directory = Path(directory)
-    if isinstance(tests, Mapping):
-        named = list(tests.items())
-    else:
-        width = max(2, len(str(len(tests))))
-        named = [(f"{i + 1:0{width}d}", code) for i, code in enumerate(tests)]
+    named = _named(tests)
     (directory / TESTS_DIR).mkdir(parents=True, exist_ok=True)
     for test, code in named:
         if not _NAME.match(test):
