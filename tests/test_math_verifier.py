@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlax_tpu.verifiers import math as math_verifier
 from rlax_tpu.verifiers.math import (
     compare_answers,
     extract_answer,
@@ -116,6 +117,15 @@ def test_reference_may_be_a_whole_solution(reference, answer):
         ("2 x", "2 x"),  # a one-letter word is a variable, not a unit
         ("2 pi", "2 pi"),  # a known constant is not a unit
         ("(1,234)", "(1,234)"),  # a tuple, not a thousands separator
+        ("1{,}000", "1000"),  # LaTeX's thousands separator
+        ("12{,}345{,}678", "12345678"),
+        (r"3 \text{ m}", "3"),  # a unit set as text, however short
+        (r"5\mathrm{cm}^2", "5"),
+        (r"2\mathrm{e}", "2 e"),  # Euler's number: not a unit, and not glued into "2e"
+        (r"2\text{e}^{2}", "2 e ^{2}"),
+        ("5 or 6", "5 or 6"),  # "or 6" is no unit: the alternatives stay to be seen
+        ("5 and 6", "5 and 6"),
+        ("5 million", "5 million"),  # a scale word is not a unit
     ],
 )
 def test_normalisation(raw, normal):
@@ -191,6 +201,281 @@ def test_different_answers_are_rejected(candidate, reference):
     assert not equal, how
 
 
+@pytest.mark.parametrize(
+    "candidate",
+    [
+        r"\boxed{5 or 6}",
+        r"\boxed{5 and 6}",
+        r"\boxed{5 \text{ or } 6}",
+        r"\boxed{5, 6}",
+        r"\boxed{x = 5 \text{ or } x = 6}",
+        "The answer is 5; 6.",
+    ],
+)
+def test_an_answer_that_hedges_between_values_gets_nothing(candidate):
+    result = verify_math(candidate, "5")
+    assert (result.reward, result.verdict) == (0.0, Verdict.WRONG_ANSWER)
+    assert "lists 2 alternatives" in result.reason and "single value" in result.reason
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        (r"x=2 \text{ or } x=3", "2, 3"),
+        (r"x = 3 \text{ or } x = 2", "2, 3"),
+        ("2 and 3", "2, 3"),
+        ("3 or 2", r"\{2, 3\}"),
+        ("1, 2, and 3", "3, 2, 1"),
+    ],
+)
+def test_alternatives_are_accepted_when_the_reference_is_a_list(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+def test_alternatives_must_match_every_item_of_the_list():
+    assert not compare_answers(r"x=2 \text{ or } x=4", "2, 3")[0]
+    assert not compare_answers("2 or 3 or 4", "2, 3")[0]
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        (r"(-\infty,1)\cup(2,\infty)", r"(2, \infty) \cup (-\infty, 1)"),
+        (r"(-\infty, 1] \cup [2, \infty)", r"[2,\infty)\cup(-\infty,1]"),
+        (r"\{1\} \cup \{2\}", r"\{2\}\cup\{1\}"),
+        (r"(-\infty,1)∪(2,\infty)", r"(-\infty,1)\cup(2,\infty)"),
+    ],
+)
+def test_a_union_is_accepted_with_its_parts_in_any_order(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        (r"(-\infty,1)\cup(3,\infty)", r"(-\infty,1)\cup(2,\infty)"),
+        (r"(-\infty,1]\cup(2,\infty)", r"(-\infty,1)\cup(2,\infty)"),  # an end differs
+        (r"(-\infty,1)", r"(-\infty,1)\cup(2,\infty)"),
+    ],
+)
+def test_a_union_with_a_different_part_is_rejected(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert not equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("1.5e3", "1500"),
+        ("2.5E-3", "0.0025"),
+        ("1500", "1.5e3"),
+        ("2e3", "2000"),
+        (r"1.5 \times 10^{3}", "1.5e3"),
+    ],
+)
+def test_scientific_notation_is_read_as_a_number(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("1{,}000", "1000"),
+        ("1{,}000{,}000", "10^6"),
+        (r"3 \text{ m}", "3"),
+        (r"3\,\text{cm}", "3"),
+        (r"12 \mathrm{m}^2", "12"),
+        ("5!", "120"),
+        ("3!+1", "7"),
+        (r"\frac{6!}{4!}", "30"),
+    ],
+)
+def test_separators_units_and_factorials_are_read(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+def test_a_huge_factorial_is_refused_not_computed():
+    start = time.monotonic()
+    equal, how = compare_answers("(10^6)!", "1")
+    assert not equal and "too large" in how
+    assert time.monotonic() - start < 5.0  # sympy would compute it for minutes
+
+
+_INCOMPLETE_EXPONENT = "looks like scientific notation without an exponent"
+
+
+@pytest.mark.parametrize(
+    "candidate, reference, shown, advice",
+    [
+        # Each reference is the answer's value read as a product with Euler's number: only the
+        # new rule rejects these.
+        ("2e", "5.43656", "'2e'", r"write 2e3 for 2000 or 2\cdot e for 2 times Euler's number"),
+        ("2.5e", "6.79570", "'2.5e'", r"write 2.5e3 for 2500 or 2.5\cdot e"),
+        ("3E", "8.15485", "'3E'", r"write 3e3 for 3000 or 3\cdot e"),
+        ("2e+", "5.43656", "'2e+'", "write 2e3 for 2000"),
+        ("2e - 3", "2.43656", "'2e'", "write 2e3 for 2000"),  # glued: not "2 e - 3"
+        (r"\frac{2e}{3}", "1.81219", "'2e'", "write 2e3 for 2000"),
+        ("2e", r"2\cdot e", "'2e'", "write 2e3 for 2000"),  # an exact reference too
+    ],
+)
+def test_a_number_with_a_bare_e_is_refused_as_an_incomplete_exponent(
+    candidate, reference, shown, advice
+):
+    equal, how = compare_answers(candidate, reference)
+    assert not equal, how
+    assert f"{shown} {_INCOMPLETE_EXPONENT}" in how and advice in how
+
+
+def test_verify_math_says_why_a_bare_e_is_refused():
+    result = verify_math(r"So $\boxed{2e}$.", "5.43656")
+    assert (result.reward, result.verdict) == (0.0, Verdict.WRONG_ANSWER)
+    assert f"'2e' {_INCOMPLETE_EXPONENT}" in result.reason
+    assert r"2\cdot e for 2 times Euler's number" in result.reason
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("2e", "2e"),
+        (r"\boxed{2e}", "2e"),  # compare_answers normalises the box away
+        (r"2\,e", "2 e"),
+        ("3E", "3E"),
+        ("1, 2e", "2e, 1"),  # item by item: each item written as in the reference
+        ("(2e, 1)", "(2e,1)"),
+    ],
+)
+def test_a_bare_e_is_accepted_when_the_reference_is_written_the_same_way(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        (r"2\cdot e", "5.43656"),
+        (r"2 \times e", "5.43656"),
+        (r"2\mathrm{e}", "5.43656"),
+        (r"2\text{e}", "5.43656"),
+        ("2 e", "5.43656"),  # a space: scientific notation never has one
+        (r"2\,e", "5.43656"),
+        (r"e \cdot 2", "5.43656"),
+        (r"2\exp(1)", "5.43656"),
+        ("e^{2}", "7.38906"),
+        ("2e^{2}", "14.7781"),  # "^" makes it a power of e, not an exponent of ten
+        (r"2\mathrm{e}^{2}", "14.7781"),
+        ("5.43656", "2e"),  # a trusted reference's "2e" is 2 times e
+        (r"2\cdot e", "2e"),
+    ],
+)
+def test_eulers_number_written_unambiguously_is_compared_by_value(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("1e-13", "10^{-13}"),
+        ("2e+3", "2000"),
+        ("2E3", "2000"),
+        ("3e0", "3"),
+        (r"1.5e3 \text{ m}", "1500"),
+    ],
+)
+def test_scientific_notation_with_its_exponent_is_not_a_bare_e(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        (r"\pi", "3.14159"),
+        (r"\sqrt{2}", "1.41421356"),
+        ("1/3", "0.333333"),  # exactly at the relative tolerance: 1/3 - 0.333333 = 1e-6 / 3
+        (r"\frac{1}{3}", "0.333333"),
+        (r"\frac{1}{2}", "0.5"),
+        ("1/2", "0.5"),
+        (r"\frac{\pi}{4}", "0.785398"),
+        ("3", "3.0"),
+        ("1/3", r"33.3333\%"),
+    ],
+)
+def test_an_exact_answer_equals_a_decimal_reference_within_its_rounding(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        (r"\pi", "3.14"),  # outside the relative tolerance
+        ("1/3", "0.333"),
+        (r"\sqrt{2}", "1.4142"),
+        # Two values written exactly get no tolerance, however close.
+        ("1000001", "1000000"),
+        ("2^{100} + 1", "2^{100}"),
+        ("355/113", r"\pi"),
+        (r"\frac{1000001}{3}", r"\frac{1000000}{3}"),
+    ],
+)
+def test_values_outside_the_tolerance_or_both_exact_and_different_are_rejected(
+    candidate, reference
+):
+    equal, how = compare_answers(candidate, reference)
+    assert not equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [("5.43656", "2e"), ("3.14159", r"\pi"), ("0.5", "1/2"), ("1/2", "0.5"), ("3", "3.0")],
+)
+def test_a_decimal_answer_keeps_its_rounding_tolerance(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize("reference", ["0", "0.0"])  # a decimal zero gets no absolute tolerance
+@pytest.mark.parametrize(
+    "candidate", ["10^{-13}", "1e-13", "0.0000000000001", "e^{-50}", r"10^{-13} + \pi - \pi"]
+)
+def test_a_tiny_number_is_not_zero(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert not equal, how
+
+
+@pytest.mark.parametrize("reference", ["0", "0.0"])
+@pytest.mark.parametrize(
+    "candidate", [r"\sin(\pi/7)^2 + \cos(\pi/7)^2 - 1", r"e^{i\pi} + 1", "0/5"]
+)
+def test_an_exact_zero_written_as_an_expression_is_zero(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, words",
+    [
+        ("1{,}00", "thousands separator '{,}' at position 1 is not followed by three digits"),
+        ("x +* 2", "two operators in a row ('+*'"),
+        ("(1+2", "'(' at position 0 is never closed"),
+        (")(", "')' at position 0 closes nothing"),
+        ("2 +", "ends with the operator '+'"),
+        ("x == 2", "an '=' may appear only once"),
+        ("3 @ 4", "the character '@' is not part of math"),
+    ],
+)
+def test_a_parse_failure_says_what_could_not_be_read_and_why(candidate, words):
+    equal, how = compare_answers(candidate, "7")
+    assert not equal
+    assert f"could not read {candidate!r} as math" in how and words in how
+    assert "Error" not in how and "<unknown>" not in how
+
+
 # --- verify_math --------------------------------------------------------------------------
 
 
@@ -198,7 +483,7 @@ def test_correct_boxed_answer_is_accepted_and_the_reason_says_how():
     result = verify_math(r"We get $\boxed{\frac{1}{2}}$.", "0.5")
     assert (result.reward, result.verdict) == (1.0, Verdict.ACCEPTED)
     assert r"\frac{1}{2}" in result.reason and "boxed" in result.reason
-    assert "numerically equal" in result.reason
+    assert "numerically equal" in result.reason  # 0.5 is a decimal: within tolerance
 
 
 def test_gsm8k_response_against_gsm8k_solution():
@@ -260,7 +545,8 @@ def test_hostile_input_hits_the_time_limit_and_the_pool_keeps_serving(math_pool)
     result = verify_math_in_pool(math_pool, _HOSTILE, _HOSTILE_REFERENCE, timeout_s=1.0)
     elapsed = time.monotonic() - start
     assert (result.reward, result.verdict) == (0.0, Verdict.TIME_LIMIT)
-    assert "ran past 1s" in result.reason and "(x+y)(x-y)" in result.reason
+    assert "ran past 1s" in result.reason and _HOSTILE_REFERENCE in result.reason
+    assert "(x+y)(x-y)" not in result.reason  # the answer is not extracted again to quote it
     assert elapsed < 3.0
     assert math_pool.stats()["timeouts"] == 1
     again = verify_math_in_pool(math_pool, "#### 72", "72", timeout_s=30)
@@ -271,3 +557,25 @@ def test_pool_result_matches_the_direct_check(math_pool):
     for response, reference in [(r"\boxed{0.5}", r"\frac12"), ("so 3", "4"), ("none", "1")]:
         direct = verify_math(response, reference)
         assert verify_math_in_pool(math_pool, response, reference, timeout_s=30) == direct
+
+
+def test_a_timed_out_response_is_not_read_again_by_the_caller(math_pool, monkeypatch):
+    calls = []
+    real_extract = math_verifier.extract_answer
+    monkeypatch.setattr(
+        math_verifier, "extract_answer", lambda *args: calls.append(args) or real_extract(*args)
+    )
+    response = "x" * 30_000_000 + _HOSTILE  # reading it again cost seconds outside the limit
+    result = verify_math_in_pool(math_pool, response, _HOSTILE_REFERENCE, timeout_s=1.0)
+    assert result.verdict == Verdict.TIME_LIMIT
+    assert calls == []  # counted in this process only: the worker's own calls do not show
+    assert f"({len(response)} characters)" in result.reason  # its length, not its answer
+
+
+def test_a_30_mb_response_is_judged_within_the_time_limit(math_pool):
+    # Degenerate repetition full of braces and boxes: the last box is found in linear time
+    # (a brace-by-brace scan in Python took about 8 s here).
+    chunk = r"So $\frac{a}{b} = \{1, 2\}$, giving \boxed{7}. Wait: {not} right; x^{2}. "
+    response = chunk * (30_000_000 // len(chunk)) + r"Finally, \boxed{42}."
+    result = verify_math_in_pool(math_pool, response, "42", timeout_s=5.0)
+    assert result.verdict == Verdict.ACCEPTED, result.reason

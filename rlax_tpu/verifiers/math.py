@@ -7,12 +7,15 @@ with the reference as a string, a number, or a sympy expression (DESIGN §7).
 
 from __future__ import annotations
 
+import array
+import bisect
 import dataclasses
 import functools
 import math
 import re
 import string
 from collections.abc import Sequence
+from decimal import Decimal
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +26,25 @@ if TYPE_CHECKING:
 
 EXTRACTION_METHODS = ("boxed", "hash", "the_answer_is", "last_number")
 DEFAULT_EXTRACTION = EXTRACTION_METHODS
-# Two numbers that are not both integers are equal within this relative tolerance.
+# A decimal ("0.333333", "3.14159", "1.5e3") may be a rounding: when the answer or the reference
+# is written as one, they are equal within this relative tolerance ("1/3" is "0.333333", "\pi"
+# is "3.14159"). Two values written exactly ("1/3", "10^{-13}", "2^{100} + 1") are compared
+# exactly. The tolerance is relative only, so nothing but zero equals zero.
 DEFAULT_REL_TOL = 1e-6
+# Exact values compared through floats (an irrational side) may differ by this much, relative:
+# only the noise of a 30-digit evaluation rounded to a double.
+_FLOAT_NOISE_REL = 1e-12
+# Below this a float cannot tell a value from zero (e^{-50} from 0): sympy decides.
+_FLOAT_NOISE_ABS = 1e-20
+# No reference is this long; a longer answer is padding or noise, and is not normalised.
+MAX_ANSWER_CHARS = 10_000
 # Answers longer than this are compared as strings and numbers only, never given to sympy.
 MAX_SYMPY_CHARS = 400
 # A numeric exponent larger than this (|e|) makes the expression too big to compare.
 MAX_EXPONENT = 1000
+# sympy computes factorials and binomial coefficients eagerly (10^6! takes seconds): larger
+# numeric arguments (for a binomial, the smaller of k and n - k) are refused.
+MAX_FACTORIAL = 10_000
 _SHOWN_CHARS = 120  # how much of an answer a reason quotes
 
 
@@ -43,6 +59,9 @@ class ExtractedAnswer:
 
 
 # --- extraction ---------------------------------------------------------------------------
+#
+# Every extractor looks for the *last* answer and is linear in the response: a policy can
+# answer with megabytes of degenerate text, and the time limit covers this step too.
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -65,44 +84,61 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
-def _closing_braces(text: str) -> dict[int, int]:
-    """{index of "{": index of its "}"} for every brace pair, in one pass (a response may hold
-    thousands of unclosed \\boxed{: scanning from each would be quadratic)."""
-    pairs: dict[int, int] = {}
-    stack: list[int] = []
-    for match in re.finditer(r"\\.|[{}]", text, flags=re.DOTALL):
-        if match.group(0) == "{":
-            stack.append(match.start())
-        elif match.group(0) == "}" and stack:
-            pairs[stack.pop()] = match.start()
-    return pairs
-
-
+# "\boxed 5": a box without braces; its answer runs up to a space or "$".
+_PLAIN_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z]) *(?=[^\s${])")
 _BOX_TOKEN = re.compile(r"[^\s$]+")
+_BOX_GROUP = re.compile(r"\\(?:boxed|fbox) *\{")
+# An escaped brace or backslash, replaced by two characters that are not braces.
+_ESCAPED_BRACE = re.compile(r"\\[\\{}]")
+
+
+def _group_end(text: str, start: int, limit: int) -> int | None:
+    """The index of the "}" closing the "{" at text[start], looking only before `limit`;
+    None when it does not close there. Escaped braces (\\{ \\}) do not count."""
+    offset = 0
+    if text.find("\\{", start, limit) >= 0 or text.find("\\}", start, limit) >= 0:
+        # Blank out escapes in C (same length, so indices hold), not token by token in Python.
+        text, offset = _ESCAPED_BRACE.sub("__", text[start:limit]), start
+        start, limit = 0, len(text)
+    # Jump from "}" to "}", counting the "{" between in C.
+    depth, pos = 1, start + 1
+    while (close := text.find("}", pos, limit)) >= 0:
+        depth += text.count("{", pos, close) - 1
+        if depth == 0:
+            return close + offset
+        pos = close + 1
+    return None
 
 
 def _extract_boxed(text: str) -> str | None:
-    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text))
-    pairs = _closing_braces(text) if boxes else {}
-    for match in reversed(boxes):
-        i = match.end()
-        while i < len(text) and text[i] == " ":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            if i in pairs:
-                return text[i + 1 : pairs[i]].strip()
-        else:  # "\\boxed 5"
-            plain = _BOX_TOKEN.match(text, i)
-            if plain:
-                return plain.group(0)
-    return None
+    plain_start, plain_answer = -1, -1
+    for match in _PLAIN_BOX.finditer(text):
+        plain_start, plain_answer = match.start(), match.end()
+    # Then the boxes with braces after it (it wins over earlier ones), the last first. A group
+    # still open where a later, never-closing group opens never closes either (the depth
+    # cannot fall back to it), so each group is scanned only up to the next unclosed one, and
+    # groups after the last "}" before that one are not scanned at all: the search reads each
+    # character at most once however many boxes there are.
+    groups = array.array("q", (m.end() - 1 for m in _BOX_GROUP.finditer(text, plain_start + 1)))
+    limit, k = len(text), len(groups)
+    while k > 0:
+        group = groups[k - 1]
+        close = _group_end(text, group, limit)
+        if close is not None:
+            return text[group + 1 : close].strip()
+        limit = group
+        k = bisect.bisect_left(groups, text.rfind("}", 0, group), 0, k - 1)
+    return _BOX_TOKEN.match(text, plain_answer).group(0) if plain_start >= 0 else None
+
+
+# Only lines with something after the "####": blank ones are skipped inside the regex engine.
+_HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*\S)")
 
 
 def _extract_hash(text: str) -> str | None:
     found = None
-    for match in re.finditer(r"####[ \t]*([^\n]*)", text):
-        if match.group(1).strip():
-            found = match.group(1)
+    for match in _HASH_ANSWER.finditer(text):
+        found = match.group(1)
     return found.strip() if found is not None else None
 
 
@@ -114,10 +150,15 @@ _ANSWER_IS = re.compile(
 
 
 def _extract_answer_is(text: str) -> str | None:
-    matches = list(_ANSWER_IS.finditer(text))
-    if not matches:
+    if "answer" not in text.casefold():  # a fast scan spares the regex most responses
         return None
-    rest = text[matches[-1].end() :].split("\n", 1)[0]
+    last = None
+    for last in _ANSWER_IS.finditer(text):  # noqa: B007 (the loop finds the last match)
+        pass
+    if last is None:
+        return None
+    line_end = text.find("\n", last.end())
+    rest = text[last.end() : line_end if line_end >= 0 else len(text)]
     rest = rest.strip().lstrip(":").strip().strip("*").strip()
     math_span = re.match(r"\$\$?(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", rest)
     if math_span:
@@ -130,13 +171,26 @@ def _extract_answer_is(text: str) -> str | None:
 _NUMBER = re.compile(
     r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?![\d])|(?<![\w.])-?\.\d+"
 )
+_TAIL_CHARS = 4096  # the first window searched for the last number
 
 
 def _extract_last_number(text: str) -> str | None:
-    found = None
-    for match in _NUMBER.finditer(text):
-        found = match.group(0)
-    return found
+    # Search a window at the end, doubling it until it holds a number: the whole text is read
+    # only when its numbers are far from the end. The window starts after a space, which no
+    # number spans, so the matches inside it are those of a search of the whole text.
+    if not any(digit in text for digit in string.digits):
+        return None
+    window = _TAIL_CHARS
+    while True:
+        start = max(0, len(text) - window)
+        if start:
+            start = text.rfind(" ", 0, start) + 1
+        found = None
+        for match in _NUMBER.finditer(text, start):
+            found = match.group(0)
+        if found is not None or start == 0:
+            return found
+        window *= 2
 
 
 _EXTRACTORS = {
@@ -198,13 +252,38 @@ _DROP = re.compile(
     r"|\\displaystyle|\\[,;:! ]|\\q?quad(?![A-Za-z])|~"
 )
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°")
-# Two letters, then letters, digits, spaces and / ^ . (no nested repetition: linear time).
-_UNIT_WORD = r"[A-Za-z]{2}[A-Za-z/^0-9²³. \t]*"
+# Words that join or scale numbers, never units: "5 or 6" lists two answers, "5 million" is not 5.
+_NOT_UNITS = frozenset(
+    "or and nor but not then to vs versus plus minus either else otherwise "
+    "hundred thousand million billion trillion".split()
+)
+# A unit: a word of two or more letters, then more words; a word starts with a letter, so
+# "or 6" is no unit. Words hold letters, digits, / ^ . (no nested repetition: linear time).
+_UNIT_WORD = r"[A-Za-z]{2}[A-Za-z/^0-9²³.]*(?:[ \t]+[A-Za-z][A-Za-z/^0-9²³.]*)*"
 _PLAIN_NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+"
 _WITH_UNITS = re.compile(rf"^({_PLAIN_NUM})\s*(%?)\s+({_UNIT_WORD})\.?$")
+# A unit set as text after a number, a closing brace or a bracket: "3 \text{ m}", "5\mathrm{cm}^2".
+_TEXT_UNIT = re.compile(
+    r"(?<=[\d})])\s*\\(?:text|textrm|mathrm|mbox)\s*\{\s*([A-Za-z][A-Za-z/^0-9²³. ]*?)\s*\}"
+    r"(?:\^\s*\{?\s*[23]\s*\}?)?\s*$"
+)
+# What \mathrm or \text may hold after a number without being a unit.
+_TEXT_NOT_UNITS = _NOT_UNITS | {"e", "i", "percent"}
 _THOUSANDS = re.compile(r"^([-+]?)(\d{1,3}(?:,\d{3})+)((?:\.\d+)?%?)$")
+_LATEX_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:\{,\}\d{3})+(?!\d)")  # 1{,}000
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*(?:=|:=)\s*(?=\S)")
-_UNICODE = {"−": "-", "–": "-", "×": r"\times ", "÷": r"\div ", "π": r"\pi ", "∞": r"\infty "}
+# Euler's number set upright ("2\mathrm{e}"): a separate symbol, so it becomes "2 e", never the
+# "2e" that reads as scientific notation missing its exponent (see _BARE_EXPONENT).
+_EULER_COMMAND = re.compile(r"\\(?:mathrm|text|textrm|mathit|mbox|operatorname)\s*\{\s*e\s*\}")
+_UNICODE = {
+    "−": "-",
+    "–": "-",
+    "×": r"\times ",
+    "÷": r"\div ",
+    "π": r"\pi ",
+    "∞": r"\infty ",
+    "∪": r"\cup ",
+}
 
 
 def _unwrap(text: str, command: str) -> str:
@@ -219,6 +298,20 @@ def _unwrap(text: str, command: str) -> str:
         text = f"{text[: match.start()]}{group[0]}{text[group[1] :]}"
 
 
+def _is_unit(phrase: str) -> bool:
+    words = phrase.lower().split()
+    return bool(words) and not any(word in _NOT_UNITS for word in words)
+
+
+def _drop_text_unit(text: str) -> str:
+    """`text` without a unit set as \\text{...} / \\mathrm{...} at its end, whatever the unit's
+    length ("3 \\text{ m}" is 3; a bare "3 m" stays a product with the symbol m)."""
+    match = _TEXT_UNIT.search(text)
+    if match and _is_unit(match.group(1)) and match.group(1).lower() not in _TEXT_NOT_UNITS:
+        return text[: match.start()]
+    return text
+
+
 def normalize_answer(text: str) -> str:
     """The canonical spelling of an answer: LaTeX wrappers, spacing, units, currency,
     degrees and thousands separators gone; a percentage keeps its trailing "%"."""
@@ -227,9 +320,12 @@ def normalize_answer(text: str) -> str:
         s = s.replace(old, new)
     s = s.replace("\\$", "").replace("$", "")
     s = re.sub(r"\\[()\[\]]", "", s)
+    s = _DROP.sub(" ", s)
+    s = _EULER_COMMAND.sub(" e ", s)
+    s = _drop_text_unit(s.strip())
     for command in _UNWRAP_COMMANDS:
         s = _unwrap(s, command)
-    s = _DROP.sub(" ", s)
+    s = _LATEX_THOUSANDS.sub(lambda m: m.group(0).replace("{,}", ""), s)
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
     s = _DEGREES.sub(" ", s)
     s = s.replace("\\%", "%")
@@ -239,7 +335,11 @@ def normalize_answer(text: str) -> str:
     if s.count("=") == 1:
         s = _ASSIGNMENT.sub("", s)
     match = _WITH_UNITS.match(s)
-    if match and match.group(3).split()[0] not in _NAMES | _GREEK_NAMES:
+    if (
+        match
+        and _is_unit(match.group(3))
+        and match.group(3).split()[0] not in _NAMES | _GREEK_NAMES
+    ):
         s = match.group(1) + match.group(2)
     s = re.sub(r"\s+%", "%", s)
     match = _THOUSANDS.match(s)
@@ -277,7 +377,7 @@ _GREEK = (
 # constants, and Greek letters; every other run of letters is split into single letters.
 _NAMES = {"sqrt", "pi", "oo", "binomial", *_FUNCTIONS.values()}
 _GREEK_NAMES = frozenset("lamda" if g == "lambda" else g for g in _GREEK)
-_SAFE_TOKEN = re.compile(r"\s+|\d+(?:\.\d+)?|\.\d+|[A-Za-z]+|\*\*|[-+*/(),]")
+_SAFE_TOKEN = re.compile(r"\s+|\d+(?:\.\d+)?|\.\d+|[A-Za-z]+|\*\*|[-+*/(),!]")
 
 
 def _symbol_name(greek: str) -> str:
@@ -394,13 +494,19 @@ def _sympy() -> Any:
 
 
 @functools.cache
-def _parse_context() -> tuple[dict[str, Any], tuple[Any, ...]]:
+def _parse_context() -> tuple[dict[str, Any], dict[str, Any], tuple[Any, ...]]:
+    """(names for parse_expr, the same with combinatorial functions left unevaluated for
+    `_check_size`, parse_expr's transformations)."""
     sympy = _sympy()
     from sympy.parsing import sympy_parser as sp
 
     local: dict[str, Any] = {c: sympy.Symbol(c) for c in string.ascii_letters}
     local.update(e=sympy.E, i=sympy.I)
     local.update({_symbol_name(g): sympy.Symbol(_symbol_name(g)) for g in _GREEK})
+    # parse_expr computes 10^6! even with evaluate=False; these keep it a node to check first.
+    unevaluated = dict(local)
+    for name in ("factorial", "factorial2", "binomial"):
+        unevaluated[name] = functools.partial(getattr(sympy, name), evaluate=False)
     transformations = sp.standard_transformations + (
         sp.implicit_multiplication,
         sp.implicit_application,
@@ -408,18 +514,24 @@ def _parse_context() -> tuple[dict[str, Any], tuple[Any, ...]]:
         sp.convert_xor,
         sp.rationalize,
     )
-    return local, transformations
+    return local, unevaluated, transformations
 
 
 def _safe_text(expression: str) -> str:
-    """Only numbers, operators, brackets and known names survive; other letter runs become
-    products of single-letter symbols ("xy" -> "x y"). This is what makes eval safe."""
+    """Only numbers, operators, brackets, "!" (factorial) and known names survive; other
+    letter runs become products of single-letter symbols ("xy" -> "x y"). This is what makes
+    eval safe: no attribute access, no strings, no calls but those of known names."""
     tokens: list[str] = []
     pos = 0
     while pos < len(expression):
         match = _SAFE_TOKEN.match(expression, pos)
         if not match:
-            raise UnparseableAnswer(f"unsupported character {expression[pos]!r}")
+            char = expression[pos]
+            if char == "=":
+                raise UnparseableAnswer(
+                    "an '=' may appear only once, in an equation such as 'y = 2x + 1'"
+                )
+            raise UnparseableAnswer(f"the character {char!r} is not part of math it can read")
         token = match.group(0)
         pos = match.end()
         if token.isalpha() and token not in _NAMES and token not in _GREEK_NAMES:
@@ -428,46 +540,124 @@ def _safe_text(expression: str) -> str:
     return "".join(tokens)
 
 
+def _numeric_value(node: Any) -> complex:
+    try:
+        return complex(node.evalf(15))
+    except Exception as exc:
+        raise UnparseableAnswer(f"{node} has no value ({exc})") from None
+
+
 def _check_size(expr: Any) -> None:
     """UnparseableAnswer if a power has a numeric exponent beyond MAX_EXPONENT (2^{10^{9}} would
-    take sympy all memory to evaluate). `expr` is unevaluated; exponents are checked
-    innermost first, so evaluating one numerically is cheap."""
+    take sympy all memory to evaluate) or a factorial or binomial coefficient a numeric
+    argument beyond MAX_FACTORIAL. `expr` is unevaluated; nodes are checked innermost first, so
+    evaluating one numerically is cheap."""
     sympy = _sympy()
+    combinatorial = (sympy.factorial, sympy.factorial2, sympy.binomial)
     for node in sympy.postorder_traversal(expr):
         if isinstance(node, sympy.Pow) and not node.exp.free_symbols:
-            try:
-                value = complex(node.exp.evalf(15))
-            except Exception as exc:
-                raise UnparseableAnswer(f"exponent {node.exp} has no value ({exc})") from None
-            if not abs(value) <= MAX_EXPONENT:
-                raise UnparseableAnswer(f"exponent {node.exp} is too large to compare")
+            if not abs(_numeric_value(node.exp)) <= MAX_EXPONENT:
+                raise UnparseableAnswer(f"the exponent {node.exp} is too large to compare")
+        elif isinstance(node, combinatorial) and not node.free_symbols:
+            values = [_numeric_value(arg) for arg in node.args]
+            size = (
+                min(abs(values[1]), abs(values[0] - values[1]))
+                if len(values) == 2
+                else abs(values[0])
+            )
+            if not size <= MAX_FACTORIAL:
+                raise UnparseableAnswer(f"{node} is too large to compute")
+
+
+# 1.5e3, 2.5E-3: digits, e or E, then the exponent, with nothing between. "2e-3" is scientific
+# notation; "2e^{3}" is a product with a power of Euler's number. An answer with "2e" and no
+# exponent is refused before it gets here (_BARE_EXPONENT); a reference's "2e" is 2 times e.
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([-+]?\d+)")
+
+
+def _expand_scientific(text: str) -> str:
+    """Scientific notation as a product with a power of ten, which sympy reads exactly."""
+    return _SCIENTIFIC.sub(r"(\1*10**(\2))", text)
+
+
+_OPERATOR_PAIR = re.compile(r"(?:[-+*/^]\s*[*/^]|[*/^]\s*[-+])(?!\d)|[*/^]\s*[*/^]")
+_TRAILING_OPERATOR = re.compile(r"[-+*/^]\s*$")
+_BAD_THOUSANDS = re.compile(r"\{,\}(?!\d{3}(?!\d))")
+
+
+def _unbalanced(text: str) -> str | None:
+    """Which bracket of `text` does not pair up, in words; None when all do."""
+    opened: list[tuple[str, int]] = []
+    pairs = {")": "(", "]": "[", "}": "{"}
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            opened.append((ch, i))
+        elif ch in pairs:
+            # An interval may pair "(" with "]" and "[" with ")".
+            if not opened or (opened[-1][0] == "{") != (ch == "}"):
+                return f"{ch!r} at position {i} closes nothing"
+            opened.pop()
+    if opened:
+        ch, i = opened[-1]
+        return f"{ch!r} at position {i} is never closed"
+    return None
+
+
+def _plain_reason(exc: Exception, text: str) -> str:
+    """What a parser exception on `text` means, in words a user can act on."""
+    unbalanced = _unbalanced(text.replace("\\{", "{").replace("\\}", "}"))
+    if unbalanced:
+        return f"its brackets do not balance: {unbalanced}"
+    if bad := _BAD_THOUSANDS.search(text):
+        return (
+            f"the thousands separator '{{,}}' at position {bad.start()} is not followed by "
+            "three digits (as in 1{,}000)"
+        )
+    if pair := _OPERATOR_PAIR.search(text):
+        return f"two operators in a row ({pair.group(0)!r} at position {pair.start()})"
+    if trailing := _TRAILING_OPERATOR.search(text):
+        return f"it ends with the operator {trailing.group(0).strip()!r}"
+    if "," in text:
+        return "it has a comma that separates nothing this verifier reads as a list or a tuple"
+    if isinstance(exc, SyntaxError) or type(exc).__name__ == "TokenError":
+        return "it is not a well-formed expression (an operand or an operator is missing)"
+    return f"sympy could not build it ({type(exc).__name__}: {_short(str(exc))})"
 
 
 def to_sympy(text: str) -> Any:
     """A normalised answer as a sympy expression (an equation "a = b" as a - b is not done
-    here); UnparseableAnswer when it cannot be read safely."""
-    if len(text) > MAX_SYMPY_CHARS:
-        raise UnparseableAnswer(f"longer than {MAX_SYMPY_CHARS} characters")
-    from sympy.parsing.sympy_parser import parse_expr
-
-    local, transformations = _parse_context()
+    here); UnparseableAnswer, saying in words what could not be read, when it cannot be read
+    safely."""
     try:
-        safe = _safe_text(latex_to_expression(text))
+        if len(text) > MAX_SYMPY_CHARS:
+            raise UnparseableAnswer(f"it is longer than {MAX_SYMPY_CHARS} characters")
+        from sympy.parsing.sympy_parser import parse_expr
+
+        local, unevaluated, transformations = _parse_context()
+        safe = _safe_text(latex_to_expression(_expand_scientific(text)))
         _check_size(
-            parse_expr(safe, local_dict=local, transformations=transformations, evaluate=False)
+            parse_expr(
+                safe, local_dict=unevaluated, transformations=transformations, evaluate=False
+            )
         )
         return parse_expr(safe, local_dict=local, transformations=transformations)
-    except UnparseableAnswer:
-        raise
+    except UnparseableAnswer as exc:
+        raise UnparseableAnswer(f"could not read {_short(text)!r} as math: {exc}") from None
     except Exception as exc:  # sympy's parser raises many types (SyntaxError, TypeError...)
-        raise UnparseableAnswer(f"{type(exc).__name__}: {exc}") from None
+        reason = _plain_reason(exc, text)
+        raise UnparseableAnswer(f"could not read {_short(text)!r} as math: {reason}") from None
 
 
 # --- comparison ---------------------------------------------------------------------------
 
+_SCIENTIFIC_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)[eE]([-+]?\d+)")
+
 
 def _plain_number(text: str) -> Fraction | None:
     if re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", text):
+        return Fraction(text)
+    scientific = _SCIENTIFIC_NUMBER.fullmatch(text)
+    if scientific and abs(int(scientific.group(1))) <= MAX_EXPONENT:
         return Fraction(text)
     fraction = re.fullmatch(r"([-+]?\d+)/(\d+)", text)
     if fraction and int(fraction.group(2)) != 0:
@@ -475,15 +665,45 @@ def _plain_number(text: str) -> Fraction | None:
     return None
 
 
-def _numbers_equal(a: complex | Fraction, b: complex | Fraction, rel_tol: float) -> bool:
+def _written_inexactly(text: str) -> bool:
+    """Whether `text` holds a decimal fraction ("0.333333", "1.5e3"): it may be a rounding."""
+    return re.search(r"\d\.|\.\d", text) is not None
+
+
+# A number with an "e" or "E" glued to it and no exponent after ("2e", "2.5e", "2e+", "3E",
+# the "2e" of "2e - 3"): scientific notation cut short, or 2 times Euler's number? Not guessed.
+# "e" followed by a letter, a digit or "^" ("2ex", "2e3", "2e^{2}") is something else, and
+# "2 e", "2\cdot e", "2\mathrm{e}" are products: scientific notation never has a space.
+_BARE_EXPONENT = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE][-+]?(?![\w^]|[-+]?\d)")
+
+
+def _bare_exponent_reason(text: str) -> str | None:
+    """Why `text` (an answer) is refused when it holds scientific notation without an
+    exponent; None when it does not."""
+    bare = _BARE_EXPONENT.search(text)
+    if bare is None:
+        return None
+    number = bare.group(1)
+    thousand = format(Decimal(number).scaleb(3), "f")
+    return (
+        f"{bare.group(0)!r} looks like scientific notation without an exponent; write "
+        f"{number}e3 for {thousand} or {number}\\cdot e for {number} times Euler's number"
+    )
+
+
+def _numbers_equal(
+    a: complex | Fraction, b: complex | Fraction, rel_tol: float, abs_tol: float = 0.0
+) -> bool:
+    """a == b within `rel_tol` (relative, so nothing but 0 equals 0) or `abs_tol`; with
+    rel_tol 0, exactly, apart from float noise when a value had to be evaluated."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
-        if a == b:
-            return True
-        if a.denominator == 1 and b.denominator == 1:
-            return False  # integers are equal exactly or not at all
-        return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-12)
+        # Fraction("1e-06") is the decimal meant; Fraction(1e-06), the float, is a bit smaller
+        # and would refuse 1/3 against 0.333333, which sits exactly at the tolerance.
+        rel, tol_abs = Fraction(repr(rel_tol)), Fraction(repr(abs_tol))
+        return abs(a - b) <= max(rel * max(abs(a), abs(b)), tol_abs)
     a, b = complex(a), complex(b)
-    return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), 1e-12)
+    tol = max(rel_tol, _FLOAT_NOISE_REL)
+    return abs(a - b) <= max(tol * max(abs(a), abs(b)), abs_tol)
 
 
 def _readings(value: Any, percent: bool) -> list[Any]:
@@ -506,22 +726,35 @@ def _evaluate(expr: Any, values: dict[Any, Any]) -> complex | None:
     return value if all(map(math.isfinite, (value.real, value.imag))) else None
 
 
+def _compare_constants(c: Any, r: Any, rel_tol: float) -> tuple[bool, str]:
+    sympy = _sympy()
+    if rel_tol == 0 and c.is_Rational and r.is_Rational:
+        same = c == r  # 10^{-13} is not 0, 2^{100} + 1 is not 2^{100}
+        how = "equal" if same else "different"
+        return same, f"exactly {how} ({_short(str(c))} vs {_short(str(r))})"
+    cv, rv = _evaluate(c, {}), _evaluate(r, {})
+    if cv is None or rv is None:
+        same = sympy.simplify(c - r) == 0
+        return same, f"symbolically {'equal' if same else 'different'} (simplify)"
+    same = _numbers_equal(cv, rv, rel_tol)
+    if not same and 0 in (cv, rv) and abs(cv - rv) < _FLOAT_NOISE_ABS:
+        # Tiny against zero: float noise of an exact zero, or a tiny number (e^{-50}).
+        same = sympy.simplify(c - r) == 0
+        return same, f"symbolically {'equal' if same else 'different'} (simplify)"
+    how = "equal" if same else "different"
+    return same, f"numerically {how} ({_short(str(c))} vs {_short(str(r))})"
+
+
 def _compare_expressions(c: Any, r: Any, rel_tol: float) -> tuple[bool, str]:
     sympy = _sympy()
     symbols = sorted(c.free_symbols | r.free_symbols, key=str)
     if not symbols:
-        cv, rv = _evaluate(c, {}), _evaluate(r, {})
-        if cv is None or rv is None:
-            same = sympy.simplify(c - r) == 0
-            return same, f"symbolically {'equal' if same else 'different'} (simplify)"
-        same = _numbers_equal(cv, rv, rel_tol)
-        how = "equal" if same else "different"
-        return same, f"numerically {how} ({_short(str(c))} vs {_short(str(r))})"
+        return _compare_constants(c, r, rel_tol)
     # Cheap rejection first: different expressions differ at some rational point.
     for k in range(3):
         point = {s: sympy.Rational(_TEST_POINTS[(k + j) % 5]) for j, s in enumerate(symbols)}
         cv, rv = _evaluate(c, point), _evaluate(r, point)
-        if cv is not None and rv is not None and not _numbers_equal(cv, rv, 1e-9):
+        if cv is not None and rv is not None and not _numbers_equal(cv, rv, 1e-9, 1e-12):
             where = ", ".join(f"{s}={v}" for s, v in point.items())
             return False, f"symbolically different (differ at {where})"
     if c == r or sympy.simplify(c - r) == 0:
@@ -530,8 +763,17 @@ def _compare_expressions(c: Any, r: Any, rel_tol: float) -> tuple[bool, str]:
 
 
 def _compare_single(candidate: str, reference: str, rel_tol: float) -> tuple[bool, str]:
+    """Two normalised single values (not identical as text: callers check that first)."""
+    # Only the answer: a trusted reference's "2e" is 2 times e, and an answer written the same
+    # way was accepted as identical text before this.
+    if bare := _bare_exponent_reason(candidate):
+        return False, bare
     c_text, c_percent = _split_percent(candidate)
     r_text, r_percent = _split_percent(reference)
+    # The tolerance forgives a decimal's rounding, on either side; two exact values are
+    # compared exactly: 2^{100} + 1 is not 2^{100} (see DEFAULT_REL_TOL).
+    if not (_written_inexactly(c_text) or _written_inexactly(r_text)):
+        rel_tol = 0.0
     cn, rn = _plain_number(c_text), _plain_number(r_text)
     if cn is not None and rn is not None:
         for cv in _readings(cn, c_percent):
@@ -552,7 +794,7 @@ def _compare_single(candidate: str, reference: str, rel_tol: float) -> tuple[boo
             return same, f"equations {how}"
         c_expr, r_expr = to_sympy(c_text), to_sympy(r_text)
     except UnparseableAnswer as exc:
-        return False, f"strings differ and not comparable as math ({exc})"
+        return False, f"the texts differ and {exc}"
     how = ""
     for cv in _readings(c_expr, c_percent):
         for rv in _readings(r_expr, r_percent):
@@ -566,12 +808,50 @@ def _squash(text: str) -> str:
     return re.sub(r"\s+", "", text)
 
 
-_OPEN_CLOSE = {"(": ")", "[": "]", "{": "}"}
+def _split_top_level(text: str, separator: re.Pattern[str]) -> list[str]:
+    """`text` cut at each match of `separator` outside brackets, the pieces stripped."""
+    pieces, depth, start, i = [], 0, 0, 0
+    while i < len(text):
+        ch = text[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0:
+            match = separator.match(text, i)
+            if match and match.end() > i:
+                pieces.append(text[start:i].strip())
+                start = i = match.end()
+                continue
+        i += 1
+    pieces.append(text[start:].strip())
+    return pieces
+
+
+_COMMA = re.compile(r"\s*,\s*")
+# Between the items of a bare list, or the alternatives of a hedged answer: "2, 3", "2; 3",
+# "2 or 3", "2, and 3". "or"/"and" count only as whole words.
+_LIST_SEPARATOR = re.compile(
+    r"\s*(?:[,;]\s*(?:(?:or|and)(?![A-Za-z]))?|(?<![A-Za-z\\])(?:or|and)(?![A-Za-z]))\s*",
+    re.IGNORECASE,
+)
+_ITEM_ASSIGNMENT = re.compile(r"([A-Za-z]\w*)\s*=\s*([^=]+)")
+_UNION = re.compile(r"\s*\\cup(?![A-Za-z])\s*")
+
+
+def _strip_assignments(items: list[str]) -> list[str]:
+    """The values of "x = 2 or x = 3" when every item assigns the same variable; the items
+    unchanged otherwise ("x = 2, y = 3" pairs values with names, so the names stay)."""
+    matches = [_ITEM_ASSIGNMENT.fullmatch(item) for item in items]
+    if all(matches) and len({m.group(1) for m in matches}) == 1:  # type: ignore[union-attr]
+        return [m.group(2).strip() for m in matches]  # type: ignore[union-attr]
+    return items
 
 
 def _split_list(text: str) -> tuple[str, list[str]]:
-    """("()" | "[)" | "{}" | "", top-level comma-separated items) of a tuple, interval, set
-    or bare list; ("", [text]) for anything else."""
+    """("()" | "[)" | "{}" | "", items) of a tuple, interval or set (items between commas) or
+    of a bare list (items between commas, semicolons, "or", "and"); ("", [text]) for
+    anything else."""
     kind, inner = "", text
     set_match = re.fullmatch(r"\\\{(.*)\\\}", text)
     if set_match:
@@ -584,53 +864,77 @@ def _split_list(text: str) -> tuple[str, list[str]]:
                 if i == len(text) - 1:
                     kind, inner = text[0] + text[-1], text[1:-1]
                 break
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(inner):
-        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
-        if ch == "," and depth == 0:
-            items.append(inner[start:i].strip())
-            start = i + 1
-    items.append(inner[start:].strip())
+    items = _split_top_level(inner, _COMMA if kind else _LIST_SEPARATOR)
     if len(items) == 1:
         return "", [text]
-    return kind, items
+    return kind, items if kind else _strip_assignments(items)
 
 
 def _compare_items(c: str, r: str, rel_tol: float) -> bool:
     return _squash(c) == _squash(r) or _compare_single(c, r, rel_tol)[0]
 
 
-def compare_answers(
-    candidate: str, reference: str, *, rel_tol: float = DEFAULT_REL_TOL
-) -> tuple[bool, str]:
-    """(equal, how it was decided) for two answers, normalised here. May run sympy."""
-    c, r = normalize_answer(candidate), normalize_answer(reference)
-    if not c:
-        return False, "the answer is empty after normalisation"
-    if _squash(c) == _squash(r) or (c.isalpha() and c.lower() == r.lower()):
-        return True, "identical after normalisation"
+def _compare_lists(c: str, r: str, rel_tol: float) -> tuple[bool, str]:
+    """Two normalised answers that are not unions: tuples and intervals item by item in order,
+    sets and bare lists in any order, anything else as a single value."""
     c_kind, c_items = _split_list(c)
     r_kind, r_items = _split_list(r)
     if len(c_items) == 1 and len(r_items) == 1:
         return _compare_single(c, r, rel_tol)
+    if len(c_items) > 1 and not c_kind and (len(r_items) == 1 or r_kind not in ("", "{}")):
+        # "5 or 6" against 5: a hedge must not earn the reward of either of its answers.
+        listed = ", ".join(repr(_short(item)) for item in c_items)
+        return False, (
+            f"the answer lists {len(c_items)} alternatives ({listed}) "
+            "while the reference is a single value"
+        )
     if len(c_items) != len(r_items):
         return False, f"{len(c_items)} items vs {len(r_items)} in the reference"
     if c_kind != r_kind and {c_kind, r_kind} != {"", "{}"}:
         return False, f"brackets differ ({c_kind or 'none'} vs {r_kind or 'none'})"
     if c_kind in ("", "{}"):  # a set, or a bare list such as the roots of an equation
-        unmatched = list(r_items)
-        for item in c_items:
-            match = next(
-                (j for j, ref in enumerate(unmatched) if _compare_items(item, ref, rel_tol)), None
-            )
-            if match is None:
-                return False, f"item {item!r} matches nothing in the reference (unordered)"
-            unmatched.pop(match)
-        return True, f"all {len(c_items)} items equal (unordered)"
+        return _match_unordered(c_items, r_items, rel_tol, _compare_items, "items")
     for k, (item, ref) in enumerate(zip(c_items, r_items, strict=True)):
         if not _compare_items(item, ref, rel_tol):
             return False, f"item {k} differs ({item!r} vs {ref!r}, in order)"
     return True, f"all {len(c_items)} items equal (in order)"
+
+
+def _match_unordered(
+    c_parts: list[str], r_parts: list[str], rel_tol: float, equal: Any, what: str
+) -> tuple[bool, str]:
+    """Whether each part of the answer equals a different part of the reference."""
+    unmatched = list(r_parts)
+    for part in c_parts:
+        match = next((j for j, ref in enumerate(unmatched) if equal(part, ref, rel_tol)), None)
+        if match is None:
+            return False, f"{part!r} matches nothing in the reference (unordered {what})"
+        unmatched.pop(match)
+    return True, f"all {len(c_parts)} {what} equal (unordered)"
+
+
+def _union_parts_equal(c: str, r: str, rel_tol: float) -> bool:
+    return _squash(c) == _squash(r) or _compare_lists(c, r, rel_tol)[0]
+
+
+def compare_answers(
+    candidate: str, reference: str, *, rel_tol: float = DEFAULT_REL_TOL
+) -> tuple[bool, str]:
+    """(equal, how it was decided) for two answers, normalised here. May run sympy."""
+    if len(candidate) > MAX_ANSWER_CHARS:
+        return False, f"the answer is {len(candidate)} characters long (over {MAX_ANSWER_CHARS})"
+    c, r = normalize_answer(candidate), normalize_answer(reference)
+    if not c:
+        return False, "the answer is empty after normalisation"
+    if _squash(c) == _squash(r) or (c.isalpha() and c.lower() == r.lower()):
+        return True, "identical after normalisation"
+    c_union, r_union = _split_top_level(c, _UNION), _split_top_level(r, _UNION)
+    if len(c_union) == 1 and len(r_union) == 1:
+        return _compare_lists(c, r, rel_tol)
+    # A union of intervals or sets is one set: its parts in any order, each with its brackets.
+    if len(c_union) != len(r_union):
+        return False, f"a union of {len(c_union)} parts vs {len(r_union)} in the reference"
+    return _match_unordered(c_union, r_union, rel_tol, _union_parts_equal, "parts of the union")
 
 
 def _short(text: str) -> str:
@@ -685,12 +989,16 @@ def verify_math_in_pool(
     try:
         return pool.run(verify_math, response, reference, methods, rel_tol, timeout_s=timeout_s)
     except TaskTimeout:
-        found = extract_answer(response, methods)
-        what = f"{_short(found.text)!r} by {found.method}" if found else "nothing"
+        # The answer is not quoted: extracting it again here, outside the time limit, is what
+        # a huge response would make slow (the reference is trusted and short).
         return VerificationResult(
             reward=0.0,
             verdict=Verdict.TIME_LIMIT,
-            reason=f"extracted {what}; comparing it with the reference ran past {timeout_s:g}s",
+            reason=(
+                f"reference {_short(reference_answer(reference))!r}: extracting the answer "
+                f"from the response ({len(response)} characters) and comparing it with the "
+                f"reference ran past {timeout_s:g}s"
+            ),
         )
     except WorkerCrashed as exc:
         return VerificationResult(
