@@ -334,7 +334,7 @@ def code_request(link: str) -> VerificationRequest:
 )
 def test_every_start_of_serve_verifier_runs_sandboxes_as_nobody(echo_problem, starts):
     """The self-test once crashed in about half the starts (a uid-switching fork of the gRPC
-    process) and the service then ran programs as root; 50 starts take ~75 s, hence slow."""
+    process) and the service then ran programs as root; 50 starts take 35-75 s, hence slow."""
     link, cache = echo_problem
     group = ProcessGroup()
     try:
