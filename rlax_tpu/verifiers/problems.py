@@ -305,6 +305,23 @@ def _named(tests: Sequence[_T] | Mapping[str, _T]) -> list[tuple[str, _T]]:
     return [(f"{i + 1:0{width}d}", test) for i, test in enumerate(tests)]
 
 
+def _write_spec(
+    directory: Path,
+    spec: dict,
+    named: Sequence[tuple[str, object]],
+    time_limit_s: float | None,
+    memory_limit_bytes: int | None,
+) -> Path:
+    """Finish `spec` with the limits given and the tests' names; write problem.json."""
+    if time_limit_s is not None:
+        spec["time_limit_s"] = time_limit_s
+    if memory_limit_bytes is not None:
+        spec["memory_limit_bytes"] = memory_limit_bytes
+    spec["tests"] = [test for test, _ in named]
+    (directory / PROBLEM_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    return directory
+
+
 def write_problem(
     directory: str | os.PathLike[str],
     *,
@@ -344,13 +361,7 @@ def write_problem(
         )
         (directory / source_name).write_text(checker_source)
         spec["checker"] = {"language": checker_language, "source": source_name}
-    if time_limit_s is not None:
-        spec["time_limit_s"] = time_limit_s
-    if memory_limit_bytes is not None:
-        spec["memory_limit_bytes"] = memory_limit_bytes
-    spec["tests"] = [test for test, _ in named]
-    (directory / PROBLEM_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-    return directory
+    return _write_spec(directory, spec, named, time_limit_s, memory_limit_bytes)
 
 
 def write_function_problem(
@@ -380,13 +391,7 @@ def write_function_problem(
     if setup is not None:
         (directory / SETUP_FILE).write_text(setup, encoding="utf-8")
         spec["setup"] = SETUP_FILE
-    if time_limit_s is not None:
-        spec["time_limit_s"] = time_limit_s
-    if memory_limit_bytes is not None:
-        spec["memory_limit_bytes"] = memory_limit_bytes
-    spec["tests"] = [test for test, _ in named]
-    (directory / PROBLEM_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-    return directory
+    return _write_spec(directory, spec, named, time_limit_s, memory_limit_bytes)
 
 
 _compile_locks: dict[Path, threading.Lock] = {}

@@ -96,17 +96,6 @@ def options_from_args(args: argparse.Namespace, config: RunConfig) -> ServerOpti
     return ServerOptions(**{k: v for k, v in given.items() if v is not None})
 
 
-def refusal(code_verifier) -> str:  # noqa: ANN001 - a CodeVerifier (imported lazily)
-    """Why the code verifier's sandbox refuses to run programs ("" when it does not)."""
-    from rlax_tpu.verifiers.sandbox import SandboxUnavailable
-
-    try:
-        code_verifier.sandbox.check()
-    except SandboxUnavailable as e:
-        return str(e)
-    return ""
-
-
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu serve verifier`: serve until SIGTERM or SIGINT, then exit 0."""
     resolved = component_config(args, "verifier")
@@ -123,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
     from rlax_tpu.verifiers.code import CodeVerifier
     from rlax_tpu.verifiers.local import LocalVerifier, pool_for
     from rlax_tpu.verifiers.repository import ProblemResolver
+    from rlax_tpu.verifiers.sandbox import SandboxUnavailable
     from rlax_tpu.verifiers.service import (
         VerificationService,
         VerifierServicer,
@@ -139,10 +129,11 @@ def main(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    if sandbox["sandbox"] == "refused":
+    try:
+        code_verifier.sandbox.check()
+    except SandboxUnavailable as e:
         print(
-            f"{name}: ERROR: code requests will be refused (verdict verifier_error): "
-            f"{refusal(code_verifier)}",
+            f"{name}: ERROR: code requests will be refused (verdict verifier_error): {e}",
             file=sys.stderr,
             flush=True,
         )
