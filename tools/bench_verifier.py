@@ -9,7 +9,8 @@ start a real `rlax-tpu serve verifier` process on loopback, and judge a mix of c
 wrong and too-slow (busy-loop, 1 s CPU limit) Python solutions through it: once as one
 Verify call per solution, all in flight at once (client-side latency per verification),
 and once as a single batch. Then time one run of a correct solution in the bubblewrap
-sandbox, with rlimits only, and as a bare subprocess, interleaved, in this process.
+sandbox (in its per-run cgroup, and with cgroups off), with rlimits only, and as a bare
+subprocess, interleaved, in this process.
 Prints a table; --json writes the figures (verifications_per_s, p50_s, p95_s,
 sandbox_overhead_s, ...).
 """
@@ -181,21 +182,34 @@ def through_service(client: VerifierClient, link: str, mix: list[tuple[str, str]
 
 
 def sandbox_overhead(repeats: int) -> dict:
-    """Median wall time of one run of a correct solution on one test: in the sandbox, with
-    rlimits only (the sandbox's fallback), and as a bare subprocess; interleaved."""
+    """Median wall time of one run of a correct solution on one test: in the sandbox (with
+    its per-run cgroup where the host allows one, and with cgroups off), with rlimits only
+    (the sandbox's fallback), and as a bare subprocess; interleaved."""
     language = LANGUAGES["python"]
     program = SOLUTIONS["correct"][1][0]
     stdin = b"1007 37\n"
     limits = RunLimits(cpu_time_s=TIME_LIMIT_S)
     sandboxed = Sandbox()
     mode = sandboxed.check()
-    rlimits_only = Sandbox(bwrap="/nonexistent/bwrap", allow_unsandboxed=True)
-    times: dict[str, list[float]] = {"sandboxed": [], "rlimits_only": [], "bare": []}
+    no_cgroup = Sandbox(cgroup="off")
+    rlimits_only = Sandbox(bwrap="/nonexistent/bwrap", allow_unsandboxed=True, cgroup="off")
+    cgroup = sandboxed.identity()["cgroup"]
+    times: dict[str, list[float]] = {
+        "sandboxed": [],
+        "no_cgroup": [],
+        "rlimits_only": [],
+        "bare": [],
+    }
     with sandboxed.workdir() as work:
         (work / language.source_name).write_text(program)
         argv = language.run_argv()
         for _ in range(repeats):
-            for name, box in (("sandboxed", sandboxed), ("rlimits_only", rlimits_only)):
+            boxes = (
+                ("sandboxed", sandboxed),
+                ("no_cgroup", no_cgroup),
+                ("rlimits_only", rlimits_only),
+            )
+            for name, box in boxes:
                 t0 = time.perf_counter()
                 outcome = box.run(argv, workdir=work, limits=limits, stdin=stdin)
                 times[name].append(time.perf_counter() - t0)
@@ -209,7 +223,10 @@ def sandbox_overhead(repeats: int) -> dict:
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         "sandbox_mode": mode,
+        "sandbox_cgroup": cgroup,
         "sandboxed_run_s": medians["sandboxed"],
+        "sandboxed_no_cgroup_run_s": medians["no_cgroup"],
+        "cgroup_overhead_ratio": medians["sandboxed"] / medians["no_cgroup"],
         "rlimits_only_run_s": medians["rlimits_only"],
         "bare_run_s": medians["bare"],
         "sandbox_overhead_s": medians["sandboxed"] - medians["bare"],
@@ -272,6 +289,12 @@ def main() -> int:
         f"rlimits only {results['rlimits_only_run_s'] * 1e3:.1f} ms, bare "
         f"{results['bare_run_s'] * 1e3:.1f} ms -> sandbox overhead "
         f"{results['sandbox_overhead_s'] * 1e3:.1f} ms per run"
+    )
+    print(
+        f"per-run cgroup ({results['sandbox_cgroup']}): sandboxed "
+        f"{results['sandboxed_run_s'] * 1e3:.1f} ms vs "
+        f"{results['sandboxed_no_cgroup_run_s'] * 1e3:.1f} ms with cgroups off "
+        f"-> ratio {results['cgroup_overhead_ratio']:.3f}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
