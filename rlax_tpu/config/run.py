@@ -18,6 +18,9 @@ from rlax_tpu.config.algorithm import AlgorithmConfig
 from rlax_tpu.config.base import ConfigBase, ConfigError, require
 
 DType = Literal["float32", "bfloat16"]
+RematPolicy = Literal[
+    "none", "full", "minimal", "save_qkv_proj", "save_out_proj", "save_dot_except_mlp"
+]
 
 # Logical axis name -> mesh axes (a tuple, possibly empty = replicated). The model
 # annotates every parameter and activation with logical names; these rules place them.
@@ -94,8 +97,12 @@ class ModelConfig(ConfigBase):
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
     value_head: bool = False  # scalar value head for PPO/GAE
+    # Three dtypes: the trainer's master weights (and optimizer state), the compute dtype of
+    # matmuls (norms, softmax and logits stay float32), and the weights the trainer
+    # publishes, the parameter server stores and inference workers serve ("" = param_dtype).
     param_dtype: DType = "float32"
-    dtype: DType = "float32"  # compute dtype of matmuls; norms, softmax and logits stay float32
+    dtype: DType = "float32"
+    publish_dtype: Literal["", "float32", "bfloat16"] = ""
     # Where the initial weights come from: "" = random init from the run seed, else a
     # Hugging Face checkpoint directory (local path or gs://) with config.json + safetensors.
     hf_checkpoint: str = ""
@@ -248,6 +255,21 @@ class TrainerConfig(ConfigBase):
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
     grad_clip_norm: float = 1.0
+    # Memory of the training forward (docs/trainer.md, "Memory"). remat_policy: what each
+    # decoder layer keeps for the backward pass ("none" keeps everything, "full" only the
+    # layer's input, the others also keep the named matmul outputs; MaxText's names).
+    remat_policy: RematPolicy = "none"
+    # Decoder layers stacked on a leading axis and run by one scan: compile time does not
+    # grow with depth. The trainer's params and checkpoints are stacked; what it publishes
+    # (and HF import/export) is per layer.
+    scan_layers: bool = False
+    # Training attention: "auto" = splash attention on TPU, jax.nn.dot_product_attention on
+    # GPU, the reference (float32 scores) on CPU; "jax" = the reference everywhere;
+    # "pallas" = the splash kernel (interpreted off TPU).
+    attention_backend: Literal["auto", "jax", "pallas"] = "auto"
+    # Tokens per chunk of the log-prob / entropy head: [chunk, vocab] float32 logits live at
+    # a time instead of [micro-batch tokens, vocab]; 0 = the whole micro-batch at once.
+    logprob_chunk_size: int = 0
     # Which behaviour log-probs enter the importance weight: the trainer's recomputed
     # π_old (RLAX §5, default) or the inference workers' cached ones.
     behaviour_logprobs: Literal["recomputed", "cached"] = "recomputed"
@@ -267,6 +289,11 @@ class TrainerConfig(ConfigBase):
         require(0 <= self.adam_b1 < 1, "adam_b1", "must be in [0, 1)")
         require(0 <= self.adam_b2 < 1, "adam_b2", "must be in [0, 1)")
         require(self.grad_clip_norm > 0, "grad_clip_norm", "must be > 0")
+        require(
+            self.logprob_chunk_size >= 0,
+            "logprob_chunk_size",
+            f"must be >= 0 (0 = unchunked), got {self.logprob_chunk_size}",
+        )
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         require(self.max_checkpoints_to_keep >= 1, "max_checkpoints_to_keep", "must be >= 1")
 

@@ -15,6 +15,7 @@ _EXPORTS = {
     "DenseKVCache": "kv_cache",
     "KVCache": "kv_cache",
     "grouped_attention": "kv_cache",
+    "ForwardOptions": "options",
     "Tokenizer": "tokenizer",
     "TrainOutput": "transformer",
     "Transformer": "transformer",

@@ -18,6 +18,7 @@ from flax import nnx
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.kv_cache import KVCache, grouped_attention
+from rlax_tpu.models.options import REFERENCE, ForwardOptions
 from rlax_tpu.sharding import constrain
 from rlax_tpu.tree import flatten
 
@@ -221,6 +222,7 @@ class Transformer(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        options: ForwardOptions = REFERENCE,
     ) -> jax.Array:
         """Final-normed hidden states [batch, seq, embed] of whole sequences.
 
@@ -253,6 +255,7 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
         return_logits: bool = False,
         temperature: float = 1.0,
+        options: ForwardOptions = REFERENCE,
     ) -> TrainOutput:
         """Per-token log-probs of `targets` (int32[batch, seq], usually tokens shifted left).
 
@@ -262,7 +265,9 @@ class Transformer(nnx.Module):
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        h = self.hidden_states(tokens, positions=positions, segment_ids=segment_ids)
+        h = self.hidden_states(
+            tokens, positions=positions, segment_ids=segment_ids, options=options
+        )
         logits = self._logits(h)
         if temperature != 1.0:
             logits = logits / temperature

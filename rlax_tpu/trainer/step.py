@@ -20,6 +20,7 @@ from flax import nnx
 from rlax_tpu.algorithms import Objective, RolloutBatch
 from rlax_tpu.algorithms.metrics import masked_mean, masked_quantile
 from rlax_tpu.config import InferenceConfig, RunConfig, TrainerConfig
+from rlax_tpu.models.options import REFERENCE, ForwardOptions
 from rlax_tpu.sharding import constrain
 
 Params = Any  # a pure dict of arrays (nnx.to_pure_dict of the model's nnx.Param state)
@@ -166,13 +167,16 @@ def policy_outputs(
     values: bool,
     entropy: bool,
     temperature: float = 1.0,
+    options: ForwardOptions = REFERENCE,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """log π(targets) float32[b, s], and the value head and entropies when asked; π (and
     its entropy) is softmax(logits / temperature)."""
     tokens = constrain(tokens, ("batch", "length"))
     targets = constrain(targets, ("batch", "length"))
     model = nnx.merge(graphdef, params)
-    out = model.forward_train(tokens, targets, return_logits=entropy, temperature=temperature)
+    out = model.forward_train(
+        tokens, targets, return_logits=entropy, temperature=temperature, options=options
+    )
     return (
         out.logprobs,
         out.values if values else None,
@@ -211,6 +215,7 @@ def recompute(
     micro_size: int,
     values: bool = False,
     temperature: float = 1.0,
+    options: ForwardOptions = REFERENCE,
 ) -> Recomputed:
     """π_old's log-probs of every row's targets (and the value head's V_old when `values`),
     micro-batch by micro-batch, under `params` and without gradient; π_old is
@@ -226,7 +231,7 @@ def recompute(
         t = constrain(t, ("batch", "length"))
         targets = _targets(t)
         out = nnx.merge(graphdef, p).forward_train(
-            t, targets, return_logits=True, temperature=temperature
+            t, targets, return_logits=True, temperature=temperature, options=options
         )
         return inference_logprobs(out.logits, targets), (out.values if values else None)
 
@@ -246,10 +251,11 @@ def recompute_logprobs(
     *,
     micro_size: int,
     temperature: float = 1.0,
+    options: ForwardOptions = REFERENCE,
 ) -> jax.Array:
     """`recompute(...).logprobs`: float32[G, T]."""
     return recompute(
-        graphdef, params, tokens, micro_size=micro_size, temperature=temperature
+        graphdef, params, tokens, micro_size=micro_size, temperature=temperature, options=options
     ).logprobs
 
 
@@ -293,6 +299,7 @@ def make_rl_step(
     levels: BatchLevels,
     *,
     temperature: float = 1.0,
+    options: ForwardOptions = REFERENCE,
 ) -> Callable:
     """The RL update of one global batch, to be jitted:
 
@@ -330,6 +337,7 @@ def make_rl_step(
             values=need_values,
             entropy=need_entropy,
             temperature=temperature,
+            options=options,
         )
 
     def loss_of(mini: RolloutBatch, step, lp, values, entropy):
@@ -433,6 +441,8 @@ def make_sft_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     levels: BatchLevels,
+    *,
+    options: ForwardOptions = REFERENCE,
 ) -> Callable:
     """The SFT update of one global batch, to be jitted:
 
@@ -457,7 +467,9 @@ def make_sft_step(
             t, y, w = ys
 
             def loss_fn(p):
-                lp = policy_outputs(graphdef, p, t, y, values=False, entropy=False)[0]
+                lp = policy_outputs(
+                    graphdef, p, t, y, values=False, entropy=False, options=options
+                )[0]
                 return -jnp.sum(jnp.where(w > 0, lp * w, 0.0)) / total
 
             loss, g = jax.value_and_grad(loss_fn)(params)

@@ -37,6 +37,7 @@ from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, build_objective, reference_reset_due
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models import Transformer
+from rlax_tpu.models.options import ForwardOptions
 from rlax_tpu.sharding import build_mesh, logical_to_spec, state_shardings, use_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import perf
@@ -155,6 +156,11 @@ class Trainer:
         # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
         # the distribution the inference workers' behaviour log-probs are of; SFT at 1.
         self.temperature = policy_temperature(config.inference)
+        # Remat, attention kernel and log-prob chunking of every training forward, resolved
+        # for the mesh's platform.
+        self.forward_options = ForwardOptions.from_trainer(
+            config.trainer, platform=self.mesh.devices.flat[0].platform
+        )
 
         self.checkpoints = CheckpointStore(
             storage.join(config.storage.run_dir, "checkpoints"),
@@ -215,6 +221,7 @@ class Trainer:
                 micro_size=self.levels.micro_size,
                 values=values,
                 temperature=self.temperature,
+                options=self.forward_options,
             ),
             static_argnums=2,
         )
@@ -226,12 +233,19 @@ class Trainer:
                 self._schedule,
                 self.levels,
                 temperature=self.temperature,
+                options=self.forward_options,
             ),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, o_sh, replicated),
         )
         self._sft_step = jax.jit(
-            make_sft_step(self._graphdef, self._sft_optimizer, self._sft_schedule, self.levels),
+            make_sft_step(
+                self._graphdef,
+                self._sft_optimizer,
+                self._sft_schedule,
+                self.levels,
+                options=self.forward_options,
+            ),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, sft_o_sh, replicated),
         )
