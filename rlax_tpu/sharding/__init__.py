@@ -101,6 +101,16 @@ def use_mesh(mesh: Mesh, rules: Rules) -> Iterator[Mesh]:
         _active.reset(token)
 
 
+def target_platform() -> str:
+    """The platform code is being traced for: that of the active mesh's devices ("tpu" for
+    abstract TPU devices of `rlax-tpu compile` on a CPU host), else JAX's default backend.
+    Kernels choose between compiled and interpreted Pallas by this, not by the host."""
+    active = _active.get()
+    if active is not None:
+        return active[0].devices.flat[0].platform
+    return jax.default_backend()
+
+
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Shard an activation by logical names under the active mesh; identity without one."""
     active = _active.get()
@@ -149,6 +159,7 @@ __all__ = [
     "constrain",
     "logical_to_spec",
     "shard_model",
+    "target_platform",
     "state_shardings",
     "use_mesh",
 ]
