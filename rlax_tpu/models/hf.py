@@ -31,7 +31,7 @@ from flax import nnx
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, ModelConfig
 from rlax_tpu.config.run import RopeScalingConfig
-from rlax_tpu.models.transformer import Transformer
+from rlax_tpu.models.transformer import Transformer, unstack_layers
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -694,11 +694,13 @@ def save_hf(
 
 
 def _pure_params(model_or_params: Any) -> Mapping[str, Any]:
+    """A per-layer pure params dict (scanned, stacked layers are unstacked: HF files hold
+    one tensor per layer)."""
     if isinstance(model_or_params, nnx.Module):
-        return nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
+        model_or_params = nnx.state(model_or_params, nnx.Param)
     if isinstance(model_or_params, nnx.State):
-        return nnx.to_pure_dict(model_or_params)
-    return model_or_params
+        model_or_params = nnx.to_pure_dict(model_or_params)
+    return unstack_layers(model_or_params)
 
 
 # -- nested-dict helpers ----------------------------------------------------------------------

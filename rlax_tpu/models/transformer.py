@@ -5,24 +5,55 @@ Parameters carry logical axis names (see rlax_tpu.sharding); activations are
 constrained by name. Two entry points: `forward_train` over whole sequences (per-token
 log-probs of given targets) and `decode` through a KV cache (rlax_tpu.models.kv_cache).
 Norms, softmax and logits are float32; matmuls run in `config.dtype`.
+
+Memory of the training forward is chosen by `ForwardOptions` (rlax_tpu.models.options):
+each decoder layer under `jax.checkpoint` with a remat policy, and the attention backend
+(rlax_tpu.models.attention). `Transformer(..., scan_layers=True)` stacks the decoder
+layers' parameters on a leading "layers" axis and runs them with one `lax.scan`; the
+per-layer tree (`layers/0/...`) is the exchange format (`unstack_layers`, `stack_layers`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from rlax_tpu.config import ModelConfig
-from rlax_tpu.models.kv_cache import KVCache, grouped_attention
+from rlax_tpu.models.attention import train_attention
+from rlax_tpu.models.kv_cache import KVCache
+from rlax_tpu.models.logprobs import (
+    LogprobFormula,
+    head_from_logits,
+    logprob_head,
+    token_logprobs,  # noqa: F401 (re-exported: rlax_tpu.models.token_logprobs)
+    unembed,
+)
 from rlax_tpu.models.options import REFERENCE, ForwardOptions
 from rlax_tpu.sharding import constrain
 from rlax_tpu.tree import flatten
 
 _INIT_STD = 0.02  # Hugging Face's default initializer_range
+
+_save = jax.checkpoint_policies.save_only_these_names
+# What a decoder layer keeps for the backward pass (TrainerConfig.remat_policy; MaxText's
+# names). None: no jax.checkpoint at all, everything the backward needs is kept. "full":
+# only the layer's input; the layer is recomputed in the backward. The others also keep
+# the matmul outputs named in Attention / MLP (checkpoint_name) or, "minimal", every matmul
+# without dot batch dimensions (the projections, not the attention scores).
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_proj": _save("query_proj", "key_proj", "value_proj"),
+    "save_out_proj": _save("out_proj"),
+    "save_dot_except_mlp": _save("query_proj", "key_proj", "value_proj", "out_proj"),
+}
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -122,6 +153,9 @@ class Attention(nnx.Module):
         q = jnp.einsum("bse,ehd->bshd", x, self.wq.get_value().astype(dt))
         k = jnp.einsum("bse,ehd->bshd", x, self.wk.get_value().astype(dt))
         v = jnp.einsum("bse,ehd->bshd", x, self.wv.get_value().astype(dt))
+        q = checkpoint_name(q, "query_proj")
+        k = checkpoint_name(k, "key_proj")
+        v = checkpoint_name(v, "value_proj")
         if self.config.qkv_bias:
             q = q + self.bq.get_value().astype(dt)
             k = k + self.bk.get_value().astype(dt)
@@ -137,7 +171,7 @@ class Attention(nnx.Module):
 
     def out(self, attn: jax.Array) -> jax.Array:
         y = jnp.einsum("bshd,hde->bse", attn, self.wo.get_value().astype(attn.dtype))
-        return constrain(y, ("batch", "length", "act_embed"))
+        return constrain(checkpoint_name(y, "out_proj"), ("batch", "length", "act_embed"))
 
 
 class MLP(nnx.Module):
@@ -153,9 +187,10 @@ class MLP(nnx.Module):
         dt = x.dtype
         gate = jnp.einsum("bse,em->bsm", x, self.w_gate.get_value().astype(dt))
         up = jnp.einsum("bse,em->bsm", x, self.w_up.get_value().astype(dt))
+        gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
         y = jnp.einsum("bsm,me->bse", h, self.w_down.get_value().astype(dt))
-        return constrain(y, ("batch", "length", "act_embed"))
+        return constrain(checkpoint_name(y, "mlp_down"), ("batch", "length", "act_embed"))
 
 
 class DecoderLayer(nnx.Module):
@@ -171,16 +206,36 @@ class TrainOutput(NamedTuple):
     logprobs: jax.Array  # float32[batch, seq]: log π(targets[b, t] | tokens[b, :t+1])
     logits: jax.Array | None  # float32[batch, seq, vocab] (/ temperature) when asked for
     values: jax.Array | None  # float32[batch, seq] when the model has a value head
+    entropies: jax.Array | None = None  # float32[batch, seq] of π, when asked for
+
+
+def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One DecoderLayer whose parameters are those of `layers` stacked on a leading axis
+    (logical axis "layers", replicated by the default rules)."""
+    graphdef, _ = nnx.split(layers[0])
+    states = [nnx.split(layer)[1] for layer in layers]
+    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for _, variable in nnx.iter_graph(stacked):
+        if isinstance(variable, nnx.Param):
+            variable.set_metadata(logical_axes=("layers", *variable.logical_axes))
+    return stacked
 
 
 class Transformer(nnx.Module):
-    """Llama 3 / Qwen2 / Qwen3 decoder. Build with `Transformer(config, rngs=nnx.Rngs(seed))`."""
+    """Llama 3 / Qwen2 / Qwen3 decoder. Build with `Transformer(config, rngs=nnx.Rngs(seed))`.
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    scan_layers: the decoder layers' parameters stacked ([num_layers, ...], params tree
+    `layers/attn/wq`) and run by one scan; the same seed gives the same values as the
+    per-layer model (`layers/0/attn/wq`, ...), only stacked.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, scan_layers: bool = False):
         c, pd = config, _dtype(config.param_dtype)
         self.config = c
+        self.scan_layers = scan_layers
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
-        self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+        layers = [DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)]
+        self.layers = _stack_layers(layers) if scan_layers else nnx.List(layers)
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
@@ -198,13 +253,8 @@ class Transformer(nnx.Module):
 
     def _logits(self, h: jax.Array) -> jax.Array:
         """h: [b, s, embed] (final-normed) -> float32[b, s, vocab]."""
-        if self.config.tie_word_embeddings:
-            w = self.embed.get_value().astype(h.dtype)
-            logits = jnp.einsum("bse,ve->bsv", h, w, preferred_element_type=jnp.float32)
-        else:
-            w = self.lm_head.get_value().astype(h.dtype)
-            logits = jnp.einsum("bse,ev->bsv", h, w, preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "act_vocab"))
+        tied = self.config.tie_word_embeddings
+        return unembed(h, (self.embed if tied else self.lm_head).get_value(), tied=tied)
 
     def _values(self, h: jax.Array) -> jax.Array:
         w = self.value_w.get_value().astype(jnp.float32)
@@ -214,6 +264,39 @@ class Transformer(nnx.Module):
         q, k, v = layer.attn.qkv(layer.attn_norm(x), positions, inv_freq)
         x = x + layer.attn.out(attend(q, k, v))
         return x + layer.mlp(layer.mlp_norm(x))
+
+    def _layer_modules(self) -> Iterator[DecoderLayer]:
+        """The decoder layers one by one (slices of the stacked parameters when scanned)."""
+        if not self.scan_layers:
+            yield from self.layers
+            return
+        graphdef, stacked = nnx.split(self.layers)
+        for i in range(self.config.num_layers):
+            yield nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
+
+    def _run_layers(self, x: jax.Array, apply: Callable, remat_policy: str) -> jax.Array:
+        """x through every decoder layer, `apply(layer, x) -> x`, each layer under
+        jax.checkpoint with `remat_policy` (unless "none"); a scan when scan_layers."""
+        if remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {remat_policy!r} is not one of {sorted(REMAT_POLICIES)}"
+            )
+        policy = REMAT_POLICIES[remat_policy]
+        layers = self.layers if self.scan_layers else list(self.layers)
+        graphdef = nnx.split(layers if self.scan_layers else layers[0])[0]
+
+        def block(state, x):
+            return apply(nnx.merge(graphdef, state), x)
+
+        if remat_policy != "none":
+            # Inside a scan CSE cannot merge the recompute into the forward: no barrier needed.
+            block = jax.checkpoint(block, policy=policy, prevent_cse=not self.scan_layers)
+        if self.scan_layers:
+            x, _ = jax.lax.scan(lambda x, state: (block(state, x), None), x, nnx.state(layers))
+            return x
+        for layer in layers:
+            x = block(nnx.state(layer), x)
+        return x
 
     # -- entry points -----------------------------------------------------------------
     def hidden_states(
@@ -232,18 +315,14 @@ class Transformer(nnx.Module):
         batch, seq = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))[None]
-        if segment_ids is not None:
-            same = segment_ids[:, :, None] == segment_ids[:, None, :]
-            mask = causal & same & (segment_ids[:, None, :] != 0)
-        else:
-            mask = jnp.broadcast_to(causal, (batch, seq, seq))
         inv_freq = rope_inv_freq(self.config)
-        x = self._embed(tokens)
-        for layer in self.layers:
-            x = self._layer(
-                layer, x, positions, inv_freq, lambda q, k, v: grouped_attention(q, k, v, mask)
-            )
+        attention = train_attention(options.attention)
+
+        def apply(layer, x):
+            attend = lambda q, k, v: attention(q, k, v, segment_ids)  # noqa: E731
+            return self._layer(layer, x, positions, inv_freq, attend)
+
+        x = self._run_layers(self._embed(tokens), apply, options.remat_policy)
         return self.final_norm(x)
 
     def forward_train(
@@ -254,26 +333,49 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         return_logits: bool = False,
+        return_entropy: bool = False,
+        logprob_formula: LogprobFormula = "policy",
         temperature: float = 1.0,
         options: ForwardOptions = REFERENCE,
     ) -> TrainOutput:
         """Per-token log-probs of `targets` (int32[batch, seq], usually tokens shifted left).
 
-        temperature: a static float > 0; the log-probs (and the logits returned) are those
-        of softmax(logits / temperature), the distribution an inference sampler at that
-        temperature draws from. At 1 no division is made (the graph is the plain one).
+        temperature: a static float > 0; the log-probs, entropies (and the logits returned)
+        are those of softmax(logits / temperature), the distribution an inference sampler
+        at that temperature draws from. At 1 no division is made (the graph is the plain one).
+        logprob_formula: "policy" (logits[target] − logsumexp, the training forward's) or
+        "inference" (log_softmax then the target's entry, the sampler's; the recompute's).
+        return_entropy: also the entropies of π (`TrainOutput.entropies`).
+        The log-prob head runs `options.logprob_chunk_size` tokens at a time
+        (rlax_tpu.models.logprobs); return_logits=True materialises the whole logits and so
+        always runs it unchunked.
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         h = self.hidden_states(
             tokens, positions=positions, segment_ids=segment_ids, options=options
         )
-        logits = self._logits(h)
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = token_logprobs(logits, targets)
         values = self._values(h) if self.config.value_head else None
-        return TrainOutput(logprobs, logits if return_logits else None, values)
+        if return_logits:
+            logits = self._logits(h)
+            if temperature != 1.0:
+                logits = logits / temperature
+            head = head_from_logits(
+                logits, targets, formula=logprob_formula, entropy=return_entropy
+            )
+            return TrainOutput(head.logprobs, logits, values, head.entropies)
+        tied = self.config.tie_word_embeddings
+        head = logprob_head(
+            h,
+            (self.embed if tied else self.lm_head).get_value(),
+            targets,
+            tied=tied,
+            temperature=temperature,
+            formula=logprob_formula,
+            entropy=return_entropy,
+            chunk_size=options.logprob_chunk_size,
+        )
+        return TrainOutput(head.logprobs, None, values, head.entropies)
 
     def decode(
         self,
@@ -292,7 +394,7 @@ class Transformer(nnx.Module):
         """
         inv_freq = rope_inv_freq(self.config)
         x = self._embed(tokens)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._layer_modules()):
 
             def attend(q, k, v, i=i):
                 nonlocal cache
@@ -307,16 +409,6 @@ class Transformer(nnx.Module):
         return self._logits(h), cache
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log softmax(logits)[targets].
-
-    logits: float[batch, seq, vocab]; targets: int32[batch, seq] -> float32[batch, seq].
-    """
-    logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
-
-
 def param_logical_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     """{"layers/0/attn/wq": ("embed", "heads", "head_dim"), ...}: the logical axes of every
     parameter, keyed by the tree path of `rlax_tpu.tree.flatten`; nothing is allocated."""
@@ -325,3 +417,35 @@ def param_logical_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]
     variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     paths = flatten(nnx.to_pure_dict(state))  # same leaf order as `variables`
     return dict(zip(paths, [tuple(v.logical_axes) for v in variables], strict=True))
+
+
+# -- the per-layer exchange format -----------------------------------------------------------
+
+
+def is_stacked(params: Mapping[str, Any]) -> bool:
+    """Whether a params tree holds scanned (stacked) decoder layers: `layers/attn/...`
+    rather than `layers/0/attn/...`."""
+    layers = params.get("layers", {})
+    return bool(layers) and not any(isinstance(k, int) or str(k).isdigit() for k in layers)
+
+
+def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A params tree with per-layer decoder layers (`layers/0/...`), the format published,
+    served and exported; a per-layer tree is returned as it is. Works on device arrays
+    (slices keep their sharding) as on host arrays."""
+    if not is_stacked(params):
+        return dict(params)
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    layers = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)}
+    return {**params, "layers": layers}
+
+
+def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `unstack_layers`: per-layer decoder layers stacked on a leading axis
+    in layer order (a stacked tree is returned as it is)."""
+    if is_stacked(params):
+        return dict(params)
+    layers = params["layers"]
+    ordered = [layers[k] for k in sorted(layers, key=int)]
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *ordered)}

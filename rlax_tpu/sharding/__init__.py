@@ -101,6 +101,22 @@ def use_mesh(mesh: Mesh, rules: Rules) -> Iterator[Mesh]:
         _active.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh made active by `use_mesh`, or None."""
+    active = _active.get()
+    return None if active is None else active[0]
+
+
+def logical_spec(logical_axes: LogicalAxes, shape: Sequence[int]) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` under the active mesh and rules (for
+    shard_map specs); all-replicated without an active mesh."""
+    active = _active.get()
+    if active is None:
+        return PartitionSpec(*([None] * len(shape)))
+    mesh, rules = active
+    return logical_to_spec(logical_axes, rules, shape=shape, mesh=mesh)
+
+
 def target_platform() -> str:
     """The platform code is being traced for: that of the active mesh's devices ("tpu" for
     abstract TPU devices of `rlax-tpu compile` on a CPU host), else JAX's default backend.
@@ -155,8 +171,10 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules) -> nnx.Module:
 __all__ = [
     "LogicalAxes",
     "Rules",
+    "active_mesh",
     "build_mesh",
     "constrain",
+    "logical_spec",
     "logical_to_spec",
     "shard_model",
     "target_platform",

@@ -147,13 +147,6 @@ def policy_temperature(inference: InferenceConfig) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """float[b, s, V] -> float32[b, s]: H = logsumexp(z) − Σ softmax(z)·z."""
-    logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-
-
 def _targets(tokens: jax.Array) -> jax.Array:
     return jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
 
@@ -175,31 +168,14 @@ def policy_outputs(
     targets = constrain(targets, ("batch", "length"))
     model = nnx.merge(graphdef, params)
     out = model.forward_train(
-        tokens, targets, return_logits=entropy, temperature=temperature, options=options
+        tokens, targets, return_entropy=entropy, temperature=temperature, options=options
     )
-    return (
-        out.logprobs,
-        out.values if values else None,
-        entropy_from_logits(out.logits) if entropy else None,
-    )
+    return out.logprobs, (out.values if values else None), out.entropies
 
 
 def _chunks(x: jax.Array, n: int) -> jax.Array:
     """[n·k, ...] -> [n, k, ...] (row blocks, in order)."""
     return x.reshape((n, x.shape[0] // n, *x.shape[1:]))
-
-
-def inference_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log softmax(logits)[targets]: float[b, s, V], int32[b, s] -> float32[b, s].
-
-    The inference sampler's formula (rlax_tpu.inference.sampling.sample_tokens, "full"
-    log-probs; pass logits already divided by the temperature): the shifted logits minus
-    log Σ exp, then the target's entry. `token_logprobs` (picked − logsumexp) is the same
-    value rounded differently (1 f32 ULP apart on about a quarter of the tokens), so the
-    recompute uses this one.
-    """
-    full = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
 
 
 class Recomputed(NamedTuple):
@@ -223,17 +199,18 @@ def recompute(
 
     The forward is wrapped in `jax.checkpoint(policy=nothing_saveable)` so that it keeps no
     activation for a backward pass: its graph is the plain forward that inference runs,
-    and log-probs use the sampler's formula (`inference_logprobs`), so the recomputed
-    π_old matches the inference workers' log-probs (docs/trainer.md says how closely).
+    and log-probs use the sampler's formula (`logprob_formula="inference"`:
+    rlax_tpu.models.logprobs.inference_logprobs), so the recomputed π_old matches the
+    inference workers' log-probs (docs/trainer.md says how closely).
     """
 
     def forward(p, t):
         t = constrain(t, ("batch", "length"))
         targets = _targets(t)
         out = nnx.merge(graphdef, p).forward_train(
-            t, targets, return_logits=True, temperature=temperature, options=options
+            t, targets, logprob_formula="inference", temperature=temperature, options=options
         )
-        return inference_logprobs(out.logits, targets), (out.values if values else None)
+        return out.logprobs, (out.values if values else None)
 
     forward = jax.checkpoint(forward, policy=jax.checkpoint_policies.nothing_saveable)
     n = tokens.shape[0] // micro_size
