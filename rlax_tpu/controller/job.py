@@ -201,7 +201,9 @@ def _connect(
     from rlax_tpu.verifiers.service import VerifierClient
 
     return Components(
-        trainer=TrainerClient(trainer, auth_token=token),
+        trainer=TrainerClient(
+            trainer, auth_token=token, max_message_bytes=config.trainer.max_message_bytes
+        ),
         param_server=ParamServerClient(
             list(param_server), auth_token=token, chunk_bytes=config.param_server.chunk_bytes
         ),

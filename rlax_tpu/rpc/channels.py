@@ -33,16 +33,22 @@ def make_server(
     auth_token: str,
     auth_token_env: str = DEFAULT_AUTH_TOKEN_ENV,
     max_workers: int = 16,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
     """A gRPC server listening on host:port (0 = any free port) and the port it bound.
 
     The server is not started: add servicers, then call `server.start()`. Calls without
     `auth_token` are rejected; `auth_token_env` only names the variable in error messages.
+    A message sent to it over `max_receive_bytes` fails its call with RESOURCE_EXHAUSTED.
     """
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", min(max_receive_bytes, MAX_MESSAGE_BYTES)),
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rlax-rpc"),
         interceptors=[ServerAuthInterceptor(auth_token, env_var=auth_token_env)],
-        options=[*_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=[*options, ("grpc.so_reuseport", 0)],
     )
     address = format_address(host, port)
     try:

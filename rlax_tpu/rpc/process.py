@@ -65,11 +65,19 @@ def component_config(args: argparse.Namespace, component: str) -> tuple[RunConfi
 
 
 def bind_server(
-    component: str, config: RunConfig, host: str, port: int, *, auth_token: str, max_workers: int
+    component: str,
+    config: RunConfig,
+    host: str,
+    port: int,
+    *,
+    auth_token: str,
+    max_workers: int,
+    max_receive_bytes: int | None = None,
 ) -> tuple[Any, int] | None:
     """The gRPC server of `serve COMPONENT` on host:port (0 = any free) and the port bound,
-    not started; None (after saying why, e.g. the port is taken) when it cannot listen."""
-    from rlax_tpu.rpc.channels import make_server
+    not started; None (after saying why, e.g. the port is taken) when it cannot listen.
+    `max_receive_bytes`: the largest message a call may send (default: MAX_MESSAGE_BYTES)."""
+    from rlax_tpu.rpc.channels import MAX_MESSAGE_BYTES, make_server
 
     try:
         return make_server(
@@ -78,6 +86,7 @@ def bind_server(
             auth_token=auth_token,
             auth_token_env=config.param_server.auth_token_env,
             max_workers=max_workers,
+            max_receive_bytes=max_receive_bytes or MAX_MESSAGE_BYTES,
         )
     except OSError as e:
         print(f"rlax-tpu serve {component}: {e}", file=sys.stderr)

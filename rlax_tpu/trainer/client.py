@@ -1,24 +1,29 @@
 """The controller's client of the trainer (protos/rlax_tpu/v1/trainer.proto): train and SFT
 steps, save, restore, status. It speaks `rlax_tpu.trainer.wire` and imports no JAX.
+
+A step's batch is streamed in chunks of at most `max_message_bytes` (the config's
+`trainer.max_message_bytes`, which `serve trainer` also enforces), so it may be any size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
-from rlax_tpu.rpc import MAX_MESSAGE_BYTES, get_status
+from rlax_tpu.config import TrainerConfig
+from rlax_tpu.rpc import get_status
 from rlax_tpu.rpc.client import ComponentClient, RpcCallError
 from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import trainer_pb2 as pb
 from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
 from rlax_tpu.trainer.wire import (
+    TRAIN_STEP,
     RolloutArrays,
     StepResult,
-    batch_to_proto,
+    batch_stream,
     result_from_proto,
-    tensor_to_proto,
 )
 
 
@@ -27,24 +32,27 @@ class TrainerCallError(RpcCallError):
 
 
 class TrainerClient(ComponentClient):
-    """Drives one trainer process: train and SFT steps, save, restore, status."""
+    """Drives one trainer process: train and SFT steps, save, restore, status.
 
-    def __init__(self, address: str, **channel_options: Any) -> None:
+    `max_message_bytes`: the largest message of a step's stream; at most the trainer's
+    `trainer.max_message_bytes` (default: the config's default)."""
+
+    def __init__(
+        self, address: str, *, max_message_bytes: int | None = None, **channel_options: Any
+    ) -> None:
         super().__init__(address, **channel_options)
+        self.max_message_bytes = max_message_bytes or TrainerConfig.max_message_bytes
         self._stub = pb_grpc.TrainerStub(self._channel)
 
     def train_step(self, step: int, batch: RolloutArrays | Any) -> StepResult:
         """Train step `step` on `batch` (publishing version step + 1), or its recorded result."""
-        request = pb.TrainStepRequest(step=step)
-        batch_to_proto(batch, request.batch)
-        return result_from_proto(self._call("TrainStep", request, f"TrainStep({step})"))
+        arrays = {f.name: getattr(batch, f.name) for f in TRAIN_STEP.fields}
+        return self._stream("TrainStep", step, arrays)
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:
         """tokens, targets: int32[batch, seq]; loss_mask: bool|float32[batch, seq]."""
-        request = pb.SftStepRequest(step=step)
-        for name, array in (("tokens", tokens), ("targets", targets), ("loss_mask", loss_mask)):
-            tensor_to_proto(array, getattr(request, name))
-        return result_from_proto(self._call("SftStep", request, f"SftStep({step})"))
+        arrays = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask}
+        return self._stream("SftStep", step, arrays)
 
     def save(self, wait: bool = True) -> int:
         """Checkpoint the trainer; returns the step the checkpoint holds."""
@@ -65,15 +73,23 @@ class TrainerClient(ComponentClient):
         except grpc.RpcError as e:
             raise _call_error(e, f"GetStatus on {self.address}") from None
 
+    def _stream(self, method: str, step: int, arrays: Mapping[str, Any]) -> StepResult:
+        chunks = batch_stream(step, arrays, max_message_bytes=self.max_message_bytes)
+        try:
+            reply = getattr(self._stub, method)(chunks, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            error = _call_error(e, f"{method}({step}) on {self.address}")
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a message over its limit
+                error = TrainerCallError(
+                    f"{error}; this client sends messages of up to {self.max_message_bytes} "
+                    "bytes: give the controller and `serve trainer` the same "
+                    "trainer.max_message_bytes",
+                    error.code,
+                )
+            raise error from None
+        return result_from_proto(reply)
+
     def _call(self, method: str, request: Any, what: str) -> Any:
-        size = request.ByteSize()
-        if size > MAX_MESSAGE_BYTES:
-            raise TrainerCallError(
-                f"{what}: the request is {size / 2**20:.1f} MiB, over the "
-                f"{MAX_MESSAGE_BYTES // 2**20} MiB gRPC message limit "
-                "(rlax_tpu.rpc.MAX_MESSAGE_BYTES); send fewer or shorter sequences per step",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout_s)
         except grpc.RpcError as e:

@@ -20,6 +20,7 @@ import json
 import logging
 import struct
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rlax_tpu.config import RunConfig
@@ -63,14 +64,15 @@ def connect_param_server(config: RunConfig, addresses: list[str], token: str) ->
 
 
 # -- multi-host: the leader broadcasts each call, followers run it --------------------------
-def _encode(op: str, fields: dict[str, Any], payload: bytes = b"") -> bytes:
+def _encode(op: str, fields: dict[str, Any], payload: Sequence[bytes | memoryview] = ()) -> bytes:
+    """One message: the command as JSON, then `payload`'s parts (joined once, no other copy)."""
     header = json.dumps({"op": op, **fields}).encode()
-    return struct.pack("<I", len(header)) + header + payload
+    return b"".join([struct.pack("<I", len(header)), header, *payload])
 
 
-def _decode(message: bytes) -> tuple[dict[str, Any], bytes]:
+def _decode(message: bytes) -> tuple[dict[str, Any], memoryview]:
     (size,) = struct.unpack_from("<I", message)
-    return json.loads(message[4 : 4 + size]), message[4 + size :]
+    return json.loads(message[4 : 4 + size]), memoryview(message)[4 + size :]
 
 
 class LeaderTrainer:
@@ -84,25 +86,23 @@ class LeaderTrainer:
     def __getattr__(self, name: str) -> Any:  # step, status(), params(), ... are local reads
         return getattr(self._trainer, name)
 
-    def _send(self, op: str, payload: bytes = b"", **fields: Any) -> None:
+    def _send(self, op: str, payload: Sequence[bytes | memoryview] = (), **fields: Any) -> None:
         from rlax_tpu.distributed import broadcast_bytes
 
         broadcast_bytes(_encode(op, fields, payload))
 
     def train_step(self, step: int, batch: Any) -> Any:
-        from rlax_tpu.trainer.wire import batch_to_proto
+        from rlax_tpu.trainer.wire import TRAIN_STEP, pack_batch
 
-        self._send("train_step", batch_to_proto(batch).SerializeToString(), step=step)
+        arrays = {f.name: getattr(batch, f.name) for f in TRAIN_STEP.fields}
+        self._send("train_step", pack_batch(step, arrays), step=step)
         return self._trainer.train_step(step, batch)
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> Any:
-        from rlax_tpu.rpc.protos import trainer_pb2 as pb
-        from rlax_tpu.trainer.wire import tensor_to_proto
+        from rlax_tpu.trainer.wire import pack_batch
 
-        request = pb.SftStepRequest(step=step)
-        for name, array in (("tokens", tokens), ("targets", targets), ("loss_mask", loss_mask)):
-            tensor_to_proto(array, getattr(request, name))
-        self._send("sft_step", request.SerializeToString(), step=step)
+        arrays = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask}
+        self._send("sft_step", pack_batch(step, arrays), step=step)
         return self._trainer.sft_step(step, tokens, targets, loss_mask)
 
     def save(self, *, wait: bool = True) -> int:
@@ -127,7 +127,6 @@ def follow(trainer: Any) -> None:
     coordination service takes the whole job down, to be restarted from its checkpoint.
     """
     from rlax_tpu.distributed import broadcast_bytes
-    from rlax_tpu.rpc.protos import trainer_pb2 as pb
     from rlax_tpu.trainer import (
         BatchSizeError,
         NotInitializedError,
@@ -135,7 +134,8 @@ def follow(trainer: Any) -> None:
         OutOfOrderStepError,
         StaleRolloutError,
     )
-    from rlax_tpu.trainer.service import batch_from_proto, sft_arrays_from_proto
+    from rlax_tpu.trainer.service import batch_from_arrays
+    from rlax_tpu.trainer.wire import SFT_STEP, TRAIN_STEP, unpack_batch
 
     refused = (
         BatchSizeError,
@@ -151,11 +151,13 @@ def follow(trainer: Any) -> None:
             if op == "stop":
                 return
             if op == "train_step":
-                batch = batch_from_proto(pb.RolloutBatchMessage.FromString(payload))
-                trainer.train_step(command["step"], batch)
+                step, arrays = unpack_batch(payload, TRAIN_STEP)
+                del payload  # the batch lives on in `arrays` only
+                trainer.train_step(step, batch_from_arrays(arrays))
             elif op == "sft_step":
-                arrays = sft_arrays_from_proto(pb.SftStepRequest.FromString(payload))
-                trainer.sft_step(command["step"], **arrays)
+                step, arrays = unpack_batch(payload, SFT_STEP)
+                del payload
+                trainer.sft_step(step, **arrays)
             elif op == "save":
                 trainer.save(wait=command["wait"])
             elif op == "restore":
@@ -185,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
     from rlax_tpu.sharding import build_mesh
     from rlax_tpu.trainer import Trainer
     from rlax_tpu.trainer.service import TrainerServicer, trainer_status
+    from rlax_tpu.trainer.wire import BatchLimits
 
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
@@ -195,7 +198,13 @@ def main(args: argparse.Namespace) -> int:
     server = None
     if leader:
         bound = bind_server(
-            "trainer", config, host, args.port, auth_token=token, max_workers=_MAX_WORKERS
+            "trainer",
+            config,
+            host,
+            args.port,
+            auth_token=token,
+            max_workers=_MAX_WORKERS,
+            max_receive_bytes=config.trainer.max_message_bytes,  # a batch comes in chunks
         )
         if bound is None:
             return 2
@@ -217,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
             param_server.close()
         return 0
     served = LeaderTrainer(trainer) if jax.process_count() > 1 else trainer
-    servicer = TrainerServicer(served, vocab_size=config.model.vocab_size)
+    servicer = TrainerServicer(served, limits=BatchLimits.from_config(config))
     servicer.add_to_server(server)
     digest = config.digest()
     HealthServicer(

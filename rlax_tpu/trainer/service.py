@@ -1,15 +1,17 @@
 """The Trainer gRPC service (protos/rlax_tpu/v1/trainer.proto) over a Trainer; its client is
 trainer/client.py, and both speak trainer/wire.py.
 
-A thin layer: arrays travel as raw-byte Tensors (no per-element fields, no chunking),
-a malformed batch is INVALID_ARGUMENT naming the field, and trainer errors map to status codes.
+A thin layer: a TrainStep or SftStep batch arrives as a client stream of chunks, which
+`wire.BatchReceiver` reassembles and checks (header against the config first, then every
+declared byte and the end mark) before the trainer sees it; a malformed or truncated batch is
+INVALID_ARGUMENT naming the field or the problem, and trainer errors map to status codes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -27,11 +29,13 @@ from rlax_tpu.trainer import (
     Trainer,
 )
 from rlax_tpu.trainer.wire import (
-    BATCH_FIELDS,
-    OPTIONAL_BATCH_FIELDS,
-    SFT_FIELDS,
+    SFT_STEP,
+    TRAIN_STEP,
     BatchFormatError,
-    arrays_from_proto,
+    BatchLimits,
+    BatchReceiver,
+    StreamSchema,
+    TruncatedStreamError,
     check_tokens,
     result_to_proto,
 )
@@ -40,7 +44,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     OutOfOrderStepError: grpc.StatusCode.FAILED_PRECONDITION,
     StaleRolloutError: grpc.StatusCode.FAILED_PRECONDITION,  # a rollout outside [s - N, s]
     NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
-    BatchFormatError: grpc.StatusCode.INVALID_ARGUMENT,
+    BatchFormatError: grpc.StatusCode.INVALID_ARGUMENT,  # also a truncated stream
     BatchSizeError: grpc.StatusCode.INVALID_ARGUMENT,  # the batch does not fit the config
     NoValidCheckpointError: grpc.StatusCode.NOT_FOUND,  # Restore of a step never saved
 }
@@ -53,11 +57,28 @@ def status_code(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def batch_from_proto(
-    message: pb.RolloutBatchMessage, *, vocab_size: int | None = None
+def receive(
+    chunks: Iterable[pb.BatchChunk], schema: StreamSchema, limits: BatchLimits
+) -> tuple[int, dict[str, np.ndarray | None]]:
+    """(step, arrays) of a whole stream, or BatchFormatError at its first fault (the rest of
+    the stream is then not read)."""
+    receiver = BatchReceiver(schema, limits)
+    try:
+        for chunk in chunks:
+            receiver.add(chunk)
+    except grpc.RpcError:  # raised by gRPC's request iterator: the call is over
+        raise TruncatedStreamError(
+            f"the {schema.method} stream",
+            f"was cut off after {receiver.received_bytes} of {receiver.declared_bytes} bytes "
+            "(the client cancelled the call, or its deadline passed)",
+        ) from None
+    return receiver.finish()
+
+
+def batch_from_arrays(
+    arrays: Mapping[str, np.ndarray | None], *, vocab_size: int | None = None
 ) -> RolloutBatch:
-    """A RolloutBatch of host arrays, or BatchFormatError naming the first bad field."""
-    arrays = arrays_from_proto(message, "batch.", BATCH_FIELDS, optional=OPTIONAL_BATCH_FIELDS)
+    """A RolloutBatch of TrainStep's host arrays, or BatchFormatError naming a bad value."""
     check_tokens(arrays["tokens"], "batch.tokens", vocab_size)
     group_ids, size = arrays["group_ids"], arrays["tokens"].shape[0]
     if group_ids.min() < 0 or group_ids.max() >= size:
@@ -65,56 +86,54 @@ def batch_from_proto(
     return RolloutBatch(**arrays)
 
 
-def sft_arrays_from_proto(
-    message: pb.SftStepRequest, *, vocab_size: int | None = None
+def sft_arrays(
+    arrays: Mapping[str, np.ndarray | None], *, vocab_size: int | None = None
 ) -> dict[str, np.ndarray]:
-    """{tokens, targets, loss_mask} of an SftStep request, checked like a batch."""
-    arrays = arrays_from_proto(message, "", SFT_FIELDS)
+    """{tokens, targets, loss_mask} of SftStep's host arrays, with token ids checked."""
     for name in ("tokens", "targets"):
         check_tokens(arrays[name], name, vocab_size)
-    return arrays
+    return dict(arrays)
 
 
 # -- server side --------------------------------------------------------------------------------
 class TrainerServicer(pb_grpc.TrainerServicer):
     """Serves one Trainer; calls that change it run one at a time (`lock`), so a retry that
-    arrives while its step is still training waits and then finds it done."""
+    arrives while its step is still training waits and then finds it done. A batch is
+    received whole, outside the lock, before the trainer is touched."""
 
-    def __init__(self, trainer: Trainer, *, vocab_size: int | None = None) -> None:
+    def __init__(self, trainer: Trainer, *, limits: BatchLimits | None = None) -> None:
         self.trainer = trainer
-        self.vocab_size = vocab_size
+        self.limits = limits or BatchLimits()
         self.lock = threading.Lock()
 
     def add_to_server(self, server: grpc.Server) -> None:
         pb_grpc.add_TrainerServicer_to_server(self, server)
 
     def TrainStep(
-        self, request: pb.TrainStepRequest, context: grpc.ServicerContext
+        self, request_iterator: Iterable[pb.BatchChunk], context: grpc.ServicerContext
     ) -> pb.TrainStepReply:
         start = time.perf_counter()
         try:
-            _check_step(request.step)
-            if not request.HasField("batch"):
-                raise BatchFormatError("batch", "is missing")
-            batch = batch_from_proto(request.batch, vocab_size=self.vocab_size)
-            decoded = time.perf_counter()
+            step, arrays = receive(request_iterator, TRAIN_STEP, self.limits)
+            batch = batch_from_arrays(arrays, vocab_size=self.limits.vocab_size)
+            received = time.perf_counter()
             with self.lock:
-                result = self.trainer.train_step(request.step, batch)
+                result = self.trainer.train_step(step, batch)
         except Exception as e:
             _abort(context, e)
         if not result.already_done:  # the handler's own time, around the trainer's figures
-            result.metrics["time/decode_batch_s"] = decoded - start
+            result.metrics["time/receive_batch_s"] = received - start
             result.metrics["time/handler_s"] = time.perf_counter() - start
         return result_to_proto(result)
 
     def SftStep(
-        self, request: pb.SftStepRequest, context: grpc.ServicerContext
+        self, request_iterator: Iterable[pb.BatchChunk], context: grpc.ServicerContext
     ) -> pb.TrainStepReply:
         try:
-            _check_step(request.step)
-            arrays = sft_arrays_from_proto(request, vocab_size=self.vocab_size)
+            step, arrays = receive(request_iterator, SFT_STEP, self.limits)
+            arrays = sft_arrays(arrays, vocab_size=self.limits.vocab_size)
             with self.lock:
-                result = self.trainer.sft_step(request.step, **arrays)
+                result = self.trainer.sft_step(step, **arrays)
         except Exception as e:
             _abort(context, e)
         return result_to_proto(result)

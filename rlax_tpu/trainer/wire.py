@@ -1,19 +1,27 @@
 """The trainer's wire format (protos/rlax_tpu/v1/trainer.proto), shared by its client and its
-servicer: arrays as raw-byte Tensors, a rollout batch of host arrays (`RolloutArrays`, what
-the controller assembles), the checks a received batch must pass, and a step's result. No
-JAX: the controller builds and sends batches without loading it.
+servicer: a batch as a stream of chunks (a header declaring every array, the arrays' raw bytes
+cut below `trainer.max_message_bytes`, an end mark) and the receiver that reassembles and
+checks one; a rollout batch of host arrays (`RolloutArrays`, what the controller assembles);
+a step's result. No JAX: the controller builds and sends batches without loading it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 import numpy as np
 
+from rlax_tpu.config import RunConfig, TrainerConfig
 from rlax_tpu.param_server.layout import dtype_name, parse_dtype, to_bytes
 from rlax_tpu.rpc.protos import trainer_pb2 as pb
+
+# A data chunk's own bytes around its payload (oneof tag, length varint): what a chunk of
+# `max_message_bytes` leaves for data, with room to spare.
+CHUNK_OVERHEAD_BYTES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +64,67 @@ class RolloutArrays:
     values: np.ndarray | None = None
 
 
-# (field, rank, kind): kind "int" -> int32, "float" -> float32, "mask" -> bool or float32.
-BATCH_FIELDS = (
-    ("tokens", 2, "int"),
-    ("response_mask", 2, "mask"),
-    ("group_ids", 1, "int"),
-    ("rewards", 1, "float"),
-    ("behaviour_logprobs", 2, "float"),
-    ("versions", 1, "int"),
+# -- what a stream carries ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One array of a request. kind "int" -> int32, "float" -> float32, "mask" -> bool or
+    float32 (as sent); rank 2 is [batch, seq], rank 1 [batch]."""
+
+    name: str
+    rank: int
+    kind: Literal["int", "float", "mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSchema:
+    """The arrays of one streaming method; `prefix` is how errors name them."""
+
+    method: str
+    prefix: str
+    required: tuple[Field, ...]
+    optional: tuple[Field, ...] = ()
+
+    @property
+    def fields(self) -> tuple[Field, ...]:
+        return (*self.required, *self.optional)
+
+
+TRAIN_STEP = StreamSchema(
+    "TrainStep",
+    "batch.",
+    (
+        Field("tokens", 2, "int"),
+        Field("response_mask", 2, "mask"),
+        Field("group_ids", 1, "int"),
+        Field("rewards", 1, "float"),
+        Field("behaviour_logprobs", 2, "float"),
+        Field("versions", 1, "int"),
+    ),
+    (Field("reference_logprobs", 2, "float"), Field("values", 2, "float")),
 )
-OPTIONAL_BATCH_FIELDS = (("reference_logprobs", 2, "float"), ("values", 2, "float"))
-SFT_FIELDS = (("tokens", 2, "int"), ("targets", 2, "int"), ("loss_mask", 2, "mask"))
+SFT_STEP = StreamSchema(
+    "SftStep",
+    "",
+    (Field("tokens", 2, "int"), Field("targets", 2, "int"), Field("loss_mask", 2, "mask")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLimits:
+    """What a received batch may declare and hold, from the trainer's config; None = no
+    limit. Checked on the header, before any data is received or memory allocated."""
+
+    max_rows: int | None = None  # controller.global_batch_size
+    max_seq_len: int | None = None  # trainer.max_seq_len
+    vocab_size: int | None = None  # model.vocab_size: token ids lie in [0, vocab_size)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> BatchLimits:
+        return cls(
+            max_rows=config.controller.global_batch_size,
+            max_seq_len=config.trainer.max_seq_len,
+            vocab_size=config.model.vocab_size,
+        )
 
 
 class BatchFormatError(ValueError):
@@ -77,36 +135,258 @@ class BatchFormatError(ValueError):
         self.field = field
 
 
-# -- conversions ------------------------------------------------------------------------------
-def tensor_to_proto(array: Any, out: pb.Tensor | None = None) -> pb.Tensor:
-    """`array` (numpy or JAX) as a Tensor: dtype name, shape, C-order little-endian bytes;
-    written into `out` (a message's field) when given, saving a copy of the bytes."""
-    array = np.asarray(array)
-    out = pb.Tensor() if out is None else out
-    out.dtype = dtype_name(array.dtype)
-    out.shape[:] = array.shape
-    out.data = bytes(to_bytes(array))
-    return out
+class TruncatedStreamError(BatchFormatError):
+    """A stream that stopped before every declared byte and its end mark arrived."""
 
 
-def tensor_from_proto(message: pb.Tensor, field: str) -> np.ndarray:
-    """The array in `message` (read-only, no copy of the received bytes)."""
-    try:
-        dtype = parse_dtype(message.dtype)
-    except (TypeError, ValueError):
-        raise BatchFormatError(field, f"has unknown dtype {message.dtype!r}") from None
-    if dtype.kind not in "biufV" or dtype.itemsize == 0:
-        raise BatchFormatError(field, f"has non-numeric dtype {message.dtype!r}")
-    shape = tuple(message.shape)
-    if any(d < 0 for d in shape):
-        raise BatchFormatError(field, f"has a negative dimension in shape {list(shape)}")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(message.data) != expected:
-        raise BatchFormatError(
-            field,
-            f"has {len(message.data)} bytes of data; {message.dtype}{list(shape)} needs {expected}",
+# -- sending -----------------------------------------------------------------------------------
+def batch_stream(
+    step: int,
+    arrays: Mapping[str, Any],
+    *,
+    max_message_bytes: int = TrainerConfig.max_message_bytes,
+) -> Iterator[pb.BatchChunk]:
+    """The messages of one TrainStep / SftStep call: the header, data chunks of at most
+    `max_message_bytes` each, the end mark. `arrays`: name -> numpy (or JAX) array; None
+    values are left out. The header is built here, the chunks as they are sent: at most one
+    chunk's bytes are copied at a time (none of an array already C-order little-endian)."""
+    header, buffers = _header_and_buffers(step, arrays)
+    if header.ByteSize() + CHUNK_OVERHEAD_BYTES > max_message_bytes:
+        raise ValueError(
+            f"the header alone ({header.ByteSize()} bytes) does not fit max_message_bytes = "
+            f"{max_message_bytes}; raise trainer.max_message_bytes"
         )
-    return np.frombuffer(message.data, dtype.newbyteorder("<")).reshape(shape)
+    return _chunks(header, buffers, max_message_bytes - CHUNK_OVERHEAD_BYTES)
+
+
+def _header_and_buffers(
+    step: int, arrays: Mapping[str, Any]
+) -> tuple[pb.BatchHeader, list[memoryview]]:
+    header, buffers = pb.BatchHeader(step=step), []
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        array = np.asarray(array)
+        header.tensors.add(name=name, dtype=dtype_name(array.dtype), shape=array.shape)
+        buffers.append(to_bytes(array))
+    return header, buffers
+
+
+def _chunks(
+    header: pb.BatchHeader, buffers: list[memoryview], payload_bytes: int
+) -> Iterator[pb.BatchChunk]:
+    yield pb.BatchChunk(header=header)
+    for buffer in buffers:  # a chunk never spans two arrays: no copy to join them
+        for start in range(0, len(buffer), payload_bytes):
+            yield pb.BatchChunk(data=bytes(buffer[start : start + payload_bytes]))
+    yield pb.BatchChunk(end=pb.BatchEnd())
+
+
+def pack_batch(step: int, arrays: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """The stream as parts of one byte string (a length-prefixed header, then the data), for
+    a channel without a message limit (the multi-host trainer's broadcast); join them once."""
+    header, buffers = _header_and_buffers(step, arrays)
+    encoded = header.SerializeToString()
+    return [struct.pack("<Q", len(encoded)), encoded, *buffers]
+
+
+def unpack_batch(
+    packed: bytes | memoryview, schema: StreamSchema, limits: BatchLimits | None = None
+) -> tuple[int, dict[str, np.ndarray | None]]:
+    """The inverse of `pack_batch`, with the checks of `BatchReceiver`."""
+    packed = memoryview(packed)
+    (size,) = struct.unpack_from("<Q", packed)
+    receiver = BatchReceiver(schema, limits)
+    receiver.header(pb.BatchHeader.FromString(packed[8 : 8 + size]))
+    receiver.data(packed[8 + size :])
+    receiver.end()
+    return receiver.finish()
+
+
+# -- receiving ---------------------------------------------------------------------------------
+class BatchReceiver:
+    """Reassembles and checks one stream of BatchChunks (docs/trainer.md, "The wire").
+
+        receiver = BatchReceiver(TRAIN_STEP, limits)
+        for chunk in chunks:
+            receiver.add(chunk)
+        step, arrays = receiver.finish()
+
+    The header is checked against the schema and `limits` before anything is allocated;
+    then each array is allocated once at its declared size and the data is copied into it as
+    it arrives, so the receiver holds one copy of the batch and one chunk. Any breach raises
+    BatchFormatError (TruncatedStreamError for a stream cut short) naming the problem.
+    """
+
+    def __init__(self, schema: StreamSchema, limits: BatchLimits | None = None) -> None:
+        self.schema, self.limits = schema, limits or BatchLimits()
+        self.step: int | None = None
+        self._arrays: dict[str, np.ndarray] = {}
+        self._targets: list[tuple[str, np.ndarray]] = []  # (field, flat uint8 view), in order
+        self._index = self._offset = 0  # where the next byte goes: target, byte in it
+        self.received_bytes = self.declared_bytes = 0
+        self._ended = False
+
+    @property
+    def _stream(self) -> str:
+        return f"the {self.schema.method} stream"
+
+    def add(self, chunk: pb.BatchChunk) -> None:
+        part = chunk.WhichOneof("part")
+        if part == "header":
+            self.header(chunk.header)
+        elif part == "data":
+            self.data(chunk.data)
+        elif part == "end":
+            self.end()
+        else:
+            raise BatchFormatError(self._stream, "has an empty message (no header, data or end)")
+
+    def header(self, header: pb.BatchHeader) -> None:
+        if self._ended:
+            raise BatchFormatError(self._stream, "has a message after its end")
+        if self.step is not None:
+            raise BatchFormatError(self._stream, "has a second header: one stream is one batch")
+        if header.step < 0:
+            raise BatchFormatError("step", f"must be >= 0, got {header.step}")
+        declared = self._check_header(header)
+        for name, (dtype, shape) in declared.items():
+            little = dtype.newbyteorder("<")  # the wire's byte order (== dtype on most hosts)
+            array = np.empty(shape, dtype if little == dtype else little)
+            self._arrays[name] = array
+            self._targets.append((f"{self.schema.prefix}{name}", array.reshape(-1).view(np.uint8)))
+        self.declared_bytes = sum(target.size for _, target in self._targets)
+        self.step = header.step
+
+    def data(self, data: bytes | memoryview) -> None:
+        if self.step is None:
+            raise BatchFormatError(
+                self._stream, "sent data before its header: the header comes first"
+            )
+        if self._ended:
+            raise BatchFormatError(self._stream, "has a message after its end")
+        source = np.frombuffer(data, np.uint8)
+        if self.received_bytes + source.size > self.declared_bytes:
+            raise BatchFormatError(
+                self._stream,
+                f"carries more data than its header declares ({self.declared_bytes} bytes): "
+                "each array's dtype and shape in the header must match the bytes sent",
+            )
+        done = 0
+        while done < source.size:
+            target = self._targets[self._index][1]
+            n = min(target.size - self._offset, source.size - done)
+            target[self._offset : self._offset + n] = source[done : done + n]
+            done += n
+            self._offset += n
+            if self._offset == target.size:
+                self._index, self._offset = self._index + 1, 0
+        self.received_bytes += source.size
+
+    def end(self) -> None:
+        if self.step is None:
+            raise BatchFormatError(self._stream, "ended before its header")
+        if self._ended:
+            raise BatchFormatError(self._stream, "has a message after its end")
+        if self.received_bytes < self.declared_bytes:
+            raise TruncatedStreamError(
+                self._targets[self._index][0],
+                f"is incomplete: {self._stream} ended after {self.received_bytes} of the "
+                f"{self.declared_bytes} bytes its header declares (chunks are missing); "
+                "send the whole batch again",
+            )
+        self._ended = True
+
+    def finish(self) -> tuple[int, dict[str, np.ndarray | None]]:
+        """(step, {field: array or None}) once the stream has ended; the arrays are cast to
+        their field's dtype (int32, float32, bool|float32 for masks)."""
+        if self.step is None:
+            raise TruncatedStreamError(
+                self._stream, "ended without a header: no batch was sent; send the step again"
+            )
+        if not self._ended:
+            where = (
+                f" ({self._targets[self._index][0]} is incomplete)"
+                if self.received_bytes < self.declared_bytes
+                else ""
+            )
+            raise TruncatedStreamError(
+                self._stream,
+                f"stopped without its end message after {self.received_bytes} of "
+                f"{self.declared_bytes} bytes{where}: the client stopped midway; send the "
+                "step again",
+            )
+        out: dict[str, np.ndarray | None] = {}
+        for field in self.schema.fields:
+            array = self._arrays.get(field.name)
+            out[field.name] = None if array is None else _cast(array, field.kind)
+        return self.step, out
+
+    def _check_header(self, header: pb.BatchHeader) -> dict[str, tuple[np.dtype, tuple]]:
+        """{name: (dtype, shape)} of a header that fits the schema and the limits."""
+        schema, limits, prefix = self.schema, self.limits, self.schema.prefix
+        by_name = {f.name: f for f in schema.fields}
+        declared: dict[str, tuple[np.dtype, tuple]] = {}
+        batch = seq = None
+        first = f"{prefix}{schema.required[0].name}"
+        for spec in header.tensors:
+            name = f"{prefix}{spec.name}"
+            field = by_name.get(spec.name)
+            if field is None:
+                known = ", ".join(f.name for f in schema.fields)
+                raise BatchFormatError(name, f"is not a {schema.method} field (fields: {known})")
+            if spec.name in declared:
+                raise BatchFormatError(name, "is declared twice in the header")
+            dtype = _check_dtype(spec.dtype, name, field.kind)
+            shape = tuple(spec.shape)
+            if len(shape) != field.rank:
+                dims = "[batch, seq]" if field.rank == 2 else "[batch]"
+                raise BatchFormatError(name, f"must have shape {dims}, got {list(shape)}")
+            if any(d < 0 for d in shape):
+                raise BatchFormatError(name, f"has a negative dimension in shape {list(shape)}")
+            batch = shape[0] if batch is None else batch
+            if shape[0] != batch:
+                raise BatchFormatError(name, f"has {shape[0]} sequences, {first} has {batch}")
+            if limits.max_rows is not None and batch > limits.max_rows:
+                raise BatchFormatError(
+                    name,
+                    f"declares {batch} sequences, more than the global batch of "
+                    f"{limits.max_rows} (controller.prompts_per_batch × "
+                    "controller.samples_per_prompt); a step takes exactly the global batch",
+                )
+            if field.rank == 2:
+                seq = shape[1] if seq is None else seq
+                if shape[1] != seq:
+                    raise BatchFormatError(name, f"has length {shape[1]}, {first} has {seq}")
+                if limits.max_seq_len is not None and seq > limits.max_seq_len:
+                    raise BatchFormatError(
+                        name,
+                        f"declares length {seq}, over trainer.max_seq_len "
+                        f"({limits.max_seq_len}): cut the sequences to at most "
+                        f"{limits.max_seq_len} tokens, or raise trainer.max_seq_len",
+                    )
+            declared[spec.name] = (dtype, shape)
+        for field in schema.required:
+            if field.name not in declared:
+                raise BatchFormatError(f"{prefix}{field.name}", "is missing")
+        if batch == 0 or seq == 0:
+            raise BatchFormatError(first, "is empty")
+        return declared
+
+
+def _check_dtype(name: str, field: str, kind: str) -> np.dtype:
+    try:
+        dtype = parse_dtype(name)
+    except (TypeError, ValueError):
+        raise BatchFormatError(field, f"has unknown dtype {name!r}") from None
+    if dtype.kind not in "biufV" or dtype.itemsize == 0:
+        raise BatchFormatError(field, f"has non-numeric dtype {name!r}")
+    if kind == "int" and not np.issubdtype(dtype, np.integer):
+        raise BatchFormatError(field, f"must be an integer array, got {dtype.name}")
+    mask_ok = kind == "mask" and (dtype == np.bool_ or np.issubdtype(dtype, np.integer))
+    if kind != "int" and not (mask_ok or _is_float(dtype)):
+        raise BatchFormatError(field, f"must be a floating-point array, got {dtype.name}")
+    return dtype
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -116,69 +396,14 @@ def _is_float(dtype: np.dtype) -> bool:
     )
 
 
-def _cast(array: np.ndarray, field: str, kind: str) -> np.ndarray:
-    dtype = array.dtype
+def _cast(array: np.ndarray, kind: str) -> np.ndarray:
+    """`array` (dtype checked by `_check_dtype`) as its field's dtype; no copy when it
+    already is (the usual case: int32, float32, bool)."""
     if kind == "int":
-        if not np.issubdtype(dtype, np.integer):
-            raise BatchFormatError(field, f"must be an integer array, got {dtype.name}")
         return array.astype(np.int32, copy=False)
-    if kind == "mask" and dtype == np.bool_:
+    if kind == "mask" and array.dtype == np.bool_:
         return array
-    if not (_is_float(dtype) or kind == "mask" and np.issubdtype(dtype, np.integer)):
-        raise BatchFormatError(field, f"must be a floating-point array, got {dtype.name}")
     return array.astype(np.float32, copy=False)
-
-
-def arrays_from_proto(
-    message: Any, prefix: str, fields: tuple, *, optional: tuple = ()
-) -> dict[str, np.ndarray | None]:
-    """Decode and check `fields` of `message`: the rank, the dtype kind, and that every
-    per-sequence dimension equals the batch size and every per-token one the length."""
-    out: dict[str, np.ndarray | None] = {}
-    batch = seq = None
-    for (name, rank, kind), required in [
-        *((f, True) for f in fields),
-        *((f, False) for f in optional),
-    ]:
-        field = f"{prefix}{name}"
-        if not message.HasField(name):
-            if required:
-                raise BatchFormatError(field, "is missing")
-            out[name] = None
-            continue
-        array = _cast(tensor_from_proto(getattr(message, name), field), field, kind)
-        if array.ndim != rank:
-            dims = "[batch, seq]" if rank == 2 else "[batch]"
-            raise BatchFormatError(field, f"must have shape {dims}, got {list(array.shape)}")
-        if batch is None:
-            batch = array.shape[0]
-        if array.shape[0] != batch:
-            raise BatchFormatError(
-                field, f"has {array.shape[0]} sequences, {prefix}{fields[0][0]} has {batch}"
-            )
-        if rank == 2:
-            if seq is None:
-                seq = array.shape[1]
-            if array.shape[1] != seq:
-                raise BatchFormatError(
-                    field, f"has length {array.shape[1]}, {prefix}{fields[0][0]} has {seq}"
-                )
-        out[name] = array
-    if batch == 0 or seq == 0:
-        raise BatchFormatError(f"{prefix}{fields[0][0]}", "is empty")
-    return out
-
-
-def batch_to_proto(
-    batch: RolloutArrays | Any, out: pb.RolloutBatchMessage | None = None
-) -> pb.RolloutBatchMessage:
-    """`batch` as a message (written into `out` when given); None fields are left unset."""
-    message = pb.RolloutBatchMessage() if out is None else out
-    for name, _, _ in (*BATCH_FIELDS, *OPTIONAL_BATCH_FIELDS):
-        value = getattr(batch, name)
-        if value is not None:
-            tensor_to_proto(value, getattr(message, name))
-    return message
 
 
 def check_tokens(tokens: np.ndarray, field: str, vocab_size: int | None) -> None:

@@ -1,0 +1,327 @@
+"""TrainStep and SftStep stream their batch in chunks below `trainer.max_message_bytes`. The
+chunk codec on its own: any cut of the bytes reassembles exactly; a truncated, oversized,
+misshapen or mistyped stream is refused naming the problem. A real trainer process with the
+limit lowered to 1 KiB: a batch several times the limit trains, a client whose messages
+exceed the limit gets RESOURCE_EXHAUSTED naming the knob, every refused stream leaves the
+trainer unchanged. Slow: with a warm start, the SFT and train batches streamed in 1 KiB
+messages train bit for bit as a second trainer trains them sent whole."""
+
+import grpc
+import numpy as np
+import pytest
+from processes import ProcessGroup
+from test_trainer_service import OVERRIDES, SEQ, TINY, TOKEN, call_error, rollout_batch
+
+from rlax_tpu.config import load_config
+from rlax_tpu.rpc import make_channel
+from rlax_tpu.rpc.protos import trainer_pb2 as pb
+from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
+from rlax_tpu.trainer.client import TrainerClient
+from rlax_tpu.trainer.wire import (
+    SFT_STEP,
+    TRAIN_STEP,
+    BatchFormatError,
+    BatchLimits,
+    BatchReceiver,
+    TruncatedStreamError,
+    batch_stream,
+    pack_batch,
+    unpack_batch,
+)
+
+LIMIT = 1024  # bytes: the tiny config's train batch is ~2.6 KB, its SFT batch 2.3 KB
+LIMITS = BatchLimits(max_rows=8, max_seq_len=SEQ, vocab_size=512)
+_CONFIG = load_config(TINY, OVERRIDES)  # global batch 8, trainer.max_seq_len = SEQ
+
+
+def arrays_of(batch) -> dict:
+    return {f.name: getattr(batch, f.name) for f in TRAIN_STEP.fields}
+
+
+def sft_arrays(step: int, size: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    tokens = rng.integers(1, 512, (size, SEQ), dtype=np.int32)
+    mask = np.zeros((size, SEQ), np.float32)
+    mask[:, 8:] = 1.0
+    return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "loss_mask": mask}
+
+
+def receive(chunks, schema=TRAIN_STEP, limits=LIMITS):
+    receiver = BatchReceiver(schema, limits)
+    for chunk in chunks:
+        receiver.add(chunk)
+    return receiver.finish()
+
+
+def with_header(chunks: list, **changes) -> list:
+    """`chunks` with the header's tensor `name` declared as (dtype, shape) = changes[name]."""
+    header = pb.BatchHeader()
+    header.CopyFrom(chunks[0].header)
+    for spec in header.tensors:
+        if spec.name in changes:
+            dtype, shape = changes[spec.name]
+            spec.dtype = dtype or spec.dtype
+            spec.shape[:] = shape or spec.shape
+    return [pb.BatchChunk(header=header), *chunks[1:]]
+
+
+def train_chunks(step: int = 1) -> list:
+    """The messages of TrainStep `step` on the test batch, cut below LIMIT."""
+    batch = arrays_of(rollout_batch(_CONFIG, step))
+    return list(batch_stream(step, batch, max_message_bytes=LIMIT))
+
+
+# -- the codec ----------------------------------------------------------------------------------
+def test_every_message_fits_the_limit_and_the_batch_reassembles_exactly():
+    batch = rollout_batch(_CONFIG, 3).replace(values=np.ones((8, SEQ), np.float32))
+    chunks = list(batch_stream(3, arrays_of(batch), max_message_bytes=LIMIT))
+    assert max(c.ByteSize() for c in chunks) <= LIMIT
+    sent = sum(a.nbytes for a in arrays_of(batch).values() if a is not None)
+    assert sent > 2 * LIMIT and sum(c.HasField("data") for c in chunks) >= sent // LIMIT + 1
+    step, got = receive(chunks)
+    assert step == 3
+    for name, array in arrays_of(batch).items():
+        if array is None:
+            assert got[name] is None, name
+        else:
+            assert got[name].dtype == array.dtype and np.array_equal(got[name], array), name
+
+
+def test_data_cut_anywhere_reassembles_and_other_dtypes_are_cast():
+    """Chunks may span arrays (the receiver reads one byte stream); int64 tokens and float16
+    masks arrive as int32 and float32."""
+    arrays = sft_arrays(0)
+    arrays["tokens"] = arrays["tokens"].astype(np.int64)
+    arrays["loss_mask"] = arrays["loss_mask"].astype(np.float16)
+    header, *data = pack_batch(4, arrays)[1:]
+    joined = b"".join(bytes(d) for d in data)
+    receiver = BatchReceiver(SFT_STEP, LIMITS)
+    receiver.header(pb.BatchHeader.FromString(header))
+    for start in range(0, len(joined), 333):  # 333 does not divide any array's size
+        receiver.data(joined[start : start + 333])
+    receiver.end()
+    step, got = receiver.finish()
+    assert step == 4
+    assert got["tokens"].dtype == np.int32 and np.array_equal(got["tokens"], arrays["tokens"])
+    assert got["loss_mask"].dtype == np.float32
+    assert np.array_equal(got["loss_mask"], arrays["loss_mask"].astype(np.float32))
+    again = unpack_batch(b"".join(pack_batch(4, arrays)), SFT_STEP, LIMITS)
+    assert again[0] == 4 and np.array_equal(again[1]["targets"], arrays["targets"])
+
+
+def test_a_stream_without_its_end_is_truncated():
+    with pytest.raises(TruncatedStreamError, match="stopped without its end message"):
+        receive(train_chunks()[:-1])
+    with pytest.raises(TruncatedStreamError, match="ended without a header"):
+        receive([])
+
+
+def test_a_stream_missing_chunks_is_truncated_naming_the_incomplete_field():
+    chunks = train_chunks()
+    missing = [c for i, c in enumerate(chunks) if i != len(chunks) - 2]  # the last data chunk
+    with pytest.raises(TruncatedStreamError, match=r"batch\.versions is incomplete.*send the"):
+        receive(missing)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"tokens": (None, [16, SEQ])}, r"batch\.tokens declares 16 sequences, more than the "),
+        ({"tokens": (None, [8, 64])}, r"batch\.tokens declares length 64, over trainer\.max_"),
+        ({"rewards": (None, [8, 1])}, r"batch\.rewards must have shape \[batch\], got \[8, 1\]"),
+        ({"group_ids": (None, [7])}, r"batch\.group_ids has 7 sequences, batch\.tokens has 8"),
+        ({"tokens": ("float32", None)}, r"batch\.tokens must be an integer array, got float32"),
+        ({"rewards": ("int32", None)}, r"batch\.rewards must be a floating-point array"),
+        ({"versions": ("object", None)}, r"batch\.versions has non-numeric dtype"),
+    ],
+    ids=["rows", "length", "rank", "batch-size", "int-dtype", "float-dtype", "object"],
+)
+def test_a_header_over_the_limits_or_of_the_wrong_shape_or_dtype_is_refused(changes, error):
+    """Refused at the header, before any data is read or memory allocated."""
+    receiver = BatchReceiver(TRAIN_STEP, LIMITS)
+    with pytest.raises(BatchFormatError, match=error):
+        receiver.add(with_header(train_chunks(), **changes)[0])
+    assert receiver.declared_bytes == 0
+
+
+def test_out_of_order_or_surplus_messages_are_refused():
+    chunks = train_chunks()
+    cases = {
+        "sent data before its header": [chunks[1]],
+        "has a second header": [chunks[0], chunks[0]],
+        "carries more data than its header declares": [*chunks[:-1], chunks[1]],
+        "has a message after its end": [*chunks, chunks[1]],
+        r"batch\.response_mask is missing": [
+            pb.BatchChunk(header=pb.BatchHeader(step=1, tensors=chunks[0].header.tensors[:1]))
+        ],
+        r"step must be >= 0": [pb.BatchChunk(header=pb.BatchHeader(step=-1))],
+    }
+    for message, stream in cases.items():
+        with pytest.raises(BatchFormatError, match=message):
+            receive(stream)
+
+
+def test_a_call_cut_off_by_the_client_is_a_truncated_stream():
+    """gRPC's request iterator raises when the client cancels or its deadline passes."""
+    from rlax_tpu.trainer.service import receive as service_receive
+
+    def cut_off():
+        yield from train_chunks()[:2]
+        raise grpc.RpcError()
+
+    with pytest.raises(TruncatedStreamError, match=r"cut off after \d+ of \d+ bytes \(the client"):
+        service_receive(cut_off(), TRAIN_STEP, LIMITS)
+
+
+# -- a real trainer process with the limit lowered -----------------------------------------------
+@pytest.fixture(scope="module")
+def group():
+    group = ProcessGroup()
+    yield group
+    group.stop_all()
+
+
+def start_trainer(group, run_dir, limit: int | None, *overrides: str):
+    """`serve trainer` without a parameter server; messages of at most `limit` bytes."""
+    extra = [] if limit is None else [f"trainer.max_message_bytes={limit}"]
+    return group.start_trainer(
+        TINY, token=TOKEN, overrides=[*OVERRIDES, f"storage.run_dir={run_dir}", *extra, *overrides]
+    )
+
+
+@pytest.fixture(scope="module")
+def chunked(group, tmp_path_factory):
+    """A trainer that accepts messages of at most LIMIT bytes (no warm start)."""
+    return start_trainer(group, tmp_path_factory.mktemp("chunked"), LIMIT)
+
+
+@pytest.fixture(scope="module")
+def client(chunked):
+    with TrainerClient(
+        chunked.address, auth_token=TOKEN, timeout_s=300, max_message_bytes=LIMIT
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def stub(chunked):
+    """The Trainer stub on an authenticated channel, to send hand-made streams."""
+    channel = make_channel(chunked.address, auth_token=TOKEN)
+    yield pb_grpc.TrainerStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def first_step(client):
+    """Step 0, streamed in chunks of at most LIMIT bytes."""
+    return client.train_step(0, rollout_batch(_CONFIG, 0))
+
+
+def rpc_error(call, chunks) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(iter(chunks), timeout=60)
+    return info.value
+
+
+def test_a_batch_several_times_the_limit_trains_through_the_server(first_step):
+    batch = arrays_of(rollout_batch(_CONFIG, 0))
+    assert sum(a.nbytes for a in batch.values() if a is not None) > 2 * LIMIT
+    assert (first_step.step, first_step.version, first_step.already_done) == (0, 1, False)
+    assert np.isfinite(first_step.metrics["loss"]) and first_step.metrics["grad_norm"] > 0
+    assert first_step.metrics["time/receive_batch_s"] >= 0
+
+
+def test_a_client_over_the_trainers_limit_is_resource_exhausted_naming_the_knob(
+    first_step, chunked
+):
+    """The limit is the server's: a client with the default limit (1 MiB) sends each array
+    of this batch in one message, over 1 KiB, and is refused."""
+    with TrainerClient(chunked.address, auth_token=TOKEN, timeout_s=60) as big:
+        error = call_error(big.train_step, 1, rollout_batch(_CONFIG, 1))
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "trainer.max_message_bytes" in str(error)
+        assert big.status().version == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("no-end", "stopped without its end message"),
+        ("missing-chunk", "batch.versions is incomplete"),
+        ("rows", "batch.tokens declares 16 sequences, more than the global batch of 8"),
+        ("length", "batch.tokens declares length 64, over trainer.max_seq_len (32)"),
+        ("shape", "batch.rewards must have shape [batch], got [8, 1]"),
+        ("dtype", "batch.tokens must be an integer array, got float32"),
+    ],
+)
+def test_a_bad_stream_is_invalid_argument_and_changes_nothing(
+    first_step, client, stub, case, expected
+):
+    chunks = train_chunks(1)
+    stream = {
+        "no-end": chunks[:-1],
+        "missing-chunk": [c for i, c in enumerate(chunks) if i != len(chunks) - 2],
+        "rows": with_header(chunks, tokens=(None, [16, SEQ])),
+        "length": with_header(chunks, tokens=(None, [8, 64])),
+        "shape": with_header(chunks, rewards=(None, [8, 1])),
+        "dtype": with_header(chunks, tokens=("float32", None)),
+    }[case]
+    error = rpc_error(stub.TrainStep, stream)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in error.details()
+    assert client.status().version == 1
+
+
+def test_an_sft_stream_reaches_the_trainer_whole_or_is_refused_truncated(first_step, client, stub):
+    """This trainer has no warm start: a whole SftStep stream gets the trainer's own answer
+    (FAILED_PRECONDITION), a truncated one is refused before the trainer sees it."""
+    chunks = list(batch_stream(0, sft_arrays(0), max_message_bytes=LIMIT))
+    error = rpc_error(stub.SftStep, chunks[:-2])  # the last data chunk and the end are lost
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stopped without its end message" in error.details()
+    assert "(loss_mask is incomplete)" in error.details()
+    error = call_error(client.sft_step, 0, *sft_arrays(0).values())
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "controller.sft_steps = 0" in str(error)
+    assert client.status().version == 1
+
+
+def test_after_refused_streams_the_next_step_trains_and_a_done_step_is_answered(first_step, client):
+    again = client.train_step(0, rollout_batch(_CONFIG, 0))
+    assert again.already_done and again.metrics == first_step.metrics
+    second = client.train_step(1, rollout_batch(_CONFIG, 1))
+    assert (second.step, second.version, second.already_done) == (1, 2, False)
+    assert client.status().version == 2
+
+
+@pytest.mark.slow
+def test_sft_and_train_batches_over_the_limit_train_exactly_as_sent_whole(group, tmp_path):
+    """With a warm start (controller.sft_steps = 1): a trainer with the limit lowered and one
+    with the default (every array in one message) train the same SFT step and train step to
+    the same metrics, bit for bit; a truncated SftStep changes nothing first."""
+    results = {}
+    for limit in (LIMIT, None):
+        process = start_trainer(group, tmp_path / str(limit), limit, "controller.sft_steps=1")
+        with TrainerClient(
+            process.address, auth_token=TOKEN, timeout_s=300, max_message_bytes=limit
+        ) as trainer:
+            if limit is not None:
+                channel = make_channel(process.address, auth_token=TOKEN)
+                chunks = list(batch_stream(0, sft_arrays(0), max_message_bytes=limit))
+                error = rpc_error(pb_grpc.TrainerStub(channel).SftStep, chunks[:-1])
+                channel.close()
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert trainer.warm_start_step() == 0
+            sft = trainer.sft_step(0, **sft_arrays(0))
+            assert (sft.version, trainer.warm_start_step()) == (0, 1)
+            results[limit] = (sft, trainer.train_step(0, rollout_batch(_CONFIG, 0)))
+        assert process.stop() == 0
+    for got, want in zip(results[LIMIT], results[None], strict=True):
+        assert got.version == want.version
+        assert untimed(got.metrics) == untimed(want.metrics)
+
+
+def untimed(metrics: dict) -> dict:
+    """`metrics` without the ones that measure time (step time, tokens/s, MFU)."""
+    timed = ("tokens_per_s", "mfu")
+    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in timed}
