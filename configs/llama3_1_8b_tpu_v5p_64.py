@@ -49,27 +49,37 @@ def get_config() -> RunConfig:
             ),
             rms_norm_eps=1e-5,
             max_position_embeddings=131072,
+            # float32 master weights and Adam state; bf16 matmuls; bf16 weights published,
+            # stored by the parameter server and served by the workers (half the bytes).
             param_dtype="float32",
             dtype="bfloat16",
+            publish_dtype="bfloat16",
             hf_checkpoint="gs://rlax-tpu-models/Llama-3.1-8B-Instruct",
         ),
         staleness=StalenessConfig.PRESETS["off_policy"](),
         trainer=TrainerConfig(
             # 32 chips (v5p-64 = 32 chips): fsdp over 8, tensor 4.
-            mesh=MeshConfig(data=1, fsdp=-1, tensor=4),
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=4, topology="v5p:2x4x4"),
             algorithm=AlgorithmConfig(name="aipo"),
             # N > 0: ρ against the generating version's log-probs; recomputed π_old hides staleness.
             behaviour_logprobs="cached",
             mini_batch_size=256,
             micro_batch_size=32,
             max_seq_len=16384,
+            # Memory (docs/trainer.md): without these one decoder layer's temporaries at
+            # 32 × 16384 tokens exceed a chip. `rlax-tpu compile` on this config: rl_step
+            # needs 35.9 GiB of a v5p chip's 95; save_dot_except_mlp: 58.2 GiB for 2.7%
+            # fewer FLOPs.
+            remat_policy="full",
+            scan_layers=True,
+            logprob_chunk_size=8192,
             learning_rate=1e-6,
             lr_schedule="constant",
             warmup_steps=20,
             weight_decay=0.1,
         ),
         inference=InferenceConfig(
-            mesh=MeshConfig(data=1, fsdp=1, tensor=4),
+            mesh=MeshConfig(data=1, fsdp=1, tensor=4, topology="v5p:2x2x1"),
             num_workers=16,
             max_decode_slots=256,
             page_size=64,
@@ -80,7 +90,8 @@ def get_config() -> RunConfig:
             temperature=1.0,
             stop_token_ids=(128001, 128008, 128009),
         ),
-        # K = N + η + 1 = 49 float32 versions of 32 GB: 8 replicas of ~200 GB each.
+        # K = N + η + 1 = 49 bfloat16 versions of 16.1 GB (8.03e9 params × 2 B): 787 GB,
+        # 8 replicas of 91.6 GiB each (sized below).
         param_server=ParamServerConfig(num_replicas=8),
         verifiers=VerifierConfig(num_workers=16),
         controller=ControllerConfig(
@@ -103,7 +114,9 @@ def get_config() -> RunConfig:
             controller_cpu="8",
             controller_memory="32Gi",
             param_server_cpu="16",
-            param_server_memory="240Gi",
+            # Per replica: 49 versions × 14.96 GiB / 8 = 91.6 GiB + 4 GiB pull cache = 95.6 GiB,
+            # plus a third for versions waiting for their persistent copy and gRPC buffers.
+            param_server_memory="128Gi",
             verifier_cpu="16",
             verifier_memory="32Gi",
             termination_grace_period_s=600,

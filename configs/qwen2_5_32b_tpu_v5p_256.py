@@ -40,26 +40,35 @@ def get_config() -> RunConfig:
             rms_norm_eps=1e-5,
             max_position_embeddings=32768,
             qkv_bias=True,
+            # float32 master weights and Adam state; bf16 matmuls; bf16 weights published,
+            # stored by the parameter server and served by the workers (half the bytes).
             param_dtype="float32",
             dtype="bfloat16",
+            publish_dtype="bfloat16",
             hf_checkpoint="gs://rlax-tpu-models/Qwen2.5-32B-Instruct",
         ),
         staleness=StalenessConfig.PRESETS["one_step_off_policy"](),
         trainer=TrainerConfig(
-            mesh=MeshConfig(data=1, fsdp=-1, tensor=8),
+            # 128 chips (v5p-256): fsdp over 16, tensor 8.
+            mesh=MeshConfig(data=1, fsdp=-1, tensor=8, topology="v5p:4x4x8"),
             algorithm=AlgorithmConfig(name="dapo"),
             # N > 0: ρ against the generating version's log-probs; recomputed π_old hides staleness.
             behaviour_logprobs="cached",
             mini_batch_size=512,
             micro_batch_size=32,
             max_seq_len=20480,
+            # Memory (docs/trainer.md): `rlax-tpu compile` on this config: rl_step needs
+            # 41.2 GiB of a v5p chip's 95; save_dot_except_mlp: 70.0 GiB for 2.1% fewer FLOPs.
+            remat_policy="full",
+            scan_layers=True,
+            logprob_chunk_size=8192,
             learning_rate=1e-6,
             warmup_steps=20,
             weight_decay=0.1,
         ),
         inference=InferenceConfig(
             # One host's 4 chips (an inference worker runs on one host): 10 of 40 heads each.
-            mesh=MeshConfig(data=1, fsdp=1, tensor=4),
+            mesh=MeshConfig(data=1, fsdp=1, tensor=4, topology="v5p:2x2x1"),
             num_workers=16,
             max_decode_slots=256,
             page_size=64,
@@ -69,7 +78,8 @@ def get_config() -> RunConfig:
             max_new_tokens=16384,
             stop_token_ids=(151643, 151645),
         ),
-        # K = N + η + 1 = 3 float32 versions of 131 GB: 4 replicas of ~100 GB each.
+        # K = N + η + 1 = 3 bfloat16 versions of 65.5 GB (32.76e9 params × 2 B): 197 GB,
+        # 4 replicas of 45.8 GiB each (sized below).
         param_server=ParamServerConfig(num_replicas=4),
         verifiers=VerifierConfig(num_workers=16),
         controller=ControllerConfig(
@@ -92,7 +102,9 @@ def get_config() -> RunConfig:
             controller_cpu="8",
             controller_memory="32Gi",
             param_server_cpu="16",
-            param_server_memory="128Gi",
+            # Per replica: 3 versions × 61.03 GiB / 4 = 45.8 GiB + 4 GiB pull cache = 49.8 GiB,
+            # plus a third for versions waiting for their persistent copy and gRPC buffers.
+            param_server_memory="72Gi",
             verifier_cpu="16",
             verifier_memory="32Gi",
             termination_grace_period_s=900,

@@ -34,8 +34,10 @@ def get_config() -> RunConfig:
             max_position_embeddings=40960,
             tie_word_embeddings=True,
             qk_norm=True,
+            # float32 master weights; bf16 matmuls; bf16 weights published and served.
             param_dtype="float32",
             dtype="bfloat16",
+            publish_dtype="bfloat16",
             hf_checkpoint="/data/models/Qwen3-0.6B",
         ),
         staleness=StalenessConfig.PRESETS["one_step_off_policy"](),

@@ -215,7 +215,16 @@ def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
-@pytest.mark.parametrize("victim", ["controller", "inference_worker-0", "trainer-0"])
+# Killing the controller is the default-suite case; the other victims run with -m slow
+# (the suite's 20-minute budget; each takes ~30 s).
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "controller",
+        pytest.param("inference_worker-0", marks=pytest.mark.slow),
+        pytest.param("trainer-0", marks=pytest.mark.slow),
+    ],
+)
 def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, victim):
     job = start_run(workspace, f"killed_{victim}", warm_from=reference)
     try:
@@ -250,6 +259,7 @@ def kill_mid_run(job: Job, victim: str = "controller") -> None:
     wait_gone(children.values(), kill_after_s=60)
 
 
+@pytest.mark.slow  # ~50 s: over the default suite's budget
 def test_replay_mode_samples_within_the_staleness_bound_and_resumes_exactly(workspace, reference):
     uninterrupted = start_run(
         workspace, "replay", warm_from=reference, replay=True, reload_every=1, max_staleness=2

@@ -322,16 +322,24 @@ def test_a_pod_config_with_an_sft_warm_start_is_deployable():
 
 
 def test_a_mesh_that_does_not_fill_its_slice_is_refused():
-    config = load_config(str(TPU_CONFIGS[0]), ["inference.mesh.tensor=2"])
+    # With the mesh's own topology cleared (it follows the deploy slice): a mesh that names
+    # its topology is refused when the config loads (tests/test_compile.py).
+    config = load_config(
+        str(TPU_CONFIGS[0]), ["inference.mesh.topology=", "inference.mesh.tensor=2"]
+    )
     [problem] = problems(config)
     assert problem.startswith("inference.mesh must fill deploy.inference_tpu")
-    config = load_config(str(TPU_CONFIGS[0]), ["trainer.mesh.fsdp=4"])
+    config = load_config(str(TPU_CONFIGS[0]), ["trainer.mesh.topology=", "trainer.mesh.fsdp=4"])
     assert any(p.startswith("trainer.mesh") for p in problems(config))
 
 
 def test_an_inference_slice_of_several_hosts_is_refused():
     qwen = ROOT / "configs" / "qwen2_5_32b_tpu_v5p_256.py"
-    overrides = ["deploy.inference_tpu.topology=2x2x2", "inference.mesh.tensor=8"]
+    overrides = [
+        "inference.mesh.topology=",  # follow the deploy slice
+        "deploy.inference_tpu.topology=2x2x2",
+        "inference.mesh.tensor=8",
+    ]
     [problem] = problems(load_config(str(qwen), overrides))
     assert "an inference worker runs on one host" in problem
 

@@ -210,7 +210,7 @@ def bench_service(steps: int) -> dict[str, float]:
         "config": "tiny",
         "params": trainer.num_params,
         "arrays": _num_arrays(config),
-        "bytes": {"float32": 4, "bfloat16": 2}[config.model.param_dtype] * trainer.num_params,
+        "bytes": {"float32": 4, "bfloat16": 2}[config.model.published_dtype] * trainer.num_params,
         "rows": config.controller.global_batch_size,
         "seq": SERVICE_SEQ,
         "steps": steps,

@@ -2,7 +2,8 @@
 
 `run` / `resume` (the RL job, controller/job.py), `sft` and `eval` (the warm start alone
 and held-out accuracy, cli/sft_eval.py), `serve` (one component), `config show`,
-`deploy gke|xmanager` (rlax_tpu/deploy), `simulate` (cli/simulate.py), `prefilter`
+`deploy gke|xmanager` (rlax_tpu/deploy), `simulate` (cli/simulate.py), `compile`
+(cli/compile.py: the config's programs compiled for its TPU topology), `prefilter`
 (controller/prefilter.py) and `bench` (tools/bench_*.py, cli/bench.py).
 The parser reads only the config here; each command imports JAX and its component itself.
 """
@@ -27,6 +28,8 @@ _COMMANDS = {
     "bench": "run a benchmark from the source checkout's tools/ (`bench NAME [ARGS ...]`)",
     "prefilter": "pass rates of a checkpoint on a dataset, and the rows within a band",
     "simulate": "simulate a run to size it: step time, idle, staleness (no JAX)",
+    "compile": "compile every program for the config's TPU topology on this host: per-chip "
+    "memory, FLOPs, fit",
 }
 COMPONENTS = ("param-server", "inference", "trainer", "verifier")
 
@@ -244,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
             _add_config_args(p)
             add_simulate_args(p)
+        elif name == "compile":
+            from rlax_tpu.cli.compile import add_args as add_compile_args
+
+            _add_config_args(p)
+            add_compile_args(p)
         elif name == "prefilter":
             from rlax_tpu.controller.prefilter import add_args as add_prefilter_args
 
@@ -314,6 +322,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.cli.simulate import main as simulate
 
         return simulate(args)
+    if args.command == "compile":
+        from rlax_tpu.cli.compile import main as compile_main
+
+        return compile_main(args)
     if args.command == "resume":
         from rlax_tpu.controller.job import resume
 

@@ -3,7 +3,8 @@
 `--set` overrides the run config as for `run`; overrides of the simulator's own settings
 start with `timing.`, `hardware.`, `preemption.`, `response_tokens`, `prompt_tokens`,
 `evaluations` or `seed` (e.g. --set timing.ps_bytes_per_s=5e9). `--calibration` takes
-benchmark JSONs of tools/bench_*.py and YAML/JSON settings files, applied in order.
+benchmark JSONs of tools/bench_*.py, `rlax-tpu compile --json` reports (the compiled
+programs' rooflines) and YAML/JSON settings files, applied in order.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FILE",
-        help="a tools/bench_*.py --json output, or a YAML/JSON of simulator settings "
-        "(timing, hardware, preemption, response_tokens, ...); repeatable, in order",
+        help="a tools/bench_*.py --json output, an `rlax-tpu compile --json` report of this "
+        "config, or a YAML/JSON of simulator settings (timing, hardware, preemption, "
+        "response_tokens, ...); repeatable, in order",
     )
     parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures here")
     parser.add_argument("--plot", metavar="OUT.png", help="timeline + staleness histogram PNG")
@@ -41,17 +43,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlax_tpu.simulator import Calibration, calibrate, simulate
+    from rlax_tpu.simulator import Calibration, CalibrationError, calibrate, simulate
     from rlax_tpu.simulator.report import PlotUnavailableError, format_table, plot, report
 
     is_sim = [o.split("=", 1)[0].split(".", 1)[0] in _SIM_KEYS for o in args.overrides]
     run_overrides = [o for o, sim in zip(args.overrides, is_sim, strict=True) if not sim]
     config = load_config(args.config, run_overrides)
     calibration = Calibration()
-    for path in args.calibration:
-        calibration.add_file(path)
-    calibration.add_overrides(o for o, sim in zip(args.overrides, is_sim, strict=True) if sim)
-    workload, timing, sim, notes = calibrate(config, calibration)
+    try:  # a file that cannot be read, or a benchmark or compile report of something else
+        for path in args.calibration:
+            calibration.add_file(path)
+        calibration.add_overrides(o for o, sim in zip(args.overrides, is_sim, strict=True) if sim)
+        workload, timing, sim, notes = calibrate(config, calibration)
+    except CalibrationError as e:
+        print(f"rlax-tpu simulate: calibration: {e}", file=sys.stderr)
+        return 2
     result = simulate(workload, timing, preemption=sim.preemption, seed=sim.seed)
     figures = report(workload, timing, result, target_steps=args.target_steps, notes=notes)
     print(format_table(figures))

@@ -4,6 +4,8 @@ from rlax_tpu.config.base import ConfigBase, ConfigError
 from rlax_tpu.config.loader import load_config
 from rlax_tpu.config.run import (
     DEFAULT_LOGICAL_AXIS_RULES,
+    TPU_ACCELERATORS,
+    TPU_CHIPS,
     AlgorithmConfig,
     ControllerConfig,
     DatasetConfig,
@@ -19,10 +21,13 @@ from rlax_tpu.config.run import (
     TpuSliceConfig,
     TrainerConfig,
     VerifierConfig,
+    topology_chips,
 )
 
 __all__ = [
     "DEFAULT_LOGICAL_AXIS_RULES",
+    "TPU_ACCELERATORS",
+    "TPU_CHIPS",
     "AlgorithmConfig",
     "ConfigBase",
     "ConfigError",
@@ -41,4 +46,5 @@ __all__ = [
     "TrainerConfig",
     "VerifierConfig",
     "load_config",
+    "topology_chips",
 ]

@@ -27,6 +27,7 @@ RematPolicy = Literal[
 DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", ()),
+    ("layers", ()),  # the stacked decoder layers of trainer.scan_layers
     ("embed", ("fsdp",)),
     ("vocab", ("tensor",)),
     ("heads", ("tensor",)),
@@ -131,6 +132,37 @@ class ModelConfig(ConfigBase):
         require(self.rope_theta > 0, "rope_theta", "must be positive")
         require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
 
+    @property
+    def published_dtype(self) -> DType:
+        """The dtype of the weights the trainer publishes (publish_dtype, "" = param_dtype)."""
+        return self.publish_dtype or self.param_dtype
+
+    def served(self) -> ModelConfig:
+        """The model inference workers build and serve: this one with param_dtype = the
+        published dtype (the arrays they pull have it); compute dtype, KV cache and
+        architecture unchanged. Idempotent; the identity when nothing is cast."""
+        if self.param_dtype == self.published_dtype:
+            return self
+        return dataclasses.replace(self, param_dtype=self.published_dtype)
+
+
+# TPU chip generations (the names libtpu's topologies use), and the GKE accelerator node
+# label (cloud.google.com/gke-tpu-accelerator) of each.
+TPU_CHIPS = ("v4", "v5e", "v5p", "v6e")
+TPU_ACCELERATORS = {
+    "tpu-v4-podslice": "v4",
+    "tpu-v5-lite-podslice": "v5e",
+    "tpu-v5-lite-device": "v5e",
+    "tpu-v5p-slice": "v5p",
+    "tpu-v6e-slice": "v6e",
+}
+_MESH_TOPOLOGY = re.compile(r"^(" + "|".join(TPU_CHIPS) + r"):[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
+
+
+def topology_chips(topology: str) -> int:
+    """Chips of a topology: "v5p:2x4x4" or "2x4x4" -> 32."""
+    return math.prod(int(d) for d in topology.rpartition(":")[2].split("x"))
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class MeshConfig(ConfigBase):
@@ -140,10 +172,30 @@ class MeshConfig(ConfigBase):
     fsdp: int = -1
     tensor: int = 1
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_LOGICAL_AXIS_RULES
+    # The TPU slice this mesh runs on, "<chip>:<chips along each axis>" with chip v4 | v5e |
+    # v5p | v6e ("v5p:2x4x4" is a v5p-64: 32 chips). `rlax-tpu compile` compiles every
+    # program for it on any host. "" = the run's deploy slice (deploy.trainer_tpu /
+    # deploy.inference_tpu); when set, it must agree with that slice (RunConfig.validate).
+    topology: str = ""
 
     AXES = ("data", "fsdp", "tensor")
 
     def validate(self) -> None:
+        if self.topology:
+            require(
+                bool(_MESH_TOPOLOGY.match(self.topology)),
+                "topology",
+                f"must be <chip>:<chips along each axis> with chip one of "
+                f"{', '.join(TPU_CHIPS)}, like v5p:2x4x4 or v5e:4x4; got {self.topology!r}",
+            )
+            try:
+                self.shape_for(topology_chips(self.topology))
+            except ConfigError as e:
+                raise ConfigError(
+                    f"the mesh must fill its topology {self.topology} "
+                    f"({topology_chips(self.topology)} chips): {e.detail}",
+                    field="topology",
+                ) from None
         sizes = [self.data, self.fsdp, self.tensor]
         for axis, size in zip(self.AXES, sizes, strict=True):
             require(size == -1 or size >= 1, axis, f"must be >= 1 or -1 (the rest), got {size}")
@@ -275,9 +327,18 @@ class TrainerConfig(ConfigBase):
     behaviour_logprobs: Literal["recomputed", "cached"] = "recomputed"
     checkpoint_every: int = 16
     max_checkpoints_to_keep: int = 3
+    # The largest gRPC message of TrainStep / SftStep: the controller streams a batch of any
+    # size in chunks below it, and `serve trainer` refuses larger messages. Larger chunks
+    # are no faster and cost host memory on both ends (docs/trainer.md, "The wire").
+    max_message_bytes: int = 2**20
 
     def validate(self) -> None:
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        require(
+            2**10 <= self.max_message_bytes <= 256 * 2**20,
+            "max_message_bytes",
+            f"must be between 1 KiB and 256 MiB, got {self.max_message_bytes}",
+        )
         require(
             self.mini_batch_size % self.micro_batch_size == 0,
             "micro_batch_size",
@@ -582,6 +643,13 @@ class TpuSliceConfig(ConfigBase):
     def hosts(self) -> int:
         return self.chips // self.chips_per_host
 
+    @property
+    def mesh_topology(self) -> str:
+        """This slice as a `MeshConfig.topology` ("tpu-v5p-slice", "2x4x4" -> "v5p:2x4x4");
+        "" for an accelerator label not in TPU_ACCELERATORS."""
+        chip = TPU_ACCELERATORS.get(self.accelerator)
+        return f"{chip}:{self.topology}" if chip else ""
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class DeployConfig(ConfigBase):
@@ -687,6 +755,21 @@ class RunConfig(ConfigBase):
             f"max_prompt_len + max_new_tokens exceeds model.max_position_embeddings "
             f"({self.model.max_position_embeddings})",
         )
+        for section, slice_field in (("trainer", "trainer_tpu"), ("inference", "inference_tpu")):
+            topology = getattr(self, section).mesh.topology
+            tpu = getattr(self.deploy, slice_field)
+            require(
+                not topology or topology == tpu.mesh_topology,
+                f"{section}.mesh.topology",
+                f"{topology!r} disagrees with deploy.{slice_field} (accelerator "
+                f"{tpu.accelerator!r}, topology {tpu.topology!r}"
+                + (f" = {tpu.mesh_topology}" if tpu.mesh_topology else ", an unknown chip")
+                + f"): `rlax-tpu compile` would prove a slice the deployment does not rent. "
+                f"Make them name the same slice: set deploy.{slice_field}.accelerator and "
+                f'.topology, or {section}.mesh.topology ("" follows deploy.{slice_field}); '
+                f"to change both with --set, clear {section}.mesh.topology first "
+                f"(--set {section}.mesh.topology= --set deploy.{slice_field}.topology=...)",
+            )
         algorithm = self.trainer.algorithm.resolved()
         if algorithm.is_policy_gradient:
             # GAE's baseline V_old and the value loss both read the model's value head.
@@ -701,6 +784,12 @@ class RunConfig(ConfigBase):
                 "advantage without a critic (e.g. trainer.algorithm.advantage=group_mean "
                 "and trainer.algorithm.value_loss_coef=0)",
             )
+
+    def tpu_topology(self, component: Literal["trainer", "inference"]) -> str:
+        """The TPU slice `component`'s mesh runs on ("v5p:2x4x4"): its mesh's topology, else
+        its deploy slice's ("" when that accelerator is unknown)."""
+        mesh = getattr(self, component).mesh
+        return mesh.topology or getattr(self.deploy, f"{component}_tpu").mesh_topology
 
     @property
     def hot_versions(self) -> int:

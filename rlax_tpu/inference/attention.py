@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged_attention
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
+from jax.sharding import PartitionSpec
 
 from rlax_tpu.models.kv_cache import MASK_VALUE, grouped_attention
-from rlax_tpu.sharding import constrain
+from rlax_tpu.sharding import active_mesh, constrain, logical_spec, target_platform
 
 Backend = Literal["jax", "pallas_tpu", "pallas_gpu"]
 
@@ -61,9 +62,10 @@ def resolve_backend(
     auto: the TPU kernel on TPU for bfloat16 pools whose shapes fit it, else "jax" (the
     kernel reads pages as bfloat16, which would silently round a float32 cache; the GPU
     kernel is opt-in with "pallas"). pallas: the platform's kernel (the TPU one, interpreted,
-    on CPU); raises UnsupportedShapeError when the shapes don't fit it.
+    on CPU); raises UnsupportedShapeError when the shapes don't fit it. platform: what the
+    code is compiled for (default `target_platform()`: the active mesh's devices' platform).
     """
-    platform = platform or jax.default_backend()
+    platform = platform or target_platform()
     if name == "jax":
         return "jax"
     if name not in ("auto", "pallas"):
@@ -149,7 +151,9 @@ def paged_decode_attention_tpu(
         mask_value=MASK_VALUE,
         pages_per_compute_block=block,
     )
-    if jax.default_backend() == "cpu":
+    # Interpreted only when compiling for the CPU: for a mesh of abstract TPU devices (rlax-tpu
+    # compile on a CPU host) the real kernel is compiled.
+    if target_platform() == "cpu":
         with pltpu.force_tpu_interpret_mode():
             out = call()
     else:
@@ -182,7 +186,7 @@ def paged_decode_attention_gpu(
         k_splits=k_splits,
         pages_per_compute_block=block,
         mask_value=MASK_VALUE,
-        interpret=jax.default_backend() == "cpu",
+        interpret=target_platform() == "cpu",
     )
     return out.astype(q.dtype)
 
@@ -206,5 +210,29 @@ def paged_attention(
         return paged_attention_jax(q, k_pages, v_pages, page_table, positions)
     kernel = {"pallas_tpu": paged_decode_attention_tpu, "pallas_gpu": paged_decode_attention_gpu}
     lengths = jnp.where(valid[:, 0], positions[:, 0] + 1, 0).astype(jnp.int32)
-    out = kernel[backend](q[:, 0], k_pages, v_pages, page_table, lengths)
+    out = _per_device(kernel[backend])(q[:, 0], k_pages, v_pages, page_table, lengths)
     return out[:, None]
+
+
+def _per_device(kernel):
+    """`kernel` (q, k_pages, v_pages, page_table, lengths) on each device's own kv heads
+    under the active mesh: XLA cannot partition a Pallas kernel itself. The query heads are
+    split over the same mesh axes as the pool's kv heads, so each device keeps whole
+    groups; a pool whose kv heads are replicated runs the kernel whole on every device."""
+    mesh = active_mesh()
+    if mesh is None:
+        return kernel
+
+    def call(q, k_pages, v_pages, page_table, lengths):
+        pool = logical_spec(("act_kv_heads", None, None, "head_dim"), k_pages.shape)
+        heads = PartitionSpec(None, pool[0], None)
+        rows = PartitionSpec()
+        return jax.shard_map(
+            kernel,
+            mesh=mesh,
+            in_specs=(heads, pool, pool, rows, rows),
+            out_specs=heads,
+            check_vma=False,
+        )(q, k_pages, v_pages, page_table, lengths)
+
+    return call

@@ -100,7 +100,12 @@ class Engine:
         mesh: Mesh | None = None,
         decode_steps_per_call: int = 1,
         max_stop_tokens: int = 8,
+        allocate: bool = True,
     ):
+        """allocate=False builds the programs and layouts only, with no device memory: the
+        KV cache stays abstract (`abstract_cache`) and the engine cannot generate, but
+        `lower_prefill` / `lower_decode` lower its jitted steps (`rlax-tpu compile`, for a
+        mesh of abstract TPU devices)."""
         if decode_steps_per_call < 1:
             raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
         self.model_config = model_config
@@ -115,9 +120,16 @@ class Engine:
         graphdef, abstract_state = nnx.split(self._abstract_model())
         self._leaves = self._param_leaves(abstract_state)
         self._params: list[jax.Array] | None = None  # leaves of the model state, placed
-        self._cache = self._place_cache(PagedKVCache.from_config(model_config, inference_config))
-        self._allocator = self._cache.make_allocator()
-        self.num_slots = self._cache.batch_slots
+        # The platform the steps are compiled for picks the attention kernel (TPU for a mesh
+        # of abstract TPU devices on any host).
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        self._new_cache = functools.partial(
+            PagedKVCache.from_config, model_config, inference_config, platform=platform
+        )
+        self.abstract_cache = self._cache_layout(jax.eval_shape(self._new_cache))
+        self._cache = self._allocate_cache() if allocate else None
+        self._allocator = self.abstract_cache.make_allocator()
+        self.num_slots = self.abstract_cache.batch_slots
         self.prefill_rows = inference_config.prefill_rows
         self.max_seq_len = self._allocator.max_tokens_per_seq
         self._slots: list[_Sequence | None] = [None] * self.num_slots
@@ -303,6 +315,20 @@ class Engine:
 
         Unused rows are padding: length 0 (no valid token), an all-padding page-table row
         (PADDING_PAGE; writes there are dropped) and non-truncating sampling params."""
+        args = self._prefill_args(bucket, seqs, keys)
+        self._shapes.add(f"prefill:{self.prefill_rows}x{bucket}")
+        self._counters["prefill_calls"] += 1
+        with self._mesh_context():
+            packed, self._cache = _prefill_step(
+                *self._static, self._params, self._cache, *self._put(args)
+            )
+        return packed
+
+    def _prefill_args(
+        self, bucket: int, seqs: list[_Sequence], keys: Mapping[_Sequence, np.ndarray]
+    ) -> tuple[np.ndarray, ...]:
+        """The host arguments of a prefill call after (params, cache): page-table rows,
+        tokens, lengths, key data, temperature, top_k, top_p, "sampled" flags."""
         rows = self.prefill_rows
         page_rows = np.full((rows, self._allocator.pages_per_seq), PADDING_PAGE, np.int32)
         tokens = np.zeros((rows, bucket), np.int32)
@@ -320,14 +346,7 @@ class Engine:
             key_data[row] = keys[seq]
             temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
             sampled_logprobs[row] = s.logprobs_of == "sampled"
-        args = (page_rows, tokens, lengths, key_data, temperature, top_k, top_p, sampled_logprobs)
-        self._shapes.add(f"prefill:{rows}x{bucket}")
-        self._counters["prefill_calls"] += 1
-        with self._mesh_context():
-            packed, self._cache = _prefill_step(
-                *self._static, self._params, self._cache, *self._put(args)
-            )
-        return packed
+        return (page_rows, tokens, lengths, key_data, temperature, top_k, top_p, sampled_logprobs)
 
     # -- decode --------------------------------------------------------------------------
     def _decode(self) -> None:
@@ -482,8 +501,10 @@ class Engine:
         ]
 
     def _placed_params(self, params: Mapping[str, Any]) -> list[jax.Array]:
-        """`params` as the model state's leaves, cast to param_dtype and placed on the mesh
-        (ParamsMismatchError naming what is missing or misshapen)."""
+        """`params` as the model state's leaves, cast to the served param dtype (the published
+        one, `ModelConfig.served`) and placed on the mesh (ParamsMismatchError naming what is
+        missing or misshapen). Pulled params already have that dtype; a float32 master tree
+        given in-process is rounded to it as the trainer's publish rounds it."""
         missing, wrong, values = [], [], []
         for leaf in self._leaves:
             node: Any = params
@@ -512,9 +533,15 @@ class Engine:
         return jax.device_put(arrays, [leaf.sharding for leaf in self._leaves])
 
     def _abstract_model(self) -> Transformer:
-        return nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(0)))
+        # Weights in the published dtype (what the parameter server holds); the KV cache and
+        # compute stay in model_config.dtype.
+        served = self.model_config.served()
+        return nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
 
-    def _place_cache(self, cache: PagedKVCache) -> PagedKVCache:
+    def _cache_layout(self, cache: PagedKVCache) -> PagedKVCache:
+        """The abstract `cache` (ShapeDtypeStructs) with its placement: pools sharded over kv
+        heads like the model's activations, the page table replicated; unplaced without a
+        mesh."""
         if self._mesh is None:
             return cache
         pool = cache.keys[0]
@@ -522,11 +549,60 @@ class Engine:
             ("act_kv_heads", None, None, "head_dim"), self._rules, shape=pool.shape, mesh=self._mesh
         )
         pools = NamedSharding(self._mesh, spec)
+        replicated = NamedSharding(self._mesh, PartitionSpec())
+
+        def placed(x: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
         return cache.replace(
-            keys=jax.device_put(cache.keys, pools),
-            values=jax.device_put(cache.values, pools),
-            page_table=self._put(cache.page_table),
+            keys=tuple(placed(k, pools) for k in cache.keys),
+            values=tuple(placed(v, pools) for v in cache.values),
+            page_table=placed(cache.page_table, replicated),
         )
+
+    def _allocate_cache(self) -> PagedKVCache:
+        """Zeroed pools and page table, created in place on their devices (no pool ever
+        lives whole on one device)."""
+        if self._mesh is None:
+            return self._new_cache()
+        shardings = jax.tree.map(lambda x: x.sharding, self.abstract_cache)
+        return jax.jit(self._new_cache, out_shardings=shardings)()
+
+    # -- lowering without hardware (rlax-tpu compile) -------------------------------------
+    def abstract_params(self) -> list[jax.ShapeDtypeStruct]:
+        """The served weights as the jitted steps take them (leaves in the served dtype,
+        placed on the mesh), abstract."""
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._leaves]
+
+    def _abstract_host(self, tree: Any) -> Any:
+        """Host arrays as `_put` would place them (replicated), abstract."""
+        sharding = None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
+            tree,
+        )
+
+    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
+        """The prefill step of `prefill_rows` prompts of `bucket` tokens, lowered on abstract
+        weights, cache and arguments (those `_prefill_call` builds)."""
+        args = self._abstract_host(self._prefill_args(bucket, [], {}))
+        with self._mesh_context():
+            return _prefill_step.lower(
+                *self._static, self.abstract_params(), self.abstract_cache, *args
+            )
+
+    def lower_decode(self) -> jax.stages.Lowered:
+        """The decode step of every slot (`decode_steps_per_call` tokens), lowered abstract."""
+        carry = (self._last_token, self._position, self._index, self._active)
+        with self._mesh_context():
+            return _decode_step.lower(
+                *self._static,
+                self.decode_steps_per_call,
+                self.abstract_params(),
+                self.abstract_cache,
+                self._abstract_host(carry),
+                self._abstract_host(self._sampling_arrays()),
+            )
 
     def _put(self, tree: Any) -> Any:
         """Host arrays to the device (replicated over the mesh, if any). Copied first: on

@@ -49,12 +49,19 @@ class PagedKVCache:
         pages_per_seq: int,
         dtype: jnp.dtype | str,
         attention_backend: str = "auto",
+        platform: str | None = None,
     ) -> PagedKVCache:
-        """Zeroed pools and an empty page table; attention_backend: "auto" | "jax" | "pallas"."""
+        """Zeroed pools and an empty page table; attention_backend: "auto" | "jax" | "pallas",
+        resolved for `platform` (default: the active mesh's, else JAX's default backend).
+        Under `jax.eval_shape` nothing is allocated: the engine's abstract cache."""
         dtype = jnp.dtype(dtype)
         shape = (kv_heads, num_pages, page_size, head_dim)
         backend = resolve_backend(
-            attention_backend, head_dim=head_dim, page_size=page_size, dtype=dtype
+            attention_backend,
+            head_dim=head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            platform=platform,
         )
         return cls(
             keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -65,11 +72,17 @@ class PagedKVCache:
 
     @classmethod
     def from_config(
-        cls, model: ModelConfig, inference: InferenceConfig, *, max_seq_len: int | None = None
+        cls,
+        model: ModelConfig,
+        inference: InferenceConfig,
+        *,
+        max_seq_len: int | None = None,
+        platform: str | None = None,
     ) -> PagedKVCache:
         """Pool sized by inference.kv_cache_bytes, one page-table row per decode slot.
 
-        max_seq_len: tokens a slot may hold (default max_prompt_len + max_new_tokens).
+        max_seq_len: tokens a slot may hold (default max_prompt_len + max_new_tokens);
+        platform: what the attention backend is resolved for (`create`).
         """
         if max_seq_len is None:
             max_seq_len = inference.max_prompt_len + inference.max_new_tokens
@@ -91,6 +104,7 @@ class PagedKVCache:
             pages_per_seq=-(-max_seq_len // inference.page_size),
             dtype=model.dtype,
             attention_backend=inference.attention_backend,
+            platform=platform,
         )
 
     @property

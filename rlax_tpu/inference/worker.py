@@ -27,6 +27,7 @@ from rlax_tpu.inference.engine import Engine
 from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
 from rlax_tpu.models import Transformer
 from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
+from rlax_tpu.param_server.errors import PullMismatchError
 from rlax_tpu.sharding import state_shardings
 from rlax_tpu.staleness import StalenessPolicy
 
@@ -277,10 +278,12 @@ class InferenceWorker:
 
     # -- weights ------------------------------------------------------------------------------
     def param_like(self) -> Any:
-        """The model's param pure dict as jax.ShapeDtypeStruct leaves with the shardings the
-        engine uses: the inference mesh's (by logical axes), else the first device."""
+        """The served model's param pure dict (`ModelConfig.served`: the published dtype) as
+        jax.ShapeDtypeStruct leaves with the shardings the engine uses: the inference mesh's
+        (by logical axes), else the first device."""
         if self._like is None:
-            abstract = nnx.eval_shape(lambda: Transformer(self.config.model, rngs=nnx.Rngs(0)))
+            served = self.config.model.served()
+            abstract = nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
             state = nnx.state(abstract, nnx.Param)
             if self.mesh is not None:
                 rules = self.config.inference.mesh.logical_axis_rules
@@ -303,6 +306,8 @@ class InferenceWorker:
             )
         try:
             return self.param_server.pull(version, self.param_like())
+        except PullMismatchError as e:  # this worker's config is not the trainer's
+            raise PullFailedError(f"version {version} cannot be loaded: {e}") from e
         except ParamServerCallError as e:
             missing = e.code == grpc.StatusCode.NOT_FOUND
             if e.code is None:  # e.g. nothing published yet: no layout to pull from

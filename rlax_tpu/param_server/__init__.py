@@ -19,6 +19,7 @@ _EXPORTS = {
     "LayoutMismatchError": "errors",
     "ParamServerError": "errors",
     "PublishInProgressError": "errors",
+    "PullMismatchError": "errors",
     "StorageFailedError": "errors",
     "VersionConflictError": "errors",
     "VersionNotFoundError": "errors",

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.errors import ParamServerError
+from rlax_tpu.param_server.errors import ParamServerError, PullMismatchError
 from rlax_tpu.param_server.layout import Box, Piece
 from rlax_tpu.param_server.wire import decode_pull_chunk
 from rlax_tpu.rpc import make_channel
@@ -416,12 +416,16 @@ class ParamServerClient:
         """A tree like `like` (leaves with .shape, .dtype, .sharding: jax arrays or
         jax.ShapeDtypeStruct) holding `version`, placed with `like`'s shardings.
 
-        Only the boxes of this process's devices are fetched.
+        Only the boxes of this process's devices are fetched. The arrays are not converted:
+        a leaf of `like` whose shape or dtype differs from the array the server holds is a
+        PullMismatchError, before any byte moves (build the model to pull into with
+        `ModelConfig.served()`, the published dtype).
         """
         from rlax_tpu.param_server import arrays
         from rlax_tpu.tree import flatten, unflatten_like
 
         targets = flatten(like)
+        self._check_like(targets)
         device_boxes = {path: arrays.device_boxes(leaf) for path, leaf in targets.items()}
         wanted = {path: sorted(set(boxes.values())) for path, boxes in device_boxes.items()}
         fetched = self.pull_boxes(version, wanted)
@@ -432,6 +436,29 @@ class ParamServerClient:
             for path, leaf in targets.items()
         }
         return unflatten_like(like, values)
+
+    def _check_like(self, targets: Mapping[str, Any]) -> None:
+        held = self.held_pieces()
+        if any(not h for h in held):
+            held = self.held_pieces(refresh=True)
+        stored = {path: piece for h in held for path, piece in h.items()}
+        problems = []
+        for path, leaf in targets.items():
+            piece = stored.get(path)  # an unknown path: pull_boxes names it
+            here = (layout.dtype_name(leaf.dtype), tuple(leaf.shape))
+            if piece is not None and here != (piece.dtype, piece.shape):
+                problems.append(
+                    f"{path!r} is {piece.dtype}{list(piece.shape)} there, "
+                    f"{here[0]}{list(here[1])} here"
+                )
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise PullMismatchError(
+                f"the tree to pull into does not match the published arrays: "
+                f"{'; '.join(problems[:5])}{more}. A pull does not convert: build the model "
+                "to pull into from the run's config with ModelConfig.served() (param_dtype = "
+                "model.publish_dtype)"
+            )
 
     # -- bookkeeping ----------------------------------------------------------------------
     def list_versions(self, replica: int = 0) -> pb.ListVersionsReply:

@@ -33,5 +33,10 @@ class StorageFailedError(ParamServerError):
     """Persisting a version failed earlier; publishes are refused until a restart."""
 
 
+class PullMismatchError(ParamServerError):
+    """A pull into a tree whose arrays differ (shape, dtype) from those the server holds: pulls
+    never convert, so a worker must build its model in the published dtype."""
+
+
 class InvalidReadError(ParamServerError):
     """A read of an array or box that this replica does not hold."""

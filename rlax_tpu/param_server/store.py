@@ -775,11 +775,25 @@ def _check_layout(version: int, first: dict[str, Piece], pieces: dict[str, Piece
     ]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        changed = sorted(
+            {
+                f"{pieces[p].dtype} instead of {first[p].dtype}"
+                for p in pieces.keys() & first.keys()
+                if pieces[p].dtype != first[p].dtype
+            }
+        )
+        hint = (
+            f" Dtypes differ ({', '.join(changed)}): the trainer publishes in "
+            'model.publish_dtype ("" = param_dtype), which must stay what this storage was '
+            "first published with."
+            if changed
+            else ""
+        )
         raise LayoutMismatchError(
             f"version {version} does not match the layout of the first version published here: "
             f"{'; '.join(problems[:5])}{more}. Every version must have the same tree (paths, "
             "dtypes, shapes, shard boxes); publish the same model, or use new storage for "
-            "another one"
+            f"another one.{hint}"
         )
 
 

@@ -1,7 +1,8 @@
 """Scale planning without spending the hardware: a discrete-event simulator of a run
 (`simulate`), LlamaRL's analytical step-time model (`analytical`), calibration from the
-project's benchmark JSONs and from given hardware figures (`calibrate`), and the report
-(`report`). Pure Python: it imports no JAX. CLI: `rlax-tpu simulate CONFIG`.
+project's benchmark JSONs, from given hardware figures and from `rlax-tpu compile` reports
+(`calibrate`), and the report (`report`). Pure Python: it imports no JAX. CLI:
+`rlax-tpu simulate CONFIG`.
 
     workload, timing, sim, notes = calibrate(config, calibration)
     result = simulate(workload, timing, preemption=sim.preemption, seed=sim.seed)

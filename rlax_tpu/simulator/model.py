@@ -1,7 +1,7 @@
 """The simulator's model of a run: what the run does (`Workload`, from a RunConfig) and how
 long each piece of work takes (`TimingModel`), calibrated from the project's benchmark
-JSONs, from the figures of hardware we cannot measure here (`HardwareSpec`), and from
-explicit settings, in that order.
+JSONs, from the figures of hardware we cannot measure here (`HardwareSpec`), from
+`rlax-tpu compile` reports (`compiled.py`) and from explicit settings, in that order.
 
 Pure Python, no JAX: sizing a pod run must not need the accelerator stack. Units are in
 the names (`_s`, `_bytes`, `_per_s`); every time is wall-clock seconds on the device the
@@ -65,8 +65,9 @@ def count_arrays(model: ModelConfig) -> int:
 
 
 def model_bytes(model: ModelConfig) -> int:
-    """Bytes of one published version (the parameters in `param_dtype`)."""
-    return count_params(model) * DTYPE_BYTES[model.param_dtype]
+    """Bytes of one published version (the parameters in the published dtype,
+    `model.publish_dtype`, "" = param_dtype): what a publish and a pull move."""
+    return count_params(model) * DTYPE_BYTES[model.published_dtype]
 
 
 def decode_flops_per_token(model: ModelConfig, context: float) -> float:
@@ -283,9 +284,23 @@ class HardwareSpec(ConfigBase):
     serve_dtype_bytes: float = 2.0  # bytes per weight and KV element when serving (1 = fp8)
     decode_call_s: float = 0.0  # host round trip per decode call
     prefill_call_s: float = 0.0
+    # The fraction of a compiled program's roofline (an `rlax-tpu compile --json` report:
+    # max(FLOPs/peak, HBM bytes/bandwidth), a lower bound) the run reaches. The defaults are
+    # the guesses above for the same work, so a compile report changes what is counted
+    # (the compiled programs' own FLOPs and bytes), not how efficient it is assumed to be.
+    compiled_train_efficiency: float = 0.4
+    compiled_prefill_efficiency: float = 0.5
+    compiled_decode_efficiency: float = 0.6
 
     def validate(self) -> None:
-        for name in ("train_mfu", "prefill_mfu", "decode_flops_efficiency"):
+        for name in (
+            "train_mfu",
+            "prefill_mfu",
+            "decode_flops_efficiency",
+            "compiled_train_efficiency",
+            "compiled_prefill_efficiency",
+            "compiled_decode_efficiency",
+        ):
             require(0 < getattr(self, name) <= 1, name, "must be in (0, 1]")
         require(
             0 < self.decode_bandwidth_efficiency <= 1, "decode_bandwidth_efficiency", "in (0, 1]"
@@ -502,7 +517,10 @@ def _read(path: str | Path) -> dict[str, Any]:
 
 
 def benchmark_kind(data: Mapping[str, Any]) -> str:
-    """Which tools/bench_*.py wrote `data` ("" when none: then it is a settings file)."""
+    """Which tools/bench_*.py wrote `data`, or "compile" for an `rlax-tpu compile --json`
+    report ("" when none: then it is a settings file)."""
+    if "train_step_roofline_s" in data and "programs" in data and "config_digest" in data:
+        return "compile"
     if "speedup_off_vs_on" in data and "on_policy" in data:
         return "e2e"
     if "slot_utilization" in data and "tokens_per_s" in data:
@@ -519,17 +537,21 @@ def benchmark_kind(data: Mapping[str, Any]) -> str:
 @dataclasses.dataclass
 class Calibration:
     """Figures gathered from calibration files, applied by `calibrate` in a fixed order:
-    benchmarks, then hardware figures, then explicit settings (files in the order given,
-    then --set)."""
+    benchmarks, then hardware figures, then compile reports (in the order given), then
+    explicit settings (files in the order given, then --set)."""
 
     benchmarks: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    compile_reports: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
     settings: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     sources: list[str] = dataclasses.field(default_factory=list)
 
     def add_file(self, path: str | Path) -> None:
         data = _read(path)
         kind = benchmark_kind(data)
-        if kind:
+        if kind == "compile":  # (path, report): its notes name the file
+            self.compile_reports.append((str(path), data))
+            self.sources.append(f"{path} (rlax-tpu compile report)")
+        elif kind:
             self.benchmarks.setdefault(kind, []).append(data)
             self.sources.append(f"{path} ({kind} benchmark)")
         else:
@@ -594,12 +616,24 @@ def calibrate(
         found, note = _from_hardware(workload, sim.hardware)
         figures.update(found)
         notes.append(note)
+    if calibration.compile_reports:
+        # The compiled programs' rooflines on the config's own topologies: more specific
+        # than the hardware figures' analytical roofline, so they come after them.
+        from rlax_tpu.simulator.compiled import from_compile_report  # imports this module
+
+        for path, data in calibration.compile_reports:
+            found, found_notes = from_compile_report(config, workload, data, sim.hardware, path)
+            replaced = sorted(k for k in found if k in figures)
+            if replaced:
+                found_notes[0] += f"; replaces the earlier sources' {', '.join(replaced)}"
+            figures.update(found)
+            notes.extend(found_notes)
     explicit = {k.split(".", 1)[1] for k, _ in calibration.settings if k.startswith("timing.")}
     figures = {k: v for k, v in figures.items() if k not in explicit}
     if explicit:
         notes.append(f"set explicitly: {', '.join(sorted(explicit))}")
     timing = dataclasses.replace(sim.timing, **figures)
-    if not bench and not sim.hardware.given and not explicit:
+    if not bench and not calibration.compile_reports and not sim.hardware.given and not explicit:
         notes.append("no calibration given: TimingModel defaults (CPU demo-scale guesses)")
     sim = dataclasses.replace(sim, timing=timing)
     return Workload.from_config(config, sim), timing, sim, notes

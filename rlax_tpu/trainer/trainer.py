@@ -21,6 +21,7 @@ from the same version 0).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -29,30 +30,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from rlax_tpu import storage
-from rlax_tpu.algorithms import RolloutBatch, build_objective, reference_reset_due
+from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
 from rlax_tpu.config import RunConfig
-from rlax_tpu.models import Transformer
-from rlax_tpu.models.options import ForwardOptions
-from rlax_tpu.sharding import build_mesh, logical_to_spec, state_shardings, use_mesh
+from rlax_tpu.models.transformer import is_stacked, stack_layers, unstack_layers
+from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import perf
 from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
-from rlax_tpu.trainer.step import (
-    BatchLevels,
-    build_optimizer,
-    count_params,
-    make_rl_step,
-    make_sft_step,
-    mismatch_metrics,
-    policy_temperature,
-    recompute,
-    train_flops,
-)
+from rlax_tpu.trainer.programs import TrainerPrograms
+from rlax_tpu.trainer.step import train_flops
 from rlax_tpu.trainer.wire import StepResult
 
 _log = logging.getLogger(__name__)
@@ -87,6 +77,15 @@ def _json_float(x: float) -> float | None:
     return None if not math.isfinite(x) else x
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
+    """Every floating leaf of `tree` cast to `dtype` (round to nearest even), on device; an
+    elementwise op, so each output keeps its input's sharding."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
 class Trainer:
     """Sharded RL / SFT trainer over `config.trainer.mesh` (or the `mesh` given).
 
@@ -101,13 +100,16 @@ class Trainer:
         mesh: Mesh | None = None,
     ) -> None:
         self.config = config
-        self.levels = BatchLevels.from_config(config)
         self.mesh = mesh if mesh is not None else build_mesh(config.trainer.mesh)
+        # Model layout, optimizers and jitted functions: built from (config, mesh) by the
+        # builder `rlax-tpu compile` also lowers for a TPU topology (trainer/programs.py).
+        self.programs = programs = TrainerPrograms(config, self.mesh)
+        self.levels = programs.levels
         # A mesh over several hosts' devices (multi-host: DESIGN §5, rlax_tpu.distributed):
         # every process runs this same code on the same inputs, in lockstep.
         self._spans_processes = len({d.process_index for d in self.mesh.devices.flat}) > 1
-        self.rules = config.trainer.mesh.logical_axis_rules
-        self.objective = build_objective(config.trainer.algorithm)
+        self.rules = programs.rules
+        self.objective = programs.objective
         self.policy = StalenessPolicy.from_config(config.staleness)
         self.param_server = param_server
         if config.controller.samples_per_prompt > 1 and (
@@ -121,46 +123,20 @@ class Trainer:
                 config.controller.samples_per_prompt,
             )
 
-        model_cfg = config.model
-        abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-        self._graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
-        self._param_shardings = nnx.to_pure_dict(
-            state_shardings(abstract_state, self.mesh, self.rules)
-        )
-        abstract_params = jax.tree.map(
-            lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-            nnx.to_pure_dict(abstract_state),
-            self._param_shardings,
-        )
-        self._abstract_params = abstract_params
-        self.num_params = count_params(abstract_params)
-
-        self._optimizer, self._schedule = build_optimizer(
-            config.trainer,
-            num_steps=config.controller.num_steps,
-            updates_per_step=self.levels.num_updates,
-        )
-        self._opt_shardings, self._abstract_opt = self._optimizer_layout(self._optimizer)
-        # The SFT warm start's own optimizer: its learning rate, a schedule over its steps.
-        ctl = config.controller
-        self.warm_start_steps = ctl.sft_steps
-        self._sft_optimizer, self._sft_schedule = build_optimizer(
-            dataclasses.replace(config.trainer, learning_rate=ctl.sft_learning_rate),
-            num_steps=max(ctl.sft_steps, 1),
-            updates_per_step=self.levels.num_updates,
-        )
-        self._sft_opt_shardings, self._abstract_sft_opt = self._optimizer_layout(
-            self._sft_optimizer
-        )
+        self._graphdef = programs.graphdef
+        self._param_shardings = programs.param_shardings
+        self._abstract_params = programs.abstract_params
+        self.num_params = programs.num_params
+        self._opt_shardings, self._abstract_opt = programs.rl.shardings, programs.rl.abstract
+        self.warm_start_steps = config.controller.sft_steps
+        self._abstract_sft_opt = programs.sft.abstract
         self._keeps_reference = self.objective.needs_reference_logprobs
-        # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
-        # the distribution the inference workers' behaviour log-probs are of; SFT at 1.
-        self.temperature = policy_temperature(config.inference)
-        # Remat, attention kernel and log-prob chunking of every training forward, resolved
-        # for the mesh's platform.
-        self.forward_options = ForwardOptions.from_trainer(
-            config.trainer, platform=self.mesh.devices.flat[0].platform
-        )
+        self.temperature = programs.temperature
+        self.forward_options = programs.forward_options
+        self._init_opt, self._init_sft_opt = programs.init_opt, programs.init_sft_opt
+        self._recompute, self._mismatch = programs.recompute, programs.mismatch
+        self._rl_step, self._sft_step = programs.rl_step, programs.sft_step
+        self._random_init = programs.random_init
 
         self.checkpoints = CheckpointStore(
             storage.join(config.storage.run_dir, "checkpoints"),
@@ -173,7 +149,6 @@ class Trainer:
             if self.warm_start_steps
             else None
         )
-        self._build_functions()
 
         self.step = 0
         # The next SFT warm-start step; == warm_start_steps once version 0 exists.
@@ -186,81 +161,7 @@ class Trainer:
         self._results: dict[int, StepResult] = {}
         self._last_metrics: dict[str, float] = {}
         self._peak_flops: float | None = None
-
-    def _optimizer_layout(self, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
-        """(shardings, abstract state) of `optimizer`'s state: sharded like the params it
-        tracks, everything else (counts, schedules) replicated."""
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        abstract = jax.eval_shape(optimizer.init, self._abstract_params)
-        shardings = optax.tree_map_params(
-            optimizer,
-            lambda _, s: s,
-            abstract,
-            self._param_shardings,
-            transform_non_params=lambda _: replicated,
-        )
-        abstract = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
-        )
-        return shardings, abstract
-
-    # -- jitted functions ---------------------------------------------------------------
-    def _build_functions(self) -> None:
-        p_sh, o_sh = self._param_shardings, self._opt_shardings
-        # Metrics replicated: every process of a multi-host mesh can read them.
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._token_sharding = self._sharding(("batch", "length"), (self.levels.global_size, 1))
-        self._init_opt = jax.jit(self._optimizer.init, out_shardings=o_sh)
-        sft_o_sh = self._sft_opt_shardings
-        self._init_sft_opt = jax.jit(self._sft_optimizer.init, out_shardings=sft_o_sh)
-        self._recompute = jax.jit(
-            lambda params, tokens, values: recompute(
-                self._graphdef,
-                params,
-                tokens,
-                micro_size=self.levels.micro_size,
-                values=values,
-                temperature=self.temperature,
-                options=self.forward_options,
-            ),
-            static_argnums=2,
-        )
-        self._rl_step = jax.jit(
-            make_rl_step(
-                self._graphdef,
-                self.objective,
-                self._optimizer,
-                self._schedule,
-                self.levels,
-                temperature=self.temperature,
-                options=self.forward_options,
-            ),
-            donate_argnums=(0, 1),
-            out_shardings=(p_sh, o_sh, replicated),
-        )
-        self._sft_step = jax.jit(
-            make_sft_step(
-                self._graphdef,
-                self._sft_optimizer,
-                self._sft_schedule,
-                self.levels,
-                options=self.forward_options,
-            ),
-            donate_argnums=(0, 1),
-            out_shardings=(p_sh, sft_o_sh, replicated),
-        )
-        self._mismatch = jax.jit(mismatch_metrics, out_shardings=replicated)
-        model_cfg, seed = self.config.model, self.config.seed
-        self._random_init = jax.jit(
-            lambda: nnx.to_pure_dict(
-                nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param)
-            ),
-            out_shardings=p_sh,
-        )
-
-    def _sharding(self, logical: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
-        spec = logical_to_spec(logical, self.rules, shape=shape, mesh=self.mesh)
-        return NamedSharding(self.mesh, spec)
+        self._publish_transform = None  # jitted on first use (cast, unstack)
 
     def _place_rows(self, x: Any, dtype=None) -> jax.Array:
         """A host or device array with rows first, sharded over the batch axes.
@@ -268,8 +169,7 @@ class Trainer:
         Multi-host: every process passes the same global batch and places the rows of its
         own devices (no cross-process traffic, no equality check).
         """
-        logical = ("batch", "length")[: np.ndim(x)]
-        sharding = self._sharding(logical, tuple(np.shape(x)))
+        sharding = self.programs.row_sharding(tuple(np.shape(x)))
         if sharding.is_fully_addressable or (
             isinstance(x, jax.Array) and not x.is_fully_addressable
         ):
@@ -292,6 +192,8 @@ class Trainer:
 
             model = load_model_for_config(model_cfg, seed=self.config.seed)
             pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            if self.config.trainer.scan_layers:
+                pure = stack_layers(pure)
             if self._spans_processes:  # every process loaded the same checkpoint
                 return jax.tree.map(
                     lambda x, s: _from_host(np.asarray(x), s), pure, self._param_shardings
@@ -341,17 +243,34 @@ class Trainer:
 
     def _publish(self, version: int) -> None:
         if self.param_server is not None:
-            receipt = self.param_server.publish(version, self._params)
+            receipt = self.param_server.publish(version, self._published_params())
             _log.info(
                 "published version %d (%s)",
                 version,
                 "already present" if receipt.already_present else f"{receipt.bytes_sent} bytes",
             )
 
+    def _published_params(self) -> Any:
+        """The params as inference workers serve them: the master params cast to
+        `model.publish_dtype` on device, each array sharded as its master (the client reads
+        this process's shards). The master params themselves when nothing is cast; else a
+        temporary copy in the publish dtype, freed after the publish. Scanned layers
+        (trainer.scan_layers) are published per layer, the one format of the wire, the
+        parameter server and the workers: cast and sliced in one jitted call."""
+        dtype = jnp.dtype(self.config.model.published_dtype)
+        stacked = is_stacked(self._params)
+        if not stacked and all(x.dtype == dtype for x in jax.tree.leaves(self._params)):
+            return self._params
+        if self._publish_transform is None:
+            self._publish_transform = jax.jit(lambda p: _cast_floats(unstack_layers(p), dtype))
+        return self._publish_transform(self._params)
+
     def params(self) -> Any:
-        """The current params: a pure dict of sharded jax arrays (do not mutate)."""
+        """The current params: a pure dict of sharded jax arrays (do not mutate), per layer
+        (`layers/0/...`) also when the trainer scans stacked layers, as HF export and the
+        parameter server take them; in `model.param_dtype`."""
         self._require_state()
-        return self._params
+        return unstack_layers(self._params)
 
     def status(self) -> dict[str, Any]:
         """Step, version, last metrics and checkpoint steps (a save in flight included; no

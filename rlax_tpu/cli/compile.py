@@ -1,0 +1,63 @@
+"""`rlax-tpu compile CONFIG`: prove a config fits its TPU topology, on any host.
+
+Compiles every program the run executes on its accelerators with libtpu's compiler for the
+trainer's and the inference workers' topologies (rlax_tpu.compile), prints per-chip memory
+against HBM, FLOPs, bytes and roofline times, and exits 1 when a program does not fit
+(more than 90% of a chip's HBM, or the compiler runs out of it), naming the biggest consumer
+and the config knobs that shrink it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rlax_tpu.config import load_config
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the report here")
+    parser.add_argument(
+        "--programs",
+        metavar="NAMES",
+        help="comma-separated subset of rl_step, recompute, sft_step, prefill, decode "
+        "(default: every program the run executes; sft_step only with controller.sft_steps > 0)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)  # config errors before JAX starts
+    programs = None
+    if args.programs:
+        programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+    from rlax_tpu.compile.hardware import prepare_environment
+
+    prepare_environment()
+    from rlax_tpu.compile import TopologyError, compile_config, format_report
+
+    def progress(report) -> None:
+        state = "error" if report.error else f"{report.total / 2**30:.2f} GiB per chip"
+        print(
+            f"compiled {report.component} {report.name} in "
+            f"{report.lower_s + report.compile_s:.1f} s: {state}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    print(f"rlax-tpu compile {config.name} (digest {config.digest()[:12]})", flush=True)
+    try:
+        report = compile_config(config, programs, progress=progress)
+    except (TopologyError, ValueError) as e:  # ValueError: an unknown program name
+        print(f"rlax-tpu compile: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+            f.write("\n")
+    if not report.fits:
+        for problem in report.problems:
+            print(f"rlax-tpu compile: {problem}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,31 @@
+"""`rlax-tpu compile`: prove a config fits its TPU topology before renting it.
+
+Every jitted program the run executes on its accelerators (`programs.py`) is lowered on
+abstract inputs and compiled by libtpu's real compiler for the abstract devices of the
+trainer's and the inference workers' topologies (`MeshConfig.topology`, else the deploy
+slices), on any host: nothing is allocated or run. Per program and per chip: memory by
+kind against the chip's HBM, FLOPs and HBM bytes per call, the roofline time, compile time
+(`measure.py`). `compile_config` needs JAX set up by `hardware.prepare_environment()`
+first (the CLI, `rlax_tpu/cli/compile.py`, does it).
+"""
+
+from rlax_tpu._lazy import lazy_exports
+
+# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy), so the
+# CLI can import `hardware` (no JAX) and set up the environment before JAX starts.
+_EXPORTS = {
+    "CHIPS": "hardware",
+    "ChipSpec": "hardware",
+    "FIT_FRACTION": "hardware",
+    "prepare_environment": "hardware",
+    "ProgramReport": "measure",
+    "PROGRAMS": "programs",
+    "CompileReport": "report",
+    "ComponentTarget": "report",
+    "compile_config": "report",
+    "format_report": "report",
+    "TopologyError": "topology",
+    "abstract_devices": "topology",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,236 @@
+"""Compile one program for its topology and read what it costs per chip.
+
+Memory comes from the compiler's buffer assignment (`compiled.memory_analysis()`, per
+device): arguments (live for the whole call), outputs, the part of the outputs aliased to
+donated arguments (written in place: no extra memory), temporaries (activations, gradients,
+everything the program allocates inside) and the generated code. A program needs
+
+    total = arguments + (outputs - aliased) + temporaries + generated code
+
+of one chip's HBM. Arguments are split by what they are (params, optimizer state, KV
+cache: from their shardings; the rest is the batch); temporaries into the gradient tree
+(one param-shaped float32 tree: the accumulator of `rl_step` / `sft_step`) and the
+activations and other temporaries. FLOPs and bytes come from the HLO walk of `hlo_cost`
+(loops counted as often as they run); XLA's own figures are kept next to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import warnings
+from typing import Any
+
+from rlax_tpu.compile.hardware import FIT_FRACTION, ChipSpec
+from rlax_tpu.compile.hlo_cost import analyze
+from rlax_tpu.compile.programs import Program
+
+# Config knobs that shrink each kind of memory, per component (named in the refusal).
+KNOBS = {
+    "trainer": {
+        "params": "trainer.mesh (shard over more chips: fsdp), model.param_dtype",
+        "optimizer_state": "trainer.mesh (shard over more chips: fsdp), model.param_dtype",
+        "gradients": "trainer.mesh (shard over more chips: fsdp), model.param_dtype",
+        "activations_and_temporaries": (
+            "trainer.micro_batch_size, trainer.remat_policy (full keeps least), "
+            "trainer.logprob_chunk_size, trainer.attention_backend, trainer.scan_layers, "
+            "trainer.max_seq_len"
+        ),
+        "inputs": (
+            "trainer.max_seq_len, the global batch (controller.prompts_per_batch × "
+            "samples_per_prompt), trainer.mesh (data/fsdp shard the batch)"
+        ),
+        "outputs": "trainer.mesh",
+        "generated_code": "trainer.scan_layers",
+    },
+    "inference": {
+        "params": "inference.mesh (more tensor parallelism), model.publish_dtype",
+        "kv_cache": "inference.kv_cache_bytes, inference.mesh (tensor shards the KV heads)",
+        "activations_and_temporaries": (
+            "inference.max_decode_slots, inference.prefill_batch_size, "
+            "inference.prefill_buckets, inference.max_prompt_len + max_new_tokens, "
+            "inference.attention_backend"
+        ),
+        "inputs": "inference.max_decode_slots, inference.prefill_batch_size",
+        "outputs": "inference.max_decode_slots",
+        "gradients": "",
+        "generated_code": "inference.prefill_buckets",
+    },
+}
+CATEGORIES = (
+    "params",
+    "optimizer_state",
+    "gradients",
+    "activations_and_temporaries",
+    "kv_cache",
+    "inputs",
+    "outputs",
+    "generated_code",
+)
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    name: str
+    component: str
+    shape: str
+    calls: str
+    calls_per_step: int
+    chip: str
+    memory: dict[str, int]  # per chip: CATEGORIES + total, compiler_peak and the raw figures
+    hbm_bytes: int
+    flops: float = 0.0  # per chip, per call
+    bytes_accessed: float = 0.0
+    roofline_s: float = 0.0
+    bound: str = ""
+    lower_s: float = 0.0
+    compile_s: float = 0.0
+    hlo: dict[str, Any] = dataclasses.field(default_factory=dict)
+    xla_cost_analysis: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str = ""  # the compiler's refusal (RESOURCE_EXHAUSTED) or another failure
+    out_of_memory: bool = False
+    dims: dict[str, int] = dataclasses.field(default_factory=dict)  # Program.dims
+
+    @property
+    def total(self) -> int:
+        return self.memory.get("total", 0)
+
+    @property
+    def hbm_fraction(self) -> float:
+        return self.total / self.hbm_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.error and self.total <= FIT_FRACTION * self.hbm_bytes
+
+    def biggest(self) -> tuple[str, int]:
+        parts = {k: self.memory.get(k, 0) for k in CATEGORIES}
+        name = max(parts, key=parts.get)
+        return name, parts[name]
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(fits=self.fits, hbm_fraction=self.hbm_fraction)
+        return out
+
+
+def _memory(stats: Any, program: Program) -> dict[str, int]:
+    argument = int(stats.argument_size_in_bytes)
+    output = int(stats.output_size_in_bytes)
+    alias = int(stats.alias_size_in_bytes)
+    temp = int(stats.temp_size_in_bytes)
+    code = int(stats.generated_code_size_in_bytes)
+    known = {k: v for k, v in program.arguments.items() if v}
+    gradients = min(program.gradients, temp)
+    memory = {k: 0 for k in CATEGORIES}
+    memory.update(known)
+    memory.update(
+        gradients=gradients,
+        activations_and_temporaries=temp - gradients,
+        inputs=max(argument - sum(known.values()), 0),
+        outputs=max(output - alias, 0),
+        generated_code=code,
+    )
+    memory.update(
+        total=argument + max(output - alias, 0) + temp + code,
+        compiler_peak=int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+        argument=argument,
+        output=output,
+        alias=alias,
+        temp=temp,
+    )
+    return memory
+
+
+_REQUIRED = re.compile(r"memory required for (.+?) \(([\d.]+)([KMGT]?)\)")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _out_of_memory(message: str, program: Program) -> dict[str, int]:
+    """What a RESOURCE_EXHAUSTED message says the program needs, as a memory breakdown:
+    the figure it names (HLO temporaries, usually) on top of the known arguments."""
+    memory = {k: 0 for k in CATEGORIES}
+    memory.update({k: v for k, v in program.arguments.items() if v})
+    m = _REQUIRED.search(message)
+    if m:
+        required = int(float(m.group(2)) * _UNITS[m.group(3)])
+        what = m.group(1)
+        if "temporar" in what:
+            memory["activations_and_temporaries"] = required
+        elif "argument" in what:
+            memory["inputs"] = max(required - sum(program.arguments.values()), 0)
+        else:
+            memory["activations_and_temporaries"] = required
+    memory["total"] = sum(memory[k] for k in CATEGORIES)
+    return memory
+
+
+def compile_program(program: Program, chip: ChipSpec) -> ProgramReport:
+    """Lower and compile `program` for `chip`'s topology; its memory, FLOPs and timings."""
+    report = ProgramReport(
+        program.name,
+        program.component,
+        program.shape,
+        program.calls,
+        program.calls_per_step,
+        chip.name,
+        {},
+        chip.hbm_bytes,
+        dims=dict(program.dims),
+    )
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        # Donated buffers the compiler could not reuse (the optimizer's step counters) are
+        # expected; the memory figures say what donation saved.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        lowered = program.lower()
+        report.lower_s = time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # XLA's JaxRuntimeError; others are reported the same way
+            report.compile_s = time.perf_counter() - start
+            message = str(e)
+            report.error = message.splitlines()[0] if message else type(e).__name__
+            report.out_of_memory = "RESOURCE_EXHAUSTED" in message
+            report.memory = _out_of_memory(message, program) if report.out_of_memory else {}
+            return report
+    report.compile_s = time.perf_counter() - start
+    report.memory = _memory(compiled.memory_analysis(), program)
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    report.xla_cost_analysis = {
+        k: float(xla[k])
+        for k in ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+        if k in (xla or {})
+    }
+    cost = analyze(compiled.as_text())
+    report.hlo = cost.to_json()
+    report.flops, report.bytes_accessed = cost.flops, cost.bytes_accessed
+    compute_s = cost.flops / chip.peak_flops_per_s
+    memory_s = cost.bytes_accessed / chip.hbm_bytes_per_s
+    report.roofline_s = max(compute_s, memory_s)
+    report.bound = "compute" if compute_s >= memory_s else "memory"
+    return report
+
+
+def refusal(report: ProgramReport, config_values: dict[str, Any]) -> str:
+    """Why `report`'s program does not fit, naming its biggest consumer and the knobs."""
+    gib = 2**30
+    name, size = report.biggest()
+    knobs = KNOBS[report.component].get(name, "")
+    where = f"{report.component} {report.name} ({report.shape})"
+    if report.error and not report.out_of_memory:
+        return f"{where} failed to compile: {report.error}"
+    head = f"{where} does not fit a {report.chip} chip: " + (
+        f"the compiler ran out of HBM ({report.error})"
+        if report.out_of_memory
+        else f"{report.total / gib:.1f} GiB needed per chip, over {FIT_FRACTION:.0%} of "
+        f"its {report.hbm_bytes / gib:.0f} GiB ({FIT_FRACTION * report.hbm_bytes / gib:.1f} GiB)"
+    )
+    now = ", ".join(f"{k}={v}" for k, v in config_values.items() if k in knobs)
+    return (
+        f"{head}; the biggest consumer is {name.replace('_', ' ')} ({size / gib:.1f} GiB): "
+        f"change {knobs}" + (f" (now {now})" if now else "")
+    )

@@ -1,0 +1,210 @@
+"""Compile a config's programs for its topologies and report what they need per chip:
+`compile_config` -> `CompileReport` (JSON for the simulator, `format_report` for people)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, ChipSpec, GiB, chip_of
+from rlax_tpu.compile.measure import ProgramReport, compile_program, refusal
+from rlax_tpu.compile.programs import (
+    COMPONENT_OF,
+    PROGRAMS,
+    inference_programs,
+    trainer_programs,
+)
+from rlax_tpu.compile.topology import abstract_devices, topology_mesh
+from rlax_tpu.config import ConfigError, RunConfig
+
+
+@dataclasses.dataclass
+class ComponentTarget:
+    """Where a component's programs run: its topology, chip and mesh."""
+
+    name: str  # "trainer" | "inference"
+    topology: str
+    chip: ChipSpec
+    num_chips: int
+    mesh: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {
+            "topology": self.topology,
+            "chip": self.chip.name,
+            "num_chips": self.num_chips,
+            "mesh": self.mesh,
+            "hbm_bytes_per_chip": self.chip.hbm_bytes,
+            "peak_flops_per_s": self.chip.peak_flops_per_s,
+            "hbm_bytes_per_s": self.chip.hbm_bytes_per_s,
+        }
+
+
+@dataclasses.dataclass
+class CompileReport:
+    config_name: str
+    config_digest: str
+    components: dict[str, ComponentTarget]
+    programs: list[ProgramReport]
+    problems: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        trainer_step = [p for p in self.programs if p.name in ("rl_step", "recompute")]
+        return {
+            "config": self.config_name,
+            "config_digest": self.config_digest,
+            "fit_fraction": FIT_FRACTION,
+            "fits": self.fits,
+            "problems": self.problems,
+            "components": {k: c.to_json() for k, c in self.components.items()},
+            "programs": [p.to_json() for p in self.programs],
+            # One train step = recompute (π_old, and the reference's) + rl_step; None unless
+            # both compiled.
+            "train_step_roofline_s": sum(p.roofline_s * p.calls_per_step for p in trainer_step)
+            if len(trainer_step) == 2 and not any(p.error for p in trainer_step)
+            else None,
+            "chips": {k: c.to_json() for k, c in CHIPS.items()},
+        }
+
+
+def _target(config: RunConfig, component: str) -> ComponentTarget:
+    topology = config.tpu_topology(component)
+    if not topology:
+        slice_ = getattr(config.deploy, f"{component}_tpu")
+        raise ConfigError(
+            f"no TPU topology for the {component}: set {component}.mesh.topology (like "
+            f"v5p:2x2x1), or deploy.{component}_tpu.accelerator to a known TPU accelerator "
+            f"(got {slice_.accelerator!r})",
+            field=f"{component}.mesh.topology",
+        )
+    devices = abstract_devices(topology)
+    mesh = getattr(config, component).mesh.shape_for(len(devices))
+    return ComponentTarget(component, topology, chip_of(topology), len(devices), mesh)
+
+
+def _knob_values(config: RunConfig) -> dict[str, Any]:
+    t, i = config.trainer, config.inference
+    return {
+        "trainer.micro_batch_size": t.micro_batch_size,
+        "trainer.remat_policy": t.remat_policy,
+        "trainer.logprob_chunk_size": t.logprob_chunk_size,
+        "trainer.attention_backend": t.attention_backend,
+        "trainer.scan_layers": t.scan_layers,
+        "trainer.max_seq_len": t.max_seq_len,
+        "model.param_dtype": config.model.param_dtype,
+        "model.publish_dtype": config.model.publish_dtype,
+        "inference.kv_cache_bytes": i.kv_cache_bytes,
+        "inference.max_decode_slots": i.max_decode_slots,
+        "inference.prefill_batch_size": i.prefill_batch_size,
+        "inference.attention_backend": i.attention_backend,
+    }
+
+
+def compile_config(
+    config: RunConfig, programs: tuple[str, ...] | None = None, *, progress=None
+) -> CompileReport:
+    """Compile `programs` (default: all the run executes) of `config` for its topologies.
+
+    progress: called with each ProgramReport as it completes (the CLI prints a line)."""
+    names = set(programs or PROGRAMS)
+    unknown = names - set(PROGRAMS)
+    if unknown:
+        raise ValueError(f"unknown programs {sorted(unknown)}; choose from {list(PROGRAMS)}")
+    components = {}
+    reports: list[ProgramReport] = []
+    for component, build in (("trainer", trainer_programs), ("inference", inference_programs)):
+        if not any(COMPONENT_OF[n] == component for n in names):
+            continue
+        target = _target(config, component)
+        components[component] = target
+        mesh_config = getattr(config, component).mesh
+        mesh = topology_mesh(mesh_config, target.topology)
+        for program in build(config, mesh, names):
+            report = compile_program(program, target.chip)
+            reports.append(report)
+            if progress is not None:
+                progress(report)
+    values = _knob_values(config)
+    problems = [refusal(r, values) for r in reports if not r.fits]
+    return CompileReport(config.name, config.digest(), components, reports, problems)
+
+
+def format_report(report: CompileReport) -> str:
+    """The report as tables: memory per chip by kind, then FLOPs, bytes and times."""
+    lines = []
+    for target in report.components.values():
+        mesh = " × ".join(f"{k} {v}" for k, v in target.mesh.items())
+        chip = target.chip
+        lines.append(
+            f"{target.name}: {target.topology} ({target.num_chips} chips; mesh {mesh}); "
+            f"per chip {chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_flops_per_s / 1e12:.0f} "
+            f"TFLOP/s bf16, {chip.hbm_bytes_per_s / 1e12:.2f} TB/s"
+        )
+    columns = (
+        ("params", "params"),
+        ("optimizer_state", "opt"),
+        ("gradients", "grads"),
+        ("activations_and_temporaries", "act+tmp"),
+        ("kv_cache", "kv"),
+        ("inputs", "inputs"),
+        ("outputs", "outputs"),
+        ("generated_code", "code"),
+        ("total", "total"),
+    )
+    lines.append("")
+    big = any(p.total >= GiB for p in report.programs)
+    unit, scale = ("GiB", GiB) if big else ("MiB", 2**20)
+    header = f"{unit + ' per chip':<21}" + "".join(f"{label:>9}" for _, label in columns)
+    lines.append(header + f"{'of HBM':>8}  fits")
+    for p in report.programs:
+        name = f"{p.component} {p.name}"
+        if p.error and not p.out_of_memory:
+            lines.append(f"{name:<21}  failed: {p.error}")
+            continue
+        cells = "".join(f"{p.memory.get(key, 0) / scale:>9.2f}" for key, _ in columns)
+        note = "no (compiler: out of HBM)" if p.out_of_memory else ("yes" if p.fits else "NO")
+        lines.append(f"{name:<21}{cells}{p.hbm_fraction:>8.0%}  {note}")
+    lines.append("")
+    lines.append(
+        f"{'per chip, per call':<21}{'TFLOP':>9}{'GB':>9}{'roofline':>11}{'bound':>9}"
+        f"{'lower':>8}{'compile':>9}  shape"
+    )
+    for p in report.programs:
+        name = f"{p.component} {p.name}"
+        if p.error:
+            lines.append(f"{name:<21}{'':>46}{p.lower_s:>7.1f}s{p.compile_s:>8.1f}s  {p.shape}")
+            continue
+        lines.append(
+            f"{name:<21}{_number(p.flops / 1e12):>9}{_number(p.bytes_accessed / 1e9):>9}"
+            f"{_seconds(p.roofline_s):>11}{p.bound:>9}{p.lower_s:>7.1f}s{p.compile_s:>8.1f}s"
+            f"  {p.shape}"
+        )
+    notes = [
+        f"{p.name}: {p.hlo['kernels_without_cost']} Pallas kernel call(s) without a cost "
+        "estimate (paged attention): their FLOPs are not counted"
+        for p in report.programs
+        if p.hlo.get("kernels_without_cost")
+    ]
+    step = report.to_json()["train_step_roofline_s"]
+    if step is not None:
+        lines.append(f"train step roofline (recompute × calls + rl_step): {_seconds(step)}")
+    lines.extend(notes)
+    lines.append("")
+    lines.append(
+        f"fits: every program within {FIT_FRACTION:.0%} of HBM"
+        if report.fits
+        else "DOES NOT FIT:\n" + "\n".join(f"  {p}" for p in report.problems)
+    )
+    return "\n".join(lines)
+
+
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"

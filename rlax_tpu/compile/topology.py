@@ -1,0 +1,69 @@
+"""Abstract TPU devices of a topology, and meshes over them, on any host.
+
+libtpu describes a slice ("v5p:2x4x4") without the hardware; its devices take part in
+meshes, shardings and compilation like real ones but hold no memory and run nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import jax
+from jax.sharding import Mesh
+
+from rlax_tpu.config import MeshConfig
+from rlax_tpu.sharding import build_mesh
+
+
+class TopologyError(RuntimeError):
+    """libtpu cannot describe the topology (unknown shape, libtpu missing); says why."""
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[tempfile.TemporaryFile]:
+    """Redirect file descriptor 2 (libtpu's C++ logging writes there) into a file: on a
+    host without TPUs libtpu warns that it cannot find the TPU's accelerator type and worker
+    hostnames, which the compile does not need."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@functools.cache
+def abstract_devices(topology: str) -> tuple[jax.Device, ...]:
+    """The devices of `topology` ("v5p:2x2x1"): one per chip (v4 as megacore, as JAX runs
+    it; the others have one TensorCore per JAX device already)."""
+    from jax.experimental import topologies
+
+    kwargs = {"chip_config_name": "megacore"} if topology.startswith("v4:") else {}
+    with _captured_stderr() as captured:
+        try:
+            description = topologies.get_topology_desc(
+                topology_name=topology, platform="tpu", **kwargs
+            )
+        except Exception as e:  # JaxRuntimeError, RuntimeError (no libtpu), ...
+            captured.seek(0)
+            log = captured.read().decode(errors="replace").strip()
+            raise TopologyError(
+                f"libtpu cannot describe topology {topology!r}: {e}"
+                + (f"\nlibtpu said:\n{log}" if log else "")
+                + "\n(`pip install rlax_tpu[tpu]` installs libtpu; the chips along each "
+                "axis must be a shape the generation offers, e.g. v5p:2x2x1, v5p:2x4x4, v5e:4x4)"
+            ) from None
+    return tuple(description.devices)
+
+
+def topology_mesh(mesh_config: MeshConfig, topology: str) -> Mesh:
+    """`mesh_config`'s mesh over the abstract devices of `topology`."""
+    return build_mesh(mesh_config, devices=abstract_devices(topology))

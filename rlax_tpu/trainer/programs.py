@@ -1,0 +1,227 @@
+"""The trainer's jitted programs and the layouts they run on, built once from (config, mesh).
+
+`Trainer` runs them on real arrays; `rlax-tpu compile` (rlax_tpu.compile) lowers the same
+programs on abstract arrays of a TPU topology to measure their memory and FLOPs without the
+hardware. One builder, so what is compiled there is what runs here. Nothing here allocates
+device memory: parameters and optimizer states are `jax.ShapeDtypeStruct`s carrying their
+shardings until `random_init` / `init_opt` run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlax_tpu.algorithms import RolloutBatch, build_objective
+from rlax_tpu.config import RunConfig
+from rlax_tpu.models import Transformer
+from rlax_tpu.models.options import ForwardOptions
+from rlax_tpu.sharding import logical_to_spec, state_shardings
+from rlax_tpu.trainer.step import (
+    BatchLevels,
+    build_optimizer,
+    count_params,
+    make_rl_step,
+    make_sft_step,
+    mismatch_metrics,
+    policy_temperature,
+    recompute,
+)
+
+
+def train_model(config: RunConfig, rngs: nnx.Rngs) -> Transformer:
+    """The model as the trainer holds it (decoder layers stacked with trainer.scan_layers)."""
+    if config.trainer.scan_layers:
+        return Transformer(config.model, rngs=rngs, scan_layers=True)
+    return Transformer(config.model, rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OptimizerLayout:
+    """An optimizer, its learning-rate schedule, and its state's shardings and abstract
+    value (sharded like the params each entry tracks; counts and schedules replicated)."""
+
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    shardings: Any
+    abstract: Any
+
+
+class TrainerPrograms:
+    """Model layout, optimizers and jitted functions of a trainer over `mesh`.
+
+    Attributes: levels, objective, temperature, forward_options (resolved for the mesh's
+    platform), graphdef, param_shardings, abstract_params, num_params, rl / sft
+    (`OptimizerLayout`s of the RL optimizer and of the SFT warm start's), and the jitted
+    functions:
+
+      recompute(params, tokens, values: static bool) -> Recomputed   (π_old, V_old)
+      rl_step(params, opt_state, batch, step, behaviour) -> (params, opt_state, metrics)
+      sft_step(params, opt_state, tokens, targets, loss_mask) -> (params, opt_state, metrics)
+      init_opt(params), init_sft_opt(params), mismatch(recomputed, cached, mask),
+      random_init() -> params
+
+    rl_step and sft_step donate params and optimizer state (updated in place).
+    """
+
+    def __init__(self, config: RunConfig, mesh: Mesh) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.rules = config.trainer.mesh.logical_axis_rules
+        self.levels = BatchLevels.from_config(config)
+        self.objective = build_objective(config.trainer.algorithm)
+        # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
+        # the distribution the inference workers' behaviour log-probs are of; SFT at 1.
+        self.temperature = policy_temperature(config.inference)
+        # Remat, attention kernel and log-prob chunking of every training forward, resolved
+        # for the mesh's platform (TPU for abstract TPU devices on any host).
+        self.platform = mesh.devices.flat[0].platform
+        self.forward_options = ForwardOptions.from_trainer(config.trainer, platform=self.platform)
+
+        abstract_model = nnx.eval_shape(lambda: train_model(config, nnx.Rngs(0)))
+        self.graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
+        self.param_shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh, self.rules))
+        self.abstract_params = jax.tree.map(
+            lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+            nnx.to_pure_dict(abstract_state),
+            self.param_shardings,
+        )
+        self.num_params = count_params(self.abstract_params)
+
+        ctl = config.controller
+        self.rl = self._optimizer_layout(
+            *build_optimizer(
+                config.trainer,
+                num_steps=ctl.num_steps,
+                updates_per_step=self.levels.num_updates,
+            )
+        )
+        # The SFT warm start's own optimizer: its learning rate, a schedule over its steps.
+        self.sft = self._optimizer_layout(
+            *build_optimizer(
+                dataclasses.replace(config.trainer, learning_rate=ctl.sft_learning_rate),
+                num_steps=max(ctl.sft_steps, 1),
+                updates_per_step=self.levels.num_updates,
+            )
+        )
+        self._build_functions()
+
+    def _optimizer_layout(
+        self, optimizer: optax.GradientTransformation, schedule: optax.Schedule
+    ) -> OptimizerLayout:
+        abstract = jax.eval_shape(optimizer.init, self.abstract_params)
+        shardings = optax.tree_map_params(
+            optimizer,
+            lambda _, s: s,
+            abstract,
+            self.param_shardings,
+            transform_non_params=lambda _: self.replicated,
+        )
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+        )
+        return OptimizerLayout(optimizer, schedule, shardings, abstract)
+
+    def _build_functions(self) -> None:
+        p_sh = self.param_shardings
+        # Metrics replicated: every process of a multi-host mesh can read them.
+        replicated = self.replicated
+        self.init_opt = jax.jit(self.rl.optimizer.init, out_shardings=self.rl.shardings)
+        self.init_sft_opt = jax.jit(self.sft.optimizer.init, out_shardings=self.sft.shardings)
+        graphdef, levels, options = self.graphdef, self.levels, self.forward_options
+        temperature = self.temperature
+        self.recompute = jax.jit(
+            lambda params, tokens, values: recompute(
+                graphdef,
+                params,
+                tokens,
+                micro_size=levels.micro_size,
+                values=values,
+                temperature=temperature,
+                options=options,
+            ),
+            static_argnums=2,
+        )
+        self.rl_step = jax.jit(
+            make_rl_step(
+                graphdef,
+                self.objective,
+                self.rl.optimizer,
+                self.rl.schedule,
+                levels,
+                temperature=temperature,
+                options=options,
+            ),
+            donate_argnums=(0, 1),
+            out_shardings=(p_sh, self.rl.shardings, replicated),
+        )
+        self.sft_step = jax.jit(
+            make_sft_step(graphdef, self.sft.optimizer, self.sft.schedule, levels, options=options),
+            donate_argnums=(0, 1),
+            out_shardings=(p_sh, self.sft.shardings, replicated),
+        )
+        self.mismatch = jax.jit(mismatch_metrics, out_shardings=replicated)
+        config, seed = self.config, self.config.seed
+        self.random_init = jax.jit(
+            lambda: nnx.to_pure_dict(nnx.state(train_model(config, nnx.Rngs(seed)), nnx.Param)),
+            out_shardings=p_sh,
+        )
+
+    # -- placement -----------------------------------------------------------------------
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def sharding(self, logical: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        spec = logical_to_spec(logical, self.rules, shape=shape, mesh=self.mesh)
+        return NamedSharding(self.mesh, spec)
+
+    def row_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
+        """A batch array with rows first (and sequence second): rows over the batch axes."""
+        return self.sharding(("batch", "length")[: len(shape)], shape)
+
+    # -- abstract inputs (rlax-tpu compile) ------------------------------------------------
+    def abstract_rows(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=self.row_sharding(shape))
+
+    def abstract_tokens(self, seq_len: int) -> jax.ShapeDtypeStruct:
+        """int32[global batch, seq_len], placed as `Trainer` places a batch's tokens."""
+        return self.abstract_rows((self.levels.global_size, seq_len), jnp.int32)
+
+    def abstract_rollout_batch(self, seq_len: int) -> RolloutBatch:
+        """A global batch as `train_step` hands it to `rl_step`: the fields the controller
+        sends (trainer.wire.RolloutArrays) plus the reference log-probs and V_old the
+        objective reads, each placed by rows."""
+        rows, seq = self.levels.global_size, seq_len
+        per_token = self.abstract_rows((rows, seq), jnp.float32)
+        return RolloutBatch(
+            tokens=self.abstract_tokens(seq),
+            response_mask=self.abstract_rows((rows, seq), jnp.bool_),
+            group_ids=self.abstract_rows((rows,), jnp.int32),
+            rewards=self.abstract_rows((rows,), jnp.float32),
+            behaviour_logprobs=per_token,
+            versions=self.abstract_rows((rows,), jnp.int32),
+            reference_logprobs=per_token if self.objective.needs_reference_logprobs else None,
+            values=per_token if self.objective.needs_rollout_values else None,
+        )
+
+    def abstract_rl_step_args(self, seq_len: int) -> tuple:
+        """(params, opt_state, batch, step, behaviour) of one `rl_step` call."""
+        per_token = self.abstract_rows((self.levels.global_size, seq_len), jnp.float32)
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        behaviour = {"recomputed": per_token, "cached": per_token}
+        batch = self.abstract_rollout_batch(seq_len)
+        return self.abstract_params, self.rl.abstract, batch, step, behaviour
+
+    def abstract_sft_step_args(self, seq_len: int) -> tuple:
+        """(params, opt_state, tokens, targets, loss_mask) of one `sft_step` call."""
+        shape = (self.levels.global_size, seq_len)
+        tokens = self.abstract_rows(shape, jnp.int32)
+        mask = self.abstract_rows(shape, jnp.float32)
+        return self.abstract_params, self.sft.abstract, tokens, tokens, mask

@@ -1,0 +1,204 @@
+"""`rlax-tpu compile`: a config's programs compiled by libtpu for abstract TPU devices.
+
+The CLI runs in a subprocess, as users run it: it sets up JAX for libtpu's compiler itself.
+The pod configs' full compiles take minutes each and are marked slow.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu.cli import main
+from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, GiB
+from rlax_tpu.compile.hlo_cost import analyze, mean_taps
+from rlax_tpu.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "tests" / "compile_tiny_config.py")
+
+
+def _compile(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "rlax_tpu", "compile", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
+    out = tmp_path / "report.json"
+    proc = _compile(TINY, "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # libtpu's warnings about the missing TPU VM are not shown.
+    assert "TPU_ACCELERATOR_TYPE" not in proc.stdout + proc.stderr
+    assert "fits: every program within 90% of HBM" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["fits"] and not report["problems"]
+    for component in ("trainer", "inference"):
+        target = report["components"][component]
+        assert (target["topology"], target["chip"], target["num_chips"]) == ("v5p:2x2x1", "v5p", 4)
+        assert target["hbm_bytes_per_chip"] == 95 * GiB
+    assert report["components"]["trainer"]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    programs = {p["name"]: p for p in report["programs"]}
+    # sft_step runs only with an SFT warm start (controller.sft_steps = 0 here).
+    assert set(programs) == {"rl_step", "recompute", "prefill", "decode"}
+    for p in programs.values():
+        memory = p["memory"]
+        assert all(v >= 0 for v in memory.values()), (p["name"], memory)
+        assert 0 < memory["total"] <= FIT_FRACTION * p["hbm_bytes"]
+        assert memory["params"] > 0
+        assert p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_s"] > 0
+        assert p["compile_s"] > 0 and p["fits"]
+    # The train step holds the optimizer state and builds a gradient tree; donation writes
+    # the new params and state over the old ones.
+    rl = programs["rl_step"]["memory"]
+    # Adam's two moments, sharded like the params, and its replicated step counters.
+    assert 2 * rl["params"] <= rl["optimizer_state"] < 2 * rl["params"] + 1024
+    assert rl["gradients"] == rl["params"] and rl["alias"] > 0
+    assert programs["rl_step"]["dims"] == {
+        "rows": 8,
+        "seq_len": 128,
+        "micro_batch": 4,
+        "updates": 1,
+    }
+    assert programs["prefill"]["dims"] == {"rows": 1, "seq_len": 32}
+    assert programs["decode"]["dims"] == {"slots": 8, "steps": 1, "max_seq_len": 64}
+    # The decode step compiles the real Pallas paged-attention kernel (not interpreted).
+    assert "pallas_tpu" in programs["decode"]["shape"]
+    assert programs["decode"]["hlo"]["kernels_without_cost"] >= 1
+    assert programs["decode"]["memory"]["kv_cache"] > 0
+    assert report["train_step_roofline_s"] > 0
+
+
+def test_programs_that_do_not_fit_are_refused_naming_the_knobs(tmp_path):
+    out = tmp_path / "report.json"
+    proc = _compile(
+        TINY,
+        "--programs",
+        "rl_step,decode",
+        # Over 90% of HBM by our count: a 90 GiB KV pool (2 kv heads: replicated).
+        "--set",
+        f"inference.kv_cache_bytes={90 * GiB}",
+        # Over HBM by the compiler's: float32 [s, s] attention scores of 131072 tokens.
+        "--set",
+        "trainer.attention_backend=jax",
+        "--set",
+        "trainer.max_seq_len=131072",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    decode, rl_step = sorted(
+        (line for line in proc.stderr.splitlines() if "does not fit" in line),
+        key=lambda line: "rl_step" in line,
+    )
+    assert "the biggest consumer is kv cache" in decode
+    assert "inference.kv_cache_bytes" in decode
+    assert "RESOURCE_EXHAUSTED" in rl_step and "the compiler ran out of HBM" in rl_step
+    assert "activations and temporaries" in rl_step and "trainer.remat_policy" in rl_step
+    assert "trainer.max_seq_len=131072" in rl_step  # the current values are named
+    report = json.loads(out.read_text())
+    assert not report["fits"] and len(report["problems"]) == 2
+    programs = {p["name"]: p for p in report["programs"]}
+    assert programs["rl_step"]["out_of_memory"] and not programs["decode"]["out_of_memory"]
+    assert programs["decode"]["hbm_fraction"] > FIT_FRACTION
+
+
+def test_topology_disagreeing_with_the_deploy_slice_is_refused(capsys):
+    # 4 chips, as the mesh needs, but v5e where the deployment rents a v5p slice.
+    code = main(["compile", TINY, "--set", "trainer.mesh.topology=v5e:2x2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "trainer.mesh.topology" in err and "deploy.trainer_tpu" in err
+
+
+def test_topology_follows_the_deploy_slice_when_unset():
+    config = load_config(TINY, ["trainer.mesh.topology=", "deploy.trainer_tpu.topology=2x2x2"])
+    assert config.tpu_topology("trainer") == "v5p:2x2x2"
+    with pytest.raises(ConfigError, match="must fill its topology"):
+        load_config(TINY, ["trainer.mesh.topology=v5p:4x4x4"])
+    with pytest.raises(ConfigError, match="chip one of"):
+        load_config(TINY, ["inference.mesh.topology=v9:2x2"])
+
+
+def test_shipped_pod_configs_name_their_slices():
+    for name, trainer in (
+        ("llama3_1_8b_tpu_v5p_64", "v5p:2x4x4"),
+        ("qwen2_5_32b_tpu_v5p_256", "v5p:4x4x8"),
+    ):
+        config = load_config(str(ROOT / "configs" / f"{name}.py"))
+        assert config.tpu_topology("trainer") == trainer
+        assert config.tpu_topology("inference") == "v5p:2x2x1"
+
+
+def test_chip_table_matches_the_published_figures():
+    v5p = CHIPS["v5p"]
+    assert (v5p.hbm_bytes, v5p.peak_flops_per_s, v5p.hbm_bytes_per_s) == (95 * GiB, 459e12, 2765e9)
+    assert {c: CHIPS[c].hbm_bytes // GiB for c in CHIPS} == {
+        "v4": 32,
+        "v5e": 16,
+        "v5p": 95,
+        "v6e": 32,
+    }
+
+
+# -- the HLO walk ---------------------------------------------------------------------------
+# libtpu's optimized HLO (v5p, 4 devices; metadata stripped) of
+#   lax.scan(lambda c, x: (c + tanh(x @ w).sum(), None), 0., xs), xs: f32[10, 4096, 1024]
+# sharded 4 ways: the matmul is a convolution inside a while loop of 10 iterations that
+# reads one [1024, 1024] slice of the stacked (bf16) xs per iteration.
+SCAN_HLO = (ROOT / "tests" / "hlo" / "scan_v5p.txt").read_text()
+# An attention the compiler turned into a Mosaic kernel carrying its cost estimate.
+KERNEL_HLO = (ROOT / "tests" / "hlo" / "kernel_v5p.txt").read_text()
+
+
+def test_hlo_walk_counts_loop_bodies_by_their_trip_count():
+    cost = analyze(SCAN_HLO)
+    assert cost.loops == [("while.10", 10)] and cost.unknown_loops == 0
+    assert cost.flops == 10 * 2 * 1024**3  # XLA's cost_analysis counts the body once
+    # Each iteration reads one 2 MiB slice of the 20 MiB stacked array, not all of it.
+    slice_bytes, stacked_bytes = 2 * 2**20, 20 * 2**20
+    assert 10 * slice_bytes < cost.bytes_accessed < 10 * stacked_bytes
+
+
+def test_hlo_walk_reads_a_loops_start_and_step():
+    # A loop like the SPMD partitioner's windowed matmuls: i = 0, 2 while i < 4: twice.
+    cost = analyze((ROOT / "tests" / "hlo" / "windowed_loop.txt").read_text())
+    assert cost.loops == [("w", 2)]
+    assert cost.flops == 2 * (2 * 8 * 8 * 8)
+
+
+def test_convolution_taps_skip_padding_and_dilation_holes():
+    # A batched matmul written as a convolution: each output position meets one input
+    # element of the window, through padding (heads) or lhs dilation (kv heads).
+    assert mean_taps(1, 4, 4, {"size": 4, "pad_lo": 3}) == 1.0
+    assert mean_taps(2, 2, 2, {"size": 2, "lhs_dilate": 2}) == 1.0
+    # A weight gradient contracts over its whole window.
+    assert mean_taps(2, 1, 2, {"size": 2}) == 2.0
+
+
+def test_hlo_walk_reads_kernel_cost_estimates():
+    cost = analyze(KERNEL_HLO)
+    assert cost.flops == 4294967296 and cost.kernels_without_cost == 0
+    without = analyze(KERNEL_HLO.replace('"cost_estimate"', '"no_estimate"'))
+    assert without.flops == 0 and without.kernels_without_cost == 1
+
+
+# -- the shipped pod configs (minutes each) ---------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3_1_8b_tpu_v5p_64", "qwen2_5_32b_tpu_v5p_256"])
+def test_pod_config_fits_its_topology(name, tmp_path):
+    out = tmp_path / "report.json"
+    proc = _compile(str(ROOT / "configs" / f"{name}.py"), "--json", str(out), timeout=7200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    for p in report["programs"]:
+        assert p["memory"]["total"] <= FIT_FRACTION * p["hbm_bytes"], p["name"]
