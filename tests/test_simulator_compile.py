@@ -31,11 +31,14 @@ def tpu_config(*overrides: str) -> RunConfig:
     return load_config(TINY, [*ON_V5P, *overrides])
 
 
-def _program(name: str, component: str, shape: str, calls: int, roofline_s: float) -> dict:
+def _program(
+    name: str, component: str, shape: str, dims: dict, calls: int, roofline_s: float
+) -> dict:
     return {
         "name": name,
         "component": component,
         "shape": shape,
+        "dims": dims,
         "calls": "once per train step",
         "calls_per_step": calls,
         "chip": "v5p",
@@ -62,11 +65,26 @@ def compile_report(config: RunConfig, recompute_calls: int = 2) -> dict:
     inf, rows = config.inference, config.controller.prompts_per_batch
     rows *= config.controller.samples_per_prompt
     seq, bucket = config.trainer.max_seq_len, inf.prefill_buckets[-1]
+    train = {"rows": rows, "seq_len": seq}
     programs = [
-        _program("rl_step", "trainer", f"{rows} × {seq} tokens: 1 update(s) of {rows}", 1, 0.2),
-        _program("recompute", "trainer", f"{rows} × {seq} tokens", recompute_calls, 0.05),
-        _program("prefill", "inference", f"{inf.prefill_rows} × {bucket} tokens", 1, 0.004),
-        _program("decode", "inference", f"{inf.max_decode_slots} slots × 1 token(s)", 1, 0.03),
+        _program("rl_step", "trainer", f"{rows} × {seq} tokens", train, 1, 0.2),
+        _program("recompute", "trainer", f"{rows} × {seq} tokens", train, recompute_calls, 0.05),
+        _program(
+            "prefill",
+            "inference",
+            f"{inf.prefill_rows} × {bucket} tokens",
+            {"rows": inf.prefill_rows, "seq_len": bucket},
+            1,
+            0.004,
+        ),
+        _program(
+            "decode",
+            "inference",
+            f"{inf.max_decode_slots} slots × 1 token(s)",
+            {"slots": inf.max_decode_slots, "steps": 1},
+            1,
+            0.03,
+        ),
     ]
     components = {
         component: {

@@ -11,29 +11,34 @@ rest of the simulator: it reads the report, it never compiles.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.simulator.model import CalibrationError, HardwareSpec, Workload
 
-# The leading figures of a program's `shape` (rlax_tpu.compile.programs): rows × tokens of
-# rl_step, recompute and prefill; slots × tokens per call of decode.
-_ROWS_TOKENS = re.compile(r"^\s*(\d+)\s*×\s*(\d+) tokens")
-_SLOTS_STEPS = re.compile(r"^\s*(\d+) slots\s*×\s*(\d+) token")
 _REDO = "compile this config again: rlax-tpu compile CONFIG [--set …] --json OUT"
 
 
+# The figures of each program's `dims` (rlax_tpu.compile.programs) the simulator reads.
+_DIMS = {
+    "rl_step": ("rows", "seq_len"),
+    "recompute": ("rows", "seq_len"),
+    "prefill": ("rows", "seq_len"),
+    "decode": ("slots", "steps"),
+}
+
+
 def _shape(program: Mapping[str, Any], source: str) -> tuple[int, int]:
-    pattern = _SLOTS_STEPS if program["name"] == "decode" else _ROWS_TOKENS
-    m = pattern.match(program.get("shape", ""))
-    if not m:
+    """(rows, tokens) of rl_step, recompute and prefill; (slots, tokens per call) of decode."""
+    dims = program.get("dims") or {}
+    keys = _DIMS[program["name"]]
+    if not all(isinstance(dims.get(k), int) for k in keys):
         raise CalibrationError(
-            f"{source}: the {program['name']} program's shape {program.get('shape')!r} is not "
-            "in the form this simulator reads (a report of another rlax-tpu version?); " + _REDO
+            f"{source}: the {program['name']} program's dims {dims!r} lack {list(keys)} "
+            "(a report of another rlax-tpu version?); " + _REDO
         )
-    return int(m.group(1)), int(m.group(2))
+    return dims[keys[0]], dims[keys[1]]
 
 
 def check_report(
