@@ -216,3 +216,29 @@ def test_a_scanning_remat_trainer_trains_and_publishes_like_the_reference(tmp_pa
     # Adam at lr 1e-2 turns float32 rounding in a near-zero gradient into up to ~2e-5.
     assert_trees_close(memory.params(), reference.params(), rtol=1e-4, atol=5e-5)
     jax.tree.map(np.testing.assert_array_equal, published, memory.params())
+
+
+def test_a_scanning_trainer_loads_an_hf_checkpoint_stacked_and_hands_it_out_per_layer(tmp_path):
+    """HF import stacks the per-layer checkpoint for trainer.scan_layers; `params()` and HF
+    export give back exactly the checkpoint's per-layer tree."""
+    import dataclasses
+
+    from trainer_helpers import MODEL, run_config
+
+    from rlax_tpu.models.hf import load_hf_params, save_hf
+    from rlax_tpu.trainer import Trainer
+
+    per_layer = nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(5)), nnx.Param))
+    save_hf(per_layer, MODEL, str(tmp_path / "hf"))
+    config = run_config(str(tmp_path / "run"), scan_layers=True)
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(MODEL, hf_checkpoint=str(tmp_path / "hf"))
+    )
+    trainer = Trainer(config)
+    trainer.initialize()
+    assert is_stacked(trainer._params)
+    jax.tree.map(np.testing.assert_array_equal, trainer.params(), per_layer)
+    save_hf(trainer._params, MODEL, str(tmp_path / "out"))  # export unstacks a stacked tree
+    jax.tree.map(
+        np.testing.assert_array_equal, load_hf_params(str(tmp_path / "out"), MODEL), per_layer
+    )
