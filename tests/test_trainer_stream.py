@@ -35,7 +35,7 @@ _CONFIG = load_config(TINY, OVERRIDES)  # global batch 8, trainer.max_seq_len = 
 
 
 def arrays_of(batch) -> dict:
-    return {f.name: getattr(batch, f.name) for f in TRAIN_STEP.fields}
+    return TRAIN_STEP.arrays_of(batch)
 
 
 def sft_arrays(step: int, size: int = 8) -> dict[str, np.ndarray]:
@@ -133,8 +133,9 @@ def test_a_stream_missing_chunks_is_truncated_naming_the_incomplete_field():
         ({"tokens": ("float32", None)}, r"batch\.tokens must be an integer array, got float32"),
         ({"rewards": ("int32", None)}, r"batch\.rewards must be a floating-point array"),
         ({"versions": ("object", None)}, r"batch\.versions has non-numeric dtype"),
+        ({"tokens": (None, [8, -1])}, r"batch\.tokens has a negative dimension in shape"),
     ],
-    ids=["rows", "length", "rank", "batch-size", "int-dtype", "float-dtype", "object"],
+    ids=["rows", "length", "rank", "batch-size", "int-dtype", "float-dtype", "object", "negative"],
 )
 def test_a_header_over_the_limits_or_of_the_wrong_shape_or_dtype_is_refused(changes, error):
     """Refused at the header, before any data is read or memory allocated."""
@@ -144,10 +145,13 @@ def test_a_header_over_the_limits_or_of_the_wrong_shape_or_dtype_is_refused(chan
     assert receiver.declared_bytes == 0
 
 
-def test_out_of_order_or_surplus_messages_are_refused():
+def test_out_of_order_surplus_unknown_or_repeated_messages_are_refused():
     chunks = train_chunks()
+    specs = list(chunks[0].header.tensors)
     cases = {
         "sent data before its header": [chunks[1]],
+        "sent end before its header": [chunks[-1]],
+        "has an empty message": [pb.BatchChunk()],
         "has a second header": [chunks[0], chunks[0]],
         "carries more data than its header declares": [*chunks[:-1], chunks[1]],
         "has a message after its end": [*chunks, chunks[1]],
@@ -155,6 +159,14 @@ def test_out_of_order_or_surplus_messages_are_refused():
             pb.BatchChunk(header=pb.BatchHeader(step=1, tensors=chunks[0].header.tensors[:1]))
         ],
         r"step must be >= 0": [pb.BatchChunk(header=pb.BatchHeader(step=-1))],
+        r"batch\.logits is not a TrainStep field": [
+            pb.BatchChunk(
+                header=pb.BatchHeader(step=1, tensors=[*specs, pb.TensorSpec(name="logits")])
+            )
+        ],
+        r"batch\.tokens is declared twice": [
+            pb.BatchChunk(header=pb.BatchHeader(step=1, tensors=[*specs, specs[0]]))
+        ],
     }
     for message, stream in cases.items():
         with pytest.raises(BatchFormatError, match=message):

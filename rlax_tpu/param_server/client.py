@@ -310,6 +310,11 @@ class ParamServerClient:
                 self._held.append({p.path: p for p in pieces})
         return self._held
 
+    def _layout(self) -> list[dict[str, Piece]]:
+        """`held_pieces()`, read again if a replica had no layout yet."""
+        held = self.held_pieces()
+        return self.held_pieces(refresh=True) if any(not h for h in held) else held
+
     def pull_boxes(
         self, version: int, wanted: Mapping[str, Sequence[Box]]
     ) -> dict[tuple[str, Box], np.ndarray]:
@@ -317,9 +322,7 @@ class ParamServerClient:
 
         Each box is assembled from the replicas that hold parts of it.
         """
-        held = self.held_pieces()
-        if any(not h for h in held):
-            held = self.held_pieces(refresh=True)  # a replica had no layout yet
+        held = self._layout()
         requests: list[dict[str, list[Box]]] = [{} for _ in self._stubs]
         out: dict[tuple[str, Box], np.ndarray] = {}
         for path, boxes in wanted.items():
@@ -438,10 +441,7 @@ class ParamServerClient:
         return unflatten_like(like, values)
 
     def _check_like(self, targets: Mapping[str, Any]) -> None:
-        held = self.held_pieces()
-        if any(not h for h in held):
-            held = self.held_pieces(refresh=True)
-        stored = {path: piece for h in held for path, piece in h.items()}
+        stored = {path: piece for h in self._layout() for path, piece in h.items()}
         problems = []
         for path, leaf in targets.items():
             piece = stored.get(path)  # an unknown path: pull_boxes names it

@@ -46,8 +46,7 @@ class TrainerClient(ComponentClient):
 
     def train_step(self, step: int, batch: RolloutArrays | Any) -> StepResult:
         """Train step `step` on `batch` (publishing version step + 1), or its recorded result."""
-        arrays = {f.name: getattr(batch, f.name) for f in TRAIN_STEP.fields}
-        return self._stream("TrainStep", step, arrays)
+        return self._stream("TrainStep", step, TRAIN_STEP.arrays_of(batch))
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:
         """tokens, targets: int32[batch, seq]; loss_mask: bool|float32[batch, seq]."""

@@ -94,8 +94,7 @@ class LeaderTrainer:
     def train_step(self, step: int, batch: Any) -> Any:
         from rlax_tpu.trainer.wire import TRAIN_STEP, pack_batch
 
-        arrays = {f.name: getattr(batch, f.name) for f in TRAIN_STEP.fields}
-        self._send("train_step", pack_batch(step, arrays), step=step)
+        self._send("train_step", pack_batch(step, TRAIN_STEP.arrays_of(batch)), step=step)
         return self._trainer.train_step(step, batch)
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> Any:

@@ -36,6 +36,7 @@ from rlax_tpu.trainer.wire import (
     BatchReceiver,
     StreamSchema,
     TruncatedStreamError,
+    check_step,
     check_tokens,
     result_to_proto,
 )
@@ -150,17 +151,12 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         try:
             step = request.step if request.HasField("step") else None
             if step is not None:
-                _check_step(step)
+                check_step(step)
             with self.lock:
                 step = self.trainer.restore(step)
         except Exception as e:
             _abort(context, e)
         return pb.RestoreReply(step=step)
-
-
-def _check_step(step: int) -> None:
-    if step < 0:
-        raise BatchFormatError("step", f"must be >= 0, got {step}")
 
 
 def _abort(context: grpc.ServicerContext, error: Exception) -> None:

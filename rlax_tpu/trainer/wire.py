@@ -88,6 +88,11 @@ class StreamSchema:
     def fields(self) -> tuple[Field, ...]:
         return (*self.required, *self.optional)
 
+    def arrays_of(self, batch: Any) -> dict[str, Any]:
+        """{field: batch.field} of an object with the fields as attributes (RolloutArrays,
+        RolloutBatch): what `batch_stream` and `pack_batch` take."""
+        return {f.name: getattr(batch, f.name) for f in self.fields}
+
 
 TRAIN_STEP = StreamSchema(
     "TrainStep",
@@ -242,13 +247,20 @@ class BatchReceiver:
         else:
             raise BatchFormatError(self._stream, "has an empty message (no header, data or end)")
 
-    def header(self, header: pb.BatchHeader) -> None:
+    def _check_order(self, part: Literal["header", "data", "end"]) -> None:
+        """Refuse `part` where the stream's order (header, data..., end) does not allow it."""
         if self._ended:
             raise BatchFormatError(self._stream, "has a message after its end")
-        if self.step is not None:
+        if part == "header" and self.step is not None:
             raise BatchFormatError(self._stream, "has a second header: one stream is one batch")
-        if header.step < 0:
-            raise BatchFormatError("step", f"must be >= 0, got {header.step}")
+        if part != "header" and self.step is None:
+            raise BatchFormatError(
+                self._stream, f"sent {part} before its header: the header comes first"
+            )
+
+    def header(self, header: pb.BatchHeader) -> None:
+        self._check_order("header")
+        check_step(header.step)
         declared = self._check_header(header)
         for name, (dtype, shape) in declared.items():
             little = dtype.newbyteorder("<")  # the wire's byte order (== dtype on most hosts)
@@ -259,12 +271,7 @@ class BatchReceiver:
         self.step = header.step
 
     def data(self, data: bytes | memoryview) -> None:
-        if self.step is None:
-            raise BatchFormatError(
-                self._stream, "sent data before its header: the header comes first"
-            )
-        if self._ended:
-            raise BatchFormatError(self._stream, "has a message after its end")
+        self._check_order("data")
         source = np.frombuffer(data, np.uint8)
         if self.received_bytes + source.size > self.declared_bytes:
             raise BatchFormatError(
@@ -284,10 +291,7 @@ class BatchReceiver:
         self.received_bytes += source.size
 
     def end(self) -> None:
-        if self.step is None:
-            raise BatchFormatError(self._stream, "ended before its header")
-        if self._ended:
-            raise BatchFormatError(self._stream, "has a message after its end")
+        self._check_order("end")
         if self.received_bytes < self.declared_bytes:
             raise TruncatedStreamError(
                 self._targets[self._index][0],
@@ -404,6 +408,11 @@ def _cast(array: np.ndarray, kind: str) -> np.ndarray:
     if kind == "mask" and array.dtype == np.bool_:
         return array
     return array.astype(np.float32, copy=False)
+
+
+def check_step(step: int) -> None:
+    if step < 0:
+        raise BatchFormatError("step", f"must be >= 0, got {step}")
 
 
 def check_tokens(tokens: np.ndarray, field: str, vocab_size: int | None) -> None:
