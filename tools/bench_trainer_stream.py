@@ -43,7 +43,7 @@ def serve(limit: int, rows: int, seq: int) -> None:
     server.wait_for_termination()
 
 
-def bench(limit: int, rows: int, seq: int, steps: int) -> None:
+def bench(limit: int, rows: int, seq: int, steps: int) -> dict:
     import numpy as np
 
     from rlax_tpu.trainer.client import TrainerClient
@@ -78,14 +78,14 @@ def bench(limit: int, rows: int, seq: int, steps: int) -> None:
                 result = client.train_step(step, batch)
                 times.append(time.perf_counter() - start)
                 server_peak = result.metrics["peak_rss_mib"]
-        print(
-            f"max_message_bytes {limit:>10}: batch {size / 1e6:.0f} MB ({size / 2**20:.0f} MiB), "
-            f"{min(times):.2f}-{max(times):.2f} s a batch "
-            f"({size / min(times) / 1e6:.0f} MB/s at best); peak RSS growth: server "
-            f"+{server_peak - float(server_base):.0f} MiB, client "
-            f"+{_peak_rss_mib() - client_base:.0f} MiB",
-            flush=True,
-        )
+        return {
+            "limit": limit,
+            "mb": size / 1e6,
+            "best_s": min(times),
+            "worst_s": max(times),
+            "server_mib": server_peak - float(server_base),
+            "client_mib": _peak_rss_mib() - client_base,
+        }
     finally:
         child.terminate()
         child.wait()
@@ -102,8 +102,20 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.rows, args.seq)
         return
-    for limit in args.message_bytes:  # a fresh pair of processes each: peak RSS is per process
-        bench(limit, args.rows, args.seq, args.steps)
+    # A fresh pair of processes each: peak RSS is per process.
+    runs = [bench(limit, args.rows, args.seq, args.steps) for limit in args.message_bytes]
+    base = runs[0]
+    print(f"batch {base['mb']:.0f} MB, {args.steps} steps each; ratios against the first limit")
+    print(
+        f"{'max_message_bytes':>17} {'best s':>8} {'worst s':>8} {'× time':>7} "
+        f"{'server +MiB':>12} {'client +MiB':>12} {'× server':>9}"
+    )
+    for r in runs:
+        print(
+            f"{r['limit']:>17} {r['best_s']:>8.2f} {r['worst_s']:>8.2f} "
+            f"{r['best_s'] / base['best_s']:>7.2f} {r['server_mib']:>12.0f} "
+            f"{r['client_mib']:>12.0f} {r['server_mib'] / max(base['server_mib'], 1):>9.2f}"
+        )
 
 
 if __name__ == "__main__":
