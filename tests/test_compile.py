@@ -15,7 +15,7 @@ import pytest
 from rlax_tpu.cli import main
 from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, GiB
 from rlax_tpu.compile.hlo_cost import analyze, mean_taps
-from rlax_tpu.config import ConfigError, load_config
+from rlax_tpu.config import TPU_CHIPS, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "tests" / "compile_tiny_config.py")
@@ -76,6 +76,9 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     assert programs["decode"]["hlo"]["kernels_without_cost"] >= 1
     assert programs["decode"]["memory"]["kv_cache"] > 0
     assert report["train_step_roofline_s"] > 0
+    # Training attention is the splash kernel, its matmuls counted from its shapes.
+    assert programs["rl_step"]["hlo"]["splash_kernels"] >= 1
+    assert programs["recompute"]["hlo"]["splash_kernels"] >= 1
 
 
 def test_programs_that_do_not_fit_are_refused_naming_the_knobs(tmp_path):
@@ -127,6 +130,9 @@ def test_topology_follows_the_deploy_slice_when_unset():
         load_config(TINY, ["trainer.mesh.topology=v5p:4x4x4"])
     with pytest.raises(ConfigError, match="chip one of"):
         load_config(TINY, ["inference.mesh.topology=v9:2x2"])
+    # A bad axis size is named as such, before the topology is checked against it.
+    with pytest.raises(ConfigError, match="data: must be >= 1"):
+        load_config(TINY, ["trainer.mesh.data=0"])
 
 
 def test_shipped_pod_configs_name_their_slices():
@@ -140,6 +146,7 @@ def test_shipped_pod_configs_name_their_slices():
 
 
 def test_chip_table_matches_the_published_figures():
+    assert set(CHIPS) == set(TPU_CHIPS)  # every chip a topology may name has figures
     v5p = CHIPS["v5p"]
     assert (v5p.hbm_bytes, v5p.peak_flops_per_s, v5p.hbm_bytes_per_s) == (95 * GiB, 459e12, 2765e9)
     assert {c: CHIPS[c].hbm_bytes // GiB for c in CHIPS} == {

@@ -31,13 +31,13 @@ def main(args: argparse.Namespace) -> int:
     programs = None
     if args.programs:
         programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    from rlax_tpu.compile.hardware import prepare_environment
+    from rlax_tpu.compile.hardware import GiB, prepare_environment
 
     prepare_environment()
     from rlax_tpu.compile import TopologyError, compile_config, format_report
 
     def progress(report) -> None:
-        state = "error" if report.error else f"{report.total / 2**30:.2f} GiB per chip"
+        state = "error" if report.error else f"{report.total / GiB:.2f} GiB per chip"
         print(
             f"compiled {report.component} {report.name} in "
             f"{report.lower_s + report.compile_s:.1f} s: {state}",

@@ -22,9 +22,10 @@ import time
 import warnings
 from typing import Any
 
-from rlax_tpu.compile.hardware import FIT_FRACTION, ChipSpec
+from rlax_tpu.compile.hardware import FIT_FRACTION, ChipSpec, GiB
 from rlax_tpu.compile.hlo_cost import analyze
 from rlax_tpu.compile.programs import Program
+from rlax_tpu.config import RunConfig
 
 # Config knobs that shrink each kind of memory, per component (named in the refusal).
 KNOBS = {
@@ -54,7 +55,6 @@ KNOBS = {
         ),
         "inputs": "inference.max_decode_slots, inference.prefill_batch_size",
         "outputs": "inference.max_decode_slots",
-        "gradients": "",
         "generated_code": "inference.prefill_buckets",
     },
 }
@@ -155,12 +155,9 @@ def _out_of_memory(message: str, program: Program) -> dict[str, int]:
     m = _REQUIRED.search(message)
     if m:
         required = int(float(m.group(2)) * _UNITS[m.group(3)])
-        what = m.group(1)
-        if "temporar" in what:
-            memory["activations_and_temporaries"] = required
-        elif "argument" in what:
+        if "argument" in m.group(1):
             memory["inputs"] = max(required - sum(program.arguments.values()), 0)
-        else:
+        else:  # HLO temporaries, usually
             memory["activations_and_temporaries"] = required
     memory["total"] = sum(memory[k] for k in CATEGORIES)
     return memory
@@ -215,9 +212,25 @@ def compile_program(program: Program, chip: ChipSpec) -> ProgramReport:
     return report
 
 
-def refusal(report: ProgramReport, config_values: dict[str, Any]) -> str:
-    """Why `report`'s program does not fit, naming its biggest consumer and the knobs."""
-    gib = 2**30
+# A config field named in KNOBS ("trainer.max_seq_len"); its value is quoted in a refusal.
+_KNOB = re.compile(r"\b(?:model|trainer|inference|controller)(?:\.\w+)+")
+
+
+def _current_values(knobs: str, config: RunConfig) -> str:
+    """`name=value` of each scalar config field `knobs` names (not meshes or tuples)."""
+    values = []
+    for name in dict.fromkeys(_KNOB.findall(knobs)):
+        value: Any = config
+        for part in name.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, (bool, int, float, str)):
+            values.append(f"{name}={value}")
+    return ", ".join(values)
+
+
+def refusal(report: ProgramReport, config: RunConfig) -> str:
+    """Why `report`'s program does not fit, naming its biggest consumer and the knobs that
+    shrink it with their values in `config`."""
     name, size = report.biggest()
     knobs = KNOBS[report.component].get(name, "")
     where = f"{report.component} {report.name} ({report.shape})"
@@ -226,11 +239,11 @@ def refusal(report: ProgramReport, config_values: dict[str, Any]) -> str:
     head = f"{where} does not fit a {report.chip} chip: " + (
         f"the compiler ran out of HBM ({report.error})"
         if report.out_of_memory
-        else f"{report.total / gib:.1f} GiB needed per chip, over {FIT_FRACTION:.0%} of "
-        f"its {report.hbm_bytes / gib:.0f} GiB ({FIT_FRACTION * report.hbm_bytes / gib:.1f} GiB)"
+        else f"{report.total / GiB:.1f} GiB needed per chip, over {FIT_FRACTION:.0%} of "
+        f"its {report.hbm_bytes / GiB:.0f} GiB ({FIT_FRACTION * report.hbm_bytes / GiB:.1f} GiB)"
     )
-    now = ", ".join(f"{k}={v}" for k, v in config_values.items() if k in knobs)
+    now = _current_values(knobs, config)
     return (
-        f"{head}; the biggest consumer is {name.replace('_', ' ')} ({size / gib:.1f} GiB): "
+        f"{head}; the biggest consumer is {name.replace('_', ' ')} ({size / GiB:.1f} GiB): "
         f"change {knobs}" + (f" (now {now})" if now else "")
     )

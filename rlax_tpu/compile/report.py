@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from jax.sharding import Mesh
 
 from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, ChipSpec, GiB, chip_of
 from rlax_tpu.compile.measure import ProgramReport, compile_program, refusal
@@ -14,7 +15,7 @@ from rlax_tpu.compile.programs import (
     inference_programs,
     trainer_programs,
 )
-from rlax_tpu.compile.topology import abstract_devices, topology_mesh
+from rlax_tpu.compile.topology import topology_mesh
 from rlax_tpu.config import ConfigError, RunConfig
 
 
@@ -52,8 +53,16 @@ class CompileReport:
     def fits(self) -> bool:
         return not self.problems
 
+    @property
+    def train_step_roofline_s(self) -> float | None:
+        """One train step = recompute (π_old, and the reference's) + rl_step; None unless
+        both compiled."""
+        step = [p for p in self.programs if p.name in ("rl_step", "recompute")]
+        if len(step) != 2 or any(p.error for p in step):
+            return None
+        return sum(p.roofline_s * p.calls_per_step for p in step)
+
     def to_json(self) -> dict:
-        trainer_step = [p for p in self.programs if p.name in ("rl_step", "recompute")]
         return {
             "config": self.config_name,
             "config_digest": self.config_digest,
@@ -62,16 +71,13 @@ class CompileReport:
             "problems": self.problems,
             "components": {k: c.to_json() for k, c in self.components.items()},
             "programs": [p.to_json() for p in self.programs],
-            # One train step = recompute (π_old, and the reference's) + rl_step; None unless
-            # both compiled.
-            "train_step_roofline_s": sum(p.roofline_s * p.calls_per_step for p in trainer_step)
-            if len(trainer_step) == 2 and not any(p.error for p in trainer_step)
-            else None,
+            "train_step_roofline_s": self.train_step_roofline_s,
             "chips": {k: c.to_json() for k, c in CHIPS.items()},
         }
 
 
-def _target(config: RunConfig, component: str) -> ComponentTarget:
+def _target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mesh]:
+    """Where `component`'s programs run, and its mesh over the topology's abstract devices."""
     topology = config.tpu_topology(component)
     if not topology:
         slice_ = getattr(config.deploy, f"{component}_tpu")
@@ -81,27 +87,9 @@ def _target(config: RunConfig, component: str) -> ComponentTarget:
             f"(got {slice_.accelerator!r})",
             field=f"{component}.mesh.topology",
         )
-    devices = abstract_devices(topology)
-    mesh = getattr(config, component).mesh.shape_for(len(devices))
-    return ComponentTarget(component, topology, chip_of(topology), len(devices), mesh)
-
-
-def _knob_values(config: RunConfig) -> dict[str, Any]:
-    t, i = config.trainer, config.inference
-    return {
-        "trainer.micro_batch_size": t.micro_batch_size,
-        "trainer.remat_policy": t.remat_policy,
-        "trainer.logprob_chunk_size": t.logprob_chunk_size,
-        "trainer.attention_backend": t.attention_backend,
-        "trainer.scan_layers": t.scan_layers,
-        "trainer.max_seq_len": t.max_seq_len,
-        "model.param_dtype": config.model.param_dtype,
-        "model.publish_dtype": config.model.publish_dtype,
-        "inference.kv_cache_bytes": i.kv_cache_bytes,
-        "inference.max_decode_slots": i.max_decode_slots,
-        "inference.prefill_batch_size": i.prefill_batch_size,
-        "inference.attention_backend": i.attention_backend,
-    }
+    mesh = topology_mesh(getattr(config, component).mesh, topology)
+    target = ComponentTarget(component, topology, chip_of(topology), mesh.size, dict(mesh.shape))
+    return target, mesh
 
 
 def compile_config(
@@ -119,17 +107,14 @@ def compile_config(
     for component, build in (("trainer", trainer_programs), ("inference", inference_programs)):
         if not any(COMPONENT_OF[n] == component for n in names):
             continue
-        target = _target(config, component)
+        target, mesh = _target(config, component)
         components[component] = target
-        mesh_config = getattr(config, component).mesh
-        mesh = topology_mesh(mesh_config, target.topology)
         for program in build(config, mesh, names):
             report = compile_program(program, target.chip)
             reports.append(report)
             if progress is not None:
                 progress(report)
-    values = _knob_values(config)
-    problems = [refusal(r, values) for r in reports if not r.fits]
+    problems = [refusal(r, config) for r in reports if not r.fits]
     return CompileReport(config.name, config.digest(), components, reports, problems)
 
 
@@ -189,7 +174,7 @@ def format_report(report: CompileReport) -> str:
         for p in report.programs
         if p.hlo.get("kernels_without_cost")
     ]
-    step = report.to_json()["train_step_roofline_s"]
+    step = report.train_step_roofline_s
     if step is not None:
         lines.append(f"train step roofline (recompute × calls + rl_step): {_seconds(step)}")
     lines.extend(notes)

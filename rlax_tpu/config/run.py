@@ -181,6 +181,15 @@ class MeshConfig(ConfigBase):
     AXES = ("data", "fsdp", "tensor")
 
     def validate(self) -> None:
+        sizes = [self.data, self.fsdp, self.tensor]
+        for axis, size in zip(self.AXES, sizes, strict=True):
+            require(size == -1 or size >= 1, axis, f"must be >= 1 or -1 (the rest), got {size}")
+        require(
+            sizes.count(-1) <= 1,
+            "fsdp",
+            "at most one mesh axis may be -1 (meaning: all remaining devices)",
+        )
+        # After the sizes: shape_for assumes each is >= 1 or -1.
         if self.topology:
             require(
                 bool(_MESH_TOPOLOGY.match(self.topology)),
@@ -196,14 +205,6 @@ class MeshConfig(ConfigBase):
                     f"({topology_chips(self.topology)} chips): {e.detail}",
                     field="topology",
                 ) from None
-        sizes = [self.data, self.fsdp, self.tensor]
-        for axis, size in zip(self.AXES, sizes, strict=True):
-            require(size == -1 or size >= 1, axis, f"must be >= 1 or -1 (the rest), got {size}")
-        require(
-            sizes.count(-1) <= 1,
-            "fsdp",
-            "at most one mesh axis may be -1 (meaning: all remaining devices)",
-        )
         seen = set()
         for logical, mesh_axes in self.logical_axis_rules:
             require(logical not in seen, "logical_axis_rules", f"{logical!r} appears twice")
@@ -637,7 +638,7 @@ class TpuSliceConfig(ConfigBase):
 
     @property
     def chips(self) -> int:
-        return math.prod(int(d) for d in self.topology.split("x"))
+        return topology_chips(self.topology)
 
     @property
     def hosts(self) -> int:
