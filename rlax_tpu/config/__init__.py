@@ -1,6 +1,7 @@
 """Typed, validated run configuration. Imports no JAX: the CLI reads configs first."""
 
 from rlax_tpu.config.base import ConfigBase, ConfigError
+from rlax_tpu.config.distribution import Distribution
 from rlax_tpu.config.loader import load_config
 from rlax_tpu.config.run import (
     DEFAULT_LOGICAL_AXIS_RULES,
@@ -34,6 +35,7 @@ __all__ = [
     "ControllerConfig",
     "DatasetConfig",
     "DeployConfig",
+    "Distribution",
     "InferenceConfig",
     "MeshConfig",
     "ModelConfig",

@@ -16,8 +16,11 @@ from typing import Literal
 
 from rlax_tpu.config.algorithm import AlgorithmConfig
 from rlax_tpu.config.base import ConfigBase, ConfigError, require
+from rlax_tpu.config.distribution import Distribution
 
 DType = Literal["float32", "bfloat16"]
+# The smallest automatic decode bucket (InferenceConfig.decode_buckets).
+MIN_DECODE_BUCKET = 64
 RematPolicy = Literal[
     "none", "full", "minimal", "save_qkv_proj", "save_out_proj", "save_dot_except_mlp"
 ]
@@ -383,9 +386,37 @@ class InferenceConfig(ConfigBase):
     # of the top-k/top-p truncated distribution actually sampled from ("sampled").
     logprobs_of: Literal["full", "sampled"] = "full"
     attention_backend: Literal["auto", "jax", "pallas"] = "auto"
+    # How requests get KV pages. "on_demand": the prompt's pages at admission, one more
+    # whenever a sequence crosses a page boundary; when the pool runs out, the most recently
+    # admitted sequence is swapped out to host memory and swapped back in when pages free
+    # up (bitwise: its tokens and log-probs are those of an unpreempted run). "reserve":
+    # pages for prompt + max_new_tokens reserved at admission, never swaps (fewer live
+    # sequences; the engine before on-demand paging).
+    kv_admission: Literal["on_demand", "reserve"] = "on_demand"
+    # Rows of the compiled decode steps: each decode call runs the smallest that holds the
+    # live sequences, so its cost follows them. () = powers of two from 64 up to
+    # max_decode_slots (one size when max_decode_slots <= 64): XLA:CPU's matmuls give a row
+    # the same bits at any row count from 64 up, not below (docs/inference.md).
+    decode_buckets: tuple[int, ...] = ()
+    # The lengths the task is expected to have (tokens): `rlax-tpu compile`'s KV capacity in
+    # concurrent sequences and the simulator's default workload. None: prompts fixed at
+    # half of max_prompt_len; responses lognormal, median max_new_tokens / 4, sigma 1.
+    prompt_tokens: Distribution | None = None
+    response_tokens: Distribution | None = None
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
+        require(
+            not self.decode_buckets
+            or (
+                list(self.decode_buckets) == sorted(set(self.decode_buckets))
+                and self.decode_buckets[0] >= 1
+                and self.decode_buckets[-1] == self.max_decode_slots
+            ),
+            "decode_buckets",
+            "must be () (automatic) or positive, strictly increasing and end at "
+            f"max_decode_slots ({self.max_decode_slots}), got {self.decode_buckets}",
+        )
         require(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
             "page_size",
@@ -418,6 +449,31 @@ class InferenceConfig(ConfigBase):
     def prefill_rows(self) -> int:
         """Rows of every prefill call."""
         return self.prefill_batch_size
+
+    @property
+    def decode_rows(self) -> tuple[int, ...]:
+        """The compiled decode sizes (decode_buckets, resolved)."""
+        if self.decode_buckets:
+            return self.decode_buckets
+        sizes, rows = [], MIN_DECODE_BUCKET
+        while rows < self.max_decode_slots:
+            sizes.append(rows)
+            rows *= 2
+        return (*sizes, self.max_decode_slots)
+
+    def length_distributions(self) -> tuple[Distribution, Distribution]:
+        """(prompt tokens, response tokens) expected: `prompt_tokens` / `response_tokens` or
+        their defaults, clipped to [1, max_prompt_len] and [1, max_new_tokens]."""
+        prompt = self.prompt_tokens or Distribution(median=max(1, self.max_prompt_len // 2))
+        response = self.response_tokens or Distribution(
+            kind="lognormal", median=max(1.0, self.max_new_tokens / 4), sigma=1.0
+        )
+
+        def clipped(d: Distribution, most: int) -> Distribution:
+            top = min(d.maximum or most, most)
+            return dataclasses.replace(d, minimum=max(1.0, d.minimum), maximum=top)
+
+        return clipped(prompt, self.max_prompt_len), clipped(response, self.max_new_tokens)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -17,16 +17,15 @@ import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from rlax_tpu.config import ConfigBase, ConfigError, ModelConfig, RunConfig
+from rlax_tpu.config import ConfigBase, ConfigError, Distribution, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
 from rlax_tpu.shapes import padded_seq_len
 from rlax_tpu.simulator import workloads as bench_workload
 from rlax_tpu.staleness import StalenessPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-_Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 
 
 class CalibrationError(ValueError):
@@ -91,77 +90,6 @@ def train_flops_per_token(model: ModelConfig, seq_len: float) -> float:
 def kv_bytes_per_token(model: ModelConfig, dtype_bytes: float) -> float:
     """KV-cache bytes one token of context holds (keys and values of every layer)."""
     return 2.0 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
-
-
-# -- distributions --------------------------------------------------------------------------------
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class Distribution(ConfigBase):
-    """A positive quantity (tokens or seconds): `fixed` at `median`; `lognormal` with that
-    median and shape `sigma` (p95 = median·e^(1.645σ), heavy-tailed); or `empirical`,
-    drawn uniformly from `values`. Draws are clipped to [minimum, maximum] (maximum 0 = no
-    upper bound); token counts are rounded up."""
-
-    kind: Literal["fixed", "lognormal", "empirical"] = "fixed"
-    median: float = 1.0
-    sigma: float = 0.0
-    minimum: float = 0.0
-    maximum: float = 0.0
-    values: tuple[float, ...] = ()
-
-    def validate(self) -> None:
-        require(self.median >= 0, "median", f"must be >= 0, got {self.median}")
-        require(self.sigma >= 0, "sigma", f"must be >= 0, got {self.sigma}")
-        require(self.minimum >= 0, "minimum", "must be >= 0")
-        require(
-            self.maximum == 0 or self.maximum >= self.minimum,
-            "maximum",
-            f"must be 0 (unbounded) or >= minimum ({self.minimum}), got {self.maximum}",
-        )
-        require(
-            self.kind != "empirical" or bool(self.values),
-            "values",
-            "an empirical distribution needs its values",
-        )
-
-    @classmethod
-    def from_p50_p95(cls, p50: float, p95: float, **kwargs: Any) -> Distribution:
-        """The lognormal with these two percentiles."""
-        sigma = math.log(max(p95, p50) / p50) / _Z95 if p50 > 0 else 0.0
-        return cls(kind="lognormal", median=p50, sigma=sigma, **kwargs)
-
-    def _clip(self, x: float) -> float:
-        x = max(self.minimum, x)
-        return min(self.maximum, x) if self.maximum else x
-
-    def sample(self, rng: random.Random) -> float:
-        if self.kind == "fixed":
-            return self._clip(self.median)
-        if self.kind == "empirical":
-            return self._clip(self.values[rng.randrange(len(self.values))])
-        return self._clip(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))
-
-    def tokens(self, rng: random.Random) -> int:
-        return max(1, math.ceil(self.sample(rng)))
-
-    def quantile(self, q: float) -> float:
-        if self.kind == "fixed":
-            return self._clip(self.median)
-        if self.kind == "empirical":
-            ordered = sorted(self.values)
-            return self._clip(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
-        from statistics import NormalDist
-
-        q = min(max(q, 1e-9), 1 - 1e-9)
-        return self._clip(self.median * math.exp(self.sigma * NormalDist().inv_cdf(q)))
-
-    def mean(self) -> float:
-        """The mean of the clipped distribution (by its quantiles)."""
-        if self.kind == "fixed":
-            return self._clip(self.median)
-        if self.kind == "empirical":
-            return sum(self._clip(v) for v in self.values) / len(self.values)
-        n = 400
-        return sum(self.quantile((i + 0.5) / n) for i in range(n)) / n
 
 
 # -- the timing model -----------------------------------------------------------------------------
@@ -315,11 +243,12 @@ class HardwareSpec(ConfigBase):
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class SimulatorConfig(ConfigBase):
     """What the simulator needs beyond the RunConfig: the length distributions of the task
-    (no config knows them), the timing model, hardware figures and preemptions."""
+    (default: the config's expected ones), the timing model, hardware figures and
+    preemptions."""
 
-    # None: lognormal, median max_new_tokens/4, σ = 1, clipped to max_new_tokens.
+    # None: the config's inference.response_tokens / prompt_tokens (whose own defaults are
+    # lognormal with median max_new_tokens/4, σ = 1, and fixed at half of max_prompt_len).
     response_tokens: Distribution | None = None
-    # None: fixed at half of inference.max_prompt_len.
     prompt_tokens: Distribution | None = None
     timing: TimingModel = TimingModel()
     hardware: HardwareSpec = HardwareSpec()
@@ -357,20 +286,13 @@ class Workload:
     def from_config(cls, config: RunConfig, sim: SimulatorConfig | None = None) -> Workload:
         sim = sim or SimulatorConfig()
         inf, ctl = config.inference, config.controller
-        response = sim.response_tokens or Distribution(
-            kind="lognormal", median=max(1.0, inf.max_new_tokens / 4), sigma=1.0
+        # The simulator config's lengths, else the run config's expected ones (clipped alike).
+        expected = dataclasses.replace(
+            inf,
+            prompt_tokens=sim.prompt_tokens or inf.prompt_tokens,
+            response_tokens=sim.response_tokens or inf.response_tokens,
         )
-        response = dataclasses.replace(
-            response,
-            minimum=max(1.0, response.minimum),
-            maximum=min(response.maximum or inf.max_new_tokens, inf.max_new_tokens),
-        )
-        prompt = sim.prompt_tokens or Distribution(median=max(1, inf.max_prompt_len // 2))
-        prompt = dataclasses.replace(
-            prompt,
-            minimum=max(1.0, prompt.minimum),
-            maximum=min(prompt.maximum or inf.max_prompt_len, inf.max_prompt_len),
-        )
+        prompt, response = expected.length_distributions()
         return cls(
             num_steps=ctl.num_steps,
             prompts_per_batch=ctl.prompts_per_batch,
