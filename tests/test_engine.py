@@ -186,9 +186,12 @@ def test_unrunnable_prompts_error_alone_while_others_complete():
     assert "empty" in rollouts[3].error and "[0, 128)" in rollouts[4].error
 
 
+RESERVE = dataclasses.replace(INFERENCE, kv_admission="reserve")
+
+
 def test_out_of_pages_requests_wait_and_all_complete_identically():
-    # The shared pool holds 26 pages; a 32 + 12 token sequence takes 11 of them.
-    engine = make_engine()
+    # Reserve admission: the shared pool holds 26 pages; a 32 + 12 token sequence takes 11.
+    engine = make_engine(inference=RESERVE)
     assert engine.stats()["total_pages"] == 26
     requests = [request(i, n) for i, n in enumerate([32, 30, 28, 1, 9, 31])]
     for r in requests:
@@ -205,7 +208,7 @@ def test_out_of_pages_requests_wait_and_all_complete_identically():
     ):
         assert rollout.finish_reason == "length"
         assert rollout == engine.run([r])[0]  # as when it runs alone, with pages to spare
-    too_small = dataclasses.replace(INFERENCE, kv_cache_bytes=8 * BYTES_PER_PAGE)
+    too_small = dataclasses.replace(RESERVE, kv_cache_bytes=8 * BYTES_PER_PAGE)
     engine = Engine(LLAMA, too_small, seed=0)
     engine.load(0, init_params(LLAMA))
     engine.submit(request(9, 30))  # needs 11 pages of the 7 there are: can never run
@@ -325,9 +328,10 @@ def test_padding_rows_write_nothing_to_other_slots_or_the_padding_page():
 
 
 def test_out_of_pages_admission_stays_first_in_first_out_in_a_batch():
-    # 26 pages: r0 (32 + 12 tokens) and r1 (30 + 12) take 11 each; r2 (28 + 12) needs 10 of
-    # the 4 left and waits. r3 (1 + 12: 4 pages) would fit but must not overtake r2.
-    engine = make_engine()
+    # Reserve admission, 26 pages: r0 (32 + 12 tokens) and r1 (30 + 12) take 11 each; r2
+    # (28 + 12) needs 10 of the 4 left and waits. r3 (1 + 12: 4 pages) would fit but must
+    # not overtake r2.
+    engine = make_engine(inference=RESERVE)
     requests = [request(i, n) for i, n in enumerate([32, 30, 28, 1])]
     for r in requests:
         engine.submit(r)

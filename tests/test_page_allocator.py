@@ -1,12 +1,21 @@
-"""The host-side page allocator: its invariants under any sequence of reserve/free, and
-the pool size from a memory budget."""
+"""The host-side page allocator: its invariants under any sequence of reserve/free, and of
+admit / grow / swap out / swap in / finish (with a numpy pool standing for the device's, so
+the pages' contents are checked too), and the pool size from a memory budget."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
 
 from rlax_tpu.config import ConfigError
 from rlax_tpu.inference import (
@@ -85,6 +94,129 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+class SwapMachine(RuleBasedStateMachine):
+    """Sequences admitted, grown token by token, swapped out to host copies and back into
+    other slots and pages, and finished, live or swapped. Every token's value is written
+    into the pool when it is stored, and must read back from wherever its page is now."""
+
+    sequences = Bundle("sequences")
+
+    def __init__(self):
+        super().__init__()
+        self.tokens: dict[int, int] = {}  # key -> tokens stored
+        self.slot_of: dict[int, int] = {}  # key -> slot, live sequences only
+        self.next_key = 0
+
+    @initialize(num_pages=st.integers(2, 14))
+    def start(self, num_pages):
+        self.allocator = PageAllocator(
+            num_pages=num_pages,
+            max_seqs=MAX_SEQS,
+            pages_per_seq=PAGES_PER_SEQ,
+            page_size=PAGE_SIZE,
+        )
+        self.pool = np.zeros((num_pages, PAGE_SIZE), np.int64)
+
+    def value(self, key: int, position: int) -> int:
+        return 1000 * (key + 1) + position
+
+    def store(self, key: int, first: int, last: int) -> None:
+        pages = self.allocator.pages_of(self.slot_of[key])
+        for p in range(first, last):
+            self.pool[pages[p // PAGE_SIZE], p % PAGE_SIZE] = self.value(key, p)
+
+    def read(self, pages):
+        return self.pool[pages].copy()
+
+    def write(self, pages, data):
+        self.pool[pages] = data
+
+    @rule(target=sequences, tokens=st.integers(1, PAGES_PER_SEQ * PAGE_SIZE))
+    def admit(self, tokens):
+        free = [s for s in range(MAX_SEQS) if s not in self.slot_of.values()]
+        if not free or not self.allocator.try_reserve(free[0], tokens):
+            return multiple()  # nothing admitted
+        key, self.next_key = self.next_key, self.next_key + 1
+        self.slot_of[key], self.tokens[key] = free[0], tokens
+        self.store(key, 0, tokens)
+        return key
+
+    @rule(key=sequences, more=st.integers(1, 2 * PAGE_SIZE))
+    def grow(self, key, more):
+        if key not in self.slot_of:
+            return
+        tokens = min(self.tokens[key] + more, PAGES_PER_SEQ * PAGE_SIZE)
+        if self.allocator.try_reserve(self.slot_of[key], tokens):
+            self.store(key, self.tokens[key], tokens)
+            self.tokens[key] = tokens
+
+    @rule(key=sequences)
+    def swap_out(self, key):
+        if key not in self.slot_of:
+            return
+        slot = self.slot_of.pop(key)
+        pages = self.allocator.pages_of(slot)
+        host = self.allocator.swap_out(slot, key, self.read)
+        self.pool[pages] = -1  # freed pages get scribbled on by whoever takes them
+        assert host.num_pages == self.allocator.pages_for(self.tokens[key])
+        assert self.allocator.pages_of(slot) == []
+
+    @rule(key=sequences)
+    def swap_in(self, key):
+        if key not in self.allocator.swapped:
+            return
+        free = [s for s in range(MAX_SEQS) if s not in self.slot_of.values()]
+        if not free:
+            return
+        fits = self.allocator.can_swap_in(key)
+        assert self.allocator.swap_in(key, free[0], self.write) == fits
+        if fits:
+            self.slot_of[key] = free[0]
+            assert key not in self.allocator.swapped
+
+    @rule(key=consumes(sequences))
+    def finish(self, key):
+        if key in self.slot_of:
+            self.allocator.free(self.slot_of.pop(key))
+        elif key in self.allocator.swapped:
+            self.allocator.drop_swapped(key)
+        del self.tokens[key]
+
+    @invariant()
+    def pages_owned_once_and_contents_where_their_sequence_left_them(self):
+        if not hasattr(self, "allocator"):
+            return
+        a = self.allocator
+        assert a.invariant_problems() == []
+        assert set(a.swapped) == set(self.tokens) - set(self.slot_of)  # host copies: no leak
+        assert a.swapped_bytes == sum(h.data.nbytes for h in a.swapped.values())
+        for key, slot in self.slot_of.items():
+            pages = a.pages_of(slot)
+            assert len(pages) == a.pages_for(self.tokens[key])
+            for p in range(self.tokens[key]):
+                assert self.pool[pages[p // PAGE_SIZE], p % PAGE_SIZE] == self.value(key, p)
+
+    def teardown(self):
+        if not hasattr(self, "allocator"):
+            return
+        for key in list(self.tokens):
+            self.finish(key)
+        assert self.allocator.free_pages == self.allocator.num_pages - 1
+        assert self.allocator.swapped == {} and self.allocator.invariant_problems() == []
+
+
+TestSwapMachine = SwapMachine.TestCase
+TestSwapMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_invariant_problems_names_a_page_owned_twice():
+    a = allocator()
+    a.reserve(0, 4)
+    a.page_table[1, 0] = a.page_table[0, 0]
+    a._num_owned[1] = 1
+    assert a.invariant_problems()
 
 
 def allocator(num_pages=8):

@@ -1,15 +1,19 @@
-"""The inference engine: continuous batching over a fixed number of decode slots backed by
-the paged KV cache, with bucketed batched prefill and deterministic on-device sampling.
+"""The inference engine: continuous batching over decode slots backed by the paged KV
+cache, with pages on demand (swapping to host memory when the pool runs out), bucketed
+batched prefill, decode calls sized to the live sequences, and deterministic on-device
+sampling.
 
-The host (this class) only schedules: it admits waiting prompts into free slots, reserves
-their pages, and reads the sampled tokens back once per prefill round and once per decode
-call. The model, sampling and cache writes run in two jitted functions: prefill
-(`prefill_rows` prompts of one bucket) and decode (all slots, `decode_steps_per_call`
-tokens). The gRPC service is a thin layer over it.
+The host (this class) only schedules: it admits waiting prompts into free slots, gives
+sequences pages as they grow, swaps sequences out and back in, and reads the sampled
+tokens back once per prefill round and once per decode call. The model, sampling and cache
+writes run in jitted functions: prefill (`prefill_rows` prompts of one bucket), decode (the
+live slots, padded to a decode bucket, `decode_steps_per_call` tokens) and the page copies
+of a swap. The gRPC service is a thin layer over it.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -50,7 +54,13 @@ class _Sequence:
     version: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    slot: int = -1
+    slot: int = -1  # -1 while waiting or swapped out
+    order: int = -1  # admission number: preemption takes the highest live one
+    key_data: Any = None  # the request's sampling key (set at admission)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +83,36 @@ class _Tag:
 class Engine:
     """Continuous-batching generation for one model, one version of weights at a time.
 
-    Scheduling: FIFO. A waiting request is admitted into a free slot once the pool can
-    reserve pages for its whole sequence (prompt + its response limit), so a running
-    sequence never runs out of pages; otherwise it and everything behind it waits. Up to
-    `prefill_rows` (inference.prefill_batch_size, resolved) requests are admitted together;
-    each is padded to the smallest `prefill_buckets` entry that holds it, and those sharing
-    a bucket are prefilled in one call of shape [prefill_rows, bucket] (unused rows are
-    padding: no valid token, an all-padding page-table row, so they write nothing). The
-    calls of one admission round share one device-to-host transfer. Decode runs all
-    `max_decode_slots` slots every call. Compiled shapes: one per bucket used + one decode.
+    Pages (inference.kv_admission). "on_demand": a waiting request is admitted (FIFO) into
+    a free slot when the pool has pages for its prompt plus one page of growth for every
+    live sequence; before each decode call every live sequence gets the pages its next
+    `decode_steps_per_call` tokens need, oldest admission first. When the pool cannot
+    cover one, the most recently admitted live sequence is preempted: its pages are copied
+    to host memory and freed (it may be the one growing). Swapped-out sequences come back,
+    earliest admitted first, as soon as a slot and their pages (plus the same growth margin)
+    are free, and no new request is admitted while any is out. A sequence alone always fits
+    (`submit` refuses one whose prompt + limit exceeds the pool), so the engine never
+    deadlocks. "reserve": pages for prompt + limit are reserved at admission; nothing ever
+    swaps.
+
+    Prefill: up to `prefill_rows` (inference.prefill_batch_size, resolved) requests are
+    admitted together; each is padded to the smallest `prefill_buckets` entry that holds
+    it, and those sharing a bucket are prefilled in one call of shape [prefill_rows,
+    bucket] (unused rows are padding: no valid token, an all-padding page-table row, so they
+    write nothing). The calls of one admission round share one device-to-host transfer.
+    Decode: the live slots, padded to the smallest of `inference.decode_rows` that holds
+    them. Compiled shapes: one per prefill bucket and one per decode bucket used, plus the
+    swap copies (page counts rounded up to powers of two).
 
     Determinism: request key = threefry key from sha256(seed, prompt_id, sample_index,
     version); response token t is sampled with fold_in(key, t). Every prefill call has the
-    shape [prefill_rows, bucket of the prompt] and every decode call the same shapes,
-    whatever the other rows hold, so for a given `prefill_rows` a request's tokens and
-    log-probs are bitwise identical however it is batched. Across `prefill_rows` values
-    the shapes differ: log-probs may differ by float rounding (tokens only at a near-tie).
+    shape [prefill_rows, bucket of the prompt], so for a given `prefill_rows` a request's
+    first token is bitwise the same however it is batched. A decode row's numbers do not
+    depend on the other rows or on which slot and pages it has as long as the platform's
+    matmuls give a row the same bits at every decode bucket (XLA:CPU does from 64 rows up,
+    hence the default buckets; docs/inference.md), and a swap copies pages bit for bit, so
+    a request's tokens and log-probs are those of an unpreempted run. Across `prefill_rows`
+    values the prefill shapes differ: log-probs may differ by float rounding.
     """
 
     def __init__(
@@ -131,9 +155,15 @@ class Engine:
         self._allocator = self.abstract_cache.make_allocator()
         self.num_slots = self.abstract_cache.batch_slots
         self.prefill_rows = inference_config.prefill_rows
+        self.decode_rows = inference_config.decode_rows
+        self.on_demand = inference_config.kv_admission == "on_demand"
         self.max_seq_len = self._allocator.max_tokens_per_seq
+        # Pages a live sequence may need for one decode call (the admission margin).
+        self._growth_pages = -(-decode_steps_per_call // self._allocator.page_size)
         self._slots: list[_Sequence | None] = [None] * self.num_slots
         self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._swapped: list[_Sequence] = []  # swapped out, by admission order
+        self._admissions = 0
         self._in_flight: dict[str, _Sequence] = {}  # by request id, in submission order
         self._done: list[Rollout] = []  # finished, returned by the next step()
         self._init_slot_state()
@@ -182,17 +212,21 @@ class Engine:
             self._waiting.append(seq)
 
     def step(self) -> list[Rollout]:
-        """One scheduler iteration: admit waiting prompts into free slots (prefill), then one
-        decode call for all slots. Returns the rollouts that finished since the last step."""
-        if self._waiting or self._active.any():
+        """One scheduler iteration: swap sequences back in and admit waiting prompts into free
+        slots (prefill), give the live sequences their pages (swapping some out if the pool
+        runs short), then one decode call for the live slots. Returns the rollouts that
+        finished since the last step."""
+        if self._waiting or self._swapped or self._active.any():
             self._admit()
+            if self.on_demand:
+                self._grow()
             if self._active.any():
                 self._decode()
         done, self._done = self._done, []
         return done
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._active.any() or self._done)
+        return bool(self._waiting or self._swapped or self._active.any() or self._done)
 
     def run(self, requests: Iterable[GenerationRequest]) -> list[Rollout]:
         """Submit all, step until done; the rollouts in request order. Needs an idle engine."""
@@ -219,10 +253,17 @@ class Engine:
             "compiled": sorted(self._shapes),
             "active_slots": int(self._active.sum()),
             "waiting": len(self._waiting),
+            "swapped": len(self._swapped),
             "free_pages": self._allocator.free_pages,
             "total_pages": self._allocator.num_pages - 1,
+            "preemptions": self._counters["preemptions"],
+            "swap_out_bytes": self._counters["swap_out_bytes"],
+            "swap_in_bytes": self._counters["swap_in_bytes"],
+            # Live sequences per decode call, and the share of decode rows that were live.
+            "mean_live_sequences": self._counters["live_rows"]
+            / max(1, self._counters["decode_calls"]),
             "slot_utilization": self._counters["slot_tokens"]
-            / max(1, self._counters["decode_steps"] * self.num_slots),
+            / max(1, self._counters["decode_rows"]),
         }
 
     # -- admission and prefill -------------------------------------------------------------
@@ -251,28 +292,117 @@ class Engine:
     def _admit(self) -> None:
         if self._params is None:
             raise EngineNotLoadedError("step() before any load(): the engine has no weights")
+        self._resume()
         # A sequence that ends at its first token frees its slot and pages at once, so a
         # round may make room for another.
-        while batch := self._take_waiting():
+        while not self._swapped and (batch := self._take_waiting()):
             self._prefill(batch)
+
+    def _fits(self, pages: int) -> bool:
+        """Whether a sequence needing `pages` more pages may join the live ones: on demand,
+        the pool must keep one decode call's growth for every live sequence after it (none
+        when it would be alone: a lone sequence always fits)."""
+        live = int(self._active.sum())
+        margin = (live + 1) * self._growth_pages if self.on_demand and live else 0
+        return pages + margin <= self._allocator.free_pages
 
     def _take_waiting(self) -> list[_Sequence]:
         """Up to `prefill_rows` waiting sequences, first in first out, each put in a free slot
-        with pages reserved for its whole sequence. Stops at the first that does not fit: it
-        waits (FIFO) until a running sequence frees pages."""
+        with pages for its prompt (on demand) or its whole sequence (reserve). Stops at the
+        first that does not fit: it waits (FIFO) until a running sequence frees pages."""
         free = [s for s, seq in enumerate(self._slots) if seq is None][: self.prefill_rows]
         batch: list[_Sequence] = []
         for slot in free:
             if not self._waiting:
                 break
             seq = self._waiting[0]
-            if not self._allocator.try_reserve(slot, len(seq.request.prompt_tokens) + seq.limit):
+            tokens = seq.prompt_len if self.on_demand else seq.prompt_len + seq.limit
+            pages = self._allocator.pages_for(tokens) + len(batch) * self._growth_pages
+            if not self._fits(pages) or not self._allocator.try_reserve(slot, tokens):
                 break
             self._waiting.popleft()
-            seq.slot = slot
+            seq.slot, seq.order = slot, self._admissions
+            self._admissions += 1
             self._slots[slot] = seq
             batch.append(seq)
         return batch
+
+    # -- pages on demand: growth, swap-out, swap-in ----------------------------------------
+    def _grow(self) -> None:
+        """Give every live sequence the pages its next decode call writes, oldest admission
+        first; when the pool runs out, swap out the most recently admitted live sequence
+        (possibly the one growing) and retry."""
+        k, free = self.decode_steps_per_call, self._allocator.free_pages
+        for seq in sorted(self._live(), key=lambda q: q.order):
+            if seq.slot < 0:
+                continue  # swapped out below, to make room for an older one
+            # The token fed at position p is written there; the last one fed is at
+            # prompt_len + limit - 2 (the final token is sampled, never fed).
+            tokens = min(int(self._position[seq.slot]) + k, seq.prompt_len + seq.limit - 1)
+            while not self._allocator.try_reserve(seq.slot, tokens):
+                victim = max(self._live(), key=lambda q: q.order)
+                self._swap_out(victim)
+                if victim is seq:
+                    break
+        if self._allocator.free_pages != free:
+            self._page_table_dirty = True
+
+    def _live(self) -> list[_Sequence]:
+        return [self._slots[s] for s in np.flatnonzero(self._active).tolist()]
+
+    def _swap_out(self, seq: _Sequence) -> None:
+        host = self._allocator.swap_out(seq.slot, seq, self._read_pages)
+        self._slots[seq.slot] = None
+        self._active[seq.slot] = False
+        seq.slot = -1
+        bisect.insort(self._swapped, seq, key=lambda q: q.order)
+        self._counters["preemptions"] += 1
+        self._counters["swap_out_bytes"] += host.nbytes
+        self._page_table_dirty = self._carry_dirty = True
+
+    def _resume(self) -> None:
+        """Swap sequences back in, earliest admitted first, while a slot and their pages
+        (with the growth margin) are free; stops at the first that does not fit."""
+        while self._swapped:
+            seq = self._swapped[0]
+            free = [s for s, other in enumerate(self._slots) if other is None]
+            host = self._allocator.swapped[seq]
+            if not free or not self._fits(host.num_pages):
+                return
+            slot = free[0]
+            self._allocator.swap_in(seq, slot, self._write_pages)
+            self._swapped.pop(0)
+            seq.slot = slot
+            self._slots[slot] = seq
+            self._set_slot_sampling(slot, seq, seq.key_data)
+            self._activate(seq, len(seq.tokens))
+            self._counters["swap_in_bytes"] += host.nbytes
+            self._page_table_dirty = True
+
+    def _read_pages(self, pages: list[int]) -> tuple[tuple[np.ndarray, ...], ...]:
+        """The keys and values of `pages` (every layer) copied to the host: per layer
+        [kv_heads, len(pages), page_size, head_dim]."""
+        index = np.zeros(_pow2(len(pages)), np.int32)  # padded with the padding page
+        index[: len(pages)] = pages
+        with self._mesh_context():
+            keys, values = jax.device_get(_read_pages(self._cache, self._put(index)))
+        n = len(pages)
+        return tuple(k[:, :n].copy() for k in keys), tuple(v[:, :n].copy() for v in values)
+
+    def _write_pages(self, pages: list[int], data: tuple[tuple[np.ndarray, ...], ...]) -> None:
+        """Copy a swapped-out sequence's keys and values (`_read_pages`) into `pages`."""
+        n, size = len(pages), _pow2(len(pages))
+        index = np.full(size, self._allocator.num_pages, np.int32)  # padding: dropped
+        index[:n] = pages
+
+        def padded(x: np.ndarray) -> np.ndarray:
+            out = np.zeros((x.shape[0], size, *x.shape[2:]), x.dtype)
+            out[:, :n] = x
+            return out
+
+        keys, values = (tuple(padded(x) for x in part) for part in data)
+        with self._mesh_context():
+            self._cache = _write_pages(self._cache, *self._put((index, keys, values)))
 
     def _prefill(self, batch: list[_Sequence]) -> None:
         """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts,
@@ -282,12 +412,11 @@ class Engine:
             n = len(seq.request.prompt_tokens)
             bucket = next(b for b in self.config.prefill_buckets if b >= n)
             by_bucket.setdefault(bucket, []).append(seq)
-        keys = {
-            seq: request_key_data(
-                self.seed, seq.request.prompt_id, seq.request.sample_index, seq.version
-            )
-            for seq in batch
-        }
+        keys = {}
+        for seq in batch:
+            r = seq.request
+            seq.key_data = request_key_data(self.seed, r.prompt_id, r.sample_index, seq.version)
+            keys[seq] = seq.key_data
         outs = [self._prefill_call(bucket, seqs, keys) for bucket, seqs in by_bucket.items()]
         first: dict[_Sequence, tuple[int, float]] = {}
         for seqs, packed in zip(by_bucket.values(), jax.device_get(outs), strict=True):
@@ -301,11 +430,17 @@ class Engine:
             self._set_slot_sampling(slot, seq, keys[seq])
             token, logprob = first[seq]
             if not self._append(seq, token, logprob):
-                self._active[slot] = True
-                self._last_token[slot] = token
-                self._position[slot] = len(seq.request.prompt_tokens)
-                self._index[slot] = 1
-                self._carry_dirty = True
+                self._activate(seq, 1)
+
+    def _activate(self, seq: _Sequence, generated: int) -> None:
+        """Mark `seq`'s slot live with `generated` response tokens so far: its next decode
+        step feeds the last one at position prompt_len + generated - 1."""
+        slot = seq.slot
+        self._active[slot] = True
+        self._last_token[slot] = seq.tokens[-1]
+        self._position[slot] = seq.prompt_len + generated - 1
+        self._index[slot] = generated
+        self._carry_dirty = True
 
     def _prefill_call(
         self, bucket: int, seqs: list[_Sequence], keys: Mapping[_Sequence, np.ndarray]
@@ -350,6 +485,12 @@ class Engine:
 
     # -- decode --------------------------------------------------------------------------
     def _decode(self) -> None:
+        live = np.flatnonzero(self._active)
+        rows = next(b for b in self.decode_rows if b >= len(live))
+        padded = np.full(rows, self.num_slots, np.int32)  # padding rows: out of range
+        padded[: len(live)] = live
+        if self._live_rows is None or not np.array_equal(padded, self._live_rows):
+            self._live_rows, self._device_live = padded, self._put(padded)
         if self._page_table_dirty:
             self._cache = self._cache.with_page_table(self._put(self._allocator.page_table))
             self._page_table_dirty = False
@@ -361,7 +502,7 @@ class Engine:
             self._device_carry = self._put(carry)
             self._carry_dirty = False
         k = self.decode_steps_per_call
-        self._shapes.add(f"decode:{self.num_slots}x{k}")
+        self._shapes.add(f"decode:{rows}x{k}")
         with self._mesh_context():
             self._cache, self._device_carry, out = _decode_step(
                 *self._static,
@@ -370,17 +511,18 @@ class Engine:
                 self._cache,
                 self._device_carry,
                 self._device_sampling,
+                self._device_live,
             )
         packed = np.asarray(out)  # the one device-to-host transfer per decode call
-        tokens, emitted = packed[0].T.tolist(), packed[2].T.tolist()  # [slots][steps]
+        tokens, emitted = packed[0].T.tolist(), packed[2].T.tolist()  # [rows][steps]
         logprobs = packed[1].view(np.float32).T.tolist()
         self._counters["decode_calls"] += 1
         self._counters["decode_steps"] += k
-        for slot in np.flatnonzero(self._active).tolist():
+        self._counters["decode_rows"] += rows * k
+        self._counters["live_rows"] += len(live)
+        for row, slot in enumerate(live.tolist()):
             seq, taken, finished = self._slots[slot], 0, False
-            for token, logprob, real in zip(
-                tokens[slot], logprobs[slot], emitted[slot], strict=True
-            ):
+            for token, logprob, real in zip(tokens[row], logprobs[row], emitted[row], strict=True):
                 if finished or not real:
                     break
                 finished = self._append(seq, token, logprob)
@@ -413,6 +555,9 @@ class Engine:
             self._slots[seq.slot] = None
             self._active[seq.slot] = False
             self._carry_dirty = True
+        elif seq in self._allocator.swapped:
+            self._allocator.drop_swapped(seq)
+            self._swapped.remove(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)
         del self._in_flight[seq.request.request_id]
@@ -447,7 +592,8 @@ class Engine:
         self._limit = np.ones(n, np.int32)
         self._stop_ids = np.full((n, self.max_stop_tokens), -1, np.int32)
         self._page_table_dirty = self._sampling_dirty = self._carry_dirty = True
-        self._device_carry = self._device_sampling = None
+        self._device_carry = self._device_sampling = self._device_live = None
+        self._live_rows: np.ndarray | None = None  # the slots of the last decode's rows
 
     def _set_slot_sampling(self, slot: int, seq: _Sequence, key_data: np.ndarray) -> None:
         s = seq.sampling
@@ -591,9 +737,11 @@ class Engine:
                 *self._static, self.abstract_params(), self.abstract_cache, *args
             )
 
-    def lower_decode(self) -> jax.stages.Lowered:
-        """The decode step of every slot (`decode_steps_per_call` tokens), lowered abstract."""
+    def lower_decode(self, rows: int | None = None) -> jax.stages.Lowered:
+        """The decode step of `rows` live slots (default: the largest decode bucket,
+        max_decode_slots) for `decode_steps_per_call` tokens, lowered abstract."""
         carry = (self._last_token, self._position, self._index, self._active)
+        live = np.zeros(rows or self.decode_rows[-1], np.int32)
         with self._mesh_context():
             return _decode_step.lower(
                 *self._static,
@@ -602,6 +750,7 @@ class Engine:
                 self.abstract_cache,
                 self._abstract_host(carry),
                 self._abstract_host(self._sampling_arrays()),
+                self._abstract_host(live),
             )
 
     def _put(self, tree: Any) -> Any:
@@ -685,19 +834,28 @@ def _prefill_step(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _decode_step(static, num_steps, params, cache, carry, sampling):
-    """`num_steps` decode steps of every slot, sampling on device.
+def _decode_step(static, num_steps, params, cache, carry, sampling, live):
+    """`num_steps` decode steps of the slots `live`, sampling on device.
 
     carry: (last token, position, response index t of the next token: int32[slots],
     active: bool[slots]); sampling: Engine._sampling_arrays (per-slot key data, temperature,
-    top_k, top_p, "sampled" flag, response limit, stop ids int32[slots, max_stop_tokens]).
-    A slot stops (active = False, no more cache writes) at a stop token or its limit.
-    Returns (cache, carry, out: int32[3, steps, slots]): out packs the sampled tokens, their
-    log-probs (float32 bits) and whether each was emitted (1) or the slot was idle (0), so
-    the host fetches them in one transfer.
+    top_k, top_p, "sampled" flag, response limit, stop ids int32[slots, max_stop_tokens]);
+    live: int32[rows], the slot of each row (`slots` = a padding row: inactive, no page).
+    The rows' state is gathered from the slots', stepped, and written back. A slot stops
+    (active = False, no more cache writes) at a stop token or its limit. Returns (cache,
+    carry, out: int32[3, steps, rows]): out packs the sampled tokens, their log-probs
+    (float32 bits) and whether each was emitted (1) or the row was idle (0), so the host
+    fetches them in one transfer.
     """
     model = static.model(params)
-    key_data, temperature, top_k, top_p, lp, limit, stop_ids = sampling
+    slots = carry[0].shape[0]
+    present = live < slots
+    index_of = jnp.where(present, live, 0)
+    tokens, positions, index, active = (x[index_of] for x in carry)
+    active = active & present
+    key_data, temperature, top_k, top_p, lp, limit, stop_ids = (x[index_of] for x in sampling)
+    table = cache.page_table
+    rows_table = jnp.where(present[:, None], table[index_of], PADDING_PAGE)
 
     def one_step(c, _):
         cache, tokens, positions, index, active = c
@@ -711,8 +869,39 @@ def _decode_step(static, num_steps, params, cache, carry, sampling):
         positions = positions + emitted
         return (cache, tokens, positions, index, active), (new, logprobs, emitted)
 
-    (cache, *carry), (tokens, logprobs, emitted) = jax.lax.scan(
-        one_step, (cache, *carry), length=num_steps
+    (cache, *rows), (tokens, logprobs, emitted) = jax.lax.scan(
+        one_step,
+        (cache.with_page_table(rows_table), tokens, positions, index, active),
+        length=num_steps,
     )
+    back = jnp.where(present, live, slots)  # padding rows write out of range: dropped
+    carry = tuple(x.at[back].set(r, mode="drop") for x, r in zip(carry, rows, strict=True))
     logprob_bits = jax.lax.bitcast_convert_type(logprobs, jnp.int32)
-    return cache, tuple(carry), jnp.stack([tokens, logprob_bits, emitted.astype(jnp.int32)])
+    out = jnp.stack([tokens, logprob_bits, emitted.astype(jnp.int32)])
+    return cache.with_page_table(table), carry, out
+
+
+@jax.jit
+def _read_pages(cache, pages):
+    """Keys and values of `pages` (int32[n]) in every layer: per layer [kv_heads, n,
+    page_size, head_dim]."""
+    return tuple(k[:, pages] for k in cache.keys), tuple(v[:, pages] for v in cache.values)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_pages(cache, pages, keys, values):
+    """`cache` with `keys` / `values` (as `_read_pages` returns) written into `pages`; an
+    out-of-range page (padding) is dropped."""
+
+    def write(pool, new):
+        return pool.at[:, pages].set(new.astype(pool.dtype), mode="drop")
+
+    return cache.replace(
+        keys=tuple(write(k, x) for k, x in zip(cache.keys, keys, strict=True)),
+        values=tuple(write(v, x) for v, x in zip(cache.values, values, strict=True)),
+    )
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (swap copies compile once per such size)."""
+    return 1 << max(0, n - 1).bit_length()

@@ -1,11 +1,19 @@
-"""Host-side bookkeeping of the KV page pool: which pages each decode slot owns.
+"""Host-side bookkeeping of the KV page pool: which pages each decode slot owns, and the
+host copies of sequences swapped out of the pool.
 
 The allocator owns the page table int32[max_seqs, pages_per_seq] on the host (0 = no
 page; page 0 is the padding page and is never handed out) and hands a copy to the device
-when the caller commits it, so the jitted decode step never waits on Python.
+when the caller commits it, so the jitted decode step never waits on Python. Swapping
+moves a slot's pages to host memory under a key (the engine's request) and back into
+whichever slot and pages are free later; the caller supplies the copies (`read`, `write`)
+so this module stays free of device code.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +59,15 @@ def num_pages_for_budget(
     return int(num_pages)
 
 
+@dataclasses.dataclass(eq=False)
+class HostPages:
+    """A swapped-out sequence: its pages' contents in host memory, in token order."""
+
+    num_pages: int
+    data: Any  # what `read` returned
+    nbytes: int
+
+
 class PageAllocator:
     """Hands out pages of a pool of `num_pages` to `max_seqs` slots.
 
@@ -68,6 +85,7 @@ class PageAllocator:
         self._num_owned = np.zeros(max_seqs, np.int64)
         # A stack: the most recently freed page is handed out first (still warm in caches).
         self._free = list(range(num_pages - 1, 0, -1))
+        self.swapped: dict[Hashable, HostPages] = {}  # by key, in swap-out order
 
     @property
     def max_seqs(self) -> int:
@@ -137,6 +155,72 @@ class PageAllocator:
         self.page_table[slot] = PADDING_PAGE
         self._num_owned[slot] = 0
         return len(pages)
+
+    # -- swapping -------------------------------------------------------------------------
+    @property
+    def swapped_bytes(self) -> int:
+        """Host bytes held by swapped-out sequences."""
+        return sum(h.nbytes for h in self.swapped.values())
+
+    def swap_out(self, slot: int, key: Hashable, read: Callable[[list[int]], Any]) -> HostPages:
+        """Copy slot `slot`'s pages to the host (`read(pages)` returns their contents, in
+        token order, with an `nbytes` or as a tuple of arrays), keep them under `key` and
+        free the slot. Nothing changes if `read` raises."""
+        if key in self.swapped:
+            raise ValueError(f"{key!r} is already swapped out")
+        pages = self.pages_of(slot)
+        data = read(pages)
+        nbytes = getattr(data, "nbytes", None)
+        if nbytes is None:
+            nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(data))
+        host = HostPages(len(pages), data, int(nbytes))
+        self.swapped[key] = host
+        self.free(slot)
+        return host
+
+    def can_swap_in(self, key: Hashable) -> bool:
+        return self.swapped[key].num_pages <= len(self._free)
+
+    def swap_in(self, key: Hashable, slot: int, write: Callable[[list[int], Any], None]) -> bool:
+        """Give empty slot `slot` fresh pages for `key`'s swapped-out sequence and copy its
+        contents there (`write(pages, data)`); drop the host copy. False (nothing changed)
+        when the pool has too few free pages. If `write` raises, the pages go back to the
+        pool and the host copy stays."""
+        host = self.swapped[key]
+        if self._num_owned[slot]:
+            raise ValueError(f"slot {slot} still owns pages: free it before swapping in")
+        if host.num_pages > len(self._free):
+            return False
+        self.reserve(slot, host.num_pages * self.page_size)
+        try:
+            write(self.pages_of(slot), host.data)
+        except BaseException:
+            self.free(slot)
+            raise
+        del self.swapped[key]
+        return True
+
+    def drop_swapped(self, key: Hashable) -> None:
+        """Forget `key`'s host copy (its request ended while swapped out)."""
+        del self.swapped[key]
+
+    def invariant_problems(self) -> list[str]:
+        """What is wrong with the bookkeeping ([] when sound): every page 1..num_pages-1 is
+        either free or owned by exactly one slot, rows hold their owned pages then padding,
+        and the owned counts add up."""
+        problems = []
+        owned = [p for s in range(self.max_seqs) for p in self.pages_of(s)]
+        everything = owned + self._free
+        if sorted(everything) != list(range(1, self.num_pages)):
+            problems.append(
+                f"pages owned {sorted(owned)} + free {sorted(self._free)} "
+                f"are not each of 1..{self.num_pages - 1} once"
+            )
+        for s in range(self.max_seqs):
+            tail = self.page_table[s, self._num_owned[s] :]
+            if tail.any():
+                problems.append(f"slot {s} has pages past its {self._num_owned[s]} owned")
+        return problems
 
     def device_page_table(self, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
         """A device copy of the page table: int32[max_seqs, pages_per_seq]."""

@@ -1,0 +1,147 @@
+"""KV pages on demand: a pool too small for every request at once swaps sequences out to
+host memory and back, and every rollout is bitwise the one a large pool gives; decode calls
+are sized to the live sequences without changing any row's numbers."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_engine import GREEDY, LLAMA, init_params, prompt
+
+from rlax_tpu.config import InferenceConfig
+from rlax_tpu.inference.engine import Engine, GenerationRequest
+from rlax_tpu.inference.sampling import SamplingParams
+
+PAGE = 4
+# Keys + values of every layer for one page, float32.
+BYTES_PER_PAGE = 2 * LLAMA.num_layers * LLAMA.num_kv_heads * PAGE * LLAMA.head_dim * 4
+LARGE = InferenceConfig(
+    max_decode_slots=8,
+    prefill_batch_size=4,
+    page_size=PAGE,
+    kv_cache_bytes=200 * BYTES_PER_PAGE,  # every request at its longest, at once
+    prefill_buckets=(8, 16),
+    max_prompt_len=16,
+    max_new_tokens=24,
+    temperature=1.0,
+    top_p=0.9,
+    top_k=20,
+)
+# 12 usable pages: one longest sequence (16 + 24 tokens = 10 pages) fits alone, eight
+# requests together cannot.
+SMALL = dataclasses.replace(LARGE, kv_cache_bytes=13 * BYTES_PER_PAGE)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_new_tokens=24)
+LENGTHS = [16, 3, 9, 14, 1, 7, 12, 5]
+
+
+def requests(sampling, lengths=LENGTHS, start=0):
+    return [
+        GenerationRequest(f"r{i}", f"p{i}", 0, prompt(n, i), sampling)
+        for i, n in enumerate(lengths, start=start)
+    ]
+
+
+def engine(inference, config=LLAMA, **kwargs) -> Engine:
+    e = Engine(config, inference, seed=3, **kwargs)
+    e.load(0, init_params(config))
+    return e
+
+
+def assert_clean(e: Engine) -> None:
+    """Nothing in flight, every page back, no host copy left, bookkeeping sound."""
+    stats = e.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["swapped"] == 0
+    assert e._allocator.swapped == {} and e._allocator.invariant_problems() == []
+
+
+@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_a_small_pool_swaps_and_gives_bitwise_the_large_pools_rollouts(sampling):
+    large = engine(LARGE).run(requests(sampling))
+    small_engine = engine(SMALL)
+    small = small_engine.run(requests(sampling))
+    stats = small_engine.stats()
+    assert stats["preemptions"] > 0 and stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
+    assert [r.finish_reason for r in small] == ["length"] * len(LENGTHS)
+    assert small == large  # tokens, log-probs (float32 bits), versions: all of it
+    assert_clean(small_engine)
+
+
+def test_swapping_holds_with_several_decode_steps_per_call_and_bfloat16():
+    config = dataclasses.replace(LLAMA, dtype="bfloat16", publish_dtype="bfloat16")
+    small = dataclasses.replace(SMALL, kv_cache_bytes=13 * BYTES_PER_PAGE // 2)  # bf16 pages
+    e = engine(small, config, decode_steps_per_call=3)
+    assert e._cache.keys[0].dtype == np.dtype("bfloat16")
+    assert {x.dtype for x in e._params} == {np.dtype("bfloat16")}
+    got = e.run(requests(SAMPLED))
+    assert e.stats()["preemptions"] > 0
+    assert got == engine(LARGE, config, decode_steps_per_call=3).run(requests(SAMPLED))
+    assert all(isinstance(x, float) for r in got for x in r.logprobs)  # float32 values
+    assert_clean(e)
+
+
+def test_on_demand_keeps_more_sequences_live_than_reserving_and_matches_it():
+    # 24 usable pages: reserving 10 per longest request admits two at a time.
+    pool = dataclasses.replace(LARGE, kv_cache_bytes=25 * BYTES_PER_PAGE)
+    short = dataclasses.replace(SAMPLED, max_new_tokens=24)
+    on_demand, reserve = engine(pool), engine(dataclasses.replace(pool, kv_admission="reserve"))
+    a, b = on_demand.run(requests(short)), reserve.run(requests(short))
+    assert a == b
+    assert reserve.stats()["preemptions"] == 0
+    assert on_demand.stats()["mean_live_sequences"] > 1.5 * reserve.stats()["mean_live_sequences"]
+
+
+def test_preempting_takes_the_most_recently_admitted_sequence():
+    e = engine(SMALL)
+    for r in requests(GREEDY):
+        e.submit(r)
+    while not e._swapped:
+        e.step()
+    live_orders = [s.order for s in e._live()]
+    assert all(s.order > max(live_orders) for s in e._swapped)
+    while e.has_work():
+        e.step()
+    assert_clean(e)
+
+
+def test_load_aborts_swapped_sequences_and_frees_their_host_copies():
+    e = engine(SMALL)
+    for r in requests(GREEDY):
+        e.submit(r)
+    while not e._swapped:
+        e.step()
+    swapped = {s.request.request_id for s in e._swapped}
+    aborted = e.load(1, init_params(LLAMA, seed=1))
+    assert {r.request_id for r in aborted} == {r.request_id for r in requests(GREEDY)}
+    assert all(r.tokens for r in aborted if r.request_id in swapped)
+    assert not e.has_work()
+    assert_clean(e)
+
+
+def test_decode_calls_are_sized_to_the_live_sequences():
+    buckets = dataclasses.replace(LARGE, decode_buckets=(2, 4, 8))
+    e = engine(buckets)
+    e.run(requests(GREEDY, [5]))
+    assert e.stats()["compiled"] == ["decode:2x1", "prefill:4x8"]
+    e.run(requests(GREEDY, [5, 6, 7], start=10))
+    e.run(requests(GREEDY, LENGTHS, start=20))
+    assert {"decode:2x1", "decode:4x1", "decode:8x1"} <= set(e.stats()["compiled"])
+    assert e.stats()["mean_live_sequences"] < 8
+
+
+def test_a_rows_numbers_do_not_depend_on_the_decode_bucket():
+    # Automatic buckets (64, 128): alone a request decodes in 64 rows, among 69 others in
+    # 128 rows; its rollout is bitwise the same.
+    wide = dataclasses.replace(
+        LARGE,
+        max_decode_slots=128,
+        prefill_batch_size=8,
+        max_new_tokens=6,
+        kv_cache_bytes=600 * BYTES_PER_PAGE,
+    )
+    assert wide.decode_rows == (64, 128)
+    sampling = dataclasses.replace(SAMPLED, max_new_tokens=6)
+    (alone,) = engine(wide).run(requests(sampling, [11]))
+    crowd = engine(wide)
+    together = crowd.run(requests(sampling, [11] + [1 + i % 16 for i in range(69)]))
+    assert "decode:128x1" in crowd.stats()["compiled"]
+    assert together[0] == alone
