@@ -13,6 +13,7 @@ from rlax_tpu.config import (
     ControllerConfig,
     DatasetConfig,
     DeployConfig,
+    Distribution,
     InferenceConfig,
     MeshConfig,
     ModelConfig,
@@ -87,6 +88,14 @@ def get_config() -> RunConfig:
             prefill_buckets=(512, 1024, 2048),
             max_prompt_len=2048,
             max_new_tokens=14336,
+            # Expected lengths: assumptions, not measurements, for math RL with
+            # Llama-3.1-8B-Instruct (prompts a few hundred tokens; responses ~1k with a heavy
+            # tail of long reasoning up to the 14336-token budget). They size `rlax-tpu
+            # compile`'s KV capacity (rlax_tpu/inference/capacity.py): with on-demand pages
+            # the 48 GiB pool holds ~170 live sequences, 23 if each reserved 2048 + 14336
+            # tokens. The v6e-16 config inherits them.
+            prompt_tokens=Distribution(kind="lognormal", median=256.0, sigma=0.5),
+            response_tokens=Distribution(kind="lognormal", median=1024.0, sigma=1.0),
             temperature=1.0,
             stop_token_ids=(128001, 128008, 128009),
         ),

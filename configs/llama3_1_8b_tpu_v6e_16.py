@@ -58,6 +58,9 @@ def get_config() -> RunConfig:
             max_decode_slots=128,
             # 4 GiB of pages a chip, next to 4 GB of bf16 weights.
             kv_cache_bytes=16 * 2**30,
+            # The v5p config's expected lengths (assumptions), responses clipped to 6144:
+            # with on-demand pages the pool holds ~72 live sequences, 15 if each reserved
+            # 2048 + 6144 tokens (`rlax-tpu compile`'s KV capacity).
             max_new_tokens=6144,
         ),
         # K = N + η + 1 = 3 bf16 versions of 16 GB: one replica.

@@ -11,6 +11,7 @@ from rlax_tpu.config import (
     ControllerConfig,
     DatasetConfig,
     DeployConfig,
+    Distribution,
     InferenceConfig,
     MeshConfig,
     ModelConfig,
@@ -76,6 +77,13 @@ def get_config() -> RunConfig:
             prefill_buckets=(512, 1024, 2048, 4096),
             max_prompt_len=4096,
             max_new_tokens=16384,
+            # Expected lengths: assumptions, not measurements, those of the simulator's QwQ-32B
+            # calibration (configs/simulator/rlax_qwq32b_v5p.yaml). They size `rlax-tpu
+            # compile`'s KV capacity (rlax_tpu/inference/capacity.py): with on-demand pages
+            # the 64 GiB pool holds ~132 live sequences, 12 if each reserved 4096 + 16384
+            # tokens.
+            prompt_tokens=Distribution(kind="fixed", median=1000.0),
+            response_tokens=Distribution(kind="lognormal", median=1500.0, sigma=0.4),
             stop_token_ids=(151643, 151645),
         ),
         # K = N + η + 1 = 3 bfloat16 versions of 65.5 GB (32.76e9 params × 2 B): 197 GB,

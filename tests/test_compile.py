@@ -15,7 +15,9 @@ import pytest
 from rlax_tpu.cli import main
 from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, GiB
 from rlax_tpu.compile.hlo_cost import analyze, mean_taps
+from rlax_tpu.compile.report import CompileReport, format_report
 from rlax_tpu.config import TPU_CHIPS, ConfigError, load_config
+from rlax_tpu.inference.capacity import kv_capacity
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "tests" / "compile_tiny_config.py")
@@ -71,14 +73,23 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     }
     assert programs["prefill"]["dims"] == {"rows": 1, "seq_len": 32}
     assert programs["decode"]["dims"] == {"slots": 8, "steps": 1, "max_seq_len": 64}
-    # The decode step compiles the real Pallas paged-attention kernel (not interpreted).
+    # The decode step compiles the real Pallas paged-attention kernel (not interpreted), at
+    # the largest of the engine's decode buckets (8 slots: one bucket).
     assert "pallas_tpu" in programs["decode"]["shape"]
+    assert "8 slots (largest of the decode buckets 8)" in programs["decode"]["shape"]
     assert programs["decode"]["hlo"]["kernels_without_cost"] >= 1
     assert programs["decode"]["memory"]["kv_cache"] > 0
     assert report["train_step_roofline_s"] > 0
     # Training attention is the splash kernel, its matmuls counted from its shapes.
     assert programs["rl_step"]["hlo"]["splash_kernels"] >= 1
     assert programs["recompute"]["hlo"]["splash_kernels"] >= 1
+    # The inference worker's KV capacity (64 MiB of 1 KiB tokens: 4095 usable pages of 16),
+    # as rlax_tpu.inference.capacity computes it; every slot fits either way.
+    config = load_config(TINY)
+    assert report["kv_capacity"] == kv_capacity(config.model, config.inference).to_json()
+    assert report["kv_capacity"]["tokens"] == 4095 * 16
+    assert report["kv_capacity"]["concurrent_sequences_reserved"] == 8
+    assert "inference KV pool, per worker: 65,520 tokens" in proc.stdout
 
 
 def test_programs_that_do_not_fit_are_refused_naming_the_knobs(tmp_path):
@@ -113,6 +124,28 @@ def test_programs_that_do_not_fit_are_refused_naming_the_knobs(tmp_path):
     programs = {p["name"]: p for p in report["programs"]}
     assert programs["rl_step"]["out_of_memory"] and not programs["decode"]["out_of_memory"]
     assert programs["decode"]["hbm_fraction"] > FIT_FRACTION
+
+
+def test_report_carries_the_kv_capacity_of_the_inference_worker():
+    # No compile: the capacity is arithmetic on the config, reported with the programs.
+    config = load_config(str(ROOT / "configs" / "llama3_1_8b_tpu_v5p_64.py"))
+    capacity = kv_capacity(config.model, config.inference)
+    report = CompileReport(config.name, config.digest(), {}, [], [], capacity)
+    text = format_report(report)
+    on_demand = capacity.concurrent_sequences_on_demand
+    assert (
+        "inference KV pool, per worker: 393,152 tokens (6,143 pages of 64; 128 KiB a token)" in text
+    )
+    assert f"on_demand (in use): {on_demand} concurrent sequences (bound: KV pages)" in text
+    assert "reserve: 23 concurrent sequences of 16,384 reserved tokens" in text
+    data = report.to_json()["kv_capacity"]
+    assert data["concurrent_sequences_on_demand"] == on_demand >= 4 * 23
+    assert (data["concurrent_sequences_reserved"], data["tokens"]) == (23, 393152)
+    assert data["admission"] == "on_demand" and data["concurrent_sequences"] == on_demand
+    # Without an inference program there is no inference worker to size.
+    trainer_only = CompileReport(config.name, config.digest(), {}, [], [])
+    assert trainer_only.to_json()["kv_capacity"] is None
+    assert "KV pool" not in format_report(trainer_only)
 
 
 def test_topology_disagreeing_with_the_deploy_slice_is_refused(capsys):

@@ -2,7 +2,9 @@
 
 Compiles every program the run executes on its accelerators with libtpu's compiler for the
 trainer's and the inference workers' topologies (rlax_tpu.compile), prints per-chip memory
-against HBM, FLOPs, bytes and roofline times, and exits 1 when a program does not fit
+against HBM, FLOPs, bytes and roofline times and an inference worker's KV capacity (tokens,
+and concurrent sequences under each admission at the config's expected lengths:
+rlax_tpu.inference.capacity), and exits 1 when a program does not fit
 (more than 90% of a chip's HBM, or the compiler runs out of it), naming the biggest consumer
 and the config knobs that shrink it.
 """

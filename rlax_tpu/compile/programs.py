@@ -10,7 +10,9 @@ compiled here are the ones the run executes, at the shapes it executes them:
                          run again on the reference params when the objective has a KL term
              sft_step    one SFT warm-start step (only when controller.sft_steps > 0)
   inference  prefill     inference.prefill_rows prompts of the largest prefill bucket
-             decode      one decode call of all max_decode_slots slots
+             decode      one decode call of all max_decode_slots slots: the largest of the
+                         decode buckets the engine compiles (inference.decode_rows), the
+                         one whose memory bounds the others
 """
 
 from __future__ import annotations
@@ -169,12 +171,15 @@ def inference_programs(
         )
     if "decode" in names:
         steps = engine.decode_steps_per_call
+        # The engine compiles a decode step per bucket and runs the smallest that holds the
+        # live sequences; only the largest (every slot) is compiled here.
+        buckets = ", ".join(str(rows) for rows in inference.decode_rows)
         out.append(
             Program(
                 "decode",
                 "inference",
-                f"{engine.num_slots} slots × {steps} token(s) of up to {engine.max_seq_len}, "
-                f"attention {cache.backend}",
+                f"{engine.num_slots} slots (largest of the decode buckets {buckets}) × "
+                f"{steps} token(s) of up to {engine.max_seq_len}, attention {cache.backend}",
                 f"per {steps} token(s) of every slot",
                 1,
                 engine.lower_decode,

@@ -1,5 +1,6 @@
 """Compile a config's programs for its topologies and report what they need per chip:
-`compile_config` -> `CompileReport` (JSON for the simulator, `format_report` for people)."""
+`compile_config` -> `CompileReport` (JSON for the simulator, `format_report` for people),
+with the inference workers' KV capacity in sequences (`rlax_tpu.inference.capacity`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rlax_tpu.compile.programs import (
 )
 from rlax_tpu.compile.topology import topology_mesh
 from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.inference.capacity import KvCapacity, kv_capacity
 
 
 @dataclasses.dataclass
@@ -48,6 +50,9 @@ class CompileReport:
     components: dict[str, ComponentTarget]
     programs: list[ProgramReport]
     problems: list[str]
+    # One inference worker's KV pool in tokens and concurrent sequences (None: no inference
+    # program compiled).
+    kv_capacity: KvCapacity | None = None
 
     @property
     def fits(self) -> bool:
@@ -72,6 +77,7 @@ class CompileReport:
             "components": {k: c.to_json() for k, c in self.components.items()},
             "programs": [p.to_json() for p in self.programs],
             "train_step_roofline_s": self.train_step_roofline_s,
+            "kv_capacity": self.kv_capacity.to_json() if self.kv_capacity else None,
             "chips": {k: c.to_json() for k, c in CHIPS.items()},
         }
 
@@ -115,7 +121,8 @@ def compile_config(
             if progress is not None:
                 progress(report)
     problems = [refusal(r, config) for r in reports if not r.fits]
-    return CompileReport(config.name, config.digest(), components, reports, problems)
+    capacity = kv_capacity(config.model, config.inference) if "inference" in components else None
+    return CompileReport(config.name, config.digest(), components, reports, problems, capacity)
 
 
 def format_report(report: CompileReport) -> str:
@@ -129,6 +136,8 @@ def format_report(report: CompileReport) -> str:
             f"per chip {chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_flops_per_s / 1e12:.0f} "
             f"TFLOP/s bf16, {chip.hbm_bytes_per_s / 1e12:.2f} TB/s"
         )
+    if report.kv_capacity is not None:
+        lines.extend(format_kv_capacity(report.kv_capacity))
     columns = (
         ("params", "params"),
         ("optimizer_state", "opt"),
@@ -185,6 +194,32 @@ def format_report(report: CompileReport) -> str:
         else "DOES NOT FIT:\n" + "\n".join(f"  {p}" for p in report.problems)
     )
     return "\n".join(lines)
+
+
+def format_kv_capacity(c: KvCapacity) -> list[str]:
+    """Lines of one worker's KV capacity: its pool, and the sequences it holds at once under
+    each admission (the config's marked)."""
+
+    def used(admission: str) -> str:
+        return " (in use)" if c.admission == admission else ""
+
+    bound = "decode slots" if c.limited_by == "decode_slots" else "KV pages"
+    ratio = c.on_demand_over_reserved
+    return [
+        f"inference KV pool, per worker: {c.tokens:,} tokens ({c.usable_pages:,} pages of "
+        f"{c.page_size}; {_kib(c.bytes_per_token)} a token)",
+        f"  on_demand{used('on_demand')}: {c.concurrent_sequences_on_demand} concurrent "
+        f"sequences (bound: {bound}) at the expected lengths, prompt mean "
+        f"{c.expected_prompt_tokens:,.0f} and response mean {c.expected_response_tokens:,.0f} "
+        f"tokens: {c.mean_live_tokens_per_sequence:,.0f} KV tokens a live sequence",
+        f"  reserve{used('reserve')}: {c.concurrent_sequences_reserved} concurrent sequences "
+        f"of {c.reserved_tokens_per_sequence:,} reserved tokens"
+        + (f"; on_demand holds {ratio:.1f}×" if ratio is not None else ""),
+    ]
+
+
+def _kib(n: int) -> str:
+    return f"{n / 2**10:.3g} KiB" if n < 2**20 else f"{n / 2**20:.3g} MiB"
 
 
 def _number(x: float) -> str:

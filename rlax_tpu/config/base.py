@@ -17,7 +17,7 @@ import json
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self, Union
 
 
 class ConfigError(ValueError):
@@ -82,6 +82,16 @@ def _conforms(value: Any, hint: Any) -> bool:
     if isinstance(hint, type):
         return isinstance(value, hint)
     raise TypeError(f"unsupported config type hint {hint!r}")
+
+
+def _int_for_float(value: Any, hint: Any) -> bool:
+    """Whether `value` is an int where `hint` takes a float and no int."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    options = (
+        typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    )
+    return float in options and int not in options
 
 
 def _coerce(value: Any, hint: Any, path: str) -> Any:
@@ -197,7 +207,10 @@ class ConfigBase:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             hint = hints[f.name]
-            if not _conforms(value, hint):
+            if _int_for_float(value, hint):
+                # 256 and 256.0 are one value: keep one spelling, so digests agree.
+                object.__setattr__(self, f.name, float(value))
+            elif not _conforms(value, hint):
                 try:
                     coerced = _coerce(value, hint, "")
                 except ConfigError as e:

@@ -1,5 +1,6 @@
 """The inference worker (DESIGN §4): a paged KV cache over a shared page pool, its host-side
-page allocator, and the attention backends (pure JAX, Pallas TPU/GPU kernels)."""
+page allocator (with host copies of swapped-out sequences), the attention backends (pure
+JAX, Pallas TPU/GPU kernels), the engine, and the pool's capacity in sequences."""
 
 from rlax_tpu._lazy import lazy_exports
 
@@ -19,6 +20,9 @@ _EXPORTS = {
     "SequenceTooLongError": "page_allocator",
     "num_pages_for_budget": "page_allocator",
     "PagedKVCache": "paged_cache",
+    "HostPages": "page_allocator",
+    "KvCapacity": "capacity",
+    "kv_capacity": "capacity",
     "InferenceCallError": "client",
     "InferenceWorkerClient": "client",
     "InferenceWorkerServicer": "service",

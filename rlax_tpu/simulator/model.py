@@ -99,7 +99,9 @@ class TimingModel(ConfigBase):
     (uncalibrated guesses); `calibrate` replaces them with measured or given figures."""
 
     # Generation, per inference worker: continuous batching over `decode_slots` slots (the
-    # config's inference.max_decode_slots). A decode step runs every slot (fixed shapes),
+    # config's inference.max_decode_slots). A decode step is costed as one of every slot
+    # (the engine's largest decode bucket: an upper bound, since it runs only the live
+    # slots padded to a bucket, and the simulator does not model KV-page pressure),
     # `decode_steps_per_call` steps per device call (a rollout worker's engine runs 1).
     # Waiting prompts are admitted into free slots in rounds; a round prefills them
     # inference.prefill_batch_size rows per call (padded rows compute too), per bucket.
