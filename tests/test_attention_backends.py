@@ -1,5 +1,6 @@
 """The attention backends: the Pallas TPU decode kernel (interpreted on CPU) and the Pallas
-GPU decode kernel (interpreted) agree with the pure-JAX gather reference; backend choice."""
+GPU decode kernel (interpreted) agree with the pure-JAX gather reference; backend choice,
+and "pallas" on CPU only under `interpret_kernels()`."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from rlax_tpu.inference import (
     paged_decode_attention_tpu,
     resolve_backend,
 )
+from rlax_tpu.inference.attention import interpret_kernels
 
 # bf16 keeps 8 bits of mantissa; the TPU kernel reads pages as bf16 whatever their dtype.
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -77,8 +79,10 @@ def test_gpu_decode_kernel_matches_jax_reference():
     np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], **BF16_TOL)
 
 
-def test_pallas_cache_decode_steps_match_jax_cache():
-    """Prefill (JAX path in both) then decode steps through the TPU kernel, bf16 pools."""
+@pytest.mark.parametrize("fresh_prefill", [False, True], ids=["paged", "fresh"])
+def test_pallas_cache_decode_steps_match_jax_cache(fresh_prefill):
+    """Prefill (by reading pages: the JAX path in both; fresh: splash against the reference)
+    then decode steps through the TPU kernel, bf16 pools."""
     rng = np.random.default_rng(2)
     slots, kv_heads, q_heads, head_dim, page_size, pages_per_seq = 3, 2, 4, 128, 16, 3
     kwargs = dict(
@@ -91,12 +95,14 @@ def test_pallas_cache_decode_steps_match_jax_cache():
         pages_per_seq=pages_per_seq,
         dtype=jnp.bfloat16,
     )
-    caches = [
-        PagedKVCache.create(**kwargs, attention_backend=backend) for backend in ("jax", "pallas")
-    ]
+    with interpret_kernels():
+        caches = [
+            PagedKVCache.create(**kwargs, attention_backend=backend)
+            for backend in ("jax", "pallas")
+        ]
     assert [c.backend for c in caches] == ["jax", "pallas_tpu"]
     table = rng.permutation(np.arange(1, slots * pages_per_seq + 1)).reshape(slots, -1)
-    caches = [c.with_page_table(table.astype(np.int32)) for c in caches]
+    table = table.astype(np.int32)
 
     def qkv(new):
         return [
@@ -112,7 +118,9 @@ def test_pallas_cache_decode_steps_match_jax_cache():
         steps.append((lengths[:, None].astype(np.int32), active[:, None]))
         lengths = lengths + active
     attend = jax.jit(lambda cache, *args: cache.attend(0, *args))
-    for positions, valid in steps:
+    for i, (positions, valid) in enumerate(steps):
+        first = fresh_prefill and i == 0
+        caches = [c.for_prefill(table) if first else c.with_page_table(table) for c in caches]
         args = (*qkv(positions.shape[1]), positions, valid)
         (want, caches[0]), (out, caches[1]) = [attend(c, *args) for c in caches]
         mask = valid[:, :, None, None]
@@ -143,12 +151,37 @@ def test_gather_pages_puts_position_p_at_index_p():
         ("jax", "tpu", 128, "bfloat16", "jax"),
         ("pallas", "tpu", 128, "float32", "pallas_tpu"),
         ("pallas", "gpu", 64, "bfloat16", "pallas_gpu"),
-        ("pallas", "cpu", 128, "bfloat16", "pallas_tpu"),  # interpreted
     ],
 )
 def test_resolve_backend(name, platform, head_dim, dtype, expected):
     got = resolve_backend(name, head_dim=head_dim, page_size=16, dtype=dtype, platform=platform)
     assert got == expected
+
+
+def test_pallas_on_cpu_is_an_error_naming_the_jax_backend():
+    with pytest.raises(UnsupportedShapeError, match="TPU or GPU.*attention_backend='jax'"):
+        resolve_backend("pallas", head_dim=128, page_size=16, dtype=jnp.bfloat16, platform="cpu")
+    with pytest.raises(UnsupportedShapeError, match="attention_backend='jax'"):
+        PagedKVCache.create(
+            num_layers=1,
+            num_pages=4,
+            page_size=16,
+            kv_heads=2,
+            head_dim=128,
+            batch_slots=2,
+            pages_per_seq=2,
+            dtype=jnp.bfloat16,
+            attention_backend="pallas",
+            platform="cpu",
+        )
+
+
+def test_interpret_kernels_lets_pallas_resolve_on_cpu_while_it_lasts():
+    kwargs = dict(head_dim=128, page_size=16, dtype=jnp.bfloat16, platform="cpu")
+    with interpret_kernels():
+        assert resolve_backend("pallas", **kwargs) == "pallas_tpu"
+    with pytest.raises(UnsupportedShapeError):
+        resolve_backend("pallas", **kwargs)
 
 
 def test_explicit_pallas_with_unfit_shapes_is_an_error():
@@ -184,3 +217,30 @@ def test_tpu_decode_kernel_split_over_kv_heads_on_a_mesh_matches_jax_reference()
     want = jax_reference(*case)
     live = np.asarray(lengths) > 0
     np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], **BF16_TOL)
+
+
+@pytest.mark.parametrize("tensor", [1, 2], ids=["one_device", "mesh"])
+def test_tpu_decode_kernel_takes_a_bucket_of_rows_gathered_from_the_slot_table(tensor):
+    """Decode over 3 of 5 slots: the page table is [rows, pages_per_seq], its rows picked
+    from the slot table; the kernel agrees with the JAX decode path on those rows."""
+    from rlax_tpu.config import MeshConfig
+    from rlax_tpu.sharding import build_mesh, use_mesh
+
+    q, k_pages, v_pages, table, lengths = decode_case(
+        2,
+        kv_heads=2,
+        q_heads=4,
+        head_dim=128,
+        page_size=16,
+        lengths=[9, 33, 0, 48, 17],
+        pages_per_seq=3,
+    )
+    rows = jnp.asarray([3, 0, 4])
+    args = (q[rows][:, None], k_pages, v_pages, table[rows], (lengths[rows] - 1)[:, None])
+    valid = jnp.ones((3, 1), bool)
+    attend = jax.jit(paged_attention, static_argnames="backend")
+    want = attend(*args, valid, backend="jax")
+    mesh_config = MeshConfig(data=1, fsdp=1, tensor=tensor)
+    with use_mesh(build_mesh(mesh_config, jax.devices()[:tensor]), mesh_config.logical_axis_rules):
+        out = attend(*args, valid, backend="pallas_tpu")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **BF16_TOL)

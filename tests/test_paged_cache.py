@@ -1,5 +1,6 @@
-"""The paged KV cache: storage by page table, equality with the dense reference cache, and
-greedy decoding through the real model equal to full recompute."""
+"""The paged KV cache: storage by page table, equality with the dense reference cache, the
+fresh prefill path equal to reading the pages, and greedy decoding through the real model
+equal to full recompute."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from flax import nnx
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.inference import PagedKVCache, UnsupportedShapeError, num_pages_for_budget
+from rlax_tpu.inference.attention import interpret_kernels
 from rlax_tpu.models import DenseKVCache, Transformer
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE_SIZE = 2, 4, 8, 4
@@ -29,7 +31,7 @@ def random_qkv(rng, slots, new):
     )
 
 
-def make_cache(slots, pages_per_seq, num_pages, num_layers=2, backend="jax"):
+def make_cache(slots, pages_per_seq, num_pages, num_layers=2, backend="jax", dtype=jnp.float32):
     return PagedKVCache.create(
         num_layers=num_layers,
         num_pages=num_pages,
@@ -38,7 +40,7 @@ def make_cache(slots, pages_per_seq, num_pages, num_layers=2, backend="jax"):
         head_dim=HEAD_DIM,
         batch_slots=slots,
         pages_per_seq=pages_per_seq,
-        dtype=jnp.float32,
+        dtype=dtype,
         attention_backend=backend,
     )
 
@@ -126,6 +128,43 @@ def test_paged_attention_equals_dense_over_prefill_chunks_and_decode_steps():
             )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_fresh_prefill_equals_reading_the_pages(dtype):
+    """for_prefill stores what with_page_table stores and attends its own tokens to the same
+    numbers up to rounding; the padding row (length 0) writes nothing."""
+    slots, pages_per_seq, num_pages, bucket = 4, 4, 20, 12
+    table = scattered_page_table(slots, pages_per_seq, num_pages)
+    cache = make_cache(slots, pages_per_seq, num_pages, num_layers=1, dtype=dtype)
+    lengths = np.array([5, 0, 12, 1])
+    positions = np.broadcast_to(np.arange(bucket, dtype=np.int32), (slots, bucket))
+    valid = positions < lengths[:, None]
+    q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(np.random.default_rng(0), slots, bucket))
+    attend = jax.jit(lambda c, *a: c.attend(0, *a))
+    out, fresh = attend(cache.for_prefill(table), q, k, v, positions, valid)
+    want, paged = attend(cache.with_page_table(table), q, k, v, positions, valid)
+    assert fresh.fresh and not paged.fresh
+    np.testing.assert_array_equal(np.asarray(fresh.keys[0]), np.asarray(paged.keys[0]))
+    np.testing.assert_array_equal(np.asarray(fresh.values[0]), np.asarray(paged.values[0]))
+    assert not np.asarray(fresh.keys[0])[:, table[1]].any()
+    tolerance = dict(atol=1e-6, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+    mask = valid[:, :, None, None]
+    np.testing.assert_allclose(
+        np.where(mask, np.asarray(out, np.float32), 0),
+        np.where(mask, np.asarray(want, np.float32), 0),
+        **tolerance,
+    )
+
+
+def test_with_page_table_ends_a_fresh_step():
+    cache = make_cache(slots=2, pages_per_seq=2, num_pages=5)
+    table = np.array([[1, 2], [3, 4]], np.int32)
+    fresh = jax.jit(lambda c: c)(cache.for_prefill(table[:1]))
+    assert fresh.fresh and fresh.page_table.shape == (1, 2)
+    after = fresh.with_page_table(table)
+    assert not after.fresh
+    assert jax.tree.structure(after) == jax.tree.structure(cache)
+
+
 def test_paged_cache_is_a_pytree_usable_under_jit():
     cache = make_cache(slots=2, pages_per_seq=2, num_pages=5)
     leaves = jax.tree.leaves(cache)
@@ -151,7 +190,7 @@ def test_from_config_sizes_the_pool_from_the_budget():
 
 
 def test_pallas_backend_rejects_shapes_the_kernel_cannot_take():
-    with pytest.raises(UnsupportedShapeError, match="head_dim"):
+    with interpret_kernels(), pytest.raises(UnsupportedShapeError, match="head_dim"):
         make_cache(slots=2, pages_per_seq=2, num_pages=5, backend="pallas")
 
 
@@ -208,9 +247,10 @@ class GreedySlots:
         self.logits = [[] for _ in range(slots)]  # one float32[vocab] row per fed token
         self.next = [None] * slots  # greedy token to feed next
 
-    def _run(self, tokens, positions, valid):
-        self.cache = self.cache.with_page_table(self.allocator.device_page_table())
-        logits, self.cache = _decode(self.model, tokens, positions, valid, self.cache)
+    def _run(self, tokens, positions, valid, fresh=False):
+        table = self.allocator.device_page_table()
+        cache = self.cache.for_prefill(table) if fresh else self.cache.with_page_table(table)
+        logits, self.cache = _decode(self.model, tokens, positions, valid, cache)
         logits = np.asarray(logits)
         for b, n in zip(*np.nonzero(valid), strict=True):
             self.tokens[b].append(int(tokens[b, n]))
@@ -218,7 +258,7 @@ class GreedySlots:
             self.next[b] = int(np.argmax(logits[b, n]))
 
     def prefill(self, prompts: dict[int, list[int]], bucket: int):
-        """Prefill prompts into their slots in one padded step; other slots sit idle."""
+        """Prefill prompts into their (fresh) slots in one padded step; other slots sit idle."""
         slots = len(self.tokens)
         tokens = np.zeros((slots, bucket), np.int32)
         positions = np.broadcast_to(np.arange(bucket, dtype=np.int32), (slots, bucket))
@@ -227,7 +267,7 @@ class GreedySlots:
             self.allocator.reserve(slot, len(prompt))
             tokens[slot, : len(prompt)] = prompt
             valid[slot, : len(prompt)] = True
-        self._run(tokens, positions, valid)
+        self._run(tokens, positions, valid, fresh=True)
 
     def step(self):
         """One greedy token for every slot holding a sequence."""

@@ -8,9 +8,12 @@ from rlax_tpu._lazy import lazy_exports
 _EXPORTS = {
     "Backend": "attention",
     "UnsupportedShapeError": "attention",
+    "fresh_attention": "attention",
     "gather_pages": "attention",
+    "interpret_kernels": "attention",
     "paged_attention": "attention",
     "paged_attention_jax": "attention",
+    "paged_decode_attention_jax": "attention",
     "paged_decode_attention_gpu": "attention",
     "paged_decode_attention_tpu": "attention",
     "resolve_backend": "attention",

@@ -1,15 +1,19 @@
 """Attention of new queries over a paged KV pool, with one function per backend.
 
 Pools are laid out [kv_heads, num_pages, page_size, head_dim] (the layout of JAX's Pallas
-paged-attention kernels, TPU and GPU). Backends: "jax" gathers each slot's pages into a
-contiguous view (any step, any platform; the reference); "pallas_tpu" / "pallas_gpu" run
-the Pallas decode kernels for one-token steps, with prefill on the JAX path. On CPU the
-kernels run interpreted (tests).
+paged-attention kernels, TPU and GPU). Decode steps (one token per row) run on "jax", an
+online softmax over chunks of the pages each row has, or on "pallas_tpu" / "pallas_gpu",
+the Pallas decode kernels. A prefill of fresh sequences attends its own keys (splash
+attention with "pallas_tpu", else the float32 reference); other multi-token steps gather
+each row's pages (`paged_attention_jax`, also the reference of the other paths). The
+kernels need a TPU or GPU; tests run them interpreted on CPU under `interpret_kernels()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
@@ -19,6 +23,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged_attenti
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 from jax.sharding import PartitionSpec
 
+from rlax_tpu.models.attention import splash_attention
 from rlax_tpu.models.kv_cache import MASK_VALUE, grouped_attention
 from rlax_tpu.sharding import active_mesh, constrain, logical_spec, target_platform
 
@@ -31,10 +36,27 @@ TPU_LANES = 128
 TPU_KEYS_PER_BLOCK = 512
 # Triton's tl.dot needs every matmul dim to be a multiple of 16.
 GPU_MIN_DIM = 16
+# Keys per chunk of the JAX decode path: each loop step gathers this many keys per row.
+DECODE_CHUNK_KEYS = 512
+
+# Whether "pallas" may resolve on CPU, running the kernels interpreted (`interpret_kernels`).
+_interpret = False
 
 
 class UnsupportedShapeError(ValueError):
-    """The cache's shapes do not fit a Pallas kernel's constraints."""
+    """A Pallas kernel cannot take the cache's shapes, or cannot run on the platform."""
+
+
+@contextlib.contextmanager
+def interpret_kernels() -> Iterator[None]:
+    """Let attention_backend="pallas" resolve on CPU to the TPU kernel, run interpreted
+    (tests only: interpreted kernels are orders of magnitude slower than the JAX path)."""
+    global _interpret
+    previous, _interpret = _interpret, True
+    try:
+        yield
+    finally:
+        _interpret = previous
 
 
 def tpu_kernel_problem(*, head_dim: int, page_size: int, dtype: jnp.dtype) -> str | None:
@@ -61,15 +83,21 @@ def resolve_backend(
 
     auto: the TPU kernel on TPU for bfloat16 pools whose shapes fit it, else "jax" (the
     kernel reads pages as bfloat16, which would silently round a float32 cache; the GPU
-    kernel is opt-in with "pallas"). pallas: the platform's kernel (the TPU one, interpreted,
-    on CPU); raises UnsupportedShapeError when the shapes don't fit it. platform: what the
-    code is compiled for (default `target_platform()`: the active mesh's devices' platform).
+    kernel is opt-in with "pallas"). pallas: the platform's kernel; raises
+    UnsupportedShapeError when the shapes don't fit it, or on CPU (outside
+    `interpret_kernels()`, where it is the TPU kernel, interpreted). platform: what the code
+    is compiled for (default `target_platform()`: the active mesh's devices' platform).
     """
     platform = platform or target_platform()
     if name == "jax":
         return "jax"
     if name not in ("auto", "pallas"):
         raise ValueError(f"attention_backend must be 'auto', 'jax' or 'pallas', got {name!r}")
+    if name == "pallas" and platform == "cpu" and not _interpret:
+        raise UnsupportedShapeError(
+            "attention_backend='pallas': the Pallas paged-attention kernels need a TPU or GPU; "
+            "use attention_backend='jax' (or 'auto') on CPU"
+        )
     if name == "auto" and (platform != "tpu" or jnp.dtype(dtype) != jnp.bfloat16):
         return "jax"
     if platform == "gpu":
@@ -108,7 +136,8 @@ def paged_attention_jax(
     page_table: jax.Array,
     positions: jax.Array,
 ) -> jax.Array:
-    """Causal attention of new queries over their slot's pages, by gathering the pages.
+    """Causal attention of new queries over their slot's pages, by gathering every page of
+    the row (multi-token steps over a cached prefix; the reference of the other paths).
 
     q: [slots, new, q_heads, head_dim]; k_pages, v_pages: [kv_heads, num_pages, page_size,
     head_dim]; page_table: int32[slots, pages_per_seq]; positions: int32[slots, new].
@@ -118,6 +147,99 @@ def paged_attention_jax(
     values = gather_pages(v_pages, page_table).astype(q.dtype)
     mask = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]
     return grouped_attention(q, keys, values, mask)
+
+
+def paged_decode_attention_jax(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    chunk_pages: int | None = None,
+) -> jax.Array:
+    """One query token per row by an online softmax over chunks of pages (flash decoding):
+    a loop reads only the chunks holding some row's keys, not the whole page table.
+
+    q: [rows, q_heads, head_dim]; k_pages, v_pages: [kv_heads, num_pages, page_size,
+    head_dim]; page_table: int32[rows, pages_per_seq]; lengths: int32[rows], keys
+    0..length-1 are attended (0: the row outputs zeros). Returns [rows, q_heads, head_dim]
+    in q's dtype. chunk_pages: pages per chunk (default: DECODE_CHUNK_KEYS keys' worth).
+    Scores, softmax and the accumulator are float32. A row's output is bitwise independent
+    of the other rows and of the table's width: chunks past its length change nothing.
+    """
+    kv_heads, _, page_size, head_dim = k_pages.shape
+    rows, q_heads, _ = q.shape
+    chunk = chunk_pages or max(1, DECODE_CHUNK_KEYS // page_size)
+    chunk_keys = chunk * page_size
+    width = page_table.shape[1]
+    num_chunks = -(-width // chunk)
+    # Whole chunks: padding columns point at page 0 and lie past every length.
+    table = jnp.pad(page_table, ((0, 0), (0, num_chunks * chunk - width)))
+    lengths = jnp.minimum(lengths, width * page_size)
+    trips = (jnp.max(lengths) + chunk_keys - 1) // chunk_keys
+    qg = q.reshape(rows, kv_heads, q_heads // kv_heads, head_dim)
+
+    def gather(pages: jax.Array, columns: jax.Array) -> jax.Array:
+        gathered = pages[:, columns].reshape(kv_heads, rows, chunk_keys, head_dim)
+        return constrain(gathered.astype(q.dtype), ("act_kv_heads", "batch", None, "head_dim"))
+
+    def step(i, carry):
+        top, total, acc = carry  # [rows, kv_heads, group] (x head_dim for acc), float32
+        columns = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)
+        keys, values = gather(k_pages, columns), gather(v_pages, columns)
+        scores = jnp.einsum("rkgd,krsd->rkgs", qg, keys, preferred_element_type=jnp.float32)
+        scores = scores * (head_dim**-0.5)
+        seen = (i * chunk_keys + jnp.arange(chunk_keys) < lengths[:, None])[:, None, None]
+        scores = jnp.where(seen, scores, MASK_VALUE)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        # A chunk past a row's length must leave its state bitwise unchanged: its
+        # probabilities are 0 and its rescale 1 by `where`, not by exp's rounding. The
+        # state starts at top = -inf, which the row's first chunk (holding key 0) rescales
+        # by exp(-inf) = 0.
+        probs = jnp.where(seen, jnp.exp(scores - new_top[..., None]), 0.0)
+        rescale = jnp.where(top == new_top, 1.0, jnp.exp(top - new_top))
+        total = total * rescale + probs.sum(axis=-1)
+        update = jnp.einsum(
+            "rkgs,krsd->rkgd",
+            probs.astype(values.dtype),
+            values,
+            preferred_element_type=jnp.float32,
+        )
+        return new_top, total, acc * rescale[..., None] + update
+
+    state = qg.shape[:3]
+    init = (
+        jnp.full(state, -jnp.inf, jnp.float32),
+        jnp.zeros(state, jnp.float32),
+        jnp.zeros(qg.shape, jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(0, trips, step, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def fresh_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    *,
+    backend: Backend,
+) -> jax.Array:
+    """Causal attention of fresh sequences' new tokens over themselves (no cached prefix):
+    what `paged_attention_jax` computes for them, without reading pages.
+
+    q: [rows, new, q_heads, head_dim]; k, v: [rows, new, kv_heads, head_dim]; positions:
+    int32[rows, new], 0..new-1 for valid tokens; valid: bool[rows, new] (padding keys are
+    never seen). Splash attention with "pallas_tpu", else float32 reference attention.
+    """
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if backend == "pallas_tpu":
+        return splash_attention(q, k, v, valid.astype(jnp.int32))
+    mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+    return grouped_attention(q, k, v, mask)
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -204,13 +326,19 @@ def paged_attention(
     """Causal attention of new tokens over the pool through `backend`.
 
     Shapes as `paged_attention_jax`; valid: bool[slots, new]. One-token steps go to the
-    backend's decode kernel; steps of several tokens (prefill) take the JAX path.
+    backend's decode path (padding rows output zeros); steps of several tokens gather pages.
     """
-    if backend == "jax" or q.shape[1] != 1:
+    if q.shape[1] != 1:
         return paged_attention_jax(q, k_pages, v_pages, page_table, positions)
-    kernel = {"pallas_tpu": paged_decode_attention_tpu, "pallas_gpu": paged_decode_attention_gpu}
     lengths = jnp.where(valid[:, 0], positions[:, 0] + 1, 0).astype(jnp.int32)
-    out = _per_device(kernel[backend])(q[:, 0], k_pages, v_pages, page_table, lengths)
+    if backend == "jax":
+        out = paged_decode_attention_jax(q[:, 0], k_pages, v_pages, page_table, lengths)
+    else:
+        kernel = {
+            "pallas_tpu": paged_decode_attention_tpu,
+            "pallas_gpu": paged_decode_attention_gpu,
+        }
+        out = _per_device(kernel[backend])(q[:, 0], k_pages, v_pages, page_table, lengths)
     return out[:, None]
 
 

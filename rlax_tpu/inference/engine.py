@@ -817,7 +817,7 @@ def _prefill_step(
         tokens,
         positions,
         positions < lengths[:, None],
-        cache.with_page_table(rows),
+        cache.for_prefill(rows),
         logits_index=jnp.maximum(lengths - 1, 0),
     )
     token, logprob = sample_tokens(

@@ -4,7 +4,8 @@ of fixed-size pages shared by all decode slots.
 Per layer, keys and values live in pools [kv_heads, num_pages, page_size, head_dim] in the
 model's compute dtype; a slot's token at position p sits in page page_table[slot, p //
 page_size] at offset p % page_size. The host-side PageAllocator decides the page table;
-the engine commits it with `with_page_table` before each jitted step.
+the engine commits it with `with_page_table` before each jitted step, or `for_prefill`
+for a step that starts fresh sequences.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
-from rlax_tpu.inference.attention import Backend, paged_attention, resolve_backend
+from rlax_tpu.inference.attention import (
+    Backend,
+    fresh_attention,
+    paged_attention,
+    resolve_backend,
+)
 from rlax_tpu.inference.page_allocator import PADDING_PAGE, PageAllocator, num_pages_for_budget
 from rlax_tpu.sharding import constrain
 
@@ -29,12 +35,15 @@ class PagedKVCache:
     one (head, page) is a contiguous [page_size, head_dim] tile: the unit the Pallas
     kernels DMA, and the pool shards over kv heads like the model's activations.
     page_table: int32[slots, pages_per_seq], 0 = no page; page 0 is padding, never written.
+    fresh: the step's sequences start at position 0 (`for_prefill`), so attention reads
+    the new keys and values instead of pages.
     """
 
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     page_table: jax.Array
     backend: Backend = struct.field(pytree_node=False, default="jax")
+    fresh: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(
@@ -133,8 +142,14 @@ class PagedKVCache:
         )
 
     def with_page_table(self, page_table: jax.Array) -> PagedKVCache:
-        """This cache with the allocator's committed page table int32[slots, pages_per_seq]."""
-        return self.replace(page_table=jnp.asarray(page_table, jnp.int32))
+        """This cache with the allocator's committed page table int32[rows, pages_per_seq]."""
+        return self.replace(page_table=jnp.asarray(page_table, jnp.int32), fresh=False)
+
+    def for_prefill(self, page_table: jax.Array) -> PagedKVCache:
+        """This cache for a step of fresh sequences, page_table int32[rows, pages_per_seq]
+        their rows: the step's tokens are positions 0..n-1 of each row (padding after), so
+        they attend each other, not pages. `with_page_table` ends it."""
+        return self.with_page_table(page_table).replace(fresh=True)
 
     def attend(
         self,
@@ -148,7 +163,8 @@ class PagedKVCache:
         """The KVCache seam (shapes in rlax_tpu.models.kv_cache.KVCache.attend).
 
         Tokens whose page is missing (padding, a position past the slot's reserved pages)
-        are dropped: callers reserve pages before the step.
+        are dropped: callers reserve pages before the step. A fresh cache (`for_prefill`)
+        stores the same and attends the new tokens causally among themselves.
         """
         page_index = positions // self.page_size
         pages = jnp.take_along_axis(
@@ -165,9 +181,14 @@ class PagedKVCache:
             return constrain(pool.at[:, pages, offsets].set(new, mode="drop"), _POOL_AXES)
 
         keys, values = store(self.keys[layer], k), store(self.values[layer], v)
-        out = paged_attention(
-            q, keys, values, self.page_table, positions, valid, backend=self.backend
-        )
+        if self.fresh:
+            # Attend the keys as stored (in the pool's dtype), as a read of the pages would.
+            k, v = k.astype(keys.dtype), v.astype(values.dtype)
+            out = fresh_attention(q, k, v, positions, valid, backend=self.backend)
+        else:
+            out = paged_attention(
+                q, keys, values, self.page_table, positions, valid, backend=self.backend
+            )
         cache = self.replace(
             keys=self.keys[:layer] + (keys,) + self.keys[layer + 1 :],
             values=self.values[:layer] + (values,) + self.values[layer + 1 :],
