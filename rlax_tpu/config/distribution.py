@@ -81,5 +81,3 @@ class Distribution(ConfigBase):
             return sum(self._clip(v) for v in self.values) / len(self.values)
         n = 400
         return sum(self.quantile((i + 0.5) / n) for i in range(n)) / n
-
-
