@@ -79,7 +79,9 @@ def test_chunks_hold_every_rows_next_positions():
 def test_chunked_logprobs_and_entropies_equal_unchunked(tied, formula, temperature):
     """Chunk size 0 is today's head, 10 holds 5 positions a row (13 padded to 15). The same
     math compiled in other fusions and, for small chunks, other XLA:CPU matmul kernels: a
-    few f32 ULPs apart at most (bitwise for most tokens)."""
+    few f32 ULPs apart at most (bitwise for most tokens). An entropy sums a term per
+    vocabulary entry, so its rounding differs by more ULPs than a log-prob's (4.8e-6 of
+    4.1 measured on a 2-core AMD EPYC host)."""
     h, w, targets, _ = _inputs(tied)
     kw = dict(tied=tied, temperature=temperature, formula=formula)
     want_lp, want_ent = jax.jit(lambda h, w: _todays_head(h, w, targets, **kw))(h, w)
@@ -87,7 +89,7 @@ def test_chunked_logprobs_and_entropies_equal_unchunked(tied, formula, temperatu
         lp, ent = jax.jit(lambda h, w, c=chunk_size: _head(h, w, targets, **kw, chunk_size=c))(h, w)
         assert lp.shape == ent.shape == (BATCH, SEQ)
         np.testing.assert_allclose(lp, want_lp, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(ent, want_ent, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(ent, want_ent, rtol=4e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])
