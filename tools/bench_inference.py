@@ -2,6 +2,7 @@
 """Inference-engine throughput against static batching (and Tunix, when installed).
 
     python tools/bench_inference.py [--quick] [--json OUT] [--requests N] [--decode-steps K]
+        [--kv-requests N] [--kv-repeats R]
 
 One mixed-length workload (prompt and output lengths lognormal, fixed seed; each output
 length is the request's max_new_tokens with no stop tokens, so every system generates
@@ -16,6 +17,19 @@ tokens each, all in flight at once (64 decode slots), so prefill weighs as much 
 It is timed per batch with one prompt per prefill call and with batched prefill, on the
 inference mesh a rollout worker builds (`inference.mesh`: all devices, tensor-parallel; run
 with XLA_FLAGS=--xla_force_host_platform_device_count=2 for the CPU demo's two devices).
+
+`kv_budget`: KV pages on demand against pages reserved at admission. The same heavy-tailed
+lengths (1024 requests) on engines of 256 decode slots (automatic decode buckets 64, 128,
+256; --quick: 192 requests on 128 slots), sent as an RL rollout sends them: max_new_tokens
+the config's cap and a stop token that ends each request at its drawn length (the token
+its probe run, the request as drawn, ended with), so every engine generates the same
+tokens but one that reserves pages reserves them for the cap. Three engines: today's
+(kv_admission="reserve", one decode size: the baseline), reserve with decode buckets (the
+decode sizes alone) and pages on demand (the defaults), at a KV budget of a quarter of the
+slots' worst case (max_prompt_len + max_new_tokens each) and at one holding every slot's.
+Each: tokens/s and its ratio to today's engine, live sequences per decode call,
+preemptions and swap bytes per 1,000 tokens, and whether its rollouts equal today's
+engine's (bitwise, as the engine promises); timed after a warm-up run of the same pools.
 
 `worker_load` times what a rollout worker pays per version of a small model (the tiny
 default model, and this benchmark's model): `InferenceWorker.load` of a version just
@@ -517,6 +531,196 @@ def _tunix_runner(params, workload: Workload):
     return run_all
 
 
+# -- KV budget: pages on demand against pages reserved at admission -----------------------------
+KV_SLOTS = 256  # decode slots (--quick: 128): the automatic decode buckets are (64, 128, 256)
+# name -> (label, kv_admission, decode_buckets; None = one size, max_decode_slots); the first
+# is the baseline: today's engine.
+KV_SYSTEMS = {
+    "reserved": ("today's engine (reserve, 1 size)", "reserve", None),
+    "reserved_buckets": ("reserve + decode buckets", "reserve", ()),
+    "on_demand": ("pages on demand", "on_demand", ()),
+}
+# Pool sizes, as a fraction of the slots' worst case (max_prompt_len + max_new_tokens each).
+KV_BUDGETS = {"constrained": 0.25, "unconstrained": 1.0}
+
+
+def worst_case_budget(sequences: int) -> int:
+    """kv_cache_bytes of a pool holding `sequences` worst-case reservations (max_prompt_len +
+    max_new_tokens tokens, page-rounded) plus the padding page."""
+    c = INFERENCE
+    page_bytes = (
+        2 * MODEL.num_layers * MODEL.num_kv_heads * c.page_size * MODEL.head_dim
+    ) * jnp.dtype(MODEL.dtype).itemsize
+    pages = -(-(c.max_prompt_len + c.max_new_tokens) // c.page_size)
+    return (sequences * pages + 1) * page_bytes
+
+
+def stopped_at_length(requests: list[GenerationRequest], probe: list) -> list[GenerationRequest]:
+    """`requests` as an RL rollout sends them: max_new_tokens the config's cap (what reserve
+    admission reserves pages for) and a stop token that ends each where its `probe` rollout
+    (the request as drawn: max_new_tokens = its length, no stop tokens) ended, so every
+    system generates the same tokens. The stop token is the last probe token that occurs
+    there for the first time: a request whose final token occurred earlier ends at the
+    previous first occurrence, a few tokens short of its drawn length."""
+    out = []
+    for request, rollout in zip(requests, probe, strict=True):
+        first: dict[int, int] = {}
+        for i, token in enumerate(rollout.tokens):
+            first.setdefault(token, i)
+        stop = rollout.tokens[max(first.values())]
+        sampling = dataclasses.replace(
+            request.sampling, max_new_tokens=INFERENCE.max_new_tokens, stop_token_ids=(stop,)
+        )
+        out.append(dataclasses.replace(request, sampling=sampling))
+    return out
+
+
+def kv_budget_case(
+    params, num_requests: int, decode_steps: int, repeats: int, slots: int = KV_SLOTS
+) -> dict:
+    """The heavy-tailed workload on `slots` decode slots, each system of KV_SYSTEMS at each
+    pool size of KV_BUDGETS, timed warm (best of `repeats` interleaved rounds), with the
+    engine's own counters of the timed run and whether its rollouts equal the baseline's."""
+    drawn = requests_for(make_workload(num_requests))
+    engines = {}
+    for budget, fraction in KV_BUDGETS.items():
+        for name, (_, admission, buckets) in KV_SYSTEMS.items():
+            config = dataclasses.replace(
+                INFERENCE,
+                max_decode_slots=slots,
+                kv_cache_bytes=worst_case_budget(round(fraction * slots)),
+                kv_admission=admission,
+                decode_buckets=(slots,) if buckets is None else buckets,
+            )
+            engines[budget, name] = Engine(
+                MODEL, config, seed=SEED, decode_steps_per_call=decode_steps
+            )
+            engines[budget, name].load(0, params)
+    # Warm-up. Engines of one pool size share their compiled steps, and the on-demand engine
+    # uses every decode bucket (all slots live at first, a few at the end): the probe (the
+    # requests as drawn) compiles the unconstrained pool's steps, a run of the timed
+    # requests the constrained pool's, swap copies included (the schedule is deterministic:
+    # the timed runs swap the same page counts). The timed rounds count compiles (none).
+    probe = engines["unconstrained", "on_demand"].run(drawn)
+    requests = stopped_at_length(drawn, probe)
+    engines["constrained", "on_demand"].run(requests)
+
+    last: dict = {}  # (budget, name) -> (rollouts, stats before, stats after) of its last run
+
+    def runner(key):
+        engine = engines[key]
+
+        def run() -> None:
+            before = engine.stats()
+            rollouts = engine.run(requests)
+            last[key] = rollouts, before, engine.stats()
+
+        return run
+
+    compiles = []
+    timing = [True]
+
+    def on_event(event: str, duration_s: float, **_) -> None:
+        if timing[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration_s)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    seconds = best_seconds({key: runner(key) for key in engines}, repeats)
+    timing[0] = False
+
+    baseline = next(iter(KV_SYSTEMS))
+    timed = last["constrained", baseline][0]
+    out: dict = {
+        "requests": num_requests,
+        "response_tokens": sum(len(r.tokens) for r in timed),
+        "drawn_response_tokens": sum(len(r.tokens) for r in probe),
+        # Each timed rollout is its probe's up to the stop token (the same work everywhere).
+        "stopped_as_probed": all(
+            r.finish_reason == "stop" and p.tokens[: len(r.tokens)] == r.tokens
+            for r, p in zip(timed, probe, strict=True)
+        ),
+        "max_new_tokens": INFERENCE.max_new_tokens,
+        "decode_slots": slots,
+        "decode_rows": list(engines["constrained", "on_demand"].decode_rows),
+        "decode_steps_per_call": decode_steps,
+        "prefill_batch_size": INFERENCE.prefill_rows,
+        "repeats": repeats,
+        "compiles_while_timed": len(compiles),
+        "budgets": {},
+    }
+    for budget, fraction in KV_BUDGETS.items():
+        reference = last[budget, baseline][0]
+        rows = {}
+        for name in KV_SYSTEMS:
+            rollouts, before, after = last[budget, name]
+            tokens = after["tokens_generated"] - before["tokens_generated"]
+            calls = after["decode_calls"] - before["decode_calls"]
+            live = (
+                after["mean_live_sequences"] * after["decode_calls"]
+                - before["mean_live_sequences"] * before["decode_calls"]
+            )
+            preemptions = after["preemptions"] - before["preemptions"]
+            swap_bytes = sum(after[k] - before[k] for k in ("swap_out_bytes", "swap_in_bytes"))
+            rows[name] = {
+                "tokens": tokens,
+                "seconds": round(seconds[budget, name], 3),
+                "tokens_per_s": round(tokens / seconds[budget, name], 1),
+                "decode_calls": calls,
+                "mean_live_sequences": round(live / max(1, calls), 1),
+                "preemptions_per_1k_tokens": round(1e3 * preemptions / tokens, 3),
+                "swap_bytes_per_1k_tokens": round(1e3 * swap_bytes / tokens),
+                "preemptions": preemptions,
+                "swap_bytes": swap_bytes,
+                "rollouts_equal_baseline": rollouts == reference,
+            }
+        for row in rows.values():
+            row["speedup"] = round(row["tokens_per_s"] / rows[baseline]["tokens_per_s"], 3)
+        engine = engines[budget, baseline]
+        out["budgets"][budget] = {
+            "worst_case_sequences": round(fraction * slots),
+            "kv_cache_bytes": engine.config.kv_cache_bytes,
+            "pages": engine.stats()["total_pages"],  # the padding page not counted
+            "rows": rows,
+            "speedup_on_demand_vs_reserved": rows["on_demand"]["speedup"],
+            "rollouts_equal": all(row["rollouts_equal_baseline"] for row in rows.values()),
+        }
+    return out
+
+
+def print_kv_budget(kv: dict) -> None:
+    """The KV-budget case's tables: one per pool size, ratios against today's engine."""
+    print(
+        f"KV budget: {kv['requests']} requests, {kv['response_tokens']} response tokens "
+        f"(lognormal lengths, each ended by a stop token; max_new_tokens "
+        f"{kv['max_new_tokens']}), {kv['decode_slots']} decode slots, decode buckets "
+        f"{tuple(kv['decode_rows'])}, {kv['decode_steps_per_call']} steps per call, best of "
+        f"{kv['repeats']}; compiles while timed: {kv['compiles_while_timed']}"
+    )
+    if not kv["stopped_as_probed"]:
+        print("  !!! the timed rollouts did not stop where their probe runs ended !!!")
+    for budget, b in kv["budgets"].items():
+        print(
+            f"{budget} pool: {b['worst_case_sequences']} worst-case sequences = {b['pages']} "
+            f"pages + padding, {b['kv_cache_bytes'] / 2**20:.1f} MiB"
+        )
+        print(
+            f"  {'system':<34}{'tokens/s':>10}{'vs today':>10}{'live/call':>11}"
+            f"{'preempt/1k':>12}{'swap MiB/1k':>13}"
+        )
+        for name, r in b["rows"].items():
+            print(
+                f"  {KV_SYSTEMS[name][0]:<34}{r['tokens_per_s']:>10.1f}{r['speedup']:>9.2f}x"
+                f"{r['mean_live_sequences']:>11.1f}{r['preemptions_per_1k_tokens']:>12.2f}"
+                f"{r['swap_bytes_per_1k_tokens'] / 2**20:>13.2f}"
+            )
+        if b["rollouts_equal"]:
+            print("  rollouts: every system's equal today's engine's (bitwise)")
+        else:
+            rows = b["rows"].items()
+            differ = [KV_SYSTEMS[n][0] for n, r in rows if not r["rollouts_equal_baseline"]]
+            print(f"  !!! ROLLOUTS DIFFER from today's engine's: {', '.join(differ)} !!!")
+
+
 # -- roofline ------------------------------------------------------------------------------------
 def matmul_flops_per_s(n: int = 1024, repeats: int = 10) -> float:
     """The best float32 [n, n] x [n, n] rate jitted XLA reaches on this machine."""
@@ -556,16 +760,28 @@ def best_seconds(runs: dict, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="64 requests, 2 timed rounds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="64 requests, 2 timed rounds; KV budget: 192 requests on 128 slots",
+    )
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--requests", type=int, help="number of requests (default 256)")
     parser.add_argument("--repeats", type=int, help="timed rounds; the best counts (default 3)")
     parser.add_argument(
         "--decode-steps", type=int, default=4, help="engine decode steps per device call"
     )
+    parser.add_argument(
+        "--kv-requests", type=int, help="requests of the KV-budget case (default 1024; quick 192)"
+    )
+    parser.add_argument(
+        "--kv-repeats", type=int, default=1, help="timed rounds of the KV-budget case (default 1)"
+    )
     args = parser.parse_args(argv)
     num_requests = args.requests or (64 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 3)
+    kv_requests = args.kv_requests or (192 if args.quick else 1024)
+    kv_slots = KV_SLOTS // 2 if args.quick else KV_SLOTS
 
     workload = make_workload(num_requests)
     tokens = workload.useful_tokens
@@ -585,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = flops_per_token(workload)
     matmul_rate = matmul_flops_per_s()
     roofline = matmul_rate / flops
+    kv = kv_budget_case(params, kv_requests, args.decode_steps, args.kv_repeats, kv_slots)
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a / b, 3)
@@ -613,6 +830,12 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_flops_per_s": round(matmul_rate),
         "roofline_tokens_per_s": round(roofline, 1),
         "fraction_of_roofline": round(ours / roofline, 4),
+        # Pages on demand against today's engine (pages reserved for max_new_tokens at
+        # admission, one decode size) at a KV budget of a quarter of the slots' worst case.
+        "speedup_on_demand_vs_reserved": kv["budgets"]["constrained"][
+            "speedup_on_demand_vs_reserved"
+        ],
+        "kv_budget": kv,
         "rl_batch": {
             "requests": RL_PROMPTS * RL_SAMPLES,
             "decode_slots": RL_INFERENCE.max_decode_slots,
@@ -676,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f"; {rl['speedup']:.2f}x"
     )
+    print_kv_budget(kv)
     for name, r in figures["worker_load"].items():
         print(
             f"worker load ({name} model, {r['arrays']} arrays, {r['bytes'] / 2**20:.2f} MB, "
