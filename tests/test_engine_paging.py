@@ -91,12 +91,18 @@ def test_on_demand_keeps_more_sequences_live_than_reserving_and_matches_it():
     assert on_demand.stats()["mean_live_sequences"] > 1.5 * reserve.stats()["mean_live_sequences"]
 
 
-def test_preempting_takes_the_most_recently_admitted_sequence():
+def swapping_engine() -> Engine:
+    """The small-pool engine with every request submitted, stepped until one is out."""
     e = engine(SMALL)
     for r in requests(GREEDY):
         e.submit(r)
     while not e._swapped:
         e.step()
+    return e
+
+
+def test_preempting_takes_the_most_recently_admitted_sequence():
+    e = swapping_engine()
     live_orders = [s.order for s in e._live()]
     assert all(s.order > max(live_orders) for s in e._swapped)
     while e.has_work():
@@ -105,11 +111,7 @@ def test_preempting_takes_the_most_recently_admitted_sequence():
 
 
 def test_load_aborts_swapped_sequences_and_frees_their_host_copies():
-    e = engine(SMALL)
-    for r in requests(GREEDY):
-        e.submit(r)
-    while not e._swapped:
-        e.step()
+    e = swapping_engine()
     swapped = {s.request.request_id for s in e._swapped}
     aborted = e.load(1, init_params(LLAMA, seed=1))
     assert {r.request_id for r in aborted} == {r.request_id for r in requests(GREEDY)}

@@ -28,6 +28,12 @@ from rlax_tpu.inference import (
 MAX_SEQS, PAGES_PER_SEQ, PAGE_SIZE = 4, 5, 4
 
 
+def machine_allocator(num_pages: int) -> PageAllocator:
+    return PageAllocator(
+        num_pages=num_pages, max_seqs=MAX_SEQS, pages_per_seq=PAGES_PER_SEQ, page_size=PAGE_SIZE
+    )
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     """Random reserve/free sequences against a model of how many tokens each slot holds."""
 
@@ -37,12 +43,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @initialize(num_pages=st.integers(2, 14))
     def start(self, num_pages):
-        self.allocator = PageAllocator(
-            num_pages=num_pages,
-            max_seqs=MAX_SEQS,
-            pages_per_seq=PAGES_PER_SEQ,
-            page_size=PAGE_SIZE,
-        )
+        self.allocator = machine_allocator(num_pages)
 
     @rule(slot=st.integers(0, MAX_SEQS - 1), num_tokens=st.integers(0, PAGES_PER_SEQ * PAGE_SIZE))
     def reserve(self, slot, num_tokens):
@@ -111,12 +112,7 @@ class SwapMachine(RuleBasedStateMachine):
 
     @initialize(num_pages=st.integers(2, 14))
     def start(self, num_pages):
-        self.allocator = PageAllocator(
-            num_pages=num_pages,
-            max_seqs=MAX_SEQS,
-            pages_per_seq=PAGES_PER_SEQ,
-            page_size=PAGE_SIZE,
-        )
+        self.allocator = machine_allocator(num_pages)
         self.pool = np.zeros((num_pages, PAGE_SIZE), np.int64)
 
     def value(self, key: int, position: int) -> int:
