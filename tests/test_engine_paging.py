@@ -4,14 +4,16 @@ are sized to the live sequences without changing any row's numbers."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from test_engine import GREEDY, LLAMA, init_params, prompt
 
-from rlax_tpu.config import InferenceConfig
+from rlax_tpu.config import InferenceConfig, MeshConfig
 from rlax_tpu.inference.attention import interpret_kernels
 from rlax_tpu.inference.engine import Engine, GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
+from rlax_tpu.sharding import build_mesh
 
 PAGE = 4
 # Keys + values of every layer for one page, float32.
@@ -78,6 +80,17 @@ def test_swapping_holds_with_several_decode_steps_per_call_and_bfloat16():
     assert got == engine(LARGE, config, decode_steps_per_call=3).run(requests(SAMPLED))
     assert all(isinstance(x, float) for r in got for x in r.logprobs)  # float32 values
     assert_clean(e)
+
+
+def test_swapping_on_a_tensor_parallel_mesh_gives_the_large_pools_rollouts():
+    """Swapped pages leave and return sharded over kv heads, as the pool holds them."""
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=jax.devices()[:2])
+    small = engine(SMALL, mesh=mesh)
+    assert small._cache.keys[0].sharding.spec[0] is not None  # kv heads split
+    got = small.run(requests(SAMPLED))
+    assert small.stats()["preemptions"] > 0
+    assert got == engine(LARGE, mesh=mesh).run(requests(SAMPLED))
+    assert_clean(small)
 
 
 def test_on_demand_keeps_more_sequences_live_than_reserving_and_matches_it():

@@ -822,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         "tunix_status": tunix_status,
         "prefill_batch_size": engine.prefill_rows,
         "prefill_calls_per_run": stats["prefill_calls"] // (1 + repeats),
+        "decode_calls_per_run": stats["decode_calls"] // (1 + repeats),
         "compiles": stats["compiled_shapes"],
         "compiled_shapes": stats["compiled"],
         "slot_utilization": round(stats["slot_utilization"], 3),

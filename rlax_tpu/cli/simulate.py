@@ -83,7 +83,7 @@ def _analytical(workload, sim) -> dict:
     b (one decode step shared by b sequences; training linear in tokens), M0 from
     hardware.memory_bytes_per_chip, G0 the chips of the hardware figures (trainer + workers)."""
     from rlax_tpu.simulator import analytical
-    from rlax_tpu.simulator.model import count_params, kv_bytes_per_token
+    from rlax_tpu.simulator.model import count_params
     from rlax_tpu.simulator.report import format_analytical
 
     t = sim.timing
@@ -100,7 +100,7 @@ def _analytical(workload, sim) -> dict:
         memory_bytes=sim.hardware.memory_bytes_per_chip,
         weight_bytes=params * sim.hardware.serve_dtype_bytes,
         activation_bytes=(prompt + resp) * model.hidden_size * model.num_layers * 2 * 4,
-        kv_bytes=(prompt + resp) * kv_bytes_per_token(model, sim.hardware.serve_dtype_bytes),
+        kv_bytes=(prompt + resp) * model.kv_bytes_per_token(sim.hardware.serve_dtype_bytes),
         # Per sample on one device (the paper's η·m is device-seconds per sample).
         eta_train=lambda b: t.train_fixed_s / b + (prompt + resp) * t.train_s_per_token,
         eta_gen=lambda b: resp * (t.decode_step_s + t.decode_call_s / t.decode_steps_per_call) / b,

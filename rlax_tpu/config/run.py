@@ -19,6 +19,7 @@ from rlax_tpu.config.base import ConfigBase, ConfigError, require
 from rlax_tpu.config.distribution import Distribution
 
 DType = Literal["float32", "bfloat16"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # The smallest automatic decode bucket (InferenceConfig.decode_buckets).
 MIN_DECODE_BUCKET = 64
 RematPolicy = Literal[
@@ -139,6 +140,13 @@ class ModelConfig(ConfigBase):
     def published_dtype(self) -> DType:
         """The dtype of the weights the trainer publishes (publish_dtype, "" = param_dtype)."""
         return self.publish_dtype or self.param_dtype
+
+    def kv_bytes_per_token(self, dtype_bytes: float | None = None) -> float:
+        """KV-cache bytes one token of context holds: keys and values of every layer, in
+        `dtype_bytes` per element (default: those of the compute dtype, the cache's)."""
+        if dtype_bytes is None:
+            dtype_bytes = DTYPE_BYTES[self.dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def served(self) -> ModelConfig:
         """The model inference workers build and serve: this one with param_dtype = the

@@ -23,7 +23,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged_attenti
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 from jax.sharding import PartitionSpec
 
-from rlax_tpu.models.attention import splash_attention
+from rlax_tpu.models.attention import reference_attention, splash_attention
 from rlax_tpu.models.kv_cache import MASK_VALUE, grouped_attention
 from rlax_tpu.sharding import active_mesh, constrain, logical_spec, target_platform
 
@@ -220,26 +220,19 @@ def paged_decode_attention_jax(
 
 
 def fresh_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    valid: jax.Array,
-    *,
-    backend: Backend,
+    q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *, backend: Backend
 ) -> jax.Array:
     """Causal attention of fresh sequences' new tokens over themselves (no cached prefix):
-    what `paged_attention_jax` computes for them, without reading pages.
+    what `paged_attention_jax` computes for them, without reading pages. The training
+    forward's attention with the valid tokens as one segment per row.
 
-    q: [rows, new, q_heads, head_dim]; k, v: [rows, new, kv_heads, head_dim]; positions:
-    int32[rows, new], 0..new-1 for valid tokens; valid: bool[rows, new] (padding keys are
-    never seen). Splash attention with "pallas_tpu", else float32 reference attention.
+    q: [rows, new, q_heads, head_dim]; k, v: [rows, new, kv_heads, head_dim]; valid:
+    bool[rows, new], the row's tokens at positions 0..n-1 then padding (never seen). Splash
+    attention with "pallas_tpu", else float32 reference attention.
     """
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    if backend == "pallas_tpu":
-        return splash_attention(q, k, v, valid.astype(jnp.int32))
-    mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
-    return grouped_attention(q, k, v, mask)
+    attend = splash_attention if backend == "pallas_tpu" else reference_attention
+    return attend(q, k, v, valid.astype(jnp.int32))
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

@@ -12,8 +12,6 @@ import math
 
 from rlax_tpu.config import Distribution, InferenceConfig, ModelConfig
 
-# Bytes of one element of the KV cache (model.dtype).
-_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # Points of the quantile grid the expected lengths are integrated on (midpoint rule).
 GRID_POINTS = 4096
 
@@ -94,8 +92,7 @@ def kv_capacity(model: ModelConfig, inference: InferenceConfig) -> KvCapacity:
     sampling. The figure is a steady-state mean: prefill time and the pool's fluctuation
     around it (which on-demand admission absorbs by swapping sequences out) are left out.
     """
-    itemsize = _ITEMSIZE[model.dtype]
-    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+    bytes_per_token = int(model.kv_bytes_per_token())
     page_size = inference.page_size
     pages = inference.kv_cache_bytes // (bytes_per_token * page_size)
     usable_pages = max(0, pages - 1)

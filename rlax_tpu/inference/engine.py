@@ -298,12 +298,13 @@ class Engine:
         while not self._swapped and (batch := self._take_waiting()):
             self._prefill(batch)
 
-    def _fits(self, pages: int) -> bool:
-        """Whether a sequence needing `pages` more pages may join the live ones: on demand,
-        the pool must keep one decode call's growth for every live sequence after it (none
-        when it would be alone: a lone sequence always fits)."""
-        live = int(self._active.sum())
-        margin = (live + 1) * self._growth_pages if self.on_demand and live else 0
+    def _fits(self, pages: int, joining: int = 0) -> bool:
+        """Whether a sequence needing `pages` more pages may join the live ones and the
+        `joining` others admitted with it: on demand, the pool must keep one decode call's
+        growth for every sequence live after it (none when it would be alone: a lone
+        sequence always fits)."""
+        after = int(self._active.sum()) + joining + 1
+        margin = after * self._growth_pages if self.on_demand and after > 1 else 0
         return pages + margin <= self._allocator.free_pages
 
     def _take_waiting(self) -> list[_Sequence]:
@@ -317,8 +318,8 @@ class Engine:
                 break
             seq = self._waiting[0]
             tokens = seq.prompt_len if self.on_demand else seq.prompt_len + seq.limit
-            pages = self._allocator.pages_for(tokens) + len(batch) * self._growth_pages
-            if not self._fits(pages) or not self._allocator.try_reserve(slot, tokens):
+            pages = self._allocator.pages_for(tokens)
+            if not self._fits(pages, len(batch)) or not self._allocator.try_reserve(slot, tokens):
                 break
             self._waiting.popleft()
             seq.slot, seq.order = slot, self._admissions
@@ -374,7 +375,7 @@ class Engine:
             self._swapped.pop(0)
             seq.slot = slot
             self._slots[slot] = seq
-            self._set_slot_sampling(slot, seq, seq.key_data)
+            self._set_slot_sampling(slot, seq)
             self._activate(seq, len(seq.tokens))
             self._counters["swap_in_bytes"] += host.nbytes
             self._page_table_dirty = True
@@ -401,23 +402,23 @@ class Engine:
             return out
 
         keys, values = (tuple(padded(x) for x in part) for part in data)
+        # Each device receives only its own kv heads of the pages, as the pool holds them.
+        pool = self.abstract_cache.keys[0].sharding
+        keys, values = jax.device_put((keys, values), pool)
         with self._mesh_context():
-            self._cache = _write_pages(self._cache, *self._put((index, keys, values)))
+            self._cache = _write_pages(self._cache, self._put(index), keys, values)
 
     def _prefill(self, batch: list[_Sequence]) -> None:
         """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts,
         one device-to-host transfer for all, then each sequence's first token in order."""
         by_bucket: dict[int, list[_Sequence]] = {}
         for seq in batch:
-            n = len(seq.request.prompt_tokens)
-            bucket = next(b for b in self.config.prefill_buckets if b >= n)
+            bucket = next(b for b in self.config.prefill_buckets if b >= seq.prompt_len)
             by_bucket.setdefault(bucket, []).append(seq)
-        keys = {}
         for seq in batch:
             r = seq.request
             seq.key_data = request_key_data(self.seed, r.prompt_id, r.sample_index, seq.version)
-            keys[seq] = seq.key_data
-        outs = [self._prefill_call(bucket, seqs, keys) for bucket, seqs in by_bucket.items()]
+        outs = [self._prefill_call(bucket, seqs) for bucket, seqs in by_bucket.items()]
         first: dict[_Sequence, tuple[int, float]] = {}
         for seqs, packed in zip(by_bucket.values(), jax.device_get(outs), strict=True):
             tokens, logprobs = packed[0].tolist(), packed[1].view(np.float32).tolist()
@@ -427,7 +428,7 @@ class Engine:
         self._page_table_dirty = True
         for seq in batch:
             slot = seq.slot
-            self._set_slot_sampling(slot, seq, keys[seq])
+            self._set_slot_sampling(slot, seq)
             token, logprob = first[seq]
             if not self._append(seq, token, logprob):
                 self._activate(seq, 1)
@@ -442,15 +443,13 @@ class Engine:
         self._index[slot] = generated
         self._carry_dirty = True
 
-    def _prefill_call(
-        self, bucket: int, seqs: list[_Sequence], keys: Mapping[_Sequence, np.ndarray]
-    ) -> jax.Array:
+    def _prefill_call(self, bucket: int, seqs: list[_Sequence]) -> jax.Array:
         """Dispatch one prefill of `seqs` (at most prefill_rows, all in `bucket`); returns the
         packed int32[2, prefill_rows] (first tokens, log-prob bits) still on the device.
 
         Unused rows are padding: length 0 (no valid token), an all-padding page-table row
         (PADDING_PAGE; writes there are dropped) and non-truncating sampling params."""
-        args = self._prefill_args(bucket, seqs, keys)
+        args = self._prefill_args(bucket, seqs)
         self._shapes.add(f"prefill:{self.prefill_rows}x{bucket}")
         self._counters["prefill_calls"] += 1
         with self._mesh_context():
@@ -459,9 +458,7 @@ class Engine:
             )
         return packed
 
-    def _prefill_args(
-        self, bucket: int, seqs: list[_Sequence], keys: Mapping[_Sequence, np.ndarray]
-    ) -> tuple[np.ndarray, ...]:
+    def _prefill_args(self, bucket: int, seqs: list[_Sequence]) -> tuple[np.ndarray, ...]:
         """The host arguments of a prefill call after (params, cache): page-table rows,
         tokens, lengths, key data, temperature, top_k, top_p, "sampled" flags."""
         rows = self.prefill_rows
@@ -478,7 +475,7 @@ class Engine:
             page_rows[row] = self._allocator.page_table[seq.slot]
             tokens[row, : len(prompt)] = prompt
             lengths[row] = len(prompt)
-            key_data[row] = keys[seq]
+            key_data[row] = seq.key_data
             temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
             sampled_logprobs[row] = s.logprobs_of == "sampled"
         return (page_rows, tokens, lengths, key_data, temperature, top_k, top_p, sampled_logprobs)
@@ -595,9 +592,9 @@ class Engine:
         self._device_carry = self._device_sampling = self._device_live = None
         self._live_rows: np.ndarray | None = None  # the slots of the last decode's rows
 
-    def _set_slot_sampling(self, slot: int, seq: _Sequence, key_data: np.ndarray) -> None:
+    def _set_slot_sampling(self, slot: int, seq: _Sequence) -> None:
         s = seq.sampling
-        self._key_data[slot] = key_data
+        self._key_data[slot] = seq.key_data
         self._temperature[slot] = s.temperature
         self._top_k[slot] = s.top_k
         self._top_p[slot] = s.top_p
@@ -731,7 +728,7 @@ class Engine:
     def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
         """The prefill step of `prefill_rows` prompts of `bucket` tokens, lowered on abstract
         weights, cache and arguments (those `_prefill_call` builds)."""
-        args = self._abstract_host(self._prefill_args(bucket, [], {}))
+        args = self._abstract_host(self._prefill_args(bucket, []))
         with self._mesh_context():
             return _prefill_step.lower(
                 *self._static, self.abstract_params(), self.abstract_cache, *args

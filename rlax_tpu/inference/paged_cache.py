@@ -184,7 +184,7 @@ class PagedKVCache:
         if self.fresh:
             # Attend the keys as stored (in the pool's dtype), as a read of the pages would.
             k, v = k.astype(keys.dtype), v.astype(values.dtype)
-            out = fresh_attention(q, k, v, positions, valid, backend=self.backend)
+            out = fresh_attention(q, k, v, valid, backend=self.backend)
         else:
             out = paged_attention(
                 q, keys, values, self.page_table, positions, valid, backend=self.backend

@@ -87,11 +87,6 @@ def train_flops_per_token(model: ModelConfig, seq_len: float) -> float:
     return 6.0 * count_params(model) + 6.0 * c.num_layers * c.num_heads * c.head_dim * seq_len
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype_bytes: float) -> float:
-    """KV-cache bytes one token of context holds (keys and values of every layer)."""
-    return 2.0 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
-
-
 # -- the timing model -----------------------------------------------------------------------------
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class TimingModel(ConfigBase):
@@ -646,13 +641,14 @@ def _from_trainer_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str
 def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, str]:
     """Engine wall time = calls × seconds-per-call + FLOPs × seconds-per-FLOP, fitted over
     the benchmark runs (runs at different --decode-steps separate the two; from one run the
-    per-call cost is taken as 0). Decode FLOPs count every slot of every step (fixed
-    shapes); prefill FLOPs the whole bucket; FLOPs per token from the benchmark."""
+    per-call cost is taken as 0). Decode FLOPs count every row the engine computed (live
+    slots padded to a decode bucket: useful tokens / slot_utilization); prefill FLOPs the
+    whole bucket; FLOPs per token from the benchmark."""
     rows = _rl_batch_rows(runs)
     for run in runs if not rows else ():
         total_s = run["useful_tokens"] / run["tokens_per_s"]
         slots, k = run["decode_slots"], run["decode_steps_per_call"]
-        steps = run["useful_tokens"] / (run["slot_utilization"] * slots)
+        rows_computed = run["useful_tokens"] / run["slot_utilization"]
         prompts, outputs = bench_workload.lengths(run["requests"])
         if sum(outputs) != run["useful_tokens"]:
             raise CalibrationError(
@@ -662,8 +658,10 @@ def _from_inference_bench(workload: Workload, runs: list[dict]) -> tuple[dict, s
                 "another workload; measure again with this version's tools/bench_inference.py"
             )
         prefill_tokens = sum(bench_workload.prefill_bucket(p) for p in prompts)
-        flops = run["model_flops_per_token"] * (steps * slots + prefill_tokens)
-        calls = run["requests"] + steps / k
+        flops = run["model_flops_per_token"] * (rows_computed + prefill_tokens)
+        # Older benchmark files lack the count: every call then ran all slots.
+        decode_calls = run.get("decode_calls_per_run", rows_computed / (slots * k))
+        calls = run["requests"] + decode_calls
         rows.append((calls, flops, total_s))
     if len({c for c, _, _ in rows}) > 1:
         per_call, s_per_flop = _fit_two(rows)
@@ -840,7 +838,7 @@ def _from_hardware(workload: Workload, hw: HardwareSpec) -> tuple[dict, str]:
     if hw.chips_per_worker:
         c = hw.chips_per_worker
         weights = params * hw.serve_dtype_bytes
-        kv = workload.decode_slots * ctx * kv_bytes_per_token(m, hw.serve_dtype_bytes)
+        kv = workload.decode_slots * ctx * m.kv_bytes_per_token(hw.serve_dtype_bytes)
         memory_s = (weights + kv) / (
             c * hw.hbm_bytes_per_s_per_chip * hw.decode_bandwidth_efficiency
         )
