@@ -404,7 +404,8 @@ class InferenceConfig(ConfigBase):
     # Rows of the compiled decode steps: each decode call runs the smallest that holds the
     # live sequences, so its cost follows them. () = powers of two from 64 up to
     # max_decode_slots (one size when max_decode_slots <= 64): XLA:CPU's matmuls give a row
-    # the same bits at any row count from 64 up, not below (docs/inference.md).
+    # the same bits at any row count from 64 up, not below (measured on an AMD EPYC host;
+    # docs/inference.md).
     decode_buckets: tuple[int, ...] = ()
     # The lengths the task is expected to have (tokens): `rlax-tpu compile`'s KV capacity in
     # concurrent sequences and the simulator's default workload. None: prompts fixed at
