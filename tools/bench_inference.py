@@ -548,9 +548,7 @@ def worst_case_budget(sequences: int) -> int:
     """kv_cache_bytes of a pool holding `sequences` worst-case reservations (max_prompt_len +
     max_new_tokens tokens, page-rounded) plus the padding page."""
     c = INFERENCE
-    page_bytes = (
-        2 * MODEL.num_layers * MODEL.num_kv_heads * c.page_size * MODEL.head_dim
-    ) * jnp.dtype(MODEL.dtype).itemsize
+    page_bytes = int(MODEL.kv_bytes_per_token()) * c.page_size
     pages = -(-(c.max_prompt_len + c.max_new_tokens) // c.page_size)
     return (sequences * pages + 1) * page_bytes
 
