@@ -287,7 +287,9 @@ def test_run_job_dumps_config_and_checks_trainer_against_inference(tmp_path):
     assert metrics["trainer_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     assert metrics["train_vs_inference_logprob_max_abs_diff"] < 1e-4
 
-    # The run directory now belongs to that config: another config is refused.
+    # Once a run has made progress there (a snapshot), another config is refused.
+    (run_dir / "snapshots").mkdir()
+    (run_dir / "snapshots" / "snapshot_000000000.json").write_text("{}")
     other = _run_cli(
         "run", "--smoke", TINY, "--set", f"storage.run_dir={run_dir}", "--set", "seed=1"
     )
@@ -329,9 +331,9 @@ def test_run_job_on_a_hugging_face_checkpoint(tmp_path):
         "--smoke",
         str(config_file),
         "--set",
-        "model.rope_theta=10.0",
+        "model.intermediate_size=64",
         "--set",
         f"storage.run_dir={tmp_path / 'run2'}",
     )
     assert wrong.returncode == 2
-    assert "model.rope_theta = 10.0 but the checkpoint has 1000.0" in wrong.stderr
+    assert "model.intermediate_size = 64 but the checkpoint has 96" in wrong.stderr

@@ -145,8 +145,11 @@ def test_decode_calls_are_sized_to_the_live_sequences():
 
 
 def test_a_rows_numbers_do_not_depend_on_the_decode_bucket():
-    # Automatic buckets (64, 128): alone a request decodes in 64 rows, among 69 others in
-    # 128 rows; its rollout is bitwise the same.
+    """Automatic buckets (64, 128): alone a request decodes in 64 rows, among 69 others in
+    128 rows. Its tokens are the same on every host; its log-probs bitwise the same only
+    where XLA:CPU's kernels give a row the same bits at both sizes (the AMD EPYC host of
+    docs/inference.md, not the Intel Xeon one: 1 ulp in one log-prob). One decode size
+    (`decode_buckets=(max_decode_slots,)`, the documented fallback) is bitwise on any host."""
     wide = dataclasses.replace(
         LARGE,
         max_decode_slots=128,
@@ -160,7 +163,13 @@ def test_a_rows_numbers_do_not_depend_on_the_decode_bucket():
     crowd = engine(wide)
     together = crowd.run(requests(sampling, [11] + [1 + i % 16 for i in range(69)]))
     assert "decode:128x1" in crowd.stats()["compiled"]
-    assert together[0] == alone
+    assert together[0].tokens == alone.tokens
+    np.testing.assert_allclose(together[0].logprobs, alone.logprobs, rtol=0, atol=1e-6)
+    if together[0] != alone:  # a host whose kernels round by row count: the fallback holds
+        single = dataclasses.replace(wide, decode_buckets=(128,))
+        (alone,) = engine(single).run(requests(sampling, [11]))
+        together = engine(single).run(requests(sampling, [11] + [1 + i % 16 for i in range(69)]))
+        assert together[0] == alone
 
 
 def test_whole_generations_through_the_pallas_kernels_match_the_jax_path():

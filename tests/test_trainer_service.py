@@ -22,7 +22,14 @@ TOKEN = "trainer-test-token"
 TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
 # The tiny model on the tiny config's 2×2×2 mesh (conftest's 8 virtual CPU devices are
 # inherited by the server processes), one update of two micro-batches per step.
-OVERRIDES = ["cpu_devices=0", "trainer.checkpoint_every=1000", "trainer.max_seq_len=32"]
+OVERRIDES = [
+    "cpu_devices=0",
+    "trainer.checkpoint_every=1000",
+    # Batches of 32 tokens: prompts and responses that fit them (RunConfig.validate).
+    "inference.max_prompt_len=16",
+    "inference.max_new_tokens=16",
+    "trainer.max_seq_len=32",
+]
 SEQ = 32
 
 

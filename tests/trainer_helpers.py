@@ -62,7 +62,8 @@ def run_config(
             **trainer,
         ),
         storage=StorageConfig(run_dir=run_dir),
-        **({"inference": inference} if inference is not None else {}),
+        # Prompts and responses that fit the trainer's 32 tokens (RunConfig.validate).
+        inference=inference or InferenceConfig(max_prompt_len=16, max_new_tokens=16),
     )
 
 

@@ -4,7 +4,9 @@
 and held-out accuracy, cli/sft_eval.py), `serve` (one component), `config show`,
 `deploy gke|xmanager` (rlax_tpu/deploy), `simulate` (cli/simulate.py), `compile`
 (cli/compile.py: the config's programs compiled for its TPU topology), `prefilter`
-(controller/prefilter.py) and `bench` (tools/bench_*.py, cli/bench.py).
+(controller/prefilter.py), `export` (cli/export.py: a run's checkpoint as a Hugging Face
+model), `samples` (cli/samples.py: a batch of the rollout log as text) and `bench`
+(tools/bench_*.py, cli/bench.py).
 The parser reads only the config here; each command imports JAX and its component itself.
 """
 
@@ -23,6 +25,10 @@ _COMMANDS = {
     "serve": "serve one component over gRPC (param-server, inference, trainer, verifier)",
     "sft": "the SFT warm start alone: train controller.sft_steps, export to RUN_DIR/sft_model",
     "eval": "held-out greedy accuracy of the run's newest model (or --model DIR) by the verifiers",
+    "export": "a run's newest checkpoint (or --step S, or a CHECKPOINT) as a Hugging Face model "
+    "directory, tokenizer included (`export RUN_DIR|CHECKPOINT OUT`)",
+    "samples": "a batch of a run's rollout log: prompt, response text, reward, verdict "
+    "(`samples RUN_DIR [--step S]`)",
     "config": "show the resolved config (`config show CONFIG [--set k=v ...]`)",
     "deploy": "a run's cluster jobs (`deploy gke|xmanager CONFIG [--set k=v ...]`)",
     "bench": "run a benchmark from the source checkout's tools/ (`bench NAME [ARGS ...]`)",
@@ -257,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
 
             _add_config_args(p)
             add_prefilter_args(p)
+        elif name == "export":
+            from rlax_tpu.cli.export import add_args as add_export_args
+
+            add_export_args(p)
+        elif name == "samples":
+            from rlax_tpu.cli.samples import add_args as add_samples_args
+
+            add_samples_args(p)
         elif name == "bench":
             from rlax_tpu.cli.bench import add_args as add_bench_args
 
@@ -298,6 +312,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             if args.smoke:
                 return run(config)
             from rlax_tpu.controller.job import main as run_job
+            from rlax_tpu.controller.wandb_logging import require_wandb
+
+            require_wandb(config.logging)  # before anything starts
 
             if args.connect:
                 from rlax_tpu.controller.remote import ComponentAddresses
@@ -307,6 +324,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                     trainer=args.trainer,
                     inference=args.inference,
                     verifier=args.verifier,
+                    fallback={"verifier": config.verifiers.addresses()},
                 )
                 return run_job(config, addresses=addresses, ready_timeout_s=args.connect_timeout_s)
             if args.param_server or args.trainer or args.inference or args.verifier:
@@ -358,6 +376,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.controller.prefilter import main as prefilter
 
         return prefilter(load_config(args.config, args.overrides), args)
+    if args.command == "export":
+        from rlax_tpu.cli.export import main as export
+
+        return export(args)
+    if args.command == "samples":
+        from rlax_tpu.cli.samples import main as samples
+
+        return samples(args)
     if args.command == "bench":
         from rlax_tpu.cli.bench import main as bench
 

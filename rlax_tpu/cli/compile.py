@@ -1,7 +1,9 @@
 """`rlax-tpu compile CONFIG`: prove a config fits its TPU topology, on any host.
 
 Compiles every program the run executes on its accelerators with libtpu's compiler for the
-trainer's and the inference workers' topologies (rlax_tpu.compile), prints per-chip memory
+trainer's and the inference workers' topologies (rlax_tpu.compile); a component on GPUs
+(`trainer.gpu` / `inference.gpu`) is compiled by XLA:GPU with --on-gpu on a GPU machine,
+else by XLA:CPU for as many CPU devices (an estimate, labelled so). It prints per-chip memory
 against HBM, FLOPs, bytes and roofline times and an inference worker's KV capacity (tokens,
 and concurrent sequences under each admission at the config's expected lengths:
 rlax_tpu.inference.capacity), and exits 1 when a program does not fit
@@ -26,6 +28,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="comma-separated subset of rl_step, recompute, sft_step, prefill, decode "
         "(default: every program the run executes; sft_step only with controller.sft_steps > 0)",
     )
+    parser.add_argument(
+        "--on-gpu",
+        action="store_true",
+        help="compile the programs of a component on GPUs (trainer.gpu / inference.gpu) with "
+        "this machine's GPUs (XLA:GPU, the cuda extra) instead of the XLA:CPU estimate",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -33,9 +41,10 @@ def main(args: argparse.Namespace) -> int:
     programs = None
     if args.programs:
         programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    from rlax_tpu.compile.hardware import GiB, prepare_environment
+    from rlax_tpu.compile.hardware import GiB, parse_gpu, prepare_environment
 
-    prepare_environment()
+    gpus = [parse_gpu(s.gpu)[1] for s in (config.trainer, config.inference) if s.gpu]
+    prepare_environment(cpu_devices=max(gpus, default=0), on_gpu=args.on_gpu)
     from rlax_tpu.compile import TopologyError, compile_config, format_report
 
     def progress(report) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from rlax_tpu.config import DatasetConfig, ModelConfig, RunConfig, load_config
+from rlax_tpu.config import ModelConfig, RunConfig, load_config
 
 CHECKPOINTS_DIR = "checkpoints"  # the RL trainer's, under the run directory
 
@@ -247,22 +247,22 @@ def checkpoint_config(config: RunConfig) -> RunConfig:
     )
 
 
-def held_out_records(config: RunConfig) -> list[Any]:
-    """The first `controller.eval_size` prompts of `controller.eval_dataset`."""
-    from rlax_tpu.controller.datasets import load_dataset
+def held_out_records(config: RunConfig, tokenizer: Any) -> list[Any]:
+    """The first `controller.eval_size` prompts of `controller.eval_dataset`, read and
+    scanned as the run reads them (datasets.load_eval_prompts)."""
+    from rlax_tpu.controller.datasets import load_eval_prompts
 
-    ctl = config.controller
-    if not ctl.eval_dataset:
+    if not config.controller.eval_dataset:
         raise EvalError(
             "the config has no held-out set: set controller.eval_dataset (a .jsonl or .parquet "
             "dataset, or builtin:arithmetic) and controller.eval_size"
         )
-    return load_dataset(DatasetConfig(path=ctl.eval_dataset))[: ctl.eval_size]
+    return load_eval_prompts(config, tokenizer)
 
 
 def evaluate(config: RunConfig, source: ModelSource, tokenizer: Any) -> EvalResult:
     """Held-out greedy accuracy of `source` on `config` (materialised: dataset paths real)."""
-    records = held_out_records(config)
+    records = held_out_records(config, tokenizer)
     model_config, params, description = load_model(config, source)
     responses = greedy_responses(config, model_config, params, tokenizer, records)
     del params
@@ -331,20 +331,15 @@ def greedy_responses(
 def score(config: RunConfig, records: Sequence[Any], responses: Sequence[str]) -> list[Any]:
     """Each response's VerificationResult from the local verifiers (None for a record whose
     verifier is "none"), built as `rlax-tpu serve verifier` builds them."""
-    from rlax_tpu.verifiers import LocalVerifier, VerificationRequest
+    from rlax_tpu.controller.scoring import verification_request
+    from rlax_tpu.verifiers import LocalVerifier
     from rlax_tpu.verifiers.code import CodeVerifier
     from rlax_tpu.verifiers.local import pool_for
     from rlax_tpu.verifiers.repository import ProblemResolver
     from rlax_tpu.verifiers.server import default_cache_dir
 
     requests = {
-        i: VerificationRequest(
-            kind=r.verifier,
-            response=response,
-            reference=r.reference,
-            problem=r.problem,
-            request_id=f"eval:{r.dataset}:{r.id}",
-        )
+        i: verification_request(r, response, f"eval:{r.dataset}:{r.id}")
         for i, (r, response) in enumerate(zip(records, responses, strict=True))
         if r.verifier != "none"
     }

@@ -7,11 +7,14 @@ instead (`compiled.as_text()`, per device after SPMD partitioning):
 
 * trip counts: a loop runs while `i < N` on an element i of its state; N comes from the
   condition, i's start from the loop's initial tuple and its step from the body (JAX's
-  scans count from 0 by 1, the partitioner's windowed matmuls by 2). A loop of another form
-  counts once and is reported in `unknown_loops`.
+  scans count from 0 by 1, the partitioner's windowed matmuls by 2); else the trip count
+  XLA's loop analysis recorded in the loop's backend config (XLA:CPU and XLA:GPU write
+  their conditions as fusions). A loop of another form counts once and is reported in
+  `unknown_loops`.
 * FLOPs: 2 · |output| · contraction of every `dot` and `convolution` (the TPU compiler
   writes matmuls as convolutions whose windows mostly meet padding or dilation holes: only
-  the taps that meet an input element count), and the `cost_estimate` that Mosaic kernels
+  the taps that meet an input element count), XLA:GPU's cuBLAS matmul calls from their
+  dimension numbers, and the `cost_estimate` that Mosaic kernels
   (`tpu_custom_call`) carry. Splash attention's kernels carry none: their matmuls are
   counted from their operand shapes over the causal half of the score blocks. Another
   kernel without one (the paged-attention decode kernel) counts 0 and its calls are
@@ -303,6 +306,13 @@ def trip_count(
     return max(0, -(-(bound - start) // step))
 
 
+def known_trip_count(instr: Instruction) -> int | None:
+    """The trip count XLA's loop analysis recorded on a while instruction
+    (`backend_config={..."known_trip_count":{"n":"7"}...}`), or None."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.attrs)
+    return int(m.group(1)) if m else None
+
+
 def _contraction_flops(instr: Instruction, comp: Computation) -> float:
     out = instr.result
     if not out or len(instr.operands) < 2:
@@ -408,6 +418,21 @@ def _splash_flops(instr: Instruction) -> float | None:
     q, k = arrays[0], arrays[1]
     rows, d, keys = math.prod(q.dims[:-1]), q.dims[-1], k.dims[-2]
     return _SPLASH_MATMULS[m.group(2)] * 2.0 * rows * keys * d * CAUSAL_FRACTION
+
+
+def _cublas_flops(instr: Instruction, comp: Computation) -> float | None:
+    """2 · |output| · contraction of an XLA:GPU matmul custom call (`__cublas$gemm`,
+    `__cublas$lt$matmul`): its dimension numbers are in the gemm backend config, its first
+    result is the product (the second, cuBLAS's workspace)."""
+    if "__cublas$" not in instr.attrs:
+        return None
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
+    lhs_i = comp.by_name.get(instr.operands[0]) if instr.operands else None
+    if m is None or lhs_i is None or not lhs_i.result or not instr.result:
+        return None
+    lhs = lhs_i.result[0]
+    k = math.prod(lhs.dims[int(d)] for d in re.findall(r"\d+", m.group(1)))
+    return 2.0 * instr.result[0].size * k
 
 
 def _cost_estimate(instr: Instruction) -> dict | None:
@@ -524,6 +549,8 @@ def analyze(text: str) -> HloCost:
                 if cond and cond[0] in comps:
                     body_comp = comps.get(body[0]) if body else None
                     n = trip_count(comps[cond[0]], body_comp, instr, comp)
+                if n is None:  # a condition of another form (XLA:CPU wraps the compare)
+                    n = known_trip_count(instr)
                 if n is None:
                     unknown += 1
                     n = 1
@@ -557,6 +584,8 @@ def analyze(text: str) -> HloCost:
                     estimated += int(m)
                 else:
                     no_cost += int(m)
+            elif instr.opcode == "custom-call" and (gemm := _cublas_flops(instr, comp)):
+                flops += m * gemm
             if comp.name in fused:
                 continue
             if estimate is not None and "bytes_accessed" in estimate:

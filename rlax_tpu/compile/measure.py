@@ -22,7 +22,7 @@ import time
 import warnings
 from typing import Any
 
-from rlax_tpu.compile.hardware import FIT_FRACTION, ChipSpec, GiB
+from rlax_tpu.compile.hardware import FIT_FRACTION, GPUS, ChipSpec, GiB
 from rlax_tpu.compile.hlo_cost import analyze
 from rlax_tpu.compile.programs import Program
 from rlax_tpu.config import RunConfig
@@ -79,7 +79,7 @@ class ProgramReport:
     calls_per_step: int
     chip: str
     memory: dict[str, int]  # per chip: CATEGORIES + total, compiler_peak and the raw figures
-    hbm_bytes: int
+    hbm_bytes: int  # what the program may use per chip: the HBM, or a GPU process's share
     flops: float = 0.0  # per chip, per call
     bytes_accessed: float = 0.0
     roofline_s: float = 0.0
@@ -163,8 +163,12 @@ def _out_of_memory(message: str, program: Program) -> dict[str, int]:
     return memory
 
 
-def compile_program(program: Program, chip: ChipSpec) -> ProgramReport:
-    """Lower and compile `program` for `chip`'s topology; its memory, FLOPs and timings."""
+def compile_program(
+    program: Program, chip: ChipSpec, *, memory_bytes: int | None = None
+) -> ProgramReport:
+    """Lower and compile `program` for `chip`'s topology (or the devices its mesh is over);
+    its memory, FLOPs and timings. memory_bytes: what it may use per chip (default the
+    chip's HBM; a GPU process's share of it)."""
     report = ProgramReport(
         program.name,
         program.component,
@@ -173,7 +177,7 @@ def compile_program(program: Program, chip: ChipSpec) -> ProgramReport:
         program.calls_per_step,
         chip.name,
         {},
-        chip.hbm_bytes,
+        chip.hbm_bytes if memory_bytes is None else memory_bytes,
         dims=dict(program.dims),
     )
     start = time.perf_counter()
@@ -236,11 +240,22 @@ def refusal(report: ProgramReport, config: RunConfig) -> str:
     where = f"{report.component} {report.name} ({report.shape})"
     if report.error and not report.out_of_memory:
         return f"{where} failed to compile: {report.error}"
-    head = f"{where} does not fit a {report.chip} chip: " + (
-        f"the compiler ran out of HBM ({report.error})"
+    gpu = GPUS.get(report.chip)
+    if gpu is not None:  # a share of the GPU: the process's gpu_memory_fraction
+        fraction = f"{report.component}.gpu_memory_fraction"
+        knobs = f"{knobs}, {fraction}" if knobs else fraction
+        device = (
+            f"its share of a {report.chip} GPU ({fraction}={report.hbm_bytes / gpu.hbm_bytes:.3g}"
+            f" of {gpu.hbm_bytes / GiB:.1f} GiB)"
+        )
+    else:
+        device = f"a {report.chip} chip"
+    head = f"{where} does not fit {device}: " + (
+        f"the compiler ran out of {'HBM' if gpu is None else 'memory'} ({report.error})"
         if report.out_of_memory
         else f"{report.total / GiB:.1f} GiB needed per chip, over {FIT_FRACTION:.0%} of "
-        f"its {report.hbm_bytes / GiB:.0f} GiB ({FIT_FRACTION * report.hbm_bytes / GiB:.1f} GiB)"
+        f"its {report.hbm_bytes / GiB:.{0 if gpu is None else 1}f} GiB "
+        f"({FIT_FRACTION * report.hbm_bytes / GiB:.1f} GiB)"
     )
     now = _current_values(knobs, config)
     return (

@@ -8,7 +8,16 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, ChipSpec, GiB, chip_of
+from rlax_tpu.compile.hardware import (
+    CHIPS,
+    FIT_FRACTION,
+    GPUS,
+    ChipSpec,
+    GiB,
+    chip_of,
+    compile_target,
+    parse_gpu,
+)
 from rlax_tpu.compile.measure import ProgramReport, compile_program, refusal
 from rlax_tpu.compile.programs import (
     COMPONENT_OF,
@@ -16,20 +25,34 @@ from rlax_tpu.compile.programs import (
     inference_programs,
     trainer_programs,
 )
-from rlax_tpu.compile.topology import topology_mesh
+from rlax_tpu.compile.topology import gpu_devices, topology_mesh
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.inference.capacity import KvCapacity, kv_capacity
+from rlax_tpu.sharding import build_mesh
 
 
 @dataclasses.dataclass
 class ComponentTarget:
-    """Where a component's programs run: its topology, chip and mesh."""
+    """Where a component's programs run: its topology (a TPU slice, or GPUs "h100:1"), chip
+    and mesh; which compiler measured them; the share of each chip's memory its process
+    gets (a GPU's `gpu_memory_fraction`, shared with the run's other processes)."""
 
     name: str  # "trainer" | "inference"
     topology: str
     chip: ChipSpec
     num_chips: int
     mesh: dict[str, int]
+    compiler: str = "libtpu"  # "libtpu" | "XLA:GPU" | "XLA:CPU" (an estimate of a GPU program)
+    memory_fraction: float = 1.0
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.chip.name in GPUS
+
+    @property
+    def memory_bytes(self) -> int:
+        """Per chip, what this component's programs may use."""
+        return int(self.chip.hbm_bytes * self.memory_fraction)
 
     def to_json(self) -> dict:
         return {
@@ -37,6 +60,9 @@ class ComponentTarget:
             "chip": self.chip.name,
             "num_chips": self.num_chips,
             "mesh": self.mesh,
+            "compiler": self.compiler,
+            "memory_fraction": self.memory_fraction,
+            "memory_bytes_per_chip": self.memory_bytes,
             "hbm_bytes_per_chip": self.chip.hbm_bytes,
             "peak_flops_per_s": self.chip.peak_flops_per_s,
             "hbm_bytes_per_s": self.chip.hbm_bytes_per_s,
@@ -82,15 +108,42 @@ class CompileReport:
         }
 
 
+def _gpu_target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mesh]:
+    """`component` on its GPUs (`<component>.gpu`), with its gpu_memory_fraction of each."""
+    section = getattr(config, component)
+    model, count = parse_gpu(section.gpu)
+    if model not in GPUS:
+        raise ConfigError(
+            f"unknown GPU {model!r}; rlax-tpu compile knows {', '.join(GPUS)} "
+            "(rlax_tpu/compile/hardware.py)",
+            field=f"{component}.gpu",
+        )
+    devices, compiler = gpu_devices(count)
+    mesh = build_mesh(section.mesh, devices=devices)
+    target = ComponentTarget(
+        component,
+        compile_target(config, component),
+        GPUS[model],
+        mesh.size,
+        dict(mesh.shape),
+        compiler=compiler,
+        memory_fraction=section.gpu_memory_fraction,
+    )
+    return target, mesh
+
+
 def _target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mesh]:
-    """Where `component`'s programs run, and its mesh over the topology's abstract devices."""
+    """Where `component`'s programs run, and its mesh over the topology's abstract devices
+    (or over the devices its GPU programs are compiled for)."""
+    if getattr(config, component).gpu:
+        return _gpu_target(config, component)
     topology = config.tpu_topology(component)
     if not topology:
         slice_ = getattr(config.deploy, f"{component}_tpu")
         raise ConfigError(
             f"no TPU topology for the {component}: set {component}.mesh.topology (like "
             f"v5p:2x2x1), or deploy.{component}_tpu.accelerator to a known TPU accelerator "
-            f"(got {slice_.accelerator!r})",
+            f"(got {slice_.accelerator!r}), or {component}.gpu to its GPUs (like h100)",
             field=f"{component}.mesh.topology",
         )
     mesh = topology_mesh(getattr(config, component).mesh, topology)
@@ -116,7 +169,7 @@ def compile_config(
         target, mesh = _target(config, component)
         components[component] = target
         for program in build(config, mesh, names):
-            report = compile_program(program, target.chip)
+            report = compile_program(program, target.chip, memory_bytes=target.memory_bytes)
             reports.append(report)
             if progress is not None:
                 progress(report)
@@ -131,11 +184,38 @@ def format_report(report: CompileReport) -> str:
     for target in report.components.values():
         mesh = " × ".join(f"{k} {v}" for k, v in target.mesh.items())
         chip = target.chip
+        if not target.is_gpu:
+            lines.append(
+                f"{target.name}: {target.topology} ({target.num_chips} chips; mesh {mesh}); "
+                f"per chip {chip.hbm_bytes / GiB:.0f} GiB HBM, "
+                f"{chip.peak_flops_per_s / 1e12:.0f} TFLOP/s bf16, "
+                f"{chip.hbm_bytes_per_s / 1e12:.2f} TB/s"
+            )
+            continue
         lines.append(
-            f"{target.name}: {target.topology} ({target.num_chips} chips; mesh {mesh}); "
-            f"per chip {chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_flops_per_s / 1e12:.0f} "
-            f"TFLOP/s bf16, {chip.hbm_bytes_per_s / 1e12:.2f} TB/s"
+            f"{target.name}: {target.num_chips} × {chip.name} GPU (mesh {mesh}); per GPU "
+            f"{chip.hbm_bytes / GiB:.1f} GiB, of which this process gets "
+            f"{target.name}.gpu_memory_fraction={target.memory_fraction:g}: "
+            f"{target.memory_bytes / GiB:.1f} GiB (the 'per chip' and 'of HBM' columns); "
+            f"{chip.peak_flops_per_s / 1e12:.0f} TFLOP/s bf16, "
+            f"{chip.hbm_bytes_per_s / 1e12:.2f} TB/s"
         )
+        if target.compiler == "XLA:CPU":
+            attention = (
+                "Training attention is counted as the reference (float32 scores [rows, "
+                "heads, seq, seq] per layer) where the GPU runs cuDNN's fused attention, "
+                "which keeps none."
+                if target.name == "trainer"
+                else "Attention is the JAX paged path, as `auto` runs it on a GPU."
+            )
+            lines.append(
+                "  ESTIMATE: no GPU here, so the GPU program was compiled by XLA:CPU for "
+                f"{target.num_chips} CPU device(s), same shapes and sharding; XLA:GPU fuses "
+                f"and assigns buffers differently. {attention} Compile on a GPU with "
+                "--on-gpu for the real figures."
+            )
+        else:
+            lines.append(f"  compiled by {target.compiler} on this machine's GPUs")
     if report.kv_capacity is not None:
         lines.extend(format_kv_capacity(report.kv_capacity))
     columns = (
@@ -183,13 +263,32 @@ def format_report(report: CompileReport) -> str:
         for p in report.programs
         if p.hlo.get("kernels_without_cost")
     ]
+    estimated = {n for n, t in report.components.items() if t.compiler == "XLA:CPU"}
+    notes += [
+        f"{p.name}: its temporaries hold two copies of the KV pool "
+        f"({2 * p.memory['kv_cache'] / GiB:.2f} GiB of act+tmp): the pool is written out of "
+        "place (the JAX paged-attention path does so on XLA:CPU and libtpu alike; the TPU "
+        "kernel updates it in place), so it costs three times inference.kv_cache_bytes"
+        for p in report.programs
+        if p.memory.get("kv_cache") and p.memory.get("temp", 0) >= 2 * p.memory["kv_cache"]
+    ]
+    if estimated:
+        notes.append(
+            "XLA:CPU estimate: FLOPs count the program's matmuls; bytes and rooflines are "
+            "XLA:CPU's (its fusion and copies), not a GPU's"
+        )
     step = report.train_step_roofline_s
     if step is not None:
         lines.append(f"train step roofline (recompute × calls + rl_step): {_seconds(step)}")
     lines.extend(notes)
     lines.append("")
+    share = (
+        " (a GPU process: of its share)"
+        if any(t.is_gpu for t in report.components.values())
+        else ""
+    )
     lines.append(
-        f"fits: every program within {FIT_FRACTION:.0%} of HBM"
+        f"fits: every program within {FIT_FRACTION:.0%} of HBM{share}"
         if report.fits
         else "DOES NOT FIT:\n" + "\n".join(f"  {p}" for p in report.problems)
     )

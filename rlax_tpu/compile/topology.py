@@ -1,7 +1,11 @@
-"""Abstract TPU devices of a topology, and meshes over them, on any host.
+"""Abstract TPU devices of a topology, and meshes over them, on any host; the devices a GPU
+program is compiled for.
 
 libtpu describes a slice ("v5p:2x4x4") without the hardware; its devices take part in
 meshes, shardings and compilation like real ones but hold no memory and run nothing.
+XLA:GPU cannot compile without a GPU, so a GPU program is compiled for this machine's GPUs
+when JAX has them, else for as many CPU devices: XLA:CPU's buffer assignment of the same
+program at the same shapes and sharding, an estimate of the GPU's.
 """
 
 from __future__ import annotations
@@ -67,3 +71,25 @@ def abstract_devices(topology: str) -> tuple[jax.Device, ...]:
 def topology_mesh(mesh_config: MeshConfig, topology: str) -> Mesh:
     """`mesh_config`'s mesh over the abstract devices of `topology`."""
     return build_mesh(mesh_config, devices=abstract_devices(topology))
+
+
+def gpu_devices(count: int) -> tuple[tuple[jax.Device, ...], str]:
+    """`count` devices to compile a GPU program for, and the compiler that will: this
+    machine's GPUs when JAX has them ("XLA:GPU"), else CPU devices ("XLA:CPU", the
+    estimate; `hardware.prepare_environment(cpu_devices=...)` makes enough of them)."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend (JAX_PLATFORMS=cpu, no CUDA plugin or no GPU)
+        gpus = []
+    devices, compiler = (gpus, "XLA:GPU") if gpus else (jax.devices("cpu"), "XLA:CPU")
+    if len(devices) < count:
+        raise TopologyError(
+            f"{compiler} has {len(devices)} device(s) here, the config's GPUs are {count}"
+            + (
+                ""
+                if gpus
+                else " (rlax-tpu compile makes that many CPU devices when JAX has not started"
+                " yet; set XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+            )
+        )
+    return tuple(devices[:count]), compiler

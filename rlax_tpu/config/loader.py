@@ -13,7 +13,8 @@ from rlax_tpu.config.run import RunConfig
 
 def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a config from a Python file exposing `get_config()` or from a JSON dump, then
-    apply `key=value` overrides in order."""
+    apply `key=value` overrides in order; `model.hf_checkpoint` then fills the model's
+    architecture (rlax_tpu.config.checkpoint)."""
     path = Path(source)
     if not path.is_file():
         raise ConfigError(
@@ -26,7 +27,10 @@ def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> Run
         config = RunConfig.from_dict(json.loads(path.read_text()))
     else:
         raise ConfigError(f"config file {source!r} must end in .py or .json")
-    return config.apply_overrides(overrides)
+    config = config.apply_overrides(overrides)
+    from rlax_tpu.config.checkpoint import resolve_checkpoint_model
+
+    return resolve_checkpoint_model(config)
 
 
 def _from_python(path: Path) -> RunConfig:

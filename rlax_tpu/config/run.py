@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from rlax_tpu.config.algorithm import AlgorithmConfig
 from rlax_tpu.config.base import ConfigBase, ConfigError, require
@@ -254,6 +254,36 @@ class MeshConfig(ConfigBase):
         return sizes
 
 
+def _validate_gpu(gpu: str, memory_fraction: float, mesh: MeshConfig) -> None:
+    """The GPU fields of the trainer's and the inference workers' sections."""
+    require(
+        0 < memory_fraction <= 1,
+        "gpu_memory_fraction",
+        f"must be in (0, 1], got {memory_fraction}",
+    )
+    if not gpu:
+        return
+    model, _, count = gpu.partition(":")
+    require(
+        bool(re.fullmatch(r"[a-z0-9][a-z0-9-]*", model))
+        and (not count or (count.isdigit() and int(count) >= 1)),
+        "gpu",
+        f'must be "<model>" or "<model>:<count>" like h100 or a100-80gb:2, got {gpu!r}',
+    )
+    require(
+        not mesh.topology,
+        "gpu",
+        f"names GPUs ({gpu}) while mesh.topology names a TPU slice ({mesh.topology}): "
+        "clear one of them",
+    )
+    try:
+        mesh.shape_for(int(count or 1))
+    except ConfigError as e:
+        raise ConfigError(
+            f"the mesh must fill the GPUs of gpu={gpu!r}: {e.detail}", field="gpu"
+        ) from None
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class StalenessConfig(ConfigBase):
     """The two staleness knobs (DESIGN §2).
@@ -314,6 +344,10 @@ class TrainerConfig(ConfigBase):
     learning_rate: float = 1e-6
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = 0
+    # Train steps over which cosine / linear decay to 0 (0 = controller.num_steps, which
+    # then becomes part of the run's identity: a run cannot be extended without changing
+    # its schedule).
+    lr_decay_steps: int = 0
     weight_decay: float = 0.0
     adam_b1: float = 0.9
     adam_b2: float = 0.999
@@ -343,9 +377,20 @@ class TrainerConfig(ConfigBase):
     # size in chunks below it, and `serve trainer` refuses larger messages. Larger chunks
     # are no faster and cost host memory on both ends (docs/trainer.md, "The wire").
     max_message_bytes: int = 2**20
+    # The share of each GPU's memory the trainer process takes when the local launcher runs
+    # it next to the inference workers on the same GPUs (XLA_PYTHON_CLIENT_MEM_FRACTION;
+    # docs/gpu_tpu_recipes.md). The colocated shares must sum to at most 1. Ignored on
+    # CPU and TPU.
+    gpu_memory_fraction: float = 0.55
+    # The GPUs the trainer runs on when not on a TPU slice, "<model>[:<count>]" (h100,
+    # a100-80gb:2; models in rlax_tpu/compile/hardware.py): `rlax-tpu compile` checks its
+    # programs against gpu_memory_fraction of one such GPU. "" = a TPU slice (mesh.topology,
+    # else deploy.trainer_tpu).
+    gpu: str = ""
 
     def validate(self) -> None:
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _validate_gpu(self.gpu, self.gpu_memory_fraction, self.mesh)
         require(
             2**10 <= self.max_message_bytes <= 256 * 2**20,
             "max_message_bytes",
@@ -359,6 +404,7 @@ class TrainerConfig(ConfigBase):
         require(self.max_seq_len >= 2, "max_seq_len", "must be >= 2")
         require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(self.lr_decay_steps >= 0, "lr_decay_steps", "must be >= 0 (0 = num_steps)")
         require(0 <= self.adam_b1 < 1, "adam_b1", "must be in [0, 1)")
         require(0 <= self.adam_b2 < 1, "adam_b2", "must be in [0, 1)")
         require(self.grad_clip_norm > 0, "grad_clip_norm", "must be > 0")
@@ -404,17 +450,25 @@ class InferenceConfig(ConfigBase):
     # Rows of the compiled decode steps: each decode call runs the smallest that holds the
     # live sequences, so its cost follows them. () = powers of two from 64 up to
     # max_decode_slots (one size when max_decode_slots <= 64): XLA:CPU's matmuls give a row
-    # the same bits at any row count from 64 up, not below (measured on an AMD EPYC host;
-    # docs/inference.md).
+    # the same bits at any row count from 64 up, not below, on an AMD EPYC host but not on an
+    # Intel Xeon one (docs/inference.md); (max_decode_slots,) is bitwise on any host.
     decode_buckets: tuple[int, ...] = ()
     # The lengths the task is expected to have (tokens): `rlax-tpu compile`'s KV capacity in
     # concurrent sequences and the simulator's default workload. None: prompts fixed at
     # half of max_prompt_len; responses lognormal, median max_new_tokens / 4, sigma 1.
     prompt_tokens: Distribution | None = None
     response_tokens: Distribution | None = None
+    # The share of each GPU's memory every inference worker process takes when the local
+    # launcher runs it next to the trainer (XLA_PYTHON_CLIENT_MEM_FRACTION); the KV pool
+    # (kv_cache_bytes) comes out of it. Ignored on CPU and TPU.
+    gpu_memory_fraction: float = 0.35
+    # The GPUs every inference worker runs on when not on a TPU slice, "<model>[:<count>]"
+    # as trainer.gpu ("" = a TPU slice: mesh.topology, else deploy.inference_tpu).
+    gpu: str = ""
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
+        _validate_gpu(self.gpu, self.gpu_memory_fraction, self.mesh)
         require(
             not self.decode_buckets
             or (
@@ -512,10 +566,15 @@ class ParamServerConfig(ConfigBase):
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class VerifierConfig(ConfigBase):
     num_workers: int = 2
-    # "" = verify in-process pools started by the run; else host:port of a verifier service.
+    # "" = `rlax-tpu run` starts its own verifier service; else host:port of verifier
+    # services already running (comma-separated for several), started with the run's auth
+    # token: the run connects to them and starts none.
     address: str = ""
     math_answer_extraction: tuple[str, ...] = ("boxed", "hash", "the_answer_is", "last_number")
     math_timeout_s: float = 5.0
+    # A reward function of the user's (docs/verifiers.md, "Rewards of your own") runs in the
+    # math checks' worker pool under this deadline (then TIME_LIMIT, reward 0).
+    reward_timeout_s: float = 5.0
     code_languages: tuple[str, ...] = ("python", "cpp")
     code_time_limit_s: float = 2.0
     code_memory_limit_bytes: int = 512 * 2**20
@@ -536,8 +595,15 @@ class VerifierConfig(ConfigBase):
 
     def validate(self) -> None:
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
-        for name in ("math_timeout_s", "code_time_limit_s"):
+        for name in ("math_timeout_s", "reward_timeout_s", "code_time_limit_s"):
             require(getattr(self, name) > 0, name, "must be > 0")
+        for address in self.addresses():
+            host, _, port = address.rpartition(":")
+            require(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                "address",
+                f"must be host:port[,host:port...], got {self.address!r}",
+            )
         for name in ("code_memory_limit_bytes", "math_memory_limit_bytes", "max_response_bytes"):
             require(getattr(self, name) > 0, name, "must be > 0")
         require(
@@ -546,17 +612,79 @@ class VerifierConfig(ConfigBase):
             f"must be auto, off or an absolute cgroup directory, got {self.sandbox_cgroup!r}",
         )
 
+    def addresses(self) -> list[str]:
+        """The verifier services of `address` (host:port each; [] = the run starts its own)."""
+        return [a.strip() for a in self.address.split(",") if a.strip()]
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class DatasetConfig(ConfigBase):
+    """A dataset of prompts (docs/datasets.md): a JSONL or Parquet file, which of its fields
+    hold what, and how its prompts are rendered for the model."""
+
     path: str  # JSONL or Parquet, local or gs://
     weight: float = 1.0
-    # Which verifier scores its rows (a row's own "verifier" field overrides it).
-    verifier: Literal["math", "code", "arithmetic", "reasoning_gym", "none"] = "math"
+    # Which verifier scores its rows (a row's own "verifier" field overrides it); "function"
+    # = the reward function `reward_function` names.
+    verifier: Literal["math", "code", "arithmetic", "reasoning_gym", "function", "none"] = "math"
+    # "module:function" (importable) or "path/to/file.py:function": the user's reward, run
+    # by the verifier service (docs/verifiers.md, "Rewards of your own").
+    reward_function: str = ""
+    # The row fields holding each part ("question" for GSM8K); a row has the prompt field
+    # (text) or the messages field (chat), not both. Fields not named here reach a reward
+    # function as the row's metadata.
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    answer_field: str = "answer"  # the reference answer ("answer" also reads "reference")
+    id_field: str = "id"
+    # A system message put before every prompt (kept out when a row brings its own).
+    system_prompt: str = ""
+    # Text prompts go through the tokenizer's chat template (as one user message) when it
+    # has one; False sends them as plain text. Chat rows are always templated.
+    apply_chat_template: bool = True
+    # Extra variables of the chat template, a JSON object: '{"enable_thinking": false}'.
+    chat_template_kwargs: str = ""
 
     def validate(self) -> None:
         require(bool(self.path), "path", "must name a JSONL or Parquet file")
         require(self.weight > 0, "weight", f"must be > 0, got {self.weight}")
+        require(
+            (self.verifier == "function") == bool(self.reward_function),
+            "reward_function" if self.verifier == "function" else "verifier",
+            "verifier=function needs reward_function='module:function' (or 'file.py:function')"
+            if self.verifier == "function"
+            else f"reward_function={self.reward_function!r} is used only with "
+            "verifier=function: set verifier=function too",
+        )
+        if self.reward_function:
+            module, sep, function = self.reward_function.rpartition(":")
+            require(
+                bool(sep and module and function.isidentifier()),
+                "reward_function",
+                f"must be 'module:function' or 'path/to/file.py:function', got "
+                f"{self.reward_function!r}",
+            )
+        for name in ("prompt_field", "messages_field", "answer_field", "id_field"):
+            require(bool(getattr(self, name)), name, "must name a field of the rows")
+        self.template_kwargs()
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs as a dict."""
+        if not self.chat_template_kwargs:
+            return {}
+        try:
+            kwargs = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"must be a JSON object like '{{\"enable_thinking\": false}}': {e}",
+                field="chat_template_kwargs",
+            ) from None
+        require(
+            isinstance(kwargs, dict),
+            "chat_template_kwargs",
+            f"must be a JSON object, got {self.chat_template_kwargs!r}",
+        )
+        return kwargs
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -567,9 +695,15 @@ class ControllerConfig(ConfigBase):
     datasets: tuple[DatasetConfig, ...] = ()
     # Snapshots are written at every weight-reload boundary (every η steps).
     keep_snapshots: int = 3
+    # Prompts longer than inference.max_prompt_len (under the tokenizer and chat template),
+    # found when the datasets are scanned at the start: "error" refuses to start and names
+    # them and the --set that fits them; "drop" leaves them out of the datasets (counted:
+    # metrics dataset/overlong_dropped). Never truncated.
+    overlong_prompts: Literal["error", "drop"] = "error"
     # Held-out greedy accuracy: "" = none, else a dataset file (or "builtin:arithmetic"),
-    # its first eval_size rows, measured at step 0, every eval_every steps (0 = only at
-    # the start and the end) and at the end; at step s workers measure the newest version
+    # read with the first training dataset's field mapping and template, its first eval_size
+    # rows, measured at step 0, every eval_every steps (0 = only at the start and the end)
+    # and at the end; at step s workers measure the newest version
     # they may load (s - s % reload_every), which metrics.jsonl names as eval_version.
     eval_dataset: str = ""
     eval_size: int = 64
@@ -780,6 +914,44 @@ class DeployConfig(ConfigBase):
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
 
 
+# RunConfig.resumable_fields: changing them on resume changes no result.
+RESUMABLE_FIELDS = (
+    "controller.num_steps",
+    "controller.eval_every",
+    "controller.eval_size",
+    "controller.eval_dataset",
+    "controller.keep_snapshots",
+    "trainer.checkpoint_every",
+    "trainer.max_checkpoints_to_keep",
+    "trainer.gpu",
+    "trainer.gpu_memory_fraction",
+    "inference.gpu",
+    "inference.gpu_memory_fraction",
+    "verifiers.address",
+    "deploy",
+    "logging",
+)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LoggingConfig(ConfigBase):
+    """Where the controller's metrics go besides metrics.jsonl and TensorBoard: every row
+    also to Weights & Biases when `wandb_project` is set (needs `pip install wandb`; a
+    resumed run continues the same W&B run, its id kept in the run directory). Changing
+    these on resume changes no result: they are not part of the config digest."""
+
+    wandb_project: str = ""  # "" = no W&B
+    wandb_entity: str = ""  # the W&B team or user ("" = the API key's default)
+    wandb_run_name: str = ""  # the W&B run's display name ("" = the config's name)
+    # "offline" keeps the run on disk (`wandb sync` uploads it later), "disabled" turns every
+    # call into a no-op; "" = wandb's own default (online, or $WANDB_MODE).
+    wandb_mode: Literal["", "online", "offline", "disabled"] = ""
+
+    @property
+    def wandb_enabled(self) -> bool:
+        return bool(self.wandb_project)
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RunConfig(ConfigBase):
     """Everything a run needs. Built by a `configs/*.py` file's `get_config()`."""
@@ -795,11 +967,25 @@ class RunConfig(ConfigBase):
     param_server: ParamServerConfig = ParamServerConfig()
     verifiers: VerifierConfig = VerifierConfig()
     controller: ControllerConfig = ControllerConfig()
+    # The training dataset (docs/datasets.md); controller.datasets adds more, weighted, to
+    # the prompt mixture (`training_datasets`: this one first).
+    data: DatasetConfig | None = None
     storage: StorageConfig = StorageConfig()
     deploy: DeployConfig = DeployConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     def validate(self) -> None:
         require(self.cpu_devices >= 0, "cpu_devices", "must be >= 0")
+        inference, seq = self.inference, self.trainer.max_seq_len
+        require(
+            inference.max_prompt_len + inference.max_new_tokens <= seq,
+            "trainer.max_seq_len",
+            f"{seq} cannot hold a prompt of inference.max_prompt_len "
+            f"({inference.max_prompt_len}) and a response of inference.max_new_tokens "
+            f"({inference.max_new_tokens}): the trainer would train on cut sequences while "
+            f"the reward judged the whole response. Set trainer.max_seq_len="
+            f"{inference.max_prompt_len + inference.max_new_tokens} or lower those limits",
+        )
         global_batch = self.controller.global_batch_size
         require(
             global_batch % self.trainer.mini_batch_size == 0,
@@ -864,7 +1050,35 @@ class RunConfig(ConfigBase):
             return self.param_server.hot_versions
         return self.staleness.max_staleness + self.staleness.reload_every + 1
 
+    @property
+    def training_datasets(self) -> tuple[DatasetConfig, ...]:
+        """The prompt mixture's datasets: `data` (when set), then controller.datasets."""
+        return ((self.data,) if self.data is not None else ()) + self.controller.datasets
+
+    def resumable_fields(self) -> tuple[str, ...]:
+        """The dotted fields (or whole sections) a run may change when it is resumed: how
+        long it runs, how it is evaluated, checkpointed, snapshotted, logged and deployed,
+        never what it computes. controller.num_steps is one unless it is the horizon of the
+        learning-rate decay (trainer.lr_schedule cosine/linear with lr_decay_steps 0)."""
+        fields = RESUMABLE_FIELDS
+        if self.trainer.lr_schedule != "constant" and not self.trainer.lr_decay_steps:
+            fields = tuple(f for f in fields if f != "controller.num_steps")
+        return fields
+
+    def identity(self) -> dict[str, Any]:
+        """The config without its resumable fields: what decides the run's results."""
+        data = self.to_dict()
+        for dotted in self.resumable_fields():
+            *parents, last = dotted.split(".")
+            section = data
+            for key in parents:
+                section = section.get(key) or {}
+            section.pop(last, None)
+        return data
+
     def digest(self) -> str:
-        """sha256 of the canonical JSON form: the identity of this config."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical JSON form of `identity()`: the identity of this run.
+        Configs that differ only in resumable fields share it, so a finished run can be
+        extended (more num_steps) and a resumed one evaluated or deployed differently."""
+        canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()

@@ -96,6 +96,13 @@ class Controller:
         ctl = config.controller
         self.tokenizer = tokenizer
         self.mixture = mixture
+        # Rows the datasets scan left out (controller.overlong_prompts=drop), in every row.
+        dropped = getattr(mixture, "dropped", {})
+        self._dataset_metrics = (
+            {"dataset/overlong_dropped": sum(dropped.values())}
+            if ctl.overlong_prompts == "drop"
+            else {}
+        )
         # Dynamic sampling's extra rounds and the replacements of groups dropped as
         # unjudged draw from their own named stream, in batch order.
         self.refill = mixture.sibling(config.seed + REFILL_STREAM)
@@ -161,7 +168,7 @@ class Controller:
             prompts = [Prompt(f"eval:{r.dataset}:{r.id}", self.encode(r), r) for r in eval_prompts]
             greedy = dataclasses.replace(self.sampling, temperature=0.0)
             self.evaluator = Evaluator(
-                prompts, self.pool, self.scorer, self.schedule, sampling=greedy
+                prompts, self.pool, self.scorer, self.schedule, sampling=greedy, report=self.report
             )
         self._batches: dict[int, BatchState] = {}
         self._next_draw = 0
@@ -210,6 +217,7 @@ class Controller:
                 self.log.record_consumed(step, assembled.keys)
                 extra = {
                     "filtered_fraction": selection.flat / len(batch.prompts),
+                    **self._dataset_metrics,
                     **{k: self.stats[v] - before[k] for k, v in _VERIFY_METRICS.items()},
                     # Where the step's wall time went, as the controller sees it.
                     **{f"time/worker_{k}": v for k, v in batch.timing.items()},

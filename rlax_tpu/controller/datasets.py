@@ -21,9 +21,11 @@ import numpy as np
 from rlax_tpu import storage
 from rlax_tpu.config.run import DatasetConfig
 
-# What a row may name as its verifier: the kinds of rlax_tpu.verifiers.types.VerifierKind, and
-# "none" for prompts that are generated but not scored.
-VERIFIERS = ("math", "code", "arithmetic", "reasoning_gym", "none")
+# What a row may name as its verifier: the kinds of rlax_tpu.verifiers.types.VerifierKind
+# ("function": the dataset's reward function), and "none" for prompts generated but not scored.
+VERIFIERS = ("math", "code", "arithmetic", "reasoning_gym", "function", "none")
+# Row fields with a meaning of their own besides the configured ones; others are metadata.
+_KNOWN_FIELDS = ("reference", "problem", "tests", "verifier")
 # Verifiers that judge against a reference answer, and those that need a problem (tests) link.
 _NEEDS_REFERENCE = ("math", "arithmetic", "reasoning_gym")
 _NEEDS_PROBLEM = ("code",)
@@ -42,7 +44,10 @@ class PromptRecord:
 
     Exactly one of `prompt` (plain text) and `messages` (chat: {"role", "content", ...} dicts)
     is set. `reference` is the reference answer (math, arithmetic; a task entry as JSON for
-    reasoning_gym), `problem` the link to a code problem's tests.
+    reasoning_gym), `problem` the link to a code problem's tests. How the prompt is rendered
+    comes from its dataset's config: `system_prompt`, `apply_chat_template` (a text prompt
+    goes through the tokenizer's chat template when it has one) and `template_kwargs`.
+    `reward_function` and `metadata` (the row's other fields) are for a reward function.
     """
 
     dataset: str
@@ -52,6 +57,11 @@ class PromptRecord:
     reference: str = ""
     problem: str = ""
     verifier: str = "math"
+    reward_function: str = ""
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    system_prompt: str = ""
+    apply_chat_template: bool = True
+    template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if bool(self.prompt) == bool(self.messages):
@@ -70,6 +80,10 @@ class PromptRecord:
                 f"prompt {self.id!r}: the {self.verifier} verifier needs a reference answer "
                 "(field 'answer' or 'reference')"
             )
+        if self.verifier == "function" and not self.reward_function:
+            raise DatasetError(
+                f"prompt {self.id!r}: verifier 'function' needs the dataset's reward_function"
+            )
         if self.verifier in _NEEDS_PROBLEM and not self.problem:
             raise DatasetError(
                 f"prompt {self.id!r}: the code verifier needs a link to the problem's tests "
@@ -84,6 +98,10 @@ class PromptRecord:
         else:
             out["messages"] = [dict(m) for m in self.messages]
         out.update(reference=self.reference, problem=self.problem, verifier=self.verifier)
+        for name in _RENDERING_FIELDS:  # only where not the default: older records unchanged
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                out[name] = dict(value) if isinstance(value, Mapping) else value
         return out
 
     @classmethod
@@ -101,26 +119,76 @@ class PromptRecord:
             raise DatasetError(f"prompt record {data!r} is incomplete: {e}") from None
 
 
-def encode_prompt(tokenizer: Any, record: PromptRecord, max_prompt_len: int) -> tuple[int, ...]:
-    """A record's prompt tokens, as training and evaluation both send them: the chat template
-    with the generation prompt for chat records, the plain text otherwise. A prompt longer
-    than `max_prompt_len` is a DatasetError (never truncated silently)."""
+_RENDERING_FIELDS = (
+    "reward_function",
+    "metadata",
+    "system_prompt",
+    "apply_chat_template",
+    "template_kwargs",
+)
+
+
+_DEFAULTS = {
+    f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    for f in dataclasses.fields(PromptRecord)
+    if f.name in _RENDERING_FIELDS
+}
+
+
+def chat_messages(tokenizer: Any, record: PromptRecord) -> list[dict[str, Any]] | None:
+    """The messages `record` is rendered from with the chat template, or None for a plain
+    text prompt: chat rows (with the system prompt first unless they bring their own), and
+    text prompts of a dataset with apply_chat_template when the tokenizer has a template."""
+    system = [{"role": "system", "content": record.system_prompt}] if record.system_prompt else []
     if record.messages:
-        ids = tokenizer.encode_chat(list(record.messages), add_generation_prompt=True)
+        messages = [dict(m) for m in record.messages]
+        if messages[0].get("role") == "system":
+            return messages
+        return system + messages
+    if record.apply_chat_template and getattr(tokenizer, "chat_template", None):
+        return [*system, {"role": "user", "content": record.prompt}]
+    return None
+
+
+def prompt_tokens(tokenizer: Any, record: PromptRecord) -> tuple[int, ...]:
+    """A record's prompt tokens, as training, evaluation and the SFT warm start all send
+    them: the chat template with the generation prompt (`chat_messages`, with the dataset's
+    chat_template_kwargs), else the text (after the system prompt and a blank line)."""
+    messages = chat_messages(tokenizer, record)
+    if messages is not None:
+        ids = tokenizer.encode_chat(
+            messages, add_generation_prompt=True, **dict(record.template_kwargs)
+        )
     else:
-        ids = tokenizer.encode(record.prompt)
+        text = record.prompt
+        if record.system_prompt:
+            text = f"{record.system_prompt}\n\n{text}"
+        ids = tokenizer.encode(text)
+    return tuple(int(t) for t in ids)
+
+
+def encode_prompt(tokenizer: Any, record: PromptRecord, max_prompt_len: int) -> tuple[int, ...]:
+    """`prompt_tokens`, refusing a prompt longer than `max_prompt_len` (a DatasetError: never
+    truncated silently; `scan_prompts` finds them all before a run starts)."""
+    ids = prompt_tokens(tokenizer, record)
     if len(ids) > max_prompt_len:
         raise DatasetError(
             f"prompt {record.id!r} of dataset {record.dataset!r} has {len(ids)} tokens, more "
             f"than inference.max_prompt_len={max_prompt_len}: raise the limit or drop the row"
         )
-    return tuple(int(t) for t in ids)
+    return ids
 
 
 def stop_tokens(stop_token_ids: Sequence[int], tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end a response: inference.stop_token_ids, else the tokenizer's EOS."""
-    eos = tokenizer.eos_token_id
-    return tuple(stop_token_ids or ((eos,) if eos is not None else ()))
+    """The tokens that end a response: inference.stop_token_ids, else every EOS token of the
+    tokenizer (tokenizer_config's and generation_config.json's, e.g. Qwen's <|im_end|> and
+    <|endoftext|>)."""
+    if stop_token_ids:
+        return tuple(stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_ids", None)
+    if eos is None:
+        eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return tuple(int(t) for t in eos)
 
 
 def decode_response(tokenizer: Any, tokens: Sequence[int], stops: Sequence[int]) -> str:
@@ -143,8 +211,10 @@ def load_dataset(config: DatasetConfig) -> list[PromptRecord]:
     """Every prompt of the dataset at `config.path` (.jsonl / .json: one JSON object per line,
     or one JSON array; .parquet), in file order.
 
-    Row fields: `prompt` (text) or `messages` (chat), `answer` or `reference`, `problem` or
-    `tests`, optional `id` (default "<dataset>:<row>") and `verifier` (default: the config's).
+    Row fields (their names from the config's field mapping, defaults shown): `prompt`
+    (text) or `messages` (chat), `answer` (or `reference`), `problem` or `tests`, optional
+    `id` (default "<dataset>:<row>") and `verifier` (default: the config's); any other
+    field is the row's metadata (docs/datasets.md).
     """
     path, name = config.path, dataset_name(config)
     if path.endswith(JSONL_SUFFIXES):
@@ -160,7 +230,7 @@ def load_dataset(config: DatasetConfig) -> list[PromptRecord]:
     records, seen = [], {}
     for index, (where, row) in enumerate(rows):
         try:
-            record = _record(row, name, index, config.verifier)
+            record = _record(row, name, index, config)
         except DatasetError as e:
             raise DatasetError(f"{path}, {where}: {e}") from None
         if record.id in seen:
@@ -171,6 +241,154 @@ def load_dataset(config: DatasetConfig) -> list[PromptRecord]:
         seen[record.id] = where
         records.append(record)
     return records
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetScan:
+    """What `scan_datasets` found in one dataset: its prompt lengths (tokens, under the
+    tokenizer and chat template) and the rows over the limits, by id."""
+
+    name: str
+    rows: int
+    longest_prompt: int
+    median_prompt: float
+    overlong: tuple[tuple[str, int], ...]  # (id, tokens) of prompts over max_prompt_len
+    overlong_sft: tuple[tuple[str, int], ...] = ()  # (id, tokens) of SFT rows over max_seq_len
+    dropped: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "longest_prompt": self.longest_prompt,
+            "median_prompt": self.median_prompt,
+            "overlong": [list(x) for x in self.overlong],
+            "overlong_sft": [list(x) for x in self.overlong_sft],
+            "dropped": self.dropped,
+        }
+
+
+def sft_length(tokenizer: Any, record: PromptRecord) -> int:
+    """Tokens of the SFT warm start's sequence of `record`: prompt, reference, EOS."""
+    answer = tokenizer.encode(record.reference, add_special_tokens=False)
+    return len(prompt_tokens(tokenizer, record)) + len(answer) + 1
+
+
+def scan_datasets(
+    records: Mapping[str, Sequence[PromptRecord]], tokenizer: Any, config: Any
+) -> tuple[dict[str, list[PromptRecord]], dict[str, DatasetScan]]:
+    """Every prompt of every dataset measured once, before anything runs: (the records the
+    run uses, a scan per dataset). A prompt over inference.max_prompt_len (and with the SFT
+    warm start, prompt + answer over trainer.max_seq_len) is an error naming the rows and
+    the --set that fits them, or, with controller.overlong_prompts=drop, left out (and
+    counted). Nothing is ever truncated."""
+    limit, seq = config.inference.max_prompt_len, config.trainer.max_seq_len
+    with_sft = config.controller.sft_steps > 0
+    kept, scans = {}, {}
+    for name, rows in records.items():
+        lengths = [len(prompt_tokens(tokenizer, r)) for r in rows]
+        sft = [sft_length(tokenizer, r) if with_sft else 0 for r in rows]
+        over = tuple((r.id, n) for r, n in zip(rows, lengths, strict=True) if n > limit)
+        over_sft = tuple((r.id, n) for r, n in zip(rows, sft, strict=True) if n > seq)
+        bad = {i for i, _ in over} | {i for i, _ in over_sft}
+        keep = [r for r in rows if r.id not in bad]
+        if config.controller.overlong_prompts == "drop" and bad and not keep:
+            raise DatasetError(
+                f"dataset {name!r}: every one of its {len(rows)} prompts is over the limits "
+                f"(inference.max_prompt_len={limit}); nothing would be left"
+            )
+        scans[name] = DatasetScan(
+            name=name,
+            rows=len(rows),
+            longest_prompt=max(lengths),
+            median_prompt=float(np.median(lengths)),
+            overlong=over,
+            overlong_sft=over_sft,
+            dropped=len(rows) - len(keep),
+        )
+        kept[name] = keep if config.controller.overlong_prompts == "drop" else list(rows)
+    problems = [_overlong_message(scan, config) for scan in scans.values() if scan.dropped]
+    if problems and config.controller.overlong_prompts == "error":
+        raise DatasetError(
+            " ".join(problems) + " Nothing is truncated: fit them with the --set above, or "
+            "leave them out with --set controller.overlong_prompts=drop (counted in the "
+            "metrics as dataset/overlong_dropped)"
+        )
+    return kept, scans
+
+
+def _overlong_message(scan: DatasetScan, config: Any) -> str:
+    inference, trainer = config.inference, config.trainer
+    parts = []
+    if scan.overlong:
+        worst = sorted(scan.overlong, key=lambda x: -x[1])
+        named = ", ".join(f"{i} ({n})" for i, n in worst[:5])
+        more = f" and {len(worst) - 5} more" if len(worst) > 5 else ""
+        need = max(n for _, n in worst)
+        prompt_len = 16 * -(-need // 16)
+        sets = []
+        seq = max(trainer.max_seq_len, prompt_len + inference.max_new_tokens)
+        if seq > trainer.max_seq_len:
+            sets.append(f"trainer.max_seq_len={seq}")
+        if prompt_len > inference.prefill_buckets[-1]:
+            buckets = (*inference.prefill_buckets, prompt_len)
+            sets.append(f"inference.prefill_buckets={','.join(map(str, buckets))}")
+        sets.append(f"inference.max_prompt_len={prompt_len}")
+        parts.append(
+            f"dataset {scan.name!r}: {len(worst)} of {scan.rows} prompts are longer than "
+            f"inference.max_prompt_len={inference.max_prompt_len} tokens under the tokenizer "
+            f"and chat template: {named}{more}. Fit them: "
+            + " ".join(f"--set {x}" for x in sets)
+            + "."
+        )
+    if scan.overlong_sft:
+        worst = sorted(scan.overlong_sft, key=lambda x: -x[1])
+        named = ", ".join(f"{i} ({n})" for i, n in worst[:5])
+        more = f" and {len(worst) - 5} more" if len(worst) > 5 else ""
+        need = 16 * -(-max(n for _, n in worst) // 16)
+        parts.append(
+            f"dataset {scan.name!r}: {len(worst)} of {scan.rows} rows are longer than "
+            f"trainer.max_seq_len={trainer.max_seq_len} as SFT warm-start sequences (prompt, "
+            f"answer, EOS): {named}{more}. Fit them: --set trainer.max_seq_len={need}."
+        )
+    return " ".join(parts)
+
+
+def load_prompts(
+    config: Any, tokenizer: Any
+) -> tuple[dict[str, list[PromptRecord]], dict[str, float], dict[str, DatasetScan]]:
+    """The training datasets of `config` (RunConfig.training_datasets), read and scanned
+    (`scan_datasets`): (records by name, weights by name, scans by name)."""
+    datasets = config.training_datasets
+    if not datasets:
+        raise DatasetError(
+            "the run has no training data: set data.path (a JSONL or Parquet file, "
+            "docs/datasets.md) or controller.datasets"
+        )
+    names = [dataset_name(d) for d in datasets]
+    _check_unique_names(names, [d.path for d in datasets])
+    records = {name: load_dataset(d) for name, d in zip(names, datasets, strict=True)}
+    kept, scans = scan_datasets(records, tokenizer, config)
+    weights = {name: d.weight for name, d in zip(names, datasets, strict=True)}
+    return kept, weights, scans
+
+
+def load_eval_prompts(config: Any, tokenizer: Any) -> list[PromptRecord]:
+    """The held-out prompts: the first controller.eval_size rows of controller.eval_dataset
+    (read with the first training dataset's field mapping and template), scanned like the
+    training data. [] without an eval dataset."""
+    ctl = config.controller
+    if not ctl.eval_dataset:
+        return []
+    datasets = config.training_datasets
+    if datasets:
+        base = dataclasses.replace(datasets[0], path=ctl.eval_dataset, weight=1.0)
+    else:
+        base = DatasetConfig(path=ctl.eval_dataset)
+    records = load_dataset(base)
+    name = dataset_name(base)
+    no_sft = dataclasses.replace(config, controller=dataclasses.replace(ctl, sft_steps=0))
+    kept, _ = scan_datasets({name: records}, tokenizer, no_sft)
+    return kept[name][: ctl.eval_size]
 
 
 class PromptMixture:
@@ -199,8 +417,11 @@ class PromptMixture:
         records: Mapping[str, Sequence[PromptRecord]],
         weights: Mapping[str, float],
         seed: int,
+        *,
+        dropped: Mapping[str, int] | None = None,
     ) -> PromptMixture:
-        """A mixture of datasets already in memory (name -> records), e.g. generated ones."""
+        """A mixture of datasets already in memory (name -> records), e.g. generated or
+        scanned ones (`dropped`: rows the scan left out, by dataset, for the metrics)."""
         if not records:
             raise DatasetError("the prompt mixture needs at least one dataset")
         if set(weights) != set(records):
@@ -212,6 +433,7 @@ class PromptMixture:
                 raise DatasetError(f"dataset {name!r} is empty")
         mixture = cls.__new__(cls)
         mixture._setup({n: list(r) for n, r in records.items()}, dict(weights), seed)
+        mixture.dropped = dict(dropped or {})
         return mixture
 
     def _setup(
@@ -221,6 +443,7 @@ class PromptMixture:
             if not (math.isfinite(weight) and weight > 0):
                 raise DatasetError(f"dataset {name!r}: weight must be > 0, got {weight}")
         self._seed = int(seed)
+        self.dropped: dict[str, int] = {}  # rows left out by the scan, per dataset
         self._names = list(records)
         self._records = records
         self._weights = weights
@@ -237,6 +460,7 @@ class PromptMixture:
         SFT warm start's and the refill stream's draws never shift this one's."""
         mixture = PromptMixture.__new__(PromptMixture)
         mixture._setup(self._records, self._weights, seed)
+        mixture.dropped = dict(self.dropped)
         return mixture
 
     @property
@@ -400,35 +624,58 @@ def _read(path: str) -> bytes:
         raise DatasetError(f"{path}: no such dataset file") from None
 
 
-def _record(row: Any, dataset: str, index: int, default_verifier: str) -> PromptRecord:
+def _record(row: Any, dataset: str, index: int, config: DatasetConfig) -> PromptRecord:
     if not isinstance(row, Mapping):
         raise DatasetError(f"expected a JSON object, got {type(row).__name__}: {row!r:.80}")
     row = {k: v for k, v in row.items() if v is not None}  # Parquet fills absent fields with null
-    prompt = row.get("prompt", "")
+    prompt_field, messages_field = config.prompt_field, config.messages_field
+    prompt = row.get(prompt_field, "")
     if not isinstance(prompt, str):
-        raise DatasetError(f"'prompt' must be text, got {type(prompt).__name__}")
-    messages = _messages(row.get("messages", ()))
+        raise DatasetError(f"{prompt_field!r} must be text, got {type(prompt).__name__}")
+    messages = _messages(row.get(messages_field, ()), messages_field)
     if bool(prompt) == bool(messages):
         which = "both" if prompt else "neither"
+        fields = ", ".join(sorted(row)) or "none"
         raise DatasetError(
-            f"has {which} of 'prompt' and 'messages'; give exactly one (plain text, or chat "
-            "messages [{'role': ..., 'content': ...}, ...])"
+            f"has {which} of {prompt_field!r} and {messages_field!r}; give exactly one (plain "
+            "text, or chat messages [{'role': ..., 'content': ...}, ...]). The row's fields "
+            f"are: {fields}; name yours with the dataset's prompt_field / messages_field "
+            "(e.g. --set data.prompt_field=question)"
         )
-    record_id = _text(row, "id") or f"{dataset}:{index}"
+    answer_field = config.answer_field
+    if answer_field == "answer":
+        reference = _either(row, "answer", "reference")
+    else:
+        reference = _text(row, answer_field)
+    mapped = {prompt_field, messages_field, answer_field}
+    used = {*mapped, config.id_field, *_KNOWN_FIELDS}
+    used |= {"answer", "reference"} if answer_field == "answer" else set()
     return PromptRecord(
         dataset=dataset,
-        id=record_id,
+        id=_text(row, config.id_field) or f"{dataset}:{index}",
         prompt=prompt,
         messages=messages,
-        reference=_either(row, "answer", "reference"),
-        problem=_either(row, "problem", "tests"),
-        verifier=_text(row, "verifier") or default_verifier,
+        reference=reference,
+        problem=_problem_link(row, mapped),
+        verifier=_text(row, "verifier") or config.verifier,
+        reward_function=config.reward_function,
+        metadata={k: v for k, v in row.items() if k not in used},
+        system_prompt=config.system_prompt,
+        apply_chat_template=config.apply_chat_template,
+        template_kwargs=config.template_kwargs(),
     )
 
 
-def _messages(value: Any) -> tuple[dict[str, Any], ...]:
+def _problem_link(row: Mapping[str, Any], mapped: set[str]) -> str:
+    """The code problem's link (`problem` or `tests`), unless the mapping reads that field
+    as something else (MATH's `problem` is the prompt)."""
+    unmapped = {k: v for k, v in row.items() if k in ("problem", "tests") and k not in mapped}
+    return _either(unmapped, "problem", "tests")
+
+
+def _messages(value: Any, field: str = "messages") -> tuple[dict[str, Any], ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise DatasetError(f"'messages' must be a list of messages, got {value!r:.80}")
+        raise DatasetError(f"{field!r} must be a list of messages, got {value!r:.80}")
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,12 @@ class Evaluator:
         schedule: Schedule,
         *,
         sampling: SamplingParams,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         self.prompts = list(prompts)
         self.pool, self.scorer, self.schedule = pool, scorer, schedule
         self.sampling = sampling  # greedy
+        self.report = report or _log.info  # a line as each measurement starts and ends
         self._by_version: dict[int, tuple[float, int]] = {}
 
     def evaluate(self, step: int) -> EvalResult:
@@ -63,6 +66,8 @@ class Evaluator:
         return EvalResult(step=step, version=version, accuracy=accuracy, unjudged=unjudged)
 
     def _measure(self, version: int) -> tuple[float, int]:
+        self.report(f"evaluating version {version} on {len(self.prompts)} held-out prompts ...")
+        t0 = time.perf_counter()
         requests = [
             GenerationRequest(
                 request_id=f"{p.key}/v{version}",
@@ -81,5 +86,11 @@ class Evaluator:
         judgements = self.scorer.judge(items, what=f"evaluation of version {version}")
         rewards = [j.reward for j in judgements if j.judged]
         accuracy = float(np.mean(np.asarray(rewards) >= 1.0)) if rewards else float("nan")
-        _log.info("held-out greedy accuracy of version %d: %.3f", version, accuracy)
-        return accuracy, len(judgements) - len(rewards)
+        unjudged = len(judgements) - len(rewards)
+        self.report(
+            f"held-out greedy accuracy of version {version}: {accuracy:.3f} on "
+            f"{len(rewards)} prompts"
+            + (f" ({unjudged} unjudged)" if unjudged else "")
+            + f", in {time.perf_counter() - t0:.1f}s"
+        )
+        return accuracy, unjudged

@@ -5,7 +5,8 @@ evaluations before everything), split into jobs of whole groups; each worker thr
 job, loads its version if the worker holds another, generates it and hands the finished
 rollouts over. A rollout aborted by a reload is regenerated (its request id, and so its
 tokens, are the same). Finished rollouts are written to the rollout log before anything can
-train on them, and a batch first takes what the log already holds (a resumed run).
+train on them (with the dataset records of their prompts, for people reading the log), and
+a batch first takes what the log already holds (a resumed run).
 """
 
 from __future__ import annotations
@@ -226,20 +227,27 @@ class GenerationPool:
             return
         per_worker = math.ceil(len(missing) / len(self.workers))
         per_worker = self.samples * math.ceil(per_worker / self.samples)  # whole groups
+        records = {p.key: p.record for p in prompts}
         for k in range(0, len(missing), per_worker):
+            requests = missing[k : k + per_worker]
+            # Each job logs the records of its own prompts, next to their rollouts.
+            job_prompts = {q.prompt_id: records[q.prompt_id].to_json() for q in requests}
             self._jobs.put(
                 _Job(
                     (b, batch.rounds * 2**20 + k),
                     version,
-                    missing[k : k + per_worker],
-                    deliver=lambda r, batch=batch: self._deliver(batch, r),
+                    requests,
+                    deliver=lambda r, batch=batch, ps=job_prompts: self._deliver(batch, r, ps),
                     fail=lambda e, batch=batch: self._fail(batch, e),
                     timing=batch.timing,
                 )
             )
 
-    def _deliver(self, batch: BatchState, rollouts: list[Rollout]) -> None:
+    def _deliver(
+        self, batch: BatchState, rollouts: list[Rollout], prompts: dict[str, dict[str, Any]]
+    ) -> None:
         records = [rollout_record(batch.index, r) for r in rollouts]
+        self.log.append_prompts(batch.index, prompts)  # for people: `rlax-tpu samples`
         self.log.append(batch.index, records)  # persisted before they can be trained on
         with self._lock:
             for record in records:

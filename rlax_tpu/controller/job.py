@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu import storage
-from rlax_tpu.config import DatasetConfig, RunConfig, load_config
+from rlax_tpu.config import ConfigError, DatasetConfig, RunConfig, load_config
 
 _log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_CHAR_TOKENIZER = "builtin:char"
 ARITHMETIC_TRAIN_SIZE = 5000
 EFFECTIVE_CONFIG = "effective_config.json"
+DATASET_SCAN = "dataset_scan.json"  # what the datasets scan found (datasets.DatasetScan)
 SFT_MODEL_DIR = "sft_model"
 
 
@@ -69,15 +70,19 @@ def materialise(config: RunConfig) -> RunConfig:
         if not storage.exists(storage.join(directory, "tokenizer.json")):
             write_char_tokenizer(directory)
         model = dataclasses.replace(model, tokenizer=directory)
-    datasets = tuple(
-        dataclasses.replace(d, path=_materialise_dataset(d.path, config.seed, run_dir, "train"))
-        for d in controller.datasets
-    )
+
+    def train(d: DatasetConfig) -> DatasetConfig:
+        return dataclasses.replace(
+            d, path=_materialise_dataset(d.path, config.seed, run_dir, "train")
+        )
+
+    datasets = tuple(train(d) for d in controller.datasets)
+    data = train(config.data) if config.data is not None else None
     eval_dataset = controller.eval_dataset
     if eval_dataset:
         eval_dataset = _materialise_dataset(eval_dataset, config.seed, run_dir, "heldout")
     controller = dataclasses.replace(controller, datasets=datasets, eval_dataset=eval_dataset)
-    return dataclasses.replace(config, model=model, controller=controller)
+    return dataclasses.replace(config, model=model, controller=controller, data=data)
 
 
 def tokenizer_path(config: RunConfig) -> str:
@@ -100,14 +105,13 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
     out = storage.join(config.storage.run_dir, SFT_MODEL_DIR)
     if storage.exists(storage.join(out, "config.json")):  # written last by save_hf
         return out
-    from rlax_tpu.controller.datasets import PromptMixture
     from rlax_tpu.controller.warm_start import run_warm_start
-    from rlax_tpu.models.hf import save_hf
+    from rlax_tpu.models.export import export_hf
     from rlax_tpu.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.initialize()
-    mixture = PromptMixture(config.controller.datasets, seed=config.seed)
+    mixture, _, _ = _prompt_sources(config, tokenizer)
     run_warm_start(
         config,
         trainer,
@@ -116,7 +120,7 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
         next_step=trainer.warm_start_step,
         report=lambda line: print(line, flush=True),
     )
-    save_hf(trainer.params(), config.model, out)
+    export_hf(trainer.params(), config.model, out, tokenizer_dir=tokenizer_path(config))
     trainer.close()
     return out
 
@@ -137,18 +141,58 @@ def _progress(row: dict[str, Any], num_steps: int) -> None:
     print(line, flush=True)
 
 
-def _prompt_sources(config: RunConfig) -> tuple[Any, list[Any]]:
-    """The prompt mixture (the controller derives its other streams from it) and the
-    held-out prompts."""
-    from rlax_tpu.controller.datasets import PromptMixture, load_dataset
+def _prompt_sources(config: RunConfig, tokenizer: Any) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The prompt mixture (the controller derives its other streams from it), the
+    held-out prompts and the scans: every prompt measured under the tokenizer and chat
+    template first (datasets.scan_datasets: rows over the limits stop the run here, or are
+    dropped)."""
+    from rlax_tpu.controller.datasets import PromptMixture, load_eval_prompts, load_prompts
 
-    ctl = config.controller
-    mixture = PromptMixture(ctl.datasets, seed=config.seed)
-    eval_prompts = []
-    if ctl.eval_dataset:
-        eval_prompts = load_dataset(DatasetConfig(path=ctl.eval_dataset))
-        eval_prompts = eval_prompts[: ctl.eval_size]
-    return mixture, eval_prompts
+    records, weights, scans = load_prompts(config, tokenizer)
+    limit = config.inference.max_prompt_len
+    for scan in scans.values():
+        dropped = f", {scan.dropped} over the limits left out" if scan.dropped else ""
+        print(
+            f"dataset {scan.name}: {scan.rows} prompts, median {scan.median_prompt:.0f} "
+            f"tokens, longest {scan.longest_prompt} (inference.max_prompt_len {limit}){dropped}",
+            flush=True,
+        )
+    dropped = {name: scan.dropped for name, scan in scans.items()}
+    mixture = PromptMixture.from_records(records, weights, seed=config.seed, dropped=dropped)
+    return mixture, load_eval_prompts(config, tokenizer), scans
+
+
+def _write_scans(run_dir: str, scans: dict[str, Any]) -> None:
+    storage.write_text(
+        storage.join(run_dir, DATASET_SCAN),
+        json.dumps({name: scan.to_json() for name, scan in scans.items()}, indent=2),
+    )
+
+
+def _inputs(config: RunConfig) -> tuple[RunConfig, RunConfig, Any, tuple[Any, list[Any]], dict]:
+    """What a run reads before it touches its run directory's identity, so that a bad input
+    stops it with nothing written that a corrected config would trip over: (the config with
+    its checkpoint's architecture, the effective config, the tokenizer, the prompt sources,
+    the dataset scans)."""
+    from rlax_tpu.config.checkpoint import resolve_checkpoint_model
+    from rlax_tpu.models.tokenizer import Tokenizer
+
+    config = resolve_checkpoint_model(config, strict=True)
+    if not config.verifiers.address:  # the verifiers this run starts import them too
+        from rlax_tpu.verifiers.functions import (
+            RewardFunctionError,
+            check_reward_functions,
+            configured_reward_functions,
+        )
+
+        try:
+            check_reward_functions(configured_reward_functions(config))
+        except RewardFunctionError as e:
+            raise ConfigError(str(e), field="data.reward_function") from None
+    effective = materialise(config)
+    tokenizer = Tokenizer.load(tokenizer_path(effective))
+    mixture, eval_prompts, scans = _prompt_sources(effective, tokenizer)
+    return config, effective, tokenizer, (mixture, eval_prompts), scans
 
 
 def _drive(
@@ -160,13 +204,16 @@ def _drive(
     digest: str,
     stop: threading.Event,
 ) -> dict[str, Any]:
-    """The controller over `components` until done or stopped; its summary."""
+    """The controller over `components` until done or stopped; its summary. Metrics go to
+    the run directory and, with `logging.wandb_project`, to W&B."""
     from rlax_tpu.controller.controller import Controller
     from rlax_tpu.controller.metrics import MetricsWriter
+    from rlax_tpu.controller.wandb_logging import WandbSink
 
     mixture, eval_prompts = sources
     num_steps = config.controller.num_steps
-    with MetricsWriter(config.storage.run_dir) as metrics:
+    sinks = [s for s in (WandbSink.open(config),) if s is not None]
+    with MetricsWriter(config.storage.run_dir, sinks=sinks) as metrics:
         controller = Controller(
             config,
             components,
@@ -214,26 +261,30 @@ def _connect(
 
 def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
     """The whole job; returns the controller's summary (see Controller.run)."""
-    from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
-    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.controller.launcher import (
+        ComponentFailed,
+        LocalCluster,
+        check_colocated_gpu_memory,
+    )
     from rlax_tpu.run_dir import prepare_run_dir
 
     stop = stop or threading.Event()
+    check_colocated_gpu_memory(config)  # before the run directory exists
+    config, effective, tokenizer, sources, scans = _inputs(config)
     run_dir = prepare_run_dir(config)
+    _write_scans(run_dir, scans)
     digest = config.digest()
     print(f"run {config.name!r}: digest {digest[:12]}, run dir {run_dir}", flush=True)
-    effective = materialise(config)
-    tokenizer = Tokenizer.load(tokenizer_path(effective))
     config_url = storage.join(run_dir, EFFECTIVE_CONFIG)
     storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
     local_dir = Path(run_dir) if not storage.is_remote(run_dir) else Path("logs") / config.name
-    sources = _prompt_sources(effective)
     with LocalCluster(
         config_url,
         num_workers=effective.inference.num_workers,
         log_dir=local_dir / "logs",
         param_storage=storage.join(run_dir, "params"),
         token_env=effective.param_server.auth_token_env,
+        config=effective,
     ) as cluster:
         t0 = time.perf_counter()
         cluster.start()
@@ -283,16 +334,14 @@ def run_connected(
     except AuthTokenError as e:
         raise ConnectError(str(e)) from None
 
-    from rlax_tpu.models.tokenizer import Tokenizer
     from rlax_tpu.run_dir import prepare_run_dir
 
     stop = stop or threading.Event()
+    config, effective, tokenizer, sources, scans = _inputs(config)
     run_dir = prepare_run_dir(config)
+    _write_scans(run_dir, scans)
     digest = config.digest()
     print(f"run {config.name!r}: digest {digest[:12]}, run dir {run_dir}", flush=True)
-    effective = materialise(config)
-    tokenizer = Tokenizer.load(tokenizer_path(effective))
-    sources = _prompt_sources(effective)
     probe = HealthProbe(addresses.named(), auth_token=token)
     try:
         t0 = time.perf_counter()

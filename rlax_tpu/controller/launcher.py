@@ -1,10 +1,14 @@
 """The local launcher: every component of a run as a subprocess on loopback.
 
 `LocalCluster` starts the parameter server, the trainer, N inference workers and the
-verifier service with a fresh auth token, each with its log file in the run directory,
-and watches them: the death of any child sets `failed`, which stops the controller. On
-exit it stops every child it started (SIGTERM, then SIGKILL) and nothing else; each
-child also gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
+verifier service with a fresh auth token, each with its log file in the run directory
+(with `verifiers.address` set it starts no verifier: the run uses the services there, and
+their token, from the environment, is the run's), and watches them: the death of any
+child sets `failed`, which stops the controller. The trainer and the workers share this
+machine's GPUs, each with its memory share from the config (`component_env`); the
+parameter server and the verifier get no accelerator. On exit it stops every child it
+started (SIGTERM, then SIGKILL) and nothing else; each child also gets SIGTERM from the
+kernel if the launcher itself dies (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -20,7 +24,55 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlax_tpu.rpc.process import CHILD_LAUNCHER
+from rlax_tpu.config import ConfigError, RunConfig, load_config
+from rlax_tpu.rpc.process import CHILD_LAUNCHER, PROGRESS_PREFIX
+
+# Components that never need an accelerator: JAX (if anything imports it) stays on the CPU
+# and CUDA sees no GPU, so they take no GPU memory and hold no TPU.
+_NO_ACCELERATOR = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def check_colocated_gpu_memory(config: RunConfig, num_workers: int | None = None) -> None:
+    """The local launcher runs the trainer and every inference worker (`num_workers`, default
+    inference.num_workers) on this machine's GPUs, each process taking its
+    `gpu_memory_fraction` of every GPU: refuse shares that overlap (they would sum to more
+    than the GPU, and a process would fail at start or in the middle of the run)."""
+    trainer, inference = config.trainer, config.inference
+    workers = inference.num_workers if num_workers is None else num_workers
+    total = trainer.gpu_memory_fraction + workers * inference.gpu_memory_fraction
+    if total > 1 + 1e-9:
+        room = (1 - trainer.gpu_memory_fraction) / max(workers, 1)
+        raise ConfigError(
+            f"the local launcher runs the trainer and {workers} inference worker(s) on the "
+            f"same GPUs: trainer.gpu_memory_fraction ({trainer.gpu_memory_fraction}) + "
+            f"inference.num_workers ({workers}) × inference.gpu_memory_fraction "
+            f"({inference.gpu_memory_fraction}) = {total:.3g} of each GPU's memory, over 1. "
+            f"Set inference.gpu_memory_fraction to at most {room:.3g}, lower "
+            "trainer.gpu_memory_fraction or inference.num_workers",
+            field="inference.gpu_memory_fraction",
+        )
+
+
+def component_env(config: RunConfig, component: str) -> dict[str, str]:
+    """The variables the local launcher sets for one component's process (`component`:
+    param_server, verifier, inference_worker, trainer) over the launcher's environment.
+
+    The trainer and the inference workers get their GPU memory share
+    (XLA_PYTHON_CLIENT_MEM_FRACTION, from `trainer.gpu_memory_fraction` /
+    `inference.gpu_memory_fraction`; JAX's default is 75% each) and take it at start
+    (XLA_PYTHON_CLIENT_PREALLOCATE): a share that does not fit fails at once, and one
+    process cannot grow into another's. Harmless on CPU and TPU. The parameter server and
+    the verifier get no accelerator at all."""
+    fraction = {
+        "trainer": config.trainer.gpu_memory_fraction,
+        "inference_worker": config.inference.gpu_memory_fraction,
+    }.get(component)
+    if fraction is None:
+        return dict(_NO_ACCELERATOR)
+    return {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": str(fraction),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+    }
 
 
 class ComponentFailed(RuntimeError):
@@ -28,7 +80,9 @@ class ComponentFailed(RuntimeError):
 
 
 class Child:
-    """One `rlax-tpu serve ...` process; `address` comes from its READY line."""
+    """One `rlax-tpu serve ...` process; `address` comes from its READY line. Its
+    `PROGRESS <text>` lines (rpc.process.announce_progress: checkpoint loads, first
+    compiles) are echoed to this process's stdout as `[<name>] <text>`."""
 
     def __init__(self, name: str, args: Sequence[str], *, env: dict[str, str], log: Path) -> None:
         self.name, self.args, self.log_path = name, list(args), log
@@ -51,6 +105,8 @@ class Child:
             if line.startswith("READY ") and self.address is None:
                 self.address = line.split(" ", 1)[1].strip()
                 self._ready.set()
+            elif line.startswith(PROGRESS_PREFIX):
+                print(f"[{self.name}] {line[len(PROGRESS_PREFIX) :].strip()}", flush=True)
         self._ready.set()
 
     def wait_ready(self, timeout_s: float) -> str:
@@ -95,13 +151,30 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         token_env: str = "RLAX_TPU_AUTH_TOKEN",
         overrides: Sequence[str] = (),
+        config: RunConfig | None = None,
     ) -> None:
+        # The config the children load (config_path with overrides; read here when not
+        # given): each child's GPU memory share comes from it (component_env).
+        self.config = config if config is not None else load_config(config_path, list(overrides))
+        check_colocated_gpu_memory(self.config, num_workers)
         self.config_path = config_path
         self.num_workers = num_workers
         self.log_dir = Path(log_dir)
         self.param_storage = param_storage
+        given = {**os.environ, **(env or {})}
+        # verifiers.address: verifier services already running, started with their own
+        # token; every component then shares that token (from token_env), else a fresh one.
+        self.verifier_addresses = self.config.verifiers.addresses()
         self.token = secrets.token_hex(16)
-        self.env = {**os.environ, **(env or {}), token_env: self.token}
+        if self.verifier_addresses:
+            self.token = given.get(token_env, "")
+            if not self.token:
+                raise ComponentFailed(
+                    f"verifiers.address = {self.config.verifiers.address!r}: the run uses the "
+                    f"verifier services there, which check an auth token; set {token_env} to "
+                    "the token they were started with (the run's components get it too)"
+                )
+        self.env = {**given, token_env: self.token}
         self.overrides = [f"--set={o}" for o in overrides]
         self.children: list[Child] = []
         self.failed = threading.Event()
@@ -117,23 +190,37 @@ class LocalCluster:
 
     def _start(self, name: str, args: Sequence[str], ready_timeout_s: float) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        child = Child(name, args, env=self.env, log=self.log_dir / f"{name}.log")
+        env = {**self.env, **component_env(self.config, name.rsplit("-", 1)[0])}
+        child = Child(name, args, env=env, log=self.log_dir / f"{name}.log")
         self.children.append(child)
         address = child.wait_ready(ready_timeout_s)
         self.addresses.setdefault(name.rsplit("-", 1)[0], []).append(address)
         return address
 
     def start(self) -> None:
-        """Start everything (parameter server first: the others connect to it)."""
+        """Start everything (parameter server first: the others connect to it). With
+        verifiers.address set, no verifier is started: those services must answer first
+        (within 60 s), and addresses["verifier"] names them."""
+        if self.verifier_addresses:
+            from rlax_tpu.controller.remote import HealthProbe, wait_until_serving
+
+            named = {f"verifier-{i}": a for i, a in enumerate(self.verifier_addresses)}
+            probe = HealthProbe(named, auth_token=self.token, timeout_s=5.0)
+            try:
+                wait_until_serving(probe, timeout_s=60.0, stop=threading.Event(), poll_s=1.0)
+            finally:
+                probe.close()
+            self.addresses["verifier"] = list(self.verifier_addresses)
         common = [self.config_path, *self.overrides, "--host", "127.0.0.1", "--port", "0"]
         ps = self._start(
             "param_server-0",
             ["serve", "param-server", *common, "--storage", self.param_storage],
             60,
         )
-        cache = str(self.log_dir.parent / "test_data_cache")
-        verifier = ["serve", "verifier", *common, f"--test-data-cache={cache}"]
-        self._start("verifier-0", verifier, 60)
+        if not self.verifier_addresses:
+            cache = str(self.log_dir.parent / "test_data_cache")
+            verifier = ["serve", "verifier", *common, f"--test-data-cache={cache}"]
+            self._start("verifier-0", verifier, 60)
         for i in range(self.num_workers):
             args = ["serve", "inference", *common, f"--param-server={ps}"]
             self._start(f"inference_worker-{i}", [*args, f"--worker-id=inference_worker-{i}"], 180)

@@ -3,7 +3,8 @@ summaries in a TensorBoard event file under <run_dir>/tensorboard/.
 
 The event file is written here, without TensorFlow: TFRecord framing around `Event` protos
 (protos/rlax_tpu/v1/tensorboard.proto). Local files are appended to; gs:// objects cannot be
-appended to, so they are kept in memory and rewritten whole on `flush()`.
+appended to, so they are kept in memory and rewritten whole on `flush()`. Sinks (W&B:
+controller/wandb_logging.py) get every row too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, Self
 
 import google_crc32c
@@ -55,13 +56,17 @@ class MetricsWriter:
 
     A resumed run appends to the existing metrics.jsonl and starts a new event file (TensorBoard
     reads all of them). On gs:// the objects are rewritten at most every `flush_interval_s`
-    seconds (0: on every write) and on `close()`.
+    seconds (0: on every write) and on `close()`. Each of `sinks` (`log(step, values)`,
+    `close()`; e.g. a wandb_logging.WandbSink) gets every row too, and is closed with it.
     """
 
-    def __init__(self, run_dir: str, *, flush_interval_s: float = 0.0) -> None:
+    def __init__(
+        self, run_dir: str, *, flush_interval_s: float = 0.0, sinks: Sequence[Any] = ()
+    ) -> None:
         if flush_interval_s < 0:
             raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
         self.run_dir = run_dir
+        self.sinks = list(sinks)
         self.metrics_url = storage.join(run_dir, METRICS_FILE)
         self.event_url = storage.join(run_dir, TENSORBOARD_DIR, _event_file_name())
         self._remote = storage.is_remote(run_dir)
@@ -115,6 +120,8 @@ class MetricsWriter:
                 self._jsonl_file.flush()
                 self._event_file.write(record)
                 self._event_file.flush()
+            for sink in self.sinks:
+                sink.log(int(step), values)
 
     def flush(self) -> None:
         """Make everything written so far visible to readers (on gs://: rewrite both objects)."""
@@ -137,6 +144,8 @@ class MetricsWriter:
             else:
                 self._jsonl_file.close()
                 self._event_file.close()
+            for sink in self.sinks:
+                sink.close()
 
     def __enter__(self) -> Self:
         return self

@@ -129,10 +129,13 @@ def prefilter(
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
-    default_verifier = verifier or (
-        config.controller.datasets[0].verifier if config.controller.datasets else "math"
-    )
-    records = load_dataset(DatasetConfig(path=dataset, verifier=default_verifier))
+    # Read like the run's first dataset (field mapping, template), unless told the verifier.
+    trained = config.training_datasets
+    base = trained[0] if trained else DatasetConfig(path=dataset)
+    base = dataclasses.replace(base, path=dataset, weight=1.0)
+    if verifier and verifier != base.verifier:
+        base = dataclasses.replace(base, verifier=verifier, reward_function="")
+    records = load_dataset(base)
     rows = read_rows(dataset)
     name = dataset_name(DatasetConfig(path=dataset))
 
@@ -270,6 +273,7 @@ def _judge_samples(
         log_dir=work / "logs",
         param_storage=str(work / "params"),
         token_env=config.param_server.auth_token_env,
+        config=config,
     ) as cluster:
         cluster.start()
         token = cluster.token

@@ -130,13 +130,16 @@ class Recovery:
         """Snapshot at `step`, resumable from the newest finished trainer checkpoint. A final
         snapshot checkpoints `step` itself first, so a stop loses no training. `drawn`:
         whether batch `step` was drawn already."""
+        # Recorded first: a final snapshot resumes from `step` itself, also at the end of
+        # the run, where no batch `step` was ever drawn (re-running a finished run, or
+        # extending it, resumes there).
+        self.at_step(step, drawn=drawn)
         if final:
             self.trainer.save(wait=True)
             checkpoint = step
         else:
             checkpoint = self.schedule.checkpoint_at_or_before(step)
         checkpoint = max(c for c in self._main_at if c <= checkpoint)
-        self.at_step(step, drawn=drawn)  # a final snapshot resumes from `step` itself
         state = self._step_at[checkpoint]
         snapshot = Snapshot(
             step=step,

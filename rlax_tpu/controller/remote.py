@@ -52,8 +52,10 @@ class ComponentAddresses:
         inference: Sequence[str] = (),
         verifier: Sequence[str] = (),
         environ: Mapping[str, str] | None = None,
+        fallback: Mapping[str, Sequence[str]] | None = None,
     ) -> ComponentAddresses:
-        """The flags' addresses, else the environment's; ConnectError names what is missing."""
+        """The flags' addresses, else the environment's, else `fallback`'s (the config's
+        verifiers.address); ConnectError names what is missing."""
         env = os.environ if environ is None else environ
         given = {
             "param_server": list(param_server),
@@ -66,7 +68,7 @@ class ComponentAddresses:
         for key, values in given.items():
             if not values:
                 values = [a.strip() for a in env.get(ADDRESS_ENV[key], "").split(",")]
-                values = [a for a in values if a]
+                values = [a for a in values if a] or list((fallback or {}).get(key, ()))
             if not values:
                 flag = "--" + key.replace("_", "-")
                 missing.append(f"{flag} (or {ADDRESS_ENV[key]})")

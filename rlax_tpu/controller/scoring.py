@@ -65,15 +65,21 @@ class ServiceVerifier:
 
 @dataclasses.dataclass(frozen=True)
 class Judgement:
-    """A rollout's final verdict: `reward` is None when it stayed unjudged."""
+    """A rollout's final verdict: `reward` is None when it stayed unjudged. `response` is
+    the decoded text that was judged, kept so that people can read the rollout log
+    (`rlax-tpu samples`); it is not part of the verdict (judgements compare without it)."""
 
     reward: float | None
     verdict: str
     reason: str = ""
+    response: str = dataclasses.field(default="", compare=False)
 
     @property
     def judged(self) -> bool:
         return self.reward is not None
+
+    def with_response(self, response: str) -> Judgement:
+        return dataclasses.replace(self, response=response)
 
     def to_json(self, rollout: dict[str, Any]) -> dict[str, Any]:
         """The rollout log's verdict record for `rollout` (a rollout record)."""
@@ -84,12 +90,20 @@ class Judgement:
             "reward": self.reward,
             "verdict": self.verdict,
             "reason": self.reason,
+            "response": self.response,
         }
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Judgement:
+        """The judgement of a verdict record; records written before verdicts carried the
+        response text load with response "" (their reward and verdict are what counts)."""
         reward = record["reward"]
-        return cls(None if reward is None else float(reward), record["verdict"], record["reason"])
+        return cls(
+            None if reward is None else float(reward),
+            record["verdict"],
+            record.get("reason", ""),
+            response=record.get("response", ""),
+        )
 
 
 UNSCORED = Judgement(0.0, "unscored")  # a dataset row with verifier "none"
@@ -98,6 +112,31 @@ UNSCORED = Judgement(0.0, "unscored")  # a dataset row with verifier "none"
 def request_id(rollout: dict[str, Any]) -> str:
     """The verifier's idempotency key of a rollout: (prompt id, sample index, version)."""
     return f"{rollout['prompt_id']}/s{rollout['sample_index']}/v{rollout['version']}"
+
+
+def verification_request(record: Any, response: str, request_id: str) -> VerificationRequest:
+    """What the verifiers judge `response` to prompt `record` (a datasets.PromptRecord) by.
+    A reward function of the user's (verifier "function") also gets the prompt (text, or
+    the chat messages), the row's metadata and the function's spec."""
+    fields: dict[str, Any] = {}
+    if record.verifier == "function":
+        from rlax_tpu.verifiers.functions import encode_metadata, encode_prompt
+
+        prompt, chat = encode_prompt(record.prompt, record.messages)
+        fields = {
+            "function": record.reward_function,
+            "prompt": prompt,
+            "chat": chat,
+            "metadata": encode_metadata(record.metadata),
+        }
+    return VerificationRequest(
+        kind=record.verifier,
+        response=response,
+        reference=record.reference,
+        problem=record.problem,
+        request_id=request_id,
+        **fields,
+    )
 
 
 class Scorer:
@@ -129,13 +168,8 @@ class Scorer:
 
     def request(self, record: Any, rollout: dict[str, Any]) -> VerificationRequest:
         """The verification request of `rollout` (a rollout record) for prompt `record`."""
-        return VerificationRequest(
-            kind=record.verifier,
-            response=decode_response(self.tokenizer, rollout["tokens"], self.stop_token_ids),
-            reference=record.reference,
-            problem=record.problem,
-            request_id=request_id(rollout),
-        )
+        response = decode_response(self.tokenizer, rollout["tokens"], self.stop_token_ids)
+        return verification_request(record, response, request_id(rollout))
 
     def judge(self, items: Sequence[tuple[Any, dict[str, Any]]], *, what: str) -> list[Judgement]:
         """One Judgement per (prompt record, rollout record) of `items`, in order; raises
@@ -182,7 +216,8 @@ class Scorer:
                 "Fix the verifier (e.g. its sandbox), then resume the run; nothing was "
                 "trained on these samples"
             )
-        return out  # type: ignore[return-value]
+        # Each verdict keeps the text it was given (decoded once, for the request).
+        return [j.with_response(q.response) for j, q in zip(out, requests, strict=True)]
 
     def _call(self, requests: list[VerificationRequest]) -> list[VerificationResult]:
         """The verifier's results; a failed call counts as an error result for each request

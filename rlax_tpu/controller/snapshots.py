@@ -5,8 +5,10 @@ the trainer checkpoint the run resumes from and everything the controller's dete
 choices depend on at that step: the prompt-mixture RNG and counters, the accounting.
 The rollout log keeps every finished rollout, keyed by (batch, prompt id, sample index,
 version), one object each, so a resumed run reuses what was generated before the stop; and
-each rollout's final verdict (its reward, or that it stayed unjudged), so a resumed run
-trains on exactly the rewards the uninterrupted one did, faults of the verifier included.
+each rollout's final verdict (its reward, or that it stayed unjudged, and the response text
+judged), so a resumed run trains on exactly the rewards the uninterrupted one did, faults of
+the verifier included; and, once per prompt, the dataset record it was drawn from, so that
+people can read a batch (`rlax-tpu samples`).
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 
 _log = logging.getLogger(__name__)
 
-SNAPSHOT_DIR = "snapshots"
-ROLLOUT_DIR = "rollouts"
+SNAPSHOT_DIR = run_dir_layout.SNAPSHOTS
+ROLLOUT_DIR = run_dir_layout.ROLLOUTS
 CONSUMED_DIR = "consumed"
 ROLLOUTS_PREFIX = "rollouts-"
 VERDICTS_PREFIX = "verdicts-"
+PROMPTS_PREFIX = "prompts-"
 FORMAT = 1
 
 
@@ -137,8 +141,9 @@ def rollout_key(batch: int, prompt_id: str, sample_index: int, version: int) -> 
 class RolloutLog:
     """Every finished rollout of the run, as JSON lines under rollouts/batch_<b>/: one file
     per write (a worker job's rollouts, written as the job finishes); their final verdicts
-    (verdicts-*.jsonl, written once each scoring round's retries are over); and per batch,
-    what the trainer consumed."""
+    (verdicts-*.jsonl, written once each scoring round's retries are over); the dataset
+    records of the batch's prompts (prompts-*.jsonl, for people: nothing reads them back
+    to train); and per batch, what the trainer consumed."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
@@ -177,6 +182,60 @@ class RolloutLog:
         """The logged verdicts of `batch` by (prompt_id, sample_index, version); one that
         does not parse is ignored (with a warning): its rollout is judged again."""
         return self._read(batch, VERDICTS_PREFIX, "judging again")
+
+    def append_prompts(self, batch: int, records: Mapping[str, dict[str, Any]]) -> None:
+        """Persist the dataset records (PromptRecord.to_json) of `batch`'s prompts, by prompt
+        id, in one atomic write named by the ids (writing the same prompts again replaces
+        it)."""
+        if not records:
+            return
+        ids = sorted(records)
+        name = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24]
+        lines = "".join(
+            json.dumps({"prompt_id": i, "record": records[i]}, sort_keys=True) + "\n" for i in ids
+        )
+        storage.write_text(
+            storage.join(self._batch_dir(batch), f"{PROMPTS_PREFIX}{name}.jsonl"), lines
+        )
+
+    def read_prompts(self, batch: int) -> dict[str, dict[str, Any]]:
+        """The logged dataset records of `batch`'s prompts by prompt id ({} for batches
+        logged before prompts were); an unreadable line is skipped."""
+        directory = self._batch_dir(batch)
+        if not storage.exists(directory):
+            return {}
+        out = {}
+        for name in sorted(storage.listdir(directory)):
+            if not (name.startswith(PROMPTS_PREFIX) and name.endswith(".jsonl")):
+                continue
+            for line in storage.read_text(storage.join(directory, name)).splitlines():
+                try:
+                    entry = json.loads(line)
+                    out[str(entry["prompt_id"])] = dict(entry["record"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return out
+
+    def batches(self) -> list[int]:
+        """The batches the log holds anything of, in order."""
+        if not storage.exists(self.directory):
+            return []
+        out = []
+        for name in storage.listdir(self.directory):
+            name = name.rstrip("/")
+            if name.startswith("batch_"):
+                try:
+                    out.append(int(name[len("batch_") :]))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    def has_verdicts(self, batch: int) -> bool:
+        """Whether any verdict of `batch` is logged (its judging finished a round)."""
+        directory = self._batch_dir(batch)
+        return storage.exists(directory) and any(
+            name.startswith(VERDICTS_PREFIX) for name in storage.listdir(directory)
+        )
 
     def _read(self, batch: int, prefix: str, then: str) -> dict[tuple[str, int, int], dict]:
         directory = self._batch_dir(batch)

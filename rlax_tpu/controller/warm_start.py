@@ -18,25 +18,35 @@ from typing import Any
 import numpy as np
 
 from rlax_tpu.config import RunConfig
+from rlax_tpu.controller.datasets import DatasetError, prompt_tokens
 
 SFT_STREAM = 7919  # the warm start's prompt stream: seed + SFT_STREAM
 
 
 def sft_rows(config: RunConfig, tokenizer: Any, records: list[Any]) -> tuple:
     """(tokens, targets, loss_mask) of prompt + reference + eos, the loss on the answer part:
-    int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16)."""
+    int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16).
+
+    The prompt is rendered exactly as RL sends it (datasets.prompt_tokens: the chat template
+    for chat rows and, where the tokenizer has one, for text rows), so the warm start
+    teaches the answer in the format the policy is later asked in. A row longer than
+    trainer.max_seq_len is refused (the datasets scan finds them all before the run)."""
     eos = tokenizer.eos_token_id
     seqs, starts = [], []
     for r in records:
-        prompt = tokenizer.encode(r.prompt)
+        prompt = list(prompt_tokens(tokenizer, r))
         answer = tokenizer.encode(r.reference, add_special_tokens=False)
         seqs.append(prompt + answer + ([eos] if eos is not None else []))
         starts.append(len(prompt))
+        if len(seqs[-1]) > config.trainer.max_seq_len:
+            raise DatasetError(
+                f"SFT row {r.id!r} of dataset {r.dataset!r} has {len(seqs[-1])} tokens, more "
+                f"than trainer.max_seq_len={config.trainer.max_seq_len}"
+            )
     seq = min(config.trainer.max_seq_len, 16 * -(-max(len(s) for s in seqs) // 16))
     tokens = np.zeros((len(seqs), seq), np.int32)
     mask = np.zeros((len(seqs), seq), np.float32)
     for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
-        s = s[:seq]
         tokens[i, : len(s)] = s
         mask[i, start - 1 : len(s) - 1] = 1.0  # position t predicts tokens[t + 1]
     targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
@@ -55,17 +65,20 @@ def run_warm_start(
 ) -> None:
     """SFT steps [next_step, sft_steps) on `trainer` (a TrainerClient, or a Trainer in this
     process); `mixture` is the run's prompt mixture, whose sibling stream they draw from.
-    Returns early once `stop` is set (the trainer is then at a step boundary)."""
+    Returns early once `stop` is set (the trainer is then at a step boundary). `report`
+    gets a line after the first step, every ~10% of the steps and after the last."""
     ctl = config.controller
     stream = mixture.sibling(config.seed + SFT_STREAM)
     stream.draw(next_step * ctl.global_batch_size)  # the steps the trainer has done
     t0 = time.perf_counter()
+    every = max(1, ctl.sft_steps // 10)  # a line per ~10% of the warm start
     for step in range(next_step, ctl.sft_steps):
         if stop is not None and stop.is_set():
             return
         records = stream.draw(ctl.global_batch_size)
         result = trainer.sft_step(step, *sft_rows(config, tokenizer, records))
-        if step % 50 == 0 or step == ctl.sft_steps - 1:
+        # The first step says the trainer compiled and runs; then every ~10% and the last.
+        if step == next_step or (step + 1) % every == 0 or step == ctl.sft_steps - 1:
             report(
                 f"sft step {step + 1}/{ctl.sft_steps}: loss {result.metrics.get('loss', 0):.3f} "
                 f"({time.perf_counter() - t0:.0f}s)"

@@ -109,9 +109,9 @@ def problems(config: RunConfig, name: str | None = None) -> list[str]:
     tokenizer = config.model.tokenizer
     if tokenizer and not (_is_gs(tokenizer) or tokenizer.startswith("builtin:")):
         out.append(f"model.tokenizer must be empty, builtin:… or gs:// (got {tokenizer!r})")
-    if not config.controller.datasets:
-        out.append("controller.datasets is empty: the controller needs prompts")
-    paths = [d.path for d in config.controller.datasets]
+    if not config.training_datasets:
+        out.append("data and controller.datasets are empty: the controller needs prompts")
+    paths = [d.path for d in config.training_datasets]
     if config.controller.eval_dataset:
         paths.append(config.controller.eval_dataset)
     for path in paths:

@@ -18,7 +18,8 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -125,11 +126,14 @@ class Engine:
         decode_steps_per_call: int = 1,
         max_stop_tokens: int = 8,
         allocate: bool = True,
+        progress: Callable[[str], None] | None = None,
     ):
         """allocate=False builds the programs and layouts only, with no device memory: the
         KV cache stays abstract (`abstract_cache`) and the engine cannot generate, but
         `lower_prefill` / `lower_decode` lower its jitted steps (`rlax-tpu compile`, for a
-        mesh of abstract TPU devices)."""
+        mesh of abstract TPU devices). `progress` hears of the first call of each jitted
+        shape (its compile) and how long it took; nothing else."""
+        self.progress = progress
         if decode_steps_per_call < 1:
             raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
         self.model_config = model_config
@@ -450,12 +454,15 @@ class Engine:
         Unused rows are padding: length 0 (no valid token), an all-padding page-table row
         (PADDING_PAGE; writes there are dropped) and non-truncating sampling params."""
         args = self._prefill_args(bucket, seqs)
-        self._shapes.add(f"prefill:{self.prefill_rows}x{bucket}")
+        what = f"prefill for {self.prefill_rows}x{bucket} prompt tokens"
+        first = self._first_call(f"prefill:{self.prefill_rows}x{bucket}", what)
         self._counters["prefill_calls"] += 1
         with self._mesh_context():
             packed, self._cache = _prefill_step(
                 *self._static, self._params, self._cache, *self._put(args)
             )
+        if first is not None:  # the call returns once compiled; it runs asynchronously
+            self.progress(f"{what}: compiled in {first():.1f}s")
         return packed
 
     def _prefill_args(self, bucket: int, seqs: list[_Sequence]) -> tuple[np.ndarray, ...]:
@@ -499,7 +506,8 @@ class Engine:
             self._device_carry = self._put(carry)
             self._carry_dirty = False
         k = self.decode_steps_per_call
-        self._shapes.add(f"decode:{rows}x{k}")
+        what = f"decode for {rows} slots, {k} steps a call"
+        first = self._first_call(f"decode:{rows}x{k}", what)
         with self._mesh_context():
             self._cache, self._device_carry, out = _decode_step(
                 *self._static,
@@ -511,6 +519,8 @@ class Engine:
                 self._device_live,
             )
         packed = np.asarray(out)  # the one device-to-host transfer per decode call
+        if first is not None:
+            self.progress(f"{what}: compiled and ran in {first():.1f}s")
         tokens, emitted = packed[0].T.tolist(), packed[2].T.tolist()  # [rows][steps]
         logprobs = packed[1].view(np.float32).T.tolist()
         self._counters["decode_calls"] += 1
@@ -529,6 +539,19 @@ class Engine:
                 self._last_token[slot] = seq.tokens[-1]
                 self._position[slot] += taken
                 self._index[slot] += taken
+
+    def _first_call(self, shape: str, what: str) -> Callable[[], float] | None:
+        """Record `shape` ("decode:<rows>x<steps>") as used; the first time, and only with a
+        `progress` to tell, say that `what` compiles and return a clock of the seconds
+        since."""
+        if shape in self._shapes:
+            return None
+        self._shapes.add(shape)
+        if self.progress is None:
+            return None
+        self.progress(f"compiling the {what} ...")
+        t0 = time.perf_counter()
+        return lambda: time.perf_counter() - t0
 
     def _append(self, seq: _Sequence, token: int, logprob: float) -> bool:
         """Record a sampled token; finish the sequence if it ends it. Returns whether it did."""

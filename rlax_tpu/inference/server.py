@@ -2,8 +2,9 @@
 
 Builds the engine on the config's inference mesh, connects to the parameter server
 (--param-server, replicas in order), serves InferenceWorker and Health on one gRPC server
-bound to loopback unless told otherwise, prints `READY host:port` on stdout once serving,
-and stops gracefully on SIGTERM or SIGINT.
+bound to loopback unless told otherwise, prints `READY host:port` on stdout once serving
+(and `PROGRESS` lines for its first weight load and first compiles), and stops gracefully on
+SIGTERM or SIGINT.
 
 It joins a multi-host job when the environment describes one (rlax_tpu.distributed), and
 refuses to serve when that job has more than one process: a worker's engine does not run in
@@ -17,6 +18,7 @@ import sys
 
 from rlax_tpu.rpc import format_address
 from rlax_tpu.rpc.process import (
+    announce_progress,
     announce_ready,
     bind_server,
     component_config,
@@ -78,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
         param_server=param_server,
         consumer_id=worker_id,
         mesh=build_mesh(config.inference.mesh),
+        progress=announce_progress,
     )
     bound = bind_server(
         "inference", config, host, args.port, auth_token=token, max_workers=_MAX_STREAMS

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,7 +125,8 @@ class InferenceWorker:
 
     `engine` may be given (e.g. a pre-built or instrumented one); by default it is built
     from `config` on `mesh`. `max_recorded` bounds the completed rollouts remembered for
-    repeated request ids.
+    repeated request ids. `progress` hears of the first load and of each jitted shape's
+    first call (its compile), with the seconds taken; never of every load or step.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class InferenceWorker:
         mesh: Mesh | None = None,
         engine: Engine | None = None,
         max_recorded: int = DEFAULT_MAX_RECORDED,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         if not consumer_id:
             raise ValueError("consumer_id must name this worker (e.g. 'inference_worker-0')")
@@ -143,7 +146,10 @@ class InferenceWorker:
         self.param_server = param_server
         self.policy = StalenessPolicy.from_config(config.staleness)
         self.default_sampling = SamplingParams.from_config(config.inference)
-        self._engine = engine or Engine(config.model, config.inference, seed=config.seed, mesh=mesh)
+        self._engine = engine or Engine(
+            config.model, config.inference, seed=config.seed, mesh=mesh, progress=progress
+        )
+        self._progress = progress
         self._max_recorded = max_recorded
         self._like: Any = None  # the param tree's shapes and shardings, built on first pull
         # _lock guards the bookkeeping below; the engine itself is touched only by its thread.
@@ -236,9 +242,16 @@ class InferenceWorker:
             self._check_open()
             if version == self._version:
                 return LoadResult(version, already_loaded=True, aborted=())
+            first, t0 = self._version < 0, time.perf_counter()
             if params is None:
                 params = self._pull(version)
             aborted = self._on_engine(lambda: self._swap(version, params)).result()
+            if first and self._progress is not None:
+                source = "the parameter server" if self.param_server is not None else "the caller"
+                self._progress(
+                    f"loaded the weights of version {version} from {source} in "
+                    f"{time.perf_counter() - t0:.1f}s"
+                )
         if self.param_server is not None:  # off the load's path, in order
             self._confirmations.submit(self._confirm, version)
         return LoadResult(version, already_loaded=False, aborted=tuple(aborted))

@@ -12,6 +12,7 @@ _EXPORTS = {
     "load_hf_model": "hf",
     "load_hf_params": "hf",
     "save_hf": "hf",
+    "export_hf": "export",
     "DenseKVCache": "kv_cache",
     "KVCache": "kv_cache",
     "grouped_attention": "kv_cache",

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -30,21 +30,24 @@ from flax import nnx
 
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, ModelConfig
-from rlax_tpu.config.run import RopeScalingConfig
+from rlax_tpu.config.checkpoint import (
+    CONFIG_FILE,
+    MODEL_TYPES,
+    SHAPE_FIELDS,
+    CheckpointError,
+    CheckpointMismatchError,
+    UnsupportedCheckpointError,
+    config_from_hf_dict,  # noqa: F401 - re-exported: the HF config mapping lives there
+    load_hf_config,
+)
 from rlax_tpu.models.transformer import Transformer, unstack_layers
 
-CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 VALUE_HEAD_WEIGHT = "value_head.weight"
 VALUE_HEAD_BIAS = "value_head.bias"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 # Tensors some checkpoints carry that hold nothing the model needs (RoPE tables are
 # recomputed from the config).
@@ -69,153 +72,10 @@ _PARAM_NP_DTYPE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtyp
 _HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
-class CheckpointError(ValueError):
-    """A Hugging Face checkpoint cannot be read (or written) as this model."""
-
-
-class UnsupportedCheckpointError(CheckpointError):
-    """config.json describes a model this package does not implement (architecture, RoPE
-    type, sliding window, extra biases); the message names the setting."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A tensor is missing, unexpected, or of the wrong shape or dtype; the message names
-    the tensor, the expected and found shape and the file."""
-
-
-# -- config ---------------------------------------------------------------------------------
-
-
-def load_hf_config(path: str, **overrides: Any) -> ModelConfig:
-    """ModelConfig of the HF checkpoint directory `path` (local or gs://), from config.json.
-
-    `overrides` replace fields of the result (e.g. param_dtype="float32", value_head=True);
-    hf_checkpoint is set to `path`. See `config_from_hf_dict` for the mapping.
-    """
-    url = storage.join(path, CONFIG_FILE)
-    if not storage.exists(url):
-        raise CheckpointError(f"{url} does not exist: {path} is not a Hugging Face checkpoint")
-    try:
-        hf = json.loads(storage.read_text(url))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{url} is not valid JSON: {e}") from None
-    return config_from_hf_dict(hf, source=url, **{"hf_checkpoint": path, **overrides})
-
-
-def config_from_hf_dict(
-    hf: Mapping[str, Any], *, source: str = "config.json", **overrides: Any
-) -> ModelConfig:
-    """ModelConfig for a parsed HF config.json (transformers v4 or v5 layout).
-
-    param_dtype follows the checkpoint's dtype (float16 loads as float32, which holds it
-    exactly); the compute dtype keeps ModelConfig's default. Raises
-    UnsupportedCheckpointError naming the setting this package cannot run.
-    """
-    fields = _fields_from_hf(hf, source)
-    fields.update(overrides)
-    try:
-        return ModelConfig(**fields)
-    except TypeError as e:  # an override that is no ModelConfig field
-        raise ConfigError(f"bad override for ModelConfig: {e}") from None
-
-
-def _fields_from_hf(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
-    def unsupported(detail: str) -> UnsupportedCheckpointError:
-        return UnsupportedCheckpointError(f"{source}: {detail}")
-
-    architectures = hf.get("architectures") or []
-    arch = architectures[0] if architectures else None
-    if arch not in _MODEL_TYPES:
-        raise unsupported(
-            f"architecture {arch!r} is not supported; supported: {', '.join(_MODEL_TYPES)}"
-        )
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise unsupported(f"hidden_act {act!r} is not supported (only 'silu', SwiGLU MLP)")
-    if hf.get("mlp_bias"):
-        raise unsupported("mlp_bias: true is not supported (the MLP has no biases)")
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise unsupported(
-            "sliding-window attention (use_sliding_window: true) is not supported; "
-            "only full causal attention is implemented"
-        )
-    if arch == "Qwen2ForCausalLM":
-        qkv_bias = True  # Qwen2 always has q/k/v biases and no output bias
-    elif hf.get("attention_bias"):
-        raise unsupported(
-            f"attention_bias: true on {arch} adds an o_proj bias, which the model does not "
-            "have; only Qwen2's q/k/v-only bias is supported"
-        )
-    else:
-        qkv_bias = False
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise unsupported(f"partial_rotary_factor {hf['partial_rotary_factor']} is not supported")
-
-    def required(name: str) -> int:
-        if hf.get(name) is None:
-            raise CheckpointError(f"{source}: required field {name!r} is missing")
-        return int(hf[name])
-
-    num_heads = required("num_attention_heads")
-    hidden = required("hidden_size")
-    head_dim = hf.get("head_dim") or hidden // num_heads
-    rope_theta, rope_scaling = _rope_from_hf(hf, unsupported)
-    fields: dict[str, Any] = dict(
-        architecture=arch,
-        vocab_size=required("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=required("intermediate_size"),
-        num_layers=required("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
-    )
-    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise unsupported(f"dtype {dtype!r} is not supported (float32, bfloat16, float16)")
-    fields["param_dtype"] = "bfloat16" if dtype == "bfloat16" else "float32"
-    return fields
-
-
-def _rope_from_hf(hf: Mapping[str, Any], unsupported: Callable[[str], Exception]):
-    """(rope_theta, RopeScalingConfig | None) from v5 `rope_parameters` or v4 `rope_scaling`."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, Mapping) and "rope_type" not in params and "full_attention" in params:
-        params = params["full_attention"]  # per-layer-type layout
-    if isinstance(params, Mapping):  # transformers v5
-        spec, theta = params, params.get("rope_theta", hf.get("rope_theta"))
-    else:  # v4: rope_theta at the top, rope_scaling null or a dict
-        spec, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta")
-    theta = 10000.0 if theta is None else theta
-    rope_type = spec.get("rope_type", spec.get("type")) or "default"
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "linear":
-        return theta, RopeScalingConfig(type="linear", factor=float(spec["factor"]))
-    if rope_type == "llama3":
-        return theta, RopeScalingConfig(
-            type="llama3",
-            factor=float(spec["factor"]),
-            low_freq_factor=float(spec["low_freq_factor"]),
-            high_freq_factor=float(spec["high_freq_factor"]),
-            original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
-        )
-    raise unsupported(
-        f"RoPE type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
-
-
 def config_to_hf_dict(config: ModelConfig) -> dict[str, Any]:
     """The config.json that transformers (v4 and v5) needs to rebuild `config`."""
     _check_exportable(config)
-    model_type = _MODEL_TYPES[config.architecture]
+    model_type = MODEL_TYPES[config.architecture]
     dtype = _HF_DTYPE_NAMES[config.param_dtype]
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     rope_scaling = None
@@ -550,33 +410,29 @@ def load_hf_model(
     return build_model(config, params, rngs=rngs)
 
 
-# ModelConfig fields that are the run's choice rather than the checkpoint's.
-_RUN_CHOSEN_FIELDS = ("param_dtype", "dtype", "value_head", "hf_checkpoint", "tokenizer")
-
-
 def load_model_for_config(config: ModelConfig, *, seed: int = 0) -> Transformer:
     """The model of a run whose `config.hf_checkpoint` is set.
 
-    The checkpoint's architecture must equal the run config's; a difference is a
-    ConfigError naming each differing field, so a run never trains a model other than
-    the one its config (and its digest) describes.
+    The checkpoint's weight-shaping architecture (config.checkpoint.SHAPE_FIELDS) must equal
+    the run config's — loading a config resolves it from the checkpoint, so a difference
+    means the checkpoint changed under the run; a ConfigError names each differing field.
+    The rest (dtypes, RoPE, context length) is the run config's.
     """
-    chosen = {name: getattr(config, name) for name in _RUN_CHOSEN_FIELDS}
-    found = load_hf_config(config.hf_checkpoint, **chosen)
+    found = load_hf_config(config.hf_checkpoint)
     differing = [
-        f"model.{f.name} = {getattr(config, f.name)!r} but the checkpoint has "
-        f"{getattr(found, f.name)!r}"
-        for f in dataclasses.fields(ModelConfig)
-        if getattr(config, f.name) != getattr(found, f.name)
+        f"model.{name} = {getattr(config, name)!r} but the checkpoint has {getattr(found, name)!r}"
+        for name in SHAPE_FIELDS
+        if getattr(config, name) != getattr(found, name)
     ]
     if differing:
         raise ConfigError(
             f"the checkpoint {config.hf_checkpoint} does not match the config: "
             + "; ".join(differing)
-            + ". Set these fields to the checkpoint's values (rlax-tpu config show prints them)",
+            + ". Leave these fields out of the config (model.hf_checkpoint fills them from "
+            "its config.json) or point model.hf_checkpoint at the checkpoint you meant",
             field="model",
         )
-    return build_model(found, load_hf_params(config.hf_checkpoint, found), rngs=nnx.Rngs(seed))
+    return build_model(config, load_hf_params(config.hf_checkpoint, config), rngs=nnx.Rngs(seed))
 
 
 def build_model(config: ModelConfig, params: Mapping[str, Any], *, rngs: nnx.Rngs) -> Transformer:

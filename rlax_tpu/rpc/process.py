@@ -1,5 +1,6 @@
 """The life of a component process: stop on SIGTERM/SIGINT (the preemption notice on GKE
-and TPU VMs), announce `READY host:port` once serving, and wait for the stop signal."""
+and TPU VMs), announce `READY host:port` once serving, report slow phases (checkpoint loads,
+first compiles) as `PROGRESS <text>` lines, and wait for the stop signal."""
 
 from __future__ import annotations
 
@@ -37,6 +38,22 @@ def announce_ready(address: str, banner: str) -> None:
     launchers and tests, which read it to learn the bound port."""
     print(banner, file=sys.stderr, flush=True)
     print(f"READY {address}", flush=True)
+
+
+PROGRESS_PREFIX = "PROGRESS "
+_progress_lock = threading.Lock()  # one whole line at a time: the engine thread reports too
+
+
+def announce_progress(text: str) -> None:
+    """Report a slow phase of this component (a checkpoint load, a first compile) as one
+    `PROGRESS <text>` line on stdout, which the local launcher echoes to the run's console
+    under the component's name; the same text goes to stderr (the component's log). For
+    rare events only: never per step."""
+    line = " ".join(str(text).split())  # one line, whatever the text holds
+    with _progress_lock:
+        sys.stdout.write(f"{PROGRESS_PREFIX}{line}\n")
+        sys.stdout.flush()
+        print(f"progress: {line}", file=sys.stderr, flush=True)
 
 
 def wait_for(stop: threading.Event) -> None:

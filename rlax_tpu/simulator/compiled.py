@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rlax_tpu.compile.hardware import compile_target
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.simulator.model import CalibrationError, HardwareSpec, Workload
 
@@ -62,11 +63,12 @@ def check_report(
         return f"config {name}, digest {digest[:12]} (this config)"
     problems = []
     for component, target in report.get("components", {}).items():
-        topology = config.tpu_topology(component)
+        topology = compile_target(config, component)
         if target["topology"] != topology:
             problems.append(
                 f"the {component} was compiled for {target['topology']}, this config runs it "
-                f"on {topology or 'no TPU topology'} ({component}.mesh.topology)"
+                f"on {topology or 'no TPU topology'} ({component}.mesh.topology, "
+                f"{component}.gpu)"
             )
             continue
         try:
@@ -141,6 +143,18 @@ def from_compile_report(
     Per-call host costs (decode_call_s, prefill_call_s) are not in a compiled program: they
     stay with the other sources.
     """
+    estimated = sorted(
+        c for c, t in report.get("components", {}).items() if t.get("compiler") == "XLA:CPU"
+    )
+    if estimated:
+        raise CalibrationError(
+            f"{source}: the {' and '.join(estimated)} programs of this report were compiled by "
+            "XLA:CPU as an estimate of GPU programs: their memory, not their time (XLA:CPU's "
+            "fusion and copies are not the GPU's, so its bytes and rooflines are not). Time "
+            "a GPU by hardware figures (a `hardware:` settings file, e.g. "
+            "configs/simulator/h100.yaml), a benchmark, or a report compiled on a GPU "
+            "(rlax-tpu compile --on-gpu)"
+        )
     head = (
         f"compile report {source} ({check_report(config, workload, report, source)}); the "
         "per-call host costs (decode_call_s, prefill_call_s) are not in a compiled program"

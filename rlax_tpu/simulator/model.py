@@ -309,7 +309,7 @@ class Workload:
             verifier_workers=sim.timing.verifier_workers or config.verifiers.num_workers,
             response_tokens=response,
             prompt_tokens=prompt,
-            uses_code_verifier=any(d.verifier == "code" for d in ctl.datasets),
+            uses_code_verifier=any(d.verifier == "code" for d in config.training_datasets),
         )
 
     @property

@@ -98,14 +98,16 @@ class TrainerPrograms:
         self.rl = self._optimizer_layout(
             *build_optimizer(
                 config.trainer,
-                num_steps=ctl.num_steps,
+                num_steps=config.trainer.lr_decay_steps or ctl.num_steps,
                 updates_per_step=self.levels.num_updates,
             )
         )
         # The SFT warm start's own optimizer: its learning rate, a schedule over its steps.
         self.sft = self._optimizer_layout(
             *build_optimizer(
-                dataclasses.replace(config.trainer, learning_rate=ctl.sft_learning_rate),
+                dataclasses.replace(
+                    config.trainer, learning_rate=ctl.sft_learning_rate, lr_decay_steps=0
+                ),
                 num_steps=max(ctl.sft_steps, 1),
                 updates_per_step=self.levels.num_updates,
             )

@@ -3,8 +3,9 @@
 Builds the Trainer on the config's trainer mesh, connects it to the parameter server
 (--param-server, replicas in order), restores its newest checkpoint or starts at version 0
 (`initialize`), serves Trainer and Health on one gRPC server bound to loopback unless told
-otherwise, prints `READY host:port` on stdout once serving, and on SIGTERM or SIGINT lets a
-running step finish, saves a checkpoint (waiting for it) and exits 0.
+otherwise, prints `READY host:port` on stdout once serving (and before and after it, its slow
+phases as `PROGRESS` lines: checkpoint restores, first compiles), and on SIGTERM or SIGINT
+lets a running step finish, saves a checkpoint (waiting for it) and exits 0.
 
 Multi-host (rlax_tpu.distributed: one process per host, the mesh over every host's
 devices): process 0 is the leader, the only one that serves gRPC. Each call that changes the
@@ -26,6 +27,7 @@ from typing import Any
 from rlax_tpu.config import RunConfig
 from rlax_tpu.rpc import format_address
 from rlax_tpu.rpc.process import (
+    announce_progress,
     announce_ready,
     bind_server,
     component_config,
@@ -209,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
         server, port = bound
     mesh = build_mesh(config.trainer.mesh)
-    trainer = Trainer(config, param_server=param_server, mesh=mesh)
+    trainer = Trainer(config, param_server=param_server, mesh=mesh, progress=announce_progress)
     step = trainer.initialize()
     if not leader:
         print(

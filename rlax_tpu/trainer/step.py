@@ -89,7 +89,8 @@ def learning_rate_schedule(
 ) -> optax.Schedule:
     """The learning rate as a function of the optimizer-update count.
 
-    Warmup and decay are counted in train steps (`warmup_steps`, controller.num_steps), so
+    Warmup and decay are counted in train steps (`warmup_steps`, and `num_steps`: the
+    trainer's lr_decay_steps, else controller.num_steps), so
     every update within one step uses the same rate: linear warmup from 0 to
     `learning_rate`, then constant, cosine to 0, or linear to 0 at `num_steps`.
     """

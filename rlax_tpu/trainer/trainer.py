@@ -25,6 +25,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
 from rlax_tpu.config import RunConfig
@@ -47,7 +49,7 @@ from rlax_tpu.trainer.wire import StepResult
 
 _log = logging.getLogger(__name__)
 
-WARM_START_CHECKPOINTS = "checkpoints_warm_start"
+WARM_START_CHECKPOINTS = run_dir_layout.WARM_START_CHECKPOINTS
 
 
 class OutOfOrderStepError(ValueError):
@@ -90,6 +92,9 @@ class Trainer:
     """Sharded RL / SFT trainer over `config.trainer.mesh` (or the `mesh` given).
 
     Call `initialize()` once; then `train_step(s, batch)` / `sft_step(...)` for s = step.
+    `progress` receives one line per slow phase — a checkpoint restore, an HF checkpoint
+    load, the first step of each batch shape (its compile) — never one per step; the
+    server passes rpc.process.announce_progress (default: the log, at INFO).
     """
 
     def __init__(
@@ -98,8 +103,11 @@ class Trainer:
         *,
         param_server: Any | None = None,
         mesh: Mesh | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
+        self.progress = progress or _log.info
+        self._compiled: set[tuple[str, int, int]] = set()  # (program, rows, seq) run once
         self.mesh = mesh if mesh is not None else build_mesh(config.trainer.mesh)
         # Model layout, optimizers and jitted functions: built from (config, mesh) by the
         # builder `rlax-tpu compile` also lowers for a TPU topology (trainer/programs.py).
@@ -139,7 +147,7 @@ class Trainer:
         self._random_init = programs.random_init
 
         self.checkpoints = CheckpointStore(
-            storage.join(config.storage.run_dir, "checkpoints"),
+            storage.join(config.storage.run_dir, run_dir_layout.CHECKPOINTS),
             max_to_keep=config.trainer.max_checkpoints_to_keep,
         )
         self.warm_start_checkpoints = (
@@ -190,7 +198,13 @@ class Trainer:
         if model_cfg.hf_checkpoint:
             from rlax_tpu.models.hf import load_model_for_config
 
+            self.progress(f"loading the HF checkpoint {model_cfg.hf_checkpoint} ...")
+            t0 = time.perf_counter()
             model = load_model_for_config(model_cfg, seed=self.config.seed)
+            self.progress(
+                f"loaded the HF checkpoint {model_cfg.hf_checkpoint} in "
+                f"{time.perf_counter() - t0:.1f}s"
+            )
             pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
             if self.config.trainer.scan_layers:
                 pure = stack_layers(pure)
@@ -317,6 +331,7 @@ class Trainer:
         self.levels.check(rows, seq, self.config.trainer.max_seq_len)
         self._check_staleness(step, batch.versions, batch.group_ids)
         batch = jax.tree.map(self._place_rows, batch)
+        first = self._first_of_shape("train step", rows, seq)
         start = time.perf_counter()
         with use_mesh(self.mesh, self.rules):
             # π_old and, for GAE, V_old: the value head before the update (stop-gradient).
@@ -343,6 +358,8 @@ class Trainer:
             )
             metrics = {**jax.device_get(metrics), **jax.device_get(extra)}
         step_s = time.perf_counter() - start
+        if first:
+            self.progress(f"train step {rows}x{seq}: compiled and ran in {step_s:.1f}s")
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["time/recompute_s"] = recompute_s
         return self._finish(step, metrics, tokens=rows * seq, step_s=step_s)
@@ -399,12 +416,16 @@ class Trainer:
         tokens = self._place_rows(tokens, jnp.int32)
         targets = self._place_rows(targets, jnp.int32)
         loss_mask = self._place_rows(loss_mask, jnp.float32)
+        first = self._first_of_shape("SFT step", rows, seq)
         start = time.perf_counter()
         with use_mesh(self.mesh, self.rules):
             self._params, self._sft_opt_state, metrics = self._sft_step(
                 self._params, self._sft_opt_state, tokens, targets, loss_mask
             )
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if first:
+            seconds = time.perf_counter() - start
+            self.progress(f"SFT step {rows}x{seq}: compiled and ran in {seconds:.1f}s")
         metrics.update(self._speed(rows * seq, time.perf_counter() - start))
         self.warm_start_step = step + 1
         last = self.warm_start_step == total
@@ -418,6 +439,15 @@ class Trainer:
             self._sft_results = {}
             self._publish(0)
         return result
+
+    def _first_of_shape(self, program: str, rows: int, seq: int) -> bool:
+        """Whether `program` runs on a batch of this shape for the first time here (so it
+        compiles); says so through `progress` if it does."""
+        if (program, rows, seq) in self._compiled:
+            return False
+        self._compiled.add((program, rows, seq))
+        self.progress(f"compiling the {program} for batches of {rows}x{seq} tokens ...")
+        return True
 
     def _speed(self, tokens: int, step_s: float) -> dict[str, float]:
         if self._peak_flops is None:
@@ -479,10 +509,17 @@ class Trainer:
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid checkpoint (or `step`) onto this trainer's mesh."""
+        which = "the newest checkpoint" if step is None else f"the checkpoint of step {step}"
+        self.progress(f"restoring {which} from {self.checkpoints.directory} ...")
+        t0 = time.perf_counter()
         try:
             restored = self.checkpoints.restore(self._abstract_state(), step)
         except NoValidCheckpointError:
             raise
+        self.progress(
+            f"restored the checkpoint of step {restored.step} from "
+            f"{self.checkpoints.directory} in {time.perf_counter() - t0:.1f}s"
+        )
         state = restored.state
         self._params = state["params"]
         self._opt_state = state["opt_state"]
@@ -522,11 +559,18 @@ class Trainer:
         if not self.warm_start_checkpoints.steps(reload=True):
             return False
         abstract = {"params": self._abstract_params, "opt_state": self._abstract_sft_opt}
+        directory = self.warm_start_checkpoints.directory
+        self.progress(f"restoring the SFT warm start from {directory} ...")
+        t0 = time.perf_counter()
         try:
             restored = self.warm_start_checkpoints.restore(abstract)
         except NoValidCheckpointError as e:
             _log.warning("no warm-start checkpoint loads (%s); the warm start starts over", e)
             return False
+        self.progress(
+            f"restored the SFT warm start at step {restored.step} of {self.warm_start_steps} "
+            f"from {directory} in {time.perf_counter() - t0:.1f}s"
+        )
         self._params = restored.state["params"]
         self._sft_opt_state = restored.state["opt_state"]
         self._sft_results = {}

@@ -1,7 +1,13 @@
-"""Verifiers (DESIGN §7): rewards from math equivalence, sandboxed code execution and task
-scorers; a test-data repository for code problems; a gRPC verifier service with a pool of
-worker processes. Others use what is named here."""
+"""Verifiers (DESIGN §7): rewards from math equivalence, sandboxed code execution, task
+scorers and reward functions of the user's; a test-data repository for code problems; a
+gRPC verifier service with a pool of worker processes. Others use what is named here."""
 
+from rlax_tpu.verifiers.functions import (
+    RewardFunctionError,
+    check_reward_functions,
+    configured_reward_functions,
+    load_reward_function,
+)
 from rlax_tpu.verifiers.local import LocalVerifier
 from rlax_tpu.verifiers.pool import TaskTimeout, WorkerCrashed, WorkerPool
 from rlax_tpu.verifiers.types import (
@@ -13,6 +19,7 @@ from rlax_tpu.verifiers.types import (
 
 __all__ = [
     "LocalVerifier",
+    "RewardFunctionError",
     "TaskTimeout",
     "TestCaseResult",
     "Verdict",
@@ -20,4 +27,7 @@ __all__ = [
     "VerificationResult",
     "WorkerCrashed",
     "WorkerPool",
+    "check_reward_functions",
+    "configured_reward_functions",
+    "load_reward_function",
 ]

@@ -1,8 +1,9 @@
 """In-process verification: one `VerificationRequest` in, one `VerificationResult` out.
 
 Dispatches by kind: math and reasoning-gym checks run in a `WorkerPool` under
-`VerifierConfig.math_timeout_s` and `math_memory_limit_bytes`, arithmetic runs inline (it
-is a regex), code goes to the `CodeVerifier` it was given. A response longer than
+`VerifierConfig.math_timeout_s` and `math_memory_limit_bytes`, a reward function of the
+user's in the same pool under `reward_timeout_s`, arithmetic runs inline (it is a regex),
+code goes to the `CodeVerifier` it was given. A response longer than
 `max_response_bytes` is cut to its last that-many bytes first (counted). The controller
 uses this when no verifier service is set.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from rlax_tpu.config import VerifierConfig
+from rlax_tpu.verifiers import functions
 from rlax_tpu.verifiers.math import check_extraction_methods, verify_math_in_pool
 from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed, WorkerPool
 from rlax_tpu.verifiers.tasks import score_arithmetic, score_reasoning_gym
@@ -43,16 +45,24 @@ def truncate_response(response: str, max_bytes: int) -> tuple[str, bool]:
 
 
 def pool_for(
-    config: VerifierConfig, *, num_workers: int | None = None, max_tasks_per_worker: int = 100
+    config: VerifierConfig,
+    *,
+    num_workers: int | None = None,
+    max_tasks_per_worker: int = 100,
+    reward_functions: Sequence[str] = (),
 ) -> WorkerPool:
     """The worker pool `config` asks for (`num_workers` overrides its size): workers with
-    the checks' modules preloaded and `math_memory_limit_bytes` of address space each."""
+    the checks' modules and the `reward_functions` (specs) preloaded and
+    `math_memory_limit_bytes` of address space each. Other reward functions are imported
+    by a worker on first use."""
     return WorkerPool(
         num_workers or config.num_workers,
         max_tasks_per_worker=max_tasks_per_worker,
         name="verifier",
         preload=POOL_PRELOAD,
         memory_bytes=config.math_memory_limit_bytes,
+        initializer=functions.preload if reward_functions else None,
+        initargs=(tuple(reward_functions),),
     )
 
 
@@ -63,8 +73,8 @@ class CodeVerifierMissing(RuntimeError):
 class LocalVerifier:
     """Judges requests in this process (and the pool's workers).
 
-    pool: where math / reasoning-gym checks run; None = a pool of `config.num_workers`
-      workers owned (and closed) by this verifier.
+    pool: where math / reasoning-gym checks and reward functions run; None = a pool of
+      `config.num_workers` workers owned (and closed) by this verifier.
     code_verifier: judges kind "code"; problem_resolver turns a request's `problem` link
       into a local directory for it (None = the link is already a local path).
     """
@@ -113,6 +123,8 @@ class LocalVerifier:
             return score_arithmetic(response, request.reference)
         if request.kind == "reasoning_gym":
             return self._in_pool(score_reasoning_gym, response, request.reference)
+        if request.kind == "function":
+            return self._reward_function(request, response)
         if request.kind == "code":
             if self.code_verifier is None:
                 raise CodeVerifierMissing(
@@ -125,26 +137,65 @@ class LocalVerifier:
             return self.code_verifier.verify(response, problem_dir, language=request.language)
         raise ValueError(
             f"unknown verifier kind {request.kind!r}; "
-            "expected 'math', 'arithmetic', 'reasoning_gym' or 'code'"
+            "expected 'math', 'arithmetic', 'reasoning_gym', 'code' or 'function'"
         )
 
-    def _in_pool(self, fn: Callable[..., VerificationResult], *args: Any) -> VerificationResult:
-        timeout_s = self.config.math_timeout_s
+    def _reward_function(self, request: VerificationRequest, response: str) -> VerificationResult:
+        """The request's reward function (functions.judge) in the pool."""
+        spec = request.function
+        if not spec:
+            return VerificationResult(
+                reward=0.0,
+                verdict=Verdict.VERIFIER_ERROR,
+                reason="a 'function' request names no reward function ('module:function')",
+            )
+        try:
+            prompt, metadata = functions.decode_arguments(
+                request.prompt, request.chat, request.metadata
+            )
+        except ValueError as exc:
+            return VerificationResult(
+                reward=0.0,
+                verdict=Verdict.VERIFIER_ERROR,
+                reason=f"reward function {spec!r} not called: {exc}",
+            )
+        return self._in_pool(
+            functions.judge,
+            spec,
+            prompt,
+            response,
+            request.reference,
+            metadata,
+            timeout_s=self.config.reward_timeout_s,
+            what=f"reward function {spec!r}",
+        )
+
+    def _in_pool(
+        self,
+        fn: Callable[..., VerificationResult],
+        *args: Any,
+        timeout_s: float | None = None,
+        what: str = "",
+    ) -> VerificationResult:
+        """fn(*args) in the pool under `timeout_s` (default `math_timeout_s`); `what` names
+        it in reasons (default fn's name)."""
+        timeout_s = self.config.math_timeout_s if timeout_s is None else timeout_s
+        what = what or fn.__name__
         try:
             return self.pool.run(fn, *args, timeout_s=timeout_s)
         except TaskTimeout:
             return VerificationResult(
                 reward=0.0,
                 verdict=Verdict.TIME_LIMIT,
-                reason=f"{fn.__name__} ran past {timeout_s:g}s",
+                reason=f"{what} ran past {timeout_s:g}s",
             )
         except TaskOutOfMemory as exc:
-            return _out_of_memory(fn.__name__, exc)
+            return _out_of_memory(what, exc)
         except WorkerCrashed as exc:
             return VerificationResult(
                 reward=0.0,
                 verdict=Verdict.VERIFIER_ERROR,
-                reason=f"{fn.__name__}'s worker process died: {exc}",
+                reason=f"the worker process running {what} died: {exc}",
             )
 
     def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]:

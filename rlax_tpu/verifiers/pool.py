@@ -76,7 +76,11 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(
-    conn: Connection, parent_pid: int, preload: Sequence[str], memory_bytes: int | None
+    conn: Connection,
+    parent_pid: int,
+    preload: Sequence[str],
+    memory_bytes: int | None,
+    initializer: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
 ) -> None:
     """Runs in the worker: a pickled (fn, args) in, ("started",) and then ("ok", value),
     ("error", exc, tb) or ("memory", tb) out; exits on an empty message, on EOF of the pipe,
@@ -87,6 +91,8 @@ def _worker_main(
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
         for module in preload:
             importlib.import_module(module)
+        if initializer is not None:
+            initializer[0](*initializer[1])
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
@@ -127,12 +133,17 @@ def _portable(exc: BaseException) -> BaseException:
 
 class _Worker:
     def __init__(
-        self, context: Any, name: str, preload: Sequence[str], memory_bytes: int | None
+        self,
+        context: Any,
+        name: str,
+        preload: Sequence[str],
+        memory_bytes: int | None,
+        initializer: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
     ) -> None:
         self.conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
             target=_worker_main,
-            args=(child_conn, os.getpid(), tuple(preload), memory_bytes),
+            args=(child_conn, os.getpid(), tuple(preload), memory_bytes, initializer),
             name=name,
             daemon=True,
         )
@@ -202,8 +213,9 @@ class WorkerPool:
     worker still starting waits for it, which counts as queue time, not task time) and a
     replacement starts as soon as a worker is killed, crashes or is recycled. `preload`
     names modules each worker imports before it takes tasks (e.g. sympy's users), so a
-    task's time limit is not spent importing. `memory_bytes` caps each worker's address
-    space (None: no cap). Thread-safe; a context manager.
+    task's time limit is not spent importing; then `initializer(*initargs)` runs (a
+    picklable top-level function; if it raises, the worker fails to start). `memory_bytes`
+    caps each worker's address space (None: no cap). Thread-safe; a context manager.
     """
 
     def __init__(
@@ -214,6 +226,8 @@ class WorkerPool:
         name: str = "verifier",
         preload: Sequence[str] = (),
         memory_bytes: int | None = None,
+        initializer: Callable[..., Any] | None = None,
+        initargs: tuple[Any, ...] = (),
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -225,6 +239,7 @@ class WorkerPool:
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be > 0 or None, got {memory_bytes}")
         self._preload = tuple(preload)
+        self._initializer = None if initializer is None else (initializer, tuple(initargs))
         self.memory_bytes = memory_bytes
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Condition()
@@ -246,7 +261,11 @@ class WorkerPool:
     def _start_worker_locked(self) -> _Worker:
         self._serial += 1
         worker = _Worker(
-            self._context, f"{self.name}-worker-{self._serial}", self._preload, self.memory_bytes
+            self._context,
+            f"{self.name}-worker-{self._serial}",
+            self._preload,
+            self.memory_bytes,
+            self._initializer,
         )
         self._workers.add(worker)
         return worker

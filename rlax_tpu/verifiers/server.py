@@ -1,7 +1,9 @@
 """The verifier process behind `rlax-tpu serve verifier`.
 
 Starts a pool of worker processes (recycled after --max-tasks-per-worker tasks, each
-capped at `verifiers.math_memory_limit_bytes`) for math and reasoning-gym checks, a
+capped at `verifiers.math_memory_limit_bytes`) for math and reasoning-gym checks and the
+user's reward functions (those the config's datasets name are imported into every worker
+as it starts; one that does not import refuses the start, exit 2, naming it), a
 sandboxed CodeVerifier (up to --max-parallel-tests test cases of one request at once) and a
 VerificationService over them with a bounded queue; serves Verifier and Health on one gRPC
 server bound to loopback unless told otherwise, prints `READY host:port` on stdout once
@@ -23,6 +25,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.rpc import format_address
@@ -45,6 +48,8 @@ DEFAULT_MAX_PARALLEL_TESTS = 4
 # Each Verify call holds a server thread until its batch is answered; callers are the
 # controller's threads, so a few dozen at once is plenty (the queue bounds the real work).
 _MAX_CALLS = 32
+# How long the start-up check may take to import the config's reward functions in a worker.
+_REWARD_IMPORT_TIMEOUT_S = 60.0
 
 
 def default_cache_dir() -> Path:
@@ -110,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
 
     from rlax_tpu.rpc import HealthServicer
     from rlax_tpu.verifiers.code import CodeVerifier
+    from rlax_tpu.verifiers.functions import configured_reward_functions
     from rlax_tpu.verifiers.local import LocalVerifier, pool_for
     from rlax_tpu.verifiers.repository import ProblemResolver
     from rlax_tpu.verifiers.sandbox import SandboxUnavailable
@@ -146,11 +152,24 @@ def main(args: argparse.Namespace) -> int:
         return 2
     server, port = bound
     resolver = ProblemResolver(options.test_data_cache, roots=options.test_data_roots)
+    reward_functions = configured_reward_functions(config)
     pool = pool_for(
         config.verifiers,
         num_workers=options.num_workers,
         max_tasks_per_worker=options.max_tasks_per_worker,
+        reward_functions=reward_functions,
     )
+    if reward_functions:
+        problem = _reward_functions_problem(pool, reward_functions)
+        if problem:
+            pool.close()
+            print(f"rlax-tpu serve verifier: {problem}", file=sys.stderr, flush=True)
+            return 2
+        print(
+            f"{name}: reward functions loaded: {', '.join(reward_functions)}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         verifier = LocalVerifier(
             config.verifiers, pool, code_verifier=code_verifier, problem_resolver=resolver
@@ -189,3 +208,23 @@ def main(args: argparse.Namespace) -> int:
         pool.close()  # kills the worker processes, including any still judging
     print(f"verifier {options.instance_id}: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _reward_functions_problem(pool: Any, specs: list[str]) -> str:
+    """Why the reward functions `specs` cannot be served ("" = they all load): imported in
+    a worker of `pool`, as requests will find them."""
+    from rlax_tpu.verifiers.functions import loading_errors
+    from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed
+
+    try:
+        errors = pool.run(loading_errors, specs, timeout_s=_REWARD_IMPORT_TIMEOUT_S)
+    except TaskTimeout:
+        return (
+            f"importing the reward functions {', '.join(specs)} took over "
+            f"{_REWARD_IMPORT_TIMEOUT_S:g}s"
+        )
+    except (TaskOutOfMemory, WorkerCrashed) as e:
+        return f"a worker importing the reward functions {', '.join(specs)} failed: {e}"
+    if not errors:
+        return ""
+    return "cannot serve the config's reward functions: " + "; ".join(errors)

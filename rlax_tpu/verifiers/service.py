@@ -68,11 +68,23 @@ def _not_judged(reason: str) -> VerificationResult:
 
 
 def _fingerprint(request: VerificationRequest) -> str:
-    """What a request id stands for: a retry must carry the same request."""
+    """What a request id stands for: a retry must carry the same request (every field a
+    result depends on; a reward function's also sees the prompt and the metadata)."""
     h = hashlib.sha256()
-    for part in (request.kind, request.response, request.reference, request.problem):
-        h.update(part.encode() + b"\0")
-    h.update(request.language.encode())
+    parts = (
+        request.kind,
+        request.response,
+        request.reference,
+        request.problem,
+        request.language,
+        request.function,
+        request.prompt,
+        "chat" if request.chat else "text",
+        request.metadata,
+    )
+    for part in parts:
+        data = part.encode(errors="surrogatepass")
+        h.update(len(data).to_bytes(8, "little") + data)
     return h.hexdigest()
 
 
@@ -336,6 +348,10 @@ def request_to_proto(request: VerificationRequest) -> pb.VerificationRequestMess
         reference=request.reference,
         problem=request.problem,
         language=request.language,
+        function=request.function,
+        prompt=request.prompt,
+        chat=request.chat,
+        metadata=request.metadata,
     )
 
 
@@ -344,12 +360,21 @@ def request_from_proto(message: pb.VerificationRequestMessage, index: int) -> Ve
         raise ValueError(
             f"requests[{index}].kind is {message.kind!r}; expected one of {', '.join(KINDS)}"
         )
+    if message.kind == "function" and not message.function:
+        raise ValueError(
+            f"requests[{index}] is of kind 'function' but names no reward function "
+            "('module:function' or 'path/to/file.py:function')"
+        )
     return VerificationRequest(
         kind=message.kind,
         response=message.response,
         reference=message.reference,
         problem=message.problem,
         language=message.language,
+        function=message.function,
+        prompt=message.prompt,
+        chat=message.chat,
+        metadata=message.metadata,
         request_id=message.request_id,
     )
 

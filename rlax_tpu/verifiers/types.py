@@ -14,7 +14,8 @@ from typing import Literal
 
 class Verdict(enum.StrEnum):
     """The outcome of one check. Math uses ACCEPTED / WRONG_ANSWER / NO_ANSWER / TIME_LIMIT;
-    code uses all but NO_ANSWER (a response with no code block is NO_ANSWER too)."""
+    code uses all but NO_ANSWER (a response with no code block is NO_ANSWER too); a reward
+    function of the user's names any of them."""
 
     ACCEPTED = "accepted"
     WRONG_ANSWER = "wrong_answer"
@@ -48,20 +49,27 @@ class VerificationResult:
     tests: tuple[TestCaseResult, ...] = ()
 
 
-VerifierKind = Literal["math", "code", "arithmetic", "reasoning_gym"]
+VerifierKind = Literal["math", "code", "arithmetic", "reasoning_gym", "function"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerificationRequest:
     """One response to judge.
 
-    kind:      which verifier.
+    kind:      which verifier ("function": a reward function of the user's, `function`).
     response:  the model's full response text (the verifier extracts the answer / code).
-    reference: math/arithmetic: the reference answer; reasoning_gym: the task entry as JSON.
+    reference: math/arithmetic: the reference answer; reasoning_gym: the task entry as JSON;
+               function: the dataset row's reference answer, passed on as it is.
     problem:   code: link to the problem in the test-data repository (file://, gs://, or a
                local path), holding its tests, comparison mode and optional checker.
     language:  code: a name from the language table ("python", "cpp"); "" = take it from the
                response's code fence.
+    function:  function: the reward function, "module:function" ("pkg.rewards:score") or
+               "path/to/file.py:function" (rlax_tpu/verifiers/functions.py).
+    prompt:    function: the prompt text, or with `chat` the chat messages as JSON text
+               ([{"role": ..., "content": ...}, ...]).
+    chat:      function: `prompt` holds chat messages (JSON), not text.
+    metadata:  function: the dataset row's other fields as a JSON object ("" = {}).
     request_id: idempotency key for the service; the controller derives it from
                (step, prompt id, sample index) so a retried request is not judged twice.
     """
@@ -71,4 +79,8 @@ class VerificationRequest:
     reference: str = ""
     problem: str = ""
     language: str = ""
+    function: str = ""
+    prompt: str = ""
+    chat: bool = False
+    metadata: str = ""
     request_id: str = ""

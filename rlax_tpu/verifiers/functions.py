@@ -1,0 +1,359 @@
+"""Rewards of your own: a reward function in the user's module, named `module:function`.
+
+The verifier service runs it in its worker pool (the math checks' pool: the same deadline
+handling, recycling and memory limit), never in the controller. `load_reward_function`
+imports one and checks it can be called as a reward; `judge` (run in a worker) calls it and
+turns what it returns into a VerificationResult; `preload` imports a config's functions
+when a worker starts, so no request's deadline is spent importing them.
+
+A spec is `package.module:function` (imported by name: installed, or on PYTHONPATH) or
+`path/to/file.py:function` (a file, relative to the working directory of the process that
+loads it). The function is called with keyword arguments:
+
+    prompt:    str (the prompt text), or for chat prompts the messages as a list of
+               {"role": ..., "content": ...} dicts
+    response:  str, the model's response
+    reference: str, the row's reference answer ("" if it has none)
+    metadata:  dict, the row's other fields
+
+and returns a score (a finite number: verdict "accepted" if > 0, else "wrong_answer"), a
+(score, verdict) tuple, or a dict {"reward": score, "verdict": ..., "reason": ...} (verdict
+and reason optional). A verdict is a Verdict value ("accepted", "wrong_answer",
+"no_answer", ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import numbers
+import reprlib
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlax_tpu.verifiers.types import Verdict, VerificationResult
+
+# The keyword arguments every reward function is called with.
+ARGUMENTS = ("prompt", "response", "reference", "metadata")
+# A reason longer than this is cut (it goes into the rollout log with every sample).
+MAX_REASON_CHARS = 2000
+_RESULT_KEYS = ("reward", "verdict", "reason")
+_VERDICTS = tuple(v.value for v in Verdict)
+
+# This process's loaded functions by spec (in a pool worker: for the worker's lifetime),
+# or the RewardFunctionError that loading one raised.
+_loaded: dict[str, Callable[..., Any] | RewardFunctionError] = {}
+
+
+class RewardFunctionError(ValueError):
+    """A reward function spec that cannot be used: malformed, its module does not import,
+    no such attribute, not callable, or a signature that does not take the reward's
+    keyword arguments. The message names the spec and what to fix."""
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """(module or file path, function name) of `spec`; RewardFunctionError if malformed."""
+    module, sep, name = spec.rpartition(":")
+    if not (sep and module and name.isidentifier()):
+        raise RewardFunctionError(
+            f"reward function {spec!r}: expected 'package.module:function' or "
+            "'path/to/file.py:function'"
+        )
+    return module, name
+
+
+def _is_file_spec(module: str) -> bool:
+    return module.endswith(".py") or "/" in module
+
+
+def _import_file(path_text: str, spec: str) -> Any:
+    path = Path(path_text).resolve()  # a relative path is relative to the working directory
+    if not path.is_file():
+        raise RewardFunctionError(
+            f"reward function {spec!r}: no file {str(path)!r} (paths are relative to the "
+            f"working directory, {str(Path.cwd())!r})"
+        )
+    # One module per file, under a private name: the file is executed once per process.
+    name = "_rlax_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardFunctionError(f"reward function {spec!r}: {str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as exc:
+        sys.modules.pop(name, None)
+        if isinstance(exc, MemoryError | KeyboardInterrupt):
+            raise
+        raise RewardFunctionError(
+            f"reward function {spec!r}: importing {str(path)!r} raised {_describe(exc)}"
+        ) from exc
+    return module
+
+
+def _import_module(name: str, spec: str) -> Any:
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise RewardFunctionError(
+            f"reward function {spec!r}: {name!r} is neither a module name "
+            "('package.module') nor a path to a .py file"
+        )
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise RewardFunctionError(
+                f"reward function {spec!r}: no module named {exc.name!r} (install it, put its "
+                "directory on PYTHONPATH of the verifier service, or name the file: "
+                "'path/to/file.py:function')"
+            ) from exc
+        raise RewardFunctionError(
+            f"reward function {spec!r}: importing {name!r} raised {_describe(exc)}"
+        ) from exc
+    except BaseException as exc:
+        if isinstance(exc, MemoryError | KeyboardInterrupt):
+            raise
+        raise RewardFunctionError(
+            f"reward function {spec!r}: importing {name!r} raised {_describe(exc)}"
+        ) from exc
+
+
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """The function `spec` names, imported into this process (a file is executed once per
+    process; a module through the import system). Raises RewardFunctionError naming the
+    spec when the module does not import, has no such attribute, the attribute is not
+    callable, or its signature cannot take the keyword arguments prompt, response,
+    reference and metadata."""
+    module_name, name = parse_spec(spec)
+    if _is_file_spec(module_name):
+        module = _import_file(module_name, spec)
+    else:
+        module = _import_module(module_name, spec)
+    if not hasattr(module, name):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise RewardFunctionError(
+            f"reward function {spec!r}: {module_name!r} has no attribute {name!r}"
+            + (f" (its functions: {', '.join(public[:10])})" if public else "")
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardFunctionError(
+            f"reward function {spec!r}: {name!r} is not callable (it is "
+            f"{_article(type(fn).__name__)} {type(fn).__name__})"
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: calls will tell
+        return fn
+    try:
+        signature.bind(**{a: None for a in ARGUMENTS})
+    except TypeError as exc:
+        raise RewardFunctionError(
+            f"reward function {spec!r}: its signature {name}{signature} cannot take the "
+            f"keyword arguments {', '.join(ARGUMENTS)} ({exc}); define it as "
+            f"`def {name}(prompt, response, reference, metadata)` (or with **kwargs)"
+        ) from None
+    return fn
+
+
+def check_reward_functions(specs: Iterable[str]) -> None:
+    """Loads every spec in this process; one RewardFunctionError naming each that fails."""
+    errors = []
+    for spec in dict.fromkeys(specs):
+        try:
+            load_reward_function(spec)
+        except RewardFunctionError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise RewardFunctionError("; ".join(errors))
+
+
+def configured_reward_functions(config: Any) -> list[str]:
+    """The reward function specs a run config names (its datasets' `reward_function`, in
+    order, each once): `controller.datasets` and, where the config has one, `data`."""
+    datasets = list(config.controller.datasets)
+    data = getattr(config, "data", None)
+    if data is not None:
+        datasets.append(data)
+    specs = (getattr(d, "reward_function", "") for d in datasets)
+    return list(dict.fromkeys(s for s in specs if s))
+
+
+# -- in a pool worker ---------------------------------------------------------------------------
+def _cached(spec: str) -> Callable[..., Any]:
+    entry = _loaded.get(spec)
+    if entry is None:
+        try:
+            entry = load_reward_function(spec)
+        except RewardFunctionError as exc:
+            entry = exc
+        except MemoryError:
+            entry = RewardFunctionError(
+                f"reward function {spec!r}: importing it ran out of the worker's memory "
+                "(verifiers.math_memory_limit_bytes)"
+            )
+        _loaded[spec] = entry
+    if isinstance(entry, RewardFunctionError):
+        raise entry
+    return entry
+
+
+def preload(specs: Sequence[str]) -> None:
+    """Loads `specs` into this worker (the pool's initializer). A spec that fails is
+    remembered: its requests get the error as their reason, others are served."""
+    for spec in specs:
+        try:
+            _cached(spec)
+        except RewardFunctionError:
+            pass
+
+
+def loading_errors(specs: Sequence[str]) -> list[str]:
+    """The messages of the specs that do not load in this worker (the service's check at
+    start)."""
+    errors = []
+    for spec in specs:
+        try:
+            _cached(spec)
+        except RewardFunctionError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def judge(
+    spec: str, prompt: str | list[Any], response: str, reference: str, metadata: dict[str, Any]
+) -> VerificationResult:
+    """Calls the function `spec` names and checks what it returns (runs in a pool worker,
+    under the pool's deadline). A function that does not load, raises or returns something
+    that is not a reward gives VERIFIER_ERROR with the reason; MemoryError goes to the pool
+    (MEMORY_LIMIT)."""
+    try:
+        fn = _cached(spec)
+    except RewardFunctionError as exc:
+        return _error(str(exc))
+    try:
+        value = fn(prompt=prompt, response=response, reference=reference, metadata=metadata)
+    except MemoryError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the user's bug is this request's verdict
+        return _error(f"reward function {spec!r} raised {_describe(exc)}{_where(exc)}")
+    return result_from_return(spec, value)
+
+
+def result_from_return(spec: str, value: Any) -> VerificationResult:
+    """The VerificationResult of what the function `spec` returned (VERIFIER_ERROR naming
+    the function and the value when it is not a reward)."""
+    shown = reprlib.repr(value)
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            return _bad_return(
+                spec, shown, f"a tuple must be (score, verdict), got {len(value)} items"
+            )
+        score, verdict = value
+        reason = None
+    elif isinstance(value, Mapping):
+        unknown = sorted(str(k) for k in value if k not in _RESULT_KEYS)
+        if unknown or "reward" not in value:
+            what = f"unknown keys {unknown}" if unknown else "no 'reward' key"
+            return _bad_return(spec, shown, f"a dict takes 'reward', 'verdict', 'reason': {what}")
+        score, verdict, reason = value["reward"], value.get("verdict"), value.get("reason")
+    else:
+        score, verdict, reason = value, None, None
+    if not isinstance(score, numbers.Real):  # int, float, bool, numpy scalars
+        return _bad_return(spec, shown, f"the score {reprlib.repr(score)} is not a number")
+    score = float(score)
+    if not math.isfinite(score):
+        return _bad_return(spec, shown, f"the score {score} is not finite")
+    if verdict is None:
+        verdict = Verdict.ACCEPTED if score > 0 else Verdict.WRONG_ANSWER
+    elif not isinstance(verdict, str) or verdict not in _VERDICTS:
+        return _bad_return(
+            spec,
+            shown,
+            f"the verdict {reprlib.repr(verdict)} is not one of {', '.join(_VERDICTS)}",
+        )
+    if reason is None:
+        reason = f"reward function {spec!r} returned {shown}"
+    elif not isinstance(reason, str):
+        return _bad_return(spec, shown, f"the reason {reprlib.repr(reason)} is not a string")
+    if len(reason) > MAX_REASON_CHARS:
+        reason = (
+            reason[:MAX_REASON_CHARS] + f"... ({len(reason) - MAX_REASON_CHARS} more characters)"
+        )
+    return VerificationResult(reward=score, verdict=Verdict(verdict), reason=reason)
+
+
+def _bad_return(spec: str, shown: str, problem: str) -> VerificationResult:
+    return _error(
+        f"reward function {spec!r} returned {shown}: {problem}; return a finite score, a "
+        "(score, verdict) tuple or a dict {'reward': ..., 'verdict': ..., 'reason': ...}"
+    )
+
+
+def _error(reason: str) -> VerificationResult:
+    return VerificationResult(reward=0.0, verdict=Verdict.VERIFIER_ERROR, reason=reason)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    """Where `exc` was raised: " (at FILE:LINE in FUNCTION)" of its innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {last.filename}:{last.lineno} in {last.name})"
+
+
+# -- request fields -----------------------------------------------------------------------------
+def encode_prompt(prompt: str, messages: Sequence[Mapping[str, Any]] = ()) -> tuple[str, bool]:
+    """(prompt, chat) of a VerificationRequest: the messages as JSON text when there are
+    any (chat), else the prompt text."""
+    if messages:
+        return json.dumps([dict(m) for m in messages], ensure_ascii=False), True
+    return prompt, False
+
+
+def encode_metadata(metadata: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> str:
+    """A VerificationRequest's metadata: the fields as a JSON object, keys sorted (so the
+    same row always gives the same request)."""
+    return json.dumps(dict(metadata), sort_keys=True, ensure_ascii=False)
+
+
+def decode_arguments(prompt: str, chat: bool, metadata: str) -> tuple[str | list[Any], dict]:
+    """(prompt, metadata) as the function receives them; ValueError naming what is wrong."""
+    if chat:
+        try:
+            messages = json.loads(prompt)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the chat prompt is not JSON ({exc})") from None
+        if not isinstance(messages, list):
+            raise ValueError(f"the chat prompt is a JSON {type(messages).__name__}, not a list")
+        decoded_prompt: str | list[Any] = messages
+    else:
+        decoded_prompt = prompt
+    if not metadata:
+        return decoded_prompt, {}
+    try:
+        fields = json.loads(metadata)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the metadata is not JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"the metadata is a JSON {type(fields).__name__}, not an object")
+    return decoded_prompt, fields

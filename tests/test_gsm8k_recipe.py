@@ -1,0 +1,131 @@
+"""The one-GPU recipe as a new user runs it, on the CPU (issue 20's "done when"): a clean
+checkout given only a Qwen2-layout Hugging Face directory (a tiny random stand-in made by
+transformers, with Qwen's tokenizer layout, chat template and generation config) and a
+GSM8K-format JSONL runs GRPO from configs/qwen2_5_0_5b_gsm8k_gpu.py with --set
+model.hf_checkpoint=DIR --set data.path=FILE (plus sizes a CPU can run), extends the finished
+run by a step, exports it, and the export loads in transformers with the same logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from hf_fixtures import save_qwen_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "configs" / "qwen2_5_0_5b_gsm8k_gpu.py"
+
+# GSM8K's own rows ({"question", "answer": "... #### N"}), short enough for the tiny stand-in.
+ROWS = [
+    {
+        "question": f"Tom has {a} apples and buys {b} more. How many apples?",
+        "answer": f"#### {a + b}",
+    }
+    for a, b in [(2, 3), (4, 1), (5, 5), (7, 2), (1, 8), (3, 3), (6, 0), (9, 1)]
+]
+# Sizes a 2-core CPU runs in seconds, in an order every prefix of which validates.
+CPU_SIZES = [
+    "inference.max_new_tokens=8",
+    "inference.max_prompt_len=128",
+    "trainer.max_seq_len=136",
+    "inference.prefill_buckets=128,",
+    "inference.prefill_batch_size=4",
+    "inference.max_decode_slots=4",
+    "inference.kv_cache_bytes=4194304",
+    "trainer.micro_batch_size=4",
+    "trainer.mini_batch_size=4",
+    "controller.prompts_per_batch=2",
+    "controller.samples_per_prompt=2",
+    "trainer.logprob_chunk_size=0",
+    "verifiers.num_workers=1",
+]
+
+
+def _rlax(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+    return subprocess.run(
+        [sys.executable, "-m", "rlax_tpu", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(tmp_path):
+    checkpoint = save_qwen_checkpoint(tmp_path / "Qwen2-stand-in")
+    data = tmp_path / "gsm8k_train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    run_dir = tmp_path / "run"
+    sets = [f"model.hf_checkpoint={checkpoint}", f"data.path={data}", *CPU_SIZES]
+    sets += [f"storage.run_dir={run_dir}"]
+    args = ["run", str(RECIPE), *[x for s in sets for x in ("--set", s)]]
+
+    first = _rlax(*args, "--set", "controller.num_steps=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "dataset gsm8k_train: 8 prompts" in first.stdout
+    assert "done: 2 steps" in first.stdout
+    # The architecture came from the checkpoint's config.json, nothing from the recipe.
+    dumped = json.loads((run_dir / "config.json").read_text())
+    assert dumped["model"]["hidden_size"] == 64 and dumped["model"]["num_layers"] == 2
+    # Prompts went through Qwen's chat template with the recipe's system prompt, and each
+    # response stopped at one of the checkpoint's EOS tokens or at the length limit.
+    scan = json.loads((run_dir / "dataset_scan.json").read_text())
+    assert scan["gsm8k_train"]["rows"] == 8 and scan["gsm8k_train"]["overlong"] == []
+
+    # A finished run extended by one step resumes from its final snapshot and trains it.
+    more = _rlax(*args, "--set", "controller.num_steps=3")
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert "done: 3 steps" in more.stdout
+    assert json.loads((run_dir / "config.json").read_text())["controller"]["num_steps"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows if "reward_mean" in r}) == [1, 2, 3]
+
+    out = tmp_path / "export"
+    exported = _rlax("export", str(run_dir), str(out))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ROWS[0]["question"]}], add_generation_prompt=True
+    )
+    ids = prompt["input_ids"] if isinstance(prompt, dict | transformers.BatchEncoding) else prompt
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    source = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        before = source(torch.tensor([ids])).logits[0].numpy()
+    assert np.isfinite(theirs).all()
+    assert not np.allclose(theirs, before, atol=1e-6), "the export is the untrained model"
+    ours = _rlax_logits(out, ids)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _rlax_logits(directory: Path, ids: list[int]) -> np.ndarray:
+    """The exported checkpoint's logits under this package's model, in a subprocess (the
+    test process keeps JAX unimported, like a user's transformers session)."""
+    code = (
+        "import json, sys, numpy as np, jax.numpy as jnp\n"
+        "from rlax_tpu.models.hf import load_hf_model\n"
+        "model = load_hf_model(sys.argv[1], param_dtype='float32', dtype='float32')\n"
+        "ids = jnp.asarray([json.loads(sys.argv[2])], jnp.int32)\n"
+        "out = model.forward_train(ids, ids, return_logits=True).logits\n"
+        "np.save(sys.argv[3], np.asarray(out, np.float32)[0])\n"
+    )
+    out = directory.parent / "ours.npy"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run(
+        [sys.executable, "-c", code, str(directory), json.dumps(ids), str(out)],
+        check=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    return np.load(out)

@@ -1,0 +1,136 @@
+"""The local launcher's per-process environment: GPU memory shares for the trainer and the
+inference workers from the config, no accelerator for the parameter server and the
+verifier, and overlapping shares refused before anything starts."""
+
+import json
+
+import pytest
+
+from rlax_tpu.config import ConfigError, InferenceConfig, RunConfig, TrainerConfig
+from rlax_tpu.controller import launcher
+from rlax_tpu.controller.launcher import (
+    LocalCluster,
+    check_colocated_gpu_memory,
+    component_env,
+)
+
+
+def shared_gpu_config(trainer: float = 0.55, inference: float = 0.35, workers: int = 1):
+    return RunConfig(
+        trainer=TrainerConfig(gpu_memory_fraction=trainer),
+        inference=InferenceConfig(gpu_memory_fraction=inference, num_workers=workers),
+    )
+
+
+def test_trainer_and_workers_get_their_gpu_memory_share():
+    config = shared_gpu_config(0.6, 0.3)
+    assert component_env(config, "trainer") == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+    }
+    assert component_env(config, "inference_worker") == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+    }
+
+
+@pytest.mark.parametrize("component", ["param_server", "verifier"])
+def test_param_server_and_verifier_get_no_accelerator(component):
+    env = component_env(shared_gpu_config(), component)
+    assert env == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_default_shares_of_trainer_and_one_worker_fit_one_gpu():
+    config = RunConfig()
+    assert config.trainer.gpu_memory_fraction + config.inference.gpu_memory_fraction < 1
+    check_colocated_gpu_memory(config)
+
+
+def test_overlapping_gpu_shares_are_refused_naming_the_fields_and_the_fix():
+    config = shared_gpu_config(0.55, 0.35, workers=2)  # 0.55 + 2 × 0.35 = 1.25
+    with pytest.raises(ConfigError) as e:
+        check_colocated_gpu_memory(config)
+    message = str(e.value)
+    assert e.value.field == "inference.gpu_memory_fraction"
+    for name in (
+        "trainer.gpu_memory_fraction",
+        "inference.num_workers",
+        "inference.gpu_memory_fraction",
+    ):
+        assert name in message
+    assert "1.25" in message and "at most 0.225" in message
+
+
+def test_shares_that_sum_to_exactly_one_are_accepted():
+    check_colocated_gpu_memory(shared_gpu_config(0.5, 0.25, workers=2))
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, float("nan")])
+@pytest.mark.parametrize("section", [TrainerConfig, InferenceConfig])
+def test_gpu_memory_fraction_outside_zero_one_is_refused(section, fraction):
+    with pytest.raises(ConfigError, match="gpu_memory_fraction"):
+        section(gpu_memory_fraction=fraction)
+
+
+class _RecordedChild:
+    """Stands in for a component process: records the environment it was started with."""
+
+    started: list = []
+
+    def __init__(self, name, args, *, env, log):
+        self.name, self.args, self.env, self.log_path = name, args, env, log
+        self.pid, self.address = 0, f"127.0.0.1:{1000 + len(self.started)}"
+        self.started.append(self)
+
+    def wait_ready(self, timeout_s):
+        return self.address
+
+    def running(self):
+        return True
+
+    def stop(self, timeout_s):
+        pass
+
+
+def test_local_cluster_starts_each_child_with_its_share(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "Child", _RecordedChild)
+    monkeypatch.setattr(_RecordedChild, "started", [])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # the config wins
+    config = shared_gpu_config(0.5, 0.2, workers=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    with LocalCluster(
+        str(path), num_workers=2, log_dir=tmp_path / "logs", param_storage=str(tmp_path)
+    ) as cluster:
+        cluster.start()
+        envs = {c.name: c.env for c in _RecordedChild.started}
+    assert sorted(envs) == [
+        "inference_worker-0",
+        "inference_worker-1",
+        "param_server-0",
+        "trainer-0",
+        "verifier-0",
+    ]
+    assert envs["trainer-0"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    for worker in ("inference_worker-0", "inference_worker-1"):
+        assert envs[worker]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2"
+    for cpu_only in ("param_server-0", "verifier-0"):
+        assert envs[cpu_only]["JAX_PLATFORMS"] == "cpu"
+        assert envs[cpu_only]["CUDA_VISIBLE_DEVICES"] == ""
+    # Everything else is the launcher's environment, token included.
+    assert all(env["RLAX_TPU_AUTH_TOKEN"] == cluster.token for env in envs.values())
+
+
+def test_local_cluster_refuses_overlapping_shares_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "Child", _RecordedChild)
+    monkeypatch.setattr(_RecordedChild, "started", [])
+    config = shared_gpu_config(0.55, 0.35, workers=1)
+    with pytest.raises(ConfigError, match="inference.gpu_memory_fraction"):
+        LocalCluster(
+            "unused.json",
+            num_workers=2,  # the cluster's count, not the config's, is what runs
+            log_dir=tmp_path / "logs",
+            param_storage=str(tmp_path),
+            config=config,
+        )
+    assert _RecordedChild.started == []
