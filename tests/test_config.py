@@ -164,16 +164,17 @@ def test_digest_changes_with_any_field():
     assert base.digest() != base.apply_overrides(["trainer.adam_eps=1e-7"]).digest()
 
 
-def test_hot_versions_below_n_plus_eta_is_rejected():
+def test_hot_versions_below_what_a_batch_may_read_is_rejected():
+    # off_policy: η=16, N=32; published versions are multiples of 16, a batch reads 3.
     with pytest.raises(
-        ConfigError, match=r"param_server.hot_versions: K=40 .* need K >= N \+ η = 48"
+        ConfigError, match=r"param_server.hot_versions: K=2 .* need K >= N // η \+ 1 = 3"
     ):
-        RunConfig().apply_overrides(["staleness=off_policy", "param_server.hot_versions=40"])
+        RunConfig().apply_overrides(["staleness=off_policy", "param_server.hot_versions=2"])
 
 
-def test_hot_versions_default_is_n_plus_eta_plus_one():
-    config = RunConfig().apply_overrides(["staleness=off_policy"])
-    assert config.hot_versions == 32 + 16 + 1
+def test_hot_versions_default_follows_what_is_published():
+    assert RunConfig().apply_overrides(["staleness=off_policy"]).hot_versions == 32 // 16 + 2
+    assert RunConfig().hot_versions == 2  # on-policy: version s and the next
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The staleness policy: the schedule's invariants over all valid (η, N, b), and its rules."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlax_tpu.config import ConfigError, StalenessConfig
@@ -88,3 +88,39 @@ def test_invalid_knobs_are_rejected_with_the_fix(eta, n, words):
 def test_policy_from_config():
     policy = StalenessPolicy.from_config(StalenessConfig.PRESETS["off_policy"]())
     assert (policy.reload_every, policy.max_staleness) == (16, 32)
+
+
+# -- what the trainer publishes -------------------------------------------------------------------
+@settings(deadline=None, max_examples=60)
+@given(
+    policy=policies(),
+    num_steps=st.integers(1, 200),
+    schedule=st.sampled_from(["deterministic", "freshest"]),
+    resume=st.integers(0, 200),
+)
+def test_every_version_read_is_published_and_nothing_else(policy, num_steps, schedule, resume):
+    """Generation (either schedule, whatever the trainer has reached), evaluation at any
+    step and a resume from any checkpoint read only published versions; the published
+    ones are exactly the loadable versions and the final one."""
+    policy = StalenessPolicy(policy.reload_every, policy.max_staleness, schedule)
+    published = set(policy.published(0, num_steps, num_steps))
+    assert published == {v for v in range(num_steps + 1) if policy.is_loadable(v)} | {num_steps}
+    for batch in range(num_steps):
+        for trainer_at in range(max(0, batch - policy.max_staleness), batch + 1):
+            newest = trainer_at - trainer_at % policy.reload_every  # newest published then
+            version = policy.generation_version(batch, newest)
+            assert version is None or version in published, (batch, trainer_at, version)
+        assert policy.scheduled_version(batch) in published
+    for step in range(num_steps + 1):  # evaluation at step s measures s - s % η
+        assert step - step % policy.reload_every in published
+    checkpoint = min(resume, num_steps)  # a resume generates with [oldest_needed(c), c]
+    needed = policy.published(policy.oldest_needed(checkpoint), checkpoint, num_steps)
+    for batch in range(checkpoint, num_steps):
+        assert policy.scheduled_version(batch) in set(needed) | published
+        assert policy.scheduled_version(batch) >= policy.oldest_needed(checkpoint)
+
+
+@given(policy=policies(), step=st.integers(0, 10_000))
+def test_hot_versions_hold_what_a_batch_may_still_read_plus_the_next(policy, step):
+    readable = [v for v in range(policy.oldest_needed(step), step + 1) if policy.is_loadable(v)]
+    assert len(readable) + 1 <= policy.hot_versions()

@@ -376,6 +376,36 @@ def test_importance_weight_uses_the_configured_behaviour_logprobs(tmp_path, sour
     )
 
 
+def test_cached_mode_recomputes_pi_old_only_every_k_steps_and_trains_the_same(tmp_path):
+    """behaviour_logprobs=cached: π_old feeds only the mismatch metrics, so it is recomputed
+    on multiples of trainer.recompute_every; the weights do not depend on it."""
+
+    def steps(name: str, every: int, source: str = "cached"):
+        config = run_config(
+            str(tmp_path / name), mini=8, behaviour_logprobs=source, recompute_every=every
+        )
+        trainer = Trainer(config, mesh=_one_device_mesh())
+        trainer.initialize()
+        results = [trainer.train_step(s, rollout_batch(s)) for s in range(3)]
+        params = jax.device_get(trainer.params())
+        trainer.close()
+        return results, params
+
+    every_other, params = steps("every2", 2)
+    never, params_never = steps("never", 0)
+    for step, result in enumerate(every_other):
+        recomputed = "mismatch/recomputed_vs_cached_mean" in result.metrics
+        assert recomputed == (step % 2 == 0), (step, sorted(result.metrics))
+        assert ("logprob_diff/recomputed_mean" in result.metrics) == recomputed
+        assert (result.metrics["time/recompute_s"] > 0) == recomputed
+        assert "logprob_diff/cached_mean" in result.metrics
+    assert not any("recomputed" in k for r in never for k in r.metrics)
+    jax.tree.map(np.testing.assert_array_equal, params, params_never)
+    # Recomputed log-probs are what the objective reads: every step, whatever k says.
+    recomputed_mode, _ = steps("recomputed", 0, "recomputed")
+    assert all("mismatch/recomputed_vs_cached_mean" in r.metrics for r in recomputed_mode)
+
+
 @pytest.mark.parametrize(
     "kind, expected",
     [

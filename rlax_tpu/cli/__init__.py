@@ -74,7 +74,7 @@ def _add_param_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", help="address to bind (default: param_server.host, 127.0.0.1)")
     group.add_argument("--port", type=int, default=0, help="port to bind (default 0: any free)")
     group.add_argument(
-        "--hot-versions", type=int, metavar="K", help="versions kept in memory (default N + η + 1)"
+        "--hot-versions", type=int, metavar="K", help="versions kept in memory (default N // η + 2)"
     )
     group.add_argument("--replica", type=int, default=0, metavar="I", help="this replica's index")
     group.add_argument("--num-replicas", type=int, metavar="R", help="replicas in total")

@@ -2,7 +2,7 @@
 
 Sizes that depend on each other are named once and derived (global batch =
 prompts_per_batch × samples_per_prompt; the parameter server's hot-version count
-defaults to N + η + 1). Cross-section rules live in `RunConfig.validate`.
+defaults to N // η + 2). Cross-section rules live in `RunConfig.validate`.
 """
 
 from __future__ import annotations
@@ -371,6 +371,11 @@ class TrainerConfig(ConfigBase):
     # Which behaviour log-probs enter the importance weight: the trainer's recomputed
     # π_old (RLAX §5, default) or the inference workers' cached ones.
     behaviour_logprobs: Literal["recomputed", "cached"] = "recomputed"
+    # With cached behaviour log-probs the π_old recompute (a forward pass over the batch)
+    # only feeds the train/inference mismatch metrics (mismatch/*, logprob_diff/recomputed_*):
+    # it runs on steps that are multiples of this (0 = never). Recomputed log-probs, and
+    # GAE's V_old, are computed every step whatever this says.
+    recompute_every: int = 10
     checkpoint_every: int = 16
     max_checkpoints_to_keep: int = 3
     # The largest gRPC message of TrainStep / SftStep: the controller streams a batch of any
@@ -414,6 +419,7 @@ class TrainerConfig(ConfigBase):
             f"must be >= 0 (0 = unchunked), got {self.logprob_chunk_size}",
         )
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        require(self.recompute_every >= 0, "recompute_every", "must be >= 0 (0 = never)")
         require(self.max_checkpoints_to_keep >= 1, "max_checkpoints_to_keep", "must be >= 1")
 
 
@@ -542,7 +548,8 @@ class InferenceConfig(ConfigBase):
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ParamServerConfig(ConfigBase):
     num_replicas: int = 1
-    # Versions kept in memory (K); None = N + η + 1 from the staleness knobs.
+    # Versions kept in memory (K); None = N // η + 2 from the staleness knobs (only the
+    # versions workers may load, multiples of η, and the final one are published).
     hot_versions: int | None = None
     chunk_bytes: int = 2 * 2**20
     # Serialized chunks of the newest pulled version kept to serve every worker's pull of
@@ -923,6 +930,7 @@ RESUMABLE_FIELDS = (
     "controller.keep_snapshots",
     "trainer.checkpoint_every",
     "trainer.max_checkpoints_to_keep",
+    "trainer.recompute_every",  # metrics only: the weights never read it
     "trainer.gpu",
     "trainer.gpu_memory_fraction",
     "inference.gpu",
@@ -994,11 +1002,12 @@ class RunConfig(ConfigBase):
             f"controller.samples_per_prompt = {global_batch}), got {self.trainer.mini_batch_size}",
         )
         hot = self.param_server.hot_versions
-        need = self.staleness.max_staleness + self.staleness.reload_every
+        need = self.staleness.max_staleness // self.staleness.reload_every + 1
         require(
             hot is None or hot >= need,
             "param_server.hot_versions",
-            f"K={hot} cannot hold every version a batch may still need: need K >= N + η = {need}",
+            f"K={hot} cannot hold every published version a batch may still need: need "
+            f"K >= N // η + 1 = {need} (workers load only multiples of η)",
         )
         require(
             self.inference.max_prompt_len + self.inference.max_new_tokens
@@ -1045,10 +1054,11 @@ class RunConfig(ConfigBase):
 
     @property
     def hot_versions(self) -> int:
-        """K: versions the parameter server keeps in memory."""
+        """K: versions the parameter server keeps in memory (default N // η + 2, the
+        published versions a run may read at once plus a spare: StalenessPolicy)."""
         if self.param_server.hot_versions is not None:
             return self.param_server.hot_versions
-        return self.staleness.max_staleness + self.staleness.reload_every + 1
+        return self.staleness.max_staleness // self.staleness.reload_every + 2
 
     @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:

@@ -161,7 +161,10 @@ class Recovery:
         # copy is complete, the persistent one follows) before a snapshot relies on them.
         oldest = self.schedule.oldest_needed(checkpoint)
         if checkpoint != self._persisted_for:  # a new checkpoint: new versions to check
-            self.param_server.wait_persisted(range(oldest, checkpoint + 1))
+            final = self.schedule.num_steps
+            self.param_server.wait_persisted(
+                self.schedule.policy.published(oldest, checkpoint, final)
+            )
             self._persisted_for = checkpoint
         self.snapshots.write(snapshot)
         # Then the server may delete what no consumer needs (memory and persisted copies).

@@ -256,7 +256,10 @@ class Trainer:
         self.warm_start_step = self.warm_start_steps
 
     def _publish(self, version: int) -> None:
-        if self.param_server is not None:
+        """Publish `version` if anything may read it (StalenessPolicy.publishes: a version
+        workers may load, or the run's final one)."""
+        final = self.config.controller.num_steps
+        if self.param_server is not None and self.policy.publishes(version, final):
             receipt = self.param_server.publish(version, self._published_params())
             _log.info(
                 "published version %d (%s)",
@@ -333,14 +336,17 @@ class Trainer:
         batch = jax.tree.map(self._place_rows, batch)
         first = self._first_of_shape("train step", rows, seq)
         start = time.perf_counter()
+        needs_values = self.objective.needs_rollout_values
+        recompute = self._recompute_due(step)
         with use_mesh(self.mesh, self.rules):
-            # π_old and, for GAE, V_old: the value head before the update (stop-gradient).
-            needs_values = self.objective.needs_rollout_values
-            recomputed, old_values = self._recompute(self._params, batch.tokens, needs_values)
-            recomputed.block_until_ready()
-            recompute_s = time.perf_counter() - start
             cached = batch.behaviour_logprobs
-            extra = self._mismatch(recomputed, cached, batch.response_mask)
+            recomputed, extra, recompute_s = cached, {}, 0.0
+            if recompute:
+                # π_old and, for GAE, V_old: the value head before the update (stop-gradient).
+                recomputed, old_values = self._recompute(self._params, batch.tokens, needs_values)
+                recomputed.block_until_ready()
+                recompute_s = time.perf_counter() - start
+                extra = self._mismatch(recomputed, cached, batch.response_mask)
             if self.config.trainer.behaviour_logprobs == "recomputed":
                 batch = batch.replace(behaviour_logprobs=recomputed)
             if needs_values:
@@ -357,12 +363,23 @@ class Trainer:
                 {"recomputed": recomputed, "cached": cached},
             )
             metrics = {**jax.device_get(metrics), **jax.device_get(extra)}
+            if not recompute:  # the same program ran with recomputed = cached: not a figure
+                metrics = {k: v for k, v in metrics.items() if "recomputed" not in k}
         step_s = time.perf_counter() - start
         if first:
             self.progress(f"train step {rows}x{seq}: compiled and ran in {step_s:.1f}s")
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["time/recompute_s"] = recompute_s
         return self._finish(step, metrics, tokens=rows * seq, step_s=step_s)
+
+    def _recompute_due(self, step: int) -> bool:
+        """Whether train step `step` recomputes π_old: when the objective reads it (recomputed
+        behaviour log-probs, GAE's V_old), else every trainer.recompute_every steps for the
+        mismatch metrics."""
+        trainer = self.config.trainer
+        if trainer.behaviour_logprobs == "recomputed" or self.objective.needs_rollout_values:
+            return True
+        return bool(trainer.recompute_every) and step % trainer.recompute_every == 0
 
     def _check_staleness(self, step: int, versions: Any, group_ids: Any) -> None:
         """StaleRolloutError unless every row's version v satisfies 0 <= step - v <= N."""
