@@ -252,3 +252,17 @@ def test_the_controller_and_the_clients_it_uses_import_no_jax():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_runs_sharing_a_verifier_send_request_ids_in_their_own_namespace():
+    """Two runs (another run directory or another config) never reuse each other's request
+    ids on a shared verifier service; a resumed run keeps its own."""
+    from rlax_tpu.controller.scoring import request_id, run_prefix
+
+    rollout = {"prompt_id": "b0:gsm8k:7", "sample_index": 1, "version": 0}
+    a = run_prefix("d" * 64, "gs://bucket/runs/a")
+    assert a == run_prefix("d" * 64, "gs://bucket/runs/a")  # the same run, resumed
+    assert a != run_prefix("d" * 64, "gs://bucket/runs/b")
+    assert a != run_prefix("e" * 64, "gs://bucket/runs/a")
+    assert request_id(rollout, a) == f"{a}b0:gsm8k:7/s1/v0"
+    assert request_id(rollout) == "b0:gsm8k:7/s1/v0"

@@ -29,7 +29,8 @@ TOKEN = "verdicts-token"
 FAULTY = str(Path(__file__).resolve().parent / "faulty_verifier.py")
 STEPS = 6
 # Batch 2's sample 1 of each prompt fails on every attempt; batch 4's sample 0 only once.
-ALWAYS, ONCE = r"^b2:[^/]*/s1/", r"^b4:[^/]*/s0/"
+# Request ids start with the run's namespace (scoring.run_prefix: 12 hex digits and ":").
+ALWAYS, ONCE = r"^[0-9a-f]{12}:b2:[^/]*/s1/", r"^[0-9a-f]{12}:b4:[^/]*/s0/"
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt
 from rlax_tpu.controller.recovery import Recovery
 from rlax_tpu.controller.replay import ReplayStage
 from rlax_tpu.controller.schedule import Schedule
-from rlax_tpu.controller.scoring import Scorer, Verifier
+from rlax_tpu.controller.scoring import Scorer, Verifier, run_prefix
 from rlax_tpu.controller.snapshots import RolloutLog, SnapshotError, SnapshotStore
 from rlax_tpu.controller.warm_start import run_warm_start
 from rlax_tpu.inference.types import SamplingParams
@@ -135,6 +135,7 @@ class Controller:
             backoff_s=ctl.verify_retry_backoff_s,
             max_unjudged_fraction=ctl.max_unjudged_fraction,
             counters=self.stats,
+            request_prefix=run_prefix(self.digest, config.storage.run_dir),
         )
         self.replay = (
             ReplayStage(config, log=self.log, max_staleness=self.policy.max_staleness)

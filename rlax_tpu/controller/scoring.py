@@ -15,6 +15,7 @@ unjudged depends only on which requests the verifier fails, never on timing.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, MutableMapping, Sequence
@@ -109,9 +110,18 @@ class Judgement:
 UNSCORED = Judgement(0.0, "unscored")  # a dataset row with verifier "none"
 
 
-def request_id(rollout: dict[str, Any]) -> str:
-    """The verifier's idempotency key of a rollout: (prompt id, sample index, version)."""
-    return f"{rollout['prompt_id']}/s{rollout['sample_index']}/v{rollout['version']}"
+def request_id(rollout: dict[str, Any], prefix: str = "") -> str:
+    """The verifier's idempotency key of a rollout: (prompt id, sample index, version),
+    after the run's `prefix` (`run_prefix`)."""
+    return f"{prefix}{rollout['prompt_id']}/s{rollout['sample_index']}/v{rollout['version']}"
+
+
+def run_prefix(digest: str, run_dir: str) -> str:
+    """A run's namespace in a verifier service's idempotency cache: runs sharing one service
+    (verifiers.address) send the same prompt ids with other responses, which the service
+    would refuse as a reused id; a resumed run keeps its namespace, so what it judged before
+    is answered from the cache."""
+    return hashlib.sha256(f"{digest}\n{run_dir}".encode()).hexdigest()[:12] + ":"
 
 
 def verification_request(record: Any, response: str, request_id: str) -> VerificationRequest:
@@ -155,8 +165,10 @@ class Scorer:
         max_unjudged_fraction: float,
         counters: MutableMapping[str, Any],
         sleep: Callable[[float], None] = time.sleep,
+        request_prefix: str = "",
     ) -> None:
         self.verifier = verifier
+        self.request_prefix = request_prefix  # run_prefix: the run's request-id namespace
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.retries, self.backoff_s = retries, backoff_s
@@ -169,7 +181,7 @@ class Scorer:
     def request(self, record: Any, rollout: dict[str, Any]) -> VerificationRequest:
         """The verification request of `rollout` (a rollout record) for prompt `record`."""
         response = decode_response(self.tokenizer, rollout["tokens"], self.stop_token_ids)
-        return verification_request(record, response, request_id(rollout))
+        return verification_request(record, response, request_id(rollout, self.request_prefix))
 
     def judge(self, items: Sequence[tuple[Any, dict[str, Any]]], *, what: str) -> list[Judgement]:
         """One Judgement per (prompt record, rollout record) of `items`, in order; raises
