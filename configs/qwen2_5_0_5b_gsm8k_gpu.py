@@ -7,6 +7,10 @@ trainer and one inference worker share the GPU, each with its memory share
   rlax-tpu run configs/qwen2_5_0_5b_gsm8k_gpu.py \
       --set model.hf_checkpoint=/data/Qwen2.5-0.5B-Instruct --set data.path=gsm8k_train.jsonl
 
+The model section spells out no architecture: model.hf_checkpoint names it, and the config's
+loading (rlax_tpu/config/checkpoint.py) fills it in from that directory's config.json, by
+default configs/models/Qwen2.5-0.5B-Instruct/config.json (Qwen's own, without weights).
+
 On-policy (η=1, N=0): on one GPU generation and training take turns instead of competing
 for it. The local launcher gives the trainer 55% and the worker 35% of the GPU's memory
 (XLA_PYTHON_CLIENT_MEM_FRACTION); the rest is for the two processes' CUDA contexts.

@@ -39,6 +39,9 @@ def get_config() -> RunConfig:
     return replace(
         base,
         name="qwen2_5_0_5b_gsm8k_tpu",
+        # base.model already holds the architecture, filled in from the GPU recipe's
+        # configs/models/Qwen2.5-0.5B-Instruct/config.json: this config compiles without
+        # reading gs://; a run checks it against the checkpoint's config.json.
         model=replace(base.model, hf_checkpoint="gs://rlax-tpu-models/Qwen2.5-0.5B-Instruct"),
         # Trainer and worker on separate slices: generation of batch b+1 overlaps training
         # on batch b.

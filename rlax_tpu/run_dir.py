@@ -23,6 +23,7 @@ WARM_START_CHECKPOINTS = "checkpoints_warm_start"  # the SFT warm start's
 SNAPSHOTS = "snapshots"  # the controller's
 ROLLOUTS = "rollouts"  # the rollout log
 PARAMS = "params"  # the parameter server's persistent versions
+TOKENIZER = "tokenizer"  # where a built-in tokenizer (model.tokenizer=builtin:char) is written
 # What a run writes once it has made progress; anything else there is a config dump or logs.
 PROGRESS_DIRS = (CHECKPOINTS, WARM_START_CHECKPOINTS, SNAPSHOTS, ROLLOUTS, PARAMS)
 

@@ -336,4 +336,4 @@ def test_run_job_on_a_hugging_face_checkpoint(tmp_path):
         f"storage.run_dir={tmp_path / 'run2'}",
     )
     assert wrong.returncode == 2
-    assert "model.intermediate_size = 64 but the checkpoint has 96" in wrong.stderr
+    assert "model.intermediate_size=64 (the checkpoint has 96)" in wrong.stderr

@@ -3,20 +3,18 @@ the programs are compiled by XLA:CPU for as many CPU devices, an estimate labell
 checked against each process's share of the GPU (`gpu_memory_fraction`)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_compile import TINY, _compile
 
 from rlax_tpu.compile.hardware import GPUS, compile_target, parse_gpu
 from rlax_tpu.compile.hlo_cost import analyze
 from rlax_tpu.config import ConfigError, InferenceConfig, MeshConfig, TrainerConfig, load_config
 from rlax_tpu.simulator import Calibration, CalibrationError, calibrate
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "tests" / "compile_tiny_config.py")
+HLO = Path(__file__).resolve().parent / "hlo"
+
 # The tiny compile config moved from its v5p host to 2 GPUs.
 # Overrides revalidate one at a time: the mesh changes before the GPUs it must fill.
 ON_GPUS = [
@@ -27,18 +25,6 @@ ON_GPUS = [
     "inference.mesh.topology=",
     "inference.gpu=h100:2",
 ]
-
-
-def _compile(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "rlax_tpu", "compile", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
 
 
 def _sets(overrides: list[str]) -> list[str]:
@@ -90,7 +76,8 @@ def test_a_program_over_its_gpu_share_is_refused_naming_the_fraction():
 def test_an_unknown_gpu_is_refused_with_the_known_ones():
     proc = _compile(TINY, *_sets([*ON_GPUS, "trainer.gpu=rtx9:2"]), "--programs", "recompute")
     assert proc.returncode == 2
-    assert "trainer.gpu" in proc.stderr and "h100" in proc.stderr
+    assert "trainer.gpu" in proc.stderr and "unknown GPU 'rtx9'" in proc.stderr
+    assert all(model in proc.stderr for model in GPUS)
 
 
 def test_gpu_field_names_a_model_and_an_optional_count():
@@ -127,12 +114,12 @@ def test_the_simulator_refuses_to_time_an_xla_cpu_estimate(gpu_report):
 def test_hlo_walk_reads_xla_cpu_trip_counts():
     # A 7-step scan of a 64 × 64 matmul as XLA:CPU compiles it: the loop's condition is a
     # fusion, its trip count is in the while's backend config.
-    cost = analyze((ROOT / "tests" / "hlo" / "scan_cpu.txt").read_text())
+    cost = analyze((HLO / "scan_cpu.txt").read_text())
     assert cost.loops == [("while.5", 7)] and cost.unknown_loops == 0
     assert cost.flops == 7 * 2 * 64**3
 
 
 def test_hlo_walk_counts_cublas_matmuls():
     # A [128, 256] × [256, 512] matmul as XLA:GPU writes it: a cuBLAS custom call.
-    cost = analyze((ROOT / "tests" / "hlo" / "cublas_gemm.txt").read_text())
+    cost = analyze((HLO / "cublas_gemm.txt").read_text())
     assert cost.flops == 2 * 128 * 512 * 256

@@ -62,23 +62,29 @@ def _rlax(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(tmp_path):
     checkpoint = save_qwen_checkpoint(tmp_path / "Qwen2-stand-in")
     data = tmp_path / "gsm8k_train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    # One row no prompt limit here holds: left out by the run's choice, and counted.
+    overlong = {"question": "How many apples? " * 60, "answer": "#### 1"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS, overlong]))
     run_dir = tmp_path / "run"
     sets = [f"model.hf_checkpoint={checkpoint}", f"data.path={data}", *CPU_SIZES]
-    sets += [f"storage.run_dir={run_dir}"]
+    sets += [f"storage.run_dir={run_dir}", "controller.overlong_prompts=drop"]
     args = ["run", str(RECIPE), *[x for s in sets for x in ("--set", s)]]
 
     first = _rlax(*args, "--set", "controller.num_steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "dataset gsm8k_train: 8 prompts" in first.stdout
+    assert "dataset gsm8k_train: 9 prompts" in first.stdout
+    assert "1 over the limits left out" in first.stdout
     assert "done: 2 steps" in first.stdout
     # The architecture came from the checkpoint's config.json, nothing from the recipe.
     dumped = json.loads((run_dir / "config.json").read_text())
     assert dumped["model"]["hidden_size"] == 64 and dumped["model"]["num_layers"] == 2
-    # Prompts went through Qwen's chat template with the recipe's system prompt, and each
-    # response stopped at one of the checkpoint's EOS tokens or at the length limit.
+    # Every prompt was measured before the run, under Qwen's chat template and the recipe's
+    # system prompt (far longer than a bare question), and none was over the limit.
     scan = json.loads((run_dir / "dataset_scan.json").read_text())
-    assert scan["gsm8k_train"]["rows"] == 8 and scan["gsm8k_train"]["overlong"] == []
+    assert scan["gsm8k_train"]["rows"] == 9 and scan["gsm8k_train"]["dropped"] == 1
+    assert [row_id for row_id, _ in scan["gsm8k_train"]["overlong"]] == ["gsm8k_train:8"]
+    bare = transformers.AutoTokenizer.from_pretrained(checkpoint)(ROWS[0]["question"])
+    assert scan["gsm8k_train"]["median_prompt"] > len(bare["input_ids"]) + 20
 
     # A finished run extended by one step resumes from its final snapshot and trains it.
     more = _rlax(*args, "--set", "controller.num_steps=3")
@@ -87,6 +93,7 @@ def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(t
     assert json.loads((run_dir / "config.json").read_text())["controller"]["num_steps"] == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in rows if "reward_mean" in r}) == [1, 2, 3]
+    assert {r["dataset/overlong_dropped"] for r in rows if "reward_mean" in r} == {1}
 
     out = tmp_path / "export"
     exported = _rlax("export", str(run_dir), str(out))

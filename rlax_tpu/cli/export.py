@@ -20,18 +20,18 @@ import os
 import sys
 from typing import Any, Literal
 
-from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, RunConfig
-
-RUN_CONFIG = run_dir_layout.CONFIG_FILE
-RUN_DIGEST = run_dir_layout.DIGEST_FILE
-RL_CHECKPOINTS = run_dir_layout.CHECKPOINTS
-WARM_START_CHECKPOINTS = run_dir_layout.WARM_START_CHECKPOINTS
-MATERIALISED_TOKENIZER = "tokenizer"  # where `builtin:char` is written (controller/job.py)
+from rlax_tpu.run_dir import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    DIGEST_FILE,
+    TOKENIZER,
+    WARM_START_CHECKPOINTS,
+)
 
 Kind = Literal["rl", "warm_start"]
-_KINDS: dict[str, Kind] = {RL_CHECKPOINTS: "rl", WARM_START_CHECKPOINTS: "warm_start"}
+_KINDS: dict[str, Kind] = {CHECKPOINTS: "rl", WARM_START_CHECKPOINTS: "warm_start"}
 
 
 class ExportError(Exception):
@@ -53,7 +53,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "source",
         metavar="RUN_DIR|CHECKPOINT",
         help="a run directory (local or gs://), or one checkpoint in it "
-        f"(RUN_DIR/{RL_CHECKPOINTS}/STEP or RUN_DIR/{WARM_START_CHECKPOINTS}/STEP)",
+        f"(RUN_DIR/{CHECKPOINTS}/STEP or RUN_DIR/{WARM_START_CHECKPOINTS}/STEP)",
     )
     parser.add_argument("out", metavar="OUT", help="the model directory to write (local or gs://)")
     parser.add_argument(
@@ -80,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
         config = run_config(source.run_dir)
         tokenizer_dir = args.tokenizer or run_tokenizer_dir(config, source.run_dir)
         out = _normalise(args.out)
-        if storage.exists(storage.join(out, RUN_DIGEST)):
+        if storage.exists(storage.join(out, DIGEST_FILE)):
             raise ExportError(f"{out} is a run directory; give a new directory for the model")
         if not storage.exists(storage.join(tokenizer_dir, "tokenizer.json")):
             raise ExportError(
@@ -110,11 +110,11 @@ def locate(path: str, *, step: int | None = None) -> ExportSource:
     if not storage.exists(path):
         raise ExportError(f"{path} does not exist")
     run_dir, parts = path, []
-    while not storage.exists(storage.join(run_dir, RUN_CONFIG)):
+    while not storage.exists(storage.join(run_dir, CONFIG_FILE)):
         parent, name = _parent(run_dir)
         if parent is None or len(parts) == 2:
             raise ExportError(
-                f"{path} is neither a run directory nor a checkpoint in one: no {RUN_CONFIG} "
+                f"{path} is neither a run directory nor a checkpoint in one: no {CONFIG_FILE} "
                 "there or in the two directories above it"
             )
         parts.insert(0, name)
@@ -125,7 +125,7 @@ def locate(path: str, *, step: int | None = None) -> ExportSource:
     if kind is None or (len(parts) == 2 and not parts[1].isdigit()):
         raise ExportError(
             f"{path} is in the run directory {run_dir} but is not a checkpoint; give the run "
-            f"directory or one of its {RL_CHECKPOINTS}/STEP directories"
+            f"directory or one of its {CHECKPOINTS}/STEP directories"
         )
     named = int(parts[1]) if len(parts) == 2 else None
     if named is not None and step is not None and named != step:
@@ -138,7 +138,7 @@ def run_config(run_dir: str) -> RunConfig:
     storage.run_dir is `run_dir` (where the run is now, which may not be where it ran)."""
     from rlax_tpu.controller.job import EFFECTIVE_CONFIG
 
-    for name in (EFFECTIVE_CONFIG, RUN_CONFIG):
+    for name in (EFFECTIVE_CONFIG, CONFIG_FILE):
         url = storage.join(run_dir, name)
         if not storage.exists(url):
             continue
@@ -151,7 +151,7 @@ def run_config(run_dir: str) -> RunConfig:
         return dataclasses.replace(
             config, storage=dataclasses.replace(config.storage, run_dir=run_dir)
         )
-    raise ExportError(f"{run_dir} has no {RUN_CONFIG}: it is not a run directory")
+    raise ExportError(f"{run_dir} has no {CONFIG_FILE}: it is not a run directory")
 
 
 def run_tokenizer_dir(config: RunConfig, run_dir: str) -> str:
@@ -159,7 +159,7 @@ def run_tokenizer_dir(config: RunConfig, run_dir: str) -> str:
     directory, where it was moved with it), else its hf_checkpoint."""
     from rlax_tpu.controller.job import BUILTIN_CHAR_TOKENIZER, tokenizer_path
 
-    local_copy = storage.join(run_dir, MATERIALISED_TOKENIZER)
+    local_copy = storage.join(run_dir, TOKENIZER)
     if config.model.tokenizer == BUILTIN_CHAR_TOKENIZER:
         return local_copy
     try:
@@ -189,7 +189,7 @@ def restore_params(config: RunConfig, source: ExportSource) -> tuple[Any, str]:
     mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices("cpu")[:1])
     programs = TrainerPrograms(config, mesh)
     run_dir = source.run_dir
-    rl_dir = storage.join(run_dir, RL_CHECKPOINTS)
+    rl_dir = storage.join(run_dir, CHECKPOINTS)
     warm_dir = storage.join(run_dir, WARM_START_CHECKPOINTS)
 
     if source.kind == "warm_start":
@@ -205,7 +205,7 @@ def restore_params(config: RunConfig, source: ExportSource) -> tuple[Any, str]:
         return _restore(config, programs, "warm_start", warm_dir, None)
     raise ExportError(
         f"nothing to export: the run directory {run_dir} holds no checkpoint (neither "
-        f"{RL_CHECKPOINTS}/ nor {WARM_START_CHECKPOINTS}/ has a step directory); the trainer "
+        f"{CHECKPOINTS}/ nor {WARM_START_CHECKPOINTS}/ has a step directory); the trainer "
         "writes one every trainer.checkpoint_every steps and when the SFT warm start ends"
     )
 

@@ -17,9 +17,8 @@ import sys
 from typing import Any
 
 from rlax_tpu import storage
+from rlax_tpu.controller.job import EFFECTIVE_CONFIG
 from rlax_tpu.controller.snapshots import CONSUMED_DIR, RolloutLog
-
-EFFECTIVE_CONFIG = "effective_config.json"
 
 
 class SamplesError(ValueError):
@@ -188,10 +187,11 @@ class _Fallback:
             config = self.config()
             if config is not None:
                 from rlax_tpu.controller.datasets import stop_tokens
+                from rlax_tpu.controller.job import tokenizer_path
                 from rlax_tpu.models.tokenizer import Tokenizer
 
                 try:
-                    tokenizer = Tokenizer.load(config.model.tokenizer or config.model.hf_checkpoint)
+                    tokenizer = Tokenizer.load(tokenizer_path(config))
                     stops = stop_tokens(config.inference.stop_token_ids, tokenizer)
                     self._tokenizer = (tokenizer, stops)
                 except Exception:  # noqa: BLE001 - the tokenizer is gone: no text

@@ -4,9 +4,10 @@ need on a host without them. Imports no JAX: the CLI sets the environment first.
 Per-chip figures are Google Cloud's published ones (cloud.google.com/tpu/docs/v4, v5e,
 v5p, v6e; checked 2026-11): HBM capacity as JAX reports it (v5p: 95 GiB of the 96 GiB
 physical, the rest reserved by the runtime), peak bf16 matrix FLOP/s, HBM bandwidth.
-GPUs (SXM parts where there are several): memory as nvidia-smi reports it (the total
-XLA_PYTHON_CLIENT_MEM_FRACTION is a fraction of), dense bf16 tensor-core FLOP/s and HBM
-bandwidth from NVIDIA's data sheets.
+GPUs (SXM parts where there are several): memory as nvidia-smi reports it (memory.total in
+MiB, the total XLA_PYTHON_CLIENT_MEM_FRACTION is a fraction of; public figures, not read on
+a GPU by this project), dense bf16 tensor-core FLOP/s and HBM bandwidth from NVIDIA's data
+sheets.
 """
 
 from __future__ import annotations

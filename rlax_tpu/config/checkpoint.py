@@ -19,7 +19,9 @@ from rlax_tpu.config.base import ConfigError
 from rlax_tpu.config.run import ModelConfig, RopeScalingConfig, RunConfig
 
 CONFIG_FILE = "config.json"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # the shards of a larger checkpoint
+WEIGHT_FILES = (SAFETENSORS_FILE, INDEX_FILE)
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -218,23 +220,13 @@ def resolve_checkpoint_model(config: RunConfig, *, strict: bool = False) -> RunC
             field="model.hf_checkpoint",
         ) from None
     default = ModelConfig()
-    fields, conflicts = {}, []
-    for name in (*SHAPE_FIELDS, *OVERRIDABLE_FIELDS):
-        ours, theirs = getattr(model, name), getattr(found, name)
-        if ours == theirs:
-            continue
-        if ours == getattr(default, name):
-            fields[name] = theirs
-        elif name in SHAPE_FIELDS:
-            conflicts.append(f"model.{name}={ours!r} (the checkpoint has {theirs!r})")
-    if conflicts:
-        raise ConfigError(
-            f"the config disagrees with the checkpoint {model.hf_checkpoint}/{CONFIG_FILE} on "
-            f"{', '.join(conflicts)}: the checkpoint's weights have its shapes. Leave these "
-            "fields out of the config (model.hf_checkpoint fills them) or point "
-            "model.hf_checkpoint at the checkpoint you meant",
-            field="model.hf_checkpoint",
-        )
+    fields = {
+        name: getattr(found, name)
+        for name in (*SHAPE_FIELDS, *OVERRIDABLE_FIELDS)
+        if getattr(model, name) == getattr(default, name)
+        and getattr(model, name) != getattr(found, name)
+    }
+    check_shapes(dataclasses.replace(model, **fields), found)
     if strict:
         _require_weights(model.hf_checkpoint)
     if not fields:
@@ -247,6 +239,24 @@ def resolve_checkpoint_model(config: RunConfig, *, strict: bool = False) -> RunC
             f"with the architecture of {model.hf_checkpoint} filled in: {e.detail}",
             field=e.field,
         ) from None
+
+
+def check_shapes(model: ModelConfig, found: ModelConfig) -> None:
+    """ConfigError naming every SHAPE_FIELDS field on which `model` disagrees with `found`,
+    the model of its checkpoint: the checkpoint's weights have the checkpoint's shapes."""
+    conflicts = [
+        f"model.{name}={getattr(model, name)!r} (the checkpoint has {getattr(found, name)!r})"
+        for name in SHAPE_FIELDS
+        if getattr(model, name) != getattr(found, name)
+    ]
+    if conflicts:
+        raise ConfigError(
+            f"the config disagrees with the checkpoint {model.hf_checkpoint}/{CONFIG_FILE} on "
+            f"{', '.join(conflicts)}: the checkpoint's weights have its shapes. Leave these "
+            "fields out of the config (model.hf_checkpoint fills them) or point "
+            "model.hf_checkpoint at the checkpoint you meant",
+            field="model.hf_checkpoint",
+        )
 
 
 def relies_on_checkpoint(model: ModelConfig) -> bool:

@@ -97,9 +97,8 @@ class Controller:
         self.tokenizer = tokenizer
         self.mixture = mixture
         # Rows the datasets scan left out (controller.overlong_prompts=drop), in every row.
-        dropped = getattr(mixture, "dropped", {})
         self._dataset_metrics = (
-            {"dataset/overlong_dropped": sum(dropped.values())}
+            {"dataset/overlong_dropped": sum(mixture.dropped.values())}
             if ctl.overlong_prompts == "drop"
             else {}
         )

@@ -257,38 +257,33 @@ class DatasetScan:
     dropped: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "rows": self.rows,
-            "longest_prompt": self.longest_prompt,
-            "median_prompt": self.median_prompt,
-            "overlong": [list(x) for x in self.overlong],
-            "overlong_sft": [list(x) for x in self.overlong_sft],
-            "dropped": self.dropped,
-        }
-
-
-def sft_length(tokenizer: Any, record: PromptRecord) -> int:
-    """Tokens of the SFT warm start's sequence of `record`: prompt, reference, EOS."""
-    answer = tokenizer.encode(record.reference, add_special_tokens=False)
-    return len(prompt_tokens(tokenizer, record)) + len(answer) + 1
+        """This scan as JSON types (dataset_scan.json in the run directory)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
 
 
 def scan_datasets(
-    records: Mapping[str, Sequence[PromptRecord]], tokenizer: Any, config: Any
+    records: Mapping[str, Sequence[PromptRecord]],
+    tokenizer: Any,
+    config: Any,
+    *,
+    sft: bool = True,
 ) -> tuple[dict[str, list[PromptRecord]], dict[str, DatasetScan]]:
     """Every prompt of every dataset measured once, before anything runs: (the records the
-    run uses, a scan per dataset). A prompt over inference.max_prompt_len (and with the SFT
-    warm start, prompt + answer over trainer.max_seq_len) is an error naming the rows and
-    the --set that fits them, or, with controller.overlong_prompts=drop, left out (and
-    counted). Nothing is ever truncated."""
+    run uses, a scan per dataset). A prompt over inference.max_prompt_len (and, with `sft`
+    and the SFT warm start, prompt + reference + EOS over trainer.max_seq_len) is an error
+    naming the rows and the --set that fits them, or, with controller.overlong_prompts=drop,
+    left out (and counted). Nothing is ever truncated."""
     limit, seq = config.inference.max_prompt_len, config.trainer.max_seq_len
-    with_sft = config.controller.sft_steps > 0
+    with_sft = sft and config.controller.sft_steps > 0
     kept, scans = {}, {}
     for name, rows in records.items():
         lengths = [len(prompt_tokens(tokenizer, r)) for r in rows]
-        sft = [sft_length(tokenizer, r) if with_sft else 0 for r in rows]
+        sft_lengths = [
+            n + len(tokenizer.encode(r.reference, add_special_tokens=False)) + 1 if with_sft else 0
+            for r, n in zip(rows, lengths, strict=True)
+        ]
         over = tuple((r.id, n) for r, n in zip(rows, lengths, strict=True) if n > limit)
-        over_sft = tuple((r.id, n) for r, n in zip(rows, sft, strict=True) if n > seq)
+        over_sft = tuple((r.id, n) for r, n in zip(rows, sft_lengths, strict=True) if n > seq)
         bad = {i for i, _ in over} | {i for i, _ in over_sft}
         keep = [r for r in rows if r.id not in bad]
         if config.controller.overlong_prompts == "drop" and bad and not keep:
@@ -386,8 +381,7 @@ def load_eval_prompts(config: Any, tokenizer: Any) -> list[PromptRecord]:
         base = DatasetConfig(path=ctl.eval_dataset)
     records = load_dataset(base)
     name = dataset_name(base)
-    no_sft = dataclasses.replace(config, controller=dataclasses.replace(ctl, sft_steps=0))
-    kept, _ = scan_datasets({name: records}, tokenizer, no_sft)
+    kept, _ = scan_datasets({name: records}, tokenizer, config, sft=False)
     return kept[name][: ctl.eval_size]
 
 

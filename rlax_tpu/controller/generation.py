@@ -230,8 +230,9 @@ class GenerationPool:
         records = {p.key: p.record for p in prompts}
         for k in range(0, len(missing), per_worker):
             requests = missing[k : k + per_worker]
-            # Each job logs the records of its own prompts, next to their rollouts.
-            job_prompts = {q.prompt_id: records[q.prompt_id].to_json() for q in requests}
+            # Each job logs the records of its own prompts, next to their rollouts: once per
+            # prompt, not per sample.
+            job_prompts = {i: records[i].to_json() for i in {q.prompt_id for q in requests}}
             self._jobs.put(
                 _Job(
                     (b, batch.rounds * 2**20 + k),

@@ -65,8 +65,9 @@ def materialise(config: RunConfig) -> RunConfig:
     model, controller = config.model, config.controller
     if model.tokenizer == BUILTIN_CHAR_TOKENIZER:
         from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+        from rlax_tpu.run_dir import TOKENIZER
 
-        directory = storage.join(run_dir, "tokenizer")
+        directory = storage.join(run_dir, TOKENIZER)
         if not storage.exists(storage.join(directory, "tokenizer.json")):
             write_char_tokenizer(directory)
         model = dataclasses.replace(model, tokenizer=directory)

@@ -190,11 +190,12 @@ class LocalCluster:
 
     def _start(self, name: str, args: Sequence[str], ready_timeout_s: float) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**self.env, **component_env(self.config, name.rsplit("-", 1)[0])}
+        component = name.rsplit("-", 1)[0]
+        env = {**self.env, **component_env(self.config, component)}
         child = Child(name, args, env=env, log=self.log_dir / f"{name}.log")
         self.children.append(child)
         address = child.wait_ready(ready_timeout_s)
-        self.addresses.setdefault(name.rsplit("-", 1)[0], []).append(address)
+        self.addresses.setdefault(component, []).append(address)
         return address
 
     def start(self) -> None:

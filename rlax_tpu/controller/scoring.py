@@ -27,6 +27,7 @@ import grpc
 from rlax_tpu.controller.datasets import decode_response
 from rlax_tpu.controller.errors import ControllerError, UnjudgedError
 from rlax_tpu.rpc.client import RpcCallError
+from rlax_tpu.verifiers.functions import encode_metadata, encode_prompt
 from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
 _log = logging.getLogger(__name__)
@@ -130,8 +131,6 @@ def verification_request(record: Any, response: str, request_id: str) -> Verific
     the chat messages), the row's metadata and the function's spec."""
     fields: dict[str, Any] = {}
     if record.verifier == "function":
-        from rlax_tpu.verifiers.functions import encode_metadata, encode_prompt
-
         prompt, chat = encode_prompt(record.prompt, record.messages)
         fields = {
             "function": record.reward_function,

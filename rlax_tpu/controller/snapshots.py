@@ -20,13 +20,11 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
+from rlax_tpu.run_dir import ROLLOUTS, SNAPSHOTS
 
 _log = logging.getLogger(__name__)
 
-SNAPSHOT_DIR = run_dir_layout.SNAPSHOTS
-ROLLOUT_DIR = run_dir_layout.ROLLOUTS
 CONSUMED_DIR = "consumed"
 ROLLOUTS_PREFIX = "rollouts-"
 VERDICTS_PREFIX = "verdicts-"
@@ -86,7 +84,7 @@ class SnapshotStore:
     """The snapshots of one run directory (local or gs://); each object is written whole."""
 
     def __init__(self, run_dir: str, keep: int) -> None:
-        self.directory = storage.join(run_dir, SNAPSHOT_DIR)
+        self.directory = storage.join(run_dir, SNAPSHOTS)
         self.keep = keep
 
     def steps(self) -> list[int]:
@@ -147,7 +145,7 @@ class RolloutLog:
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self.directory = storage.join(run_dir, ROLLOUT_DIR)
+        self.directory = storage.join(run_dir, ROLLOUTS)
 
     def _batch_dir(self, batch: int) -> str:
         return storage.join(self.directory, f"batch_{batch:09d}")

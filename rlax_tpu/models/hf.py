@@ -29,21 +29,21 @@ import numpy as np
 from flax import nnx
 
 from rlax_tpu import storage
-from rlax_tpu.config import ConfigError, ModelConfig
+from rlax_tpu.config import ModelConfig
 from rlax_tpu.config.checkpoint import (
     CONFIG_FILE,
+    INDEX_FILE,
     MODEL_TYPES,
-    SHAPE_FIELDS,
+    SAFETENSORS_FILE,
     CheckpointError,
     CheckpointMismatchError,
     UnsupportedCheckpointError,
+    check_shapes,
     config_from_hf_dict,  # noqa: F401 - re-exported: the HF config mapping lives there
     load_hf_config,
 )
 from rlax_tpu.models.transformer import Transformer, unstack_layers
 
-SAFETENSORS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 VALUE_HEAD_WEIGHT = "value_head.weight"
 VALUE_HEAD_BIAS = "value_head.bias"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -418,20 +418,7 @@ def load_model_for_config(config: ModelConfig, *, seed: int = 0) -> Transformer:
     means the checkpoint changed under the run; a ConfigError names each differing field.
     The rest (dtypes, RoPE, context length) is the run config's.
     """
-    found = load_hf_config(config.hf_checkpoint)
-    differing = [
-        f"model.{name} = {getattr(config, name)!r} but the checkpoint has {getattr(found, name)!r}"
-        for name in SHAPE_FIELDS
-        if getattr(config, name) != getattr(found, name)
-    ]
-    if differing:
-        raise ConfigError(
-            f"the checkpoint {config.hf_checkpoint} does not match the config: "
-            + "; ".join(differing)
-            + ". Leave these fields out of the config (model.hf_checkpoint fills them from "
-            "its config.json) or point model.hf_checkpoint at the checkpoint you meant",
-            field="model",
-        )
+    check_shapes(config, load_hf_config(config.hf_checkpoint))
     return build_model(config, load_hf_params(config.hf_checkpoint, config), rngs=nnx.Rngs(seed))
 
 

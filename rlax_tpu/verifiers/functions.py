@@ -109,19 +109,16 @@ def _import_module(name: str, spec: str) -> Any:
         )
     try:
         return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise RewardFunctionError(
-                f"reward function {spec!r}: no module named {exc.name!r} (install it, put its "
-                "directory on PYTHONPATH of the verifier service, or name the file: "
-                "'path/to/file.py:function')"
-            ) from exc
-        raise RewardFunctionError(
-            f"reward function {spec!r}: importing {name!r} raised {_describe(exc)}"
-        ) from exc
     except BaseException as exc:
         if isinstance(exc, MemoryError | KeyboardInterrupt):
             raise
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (name == missing or name.startswith(missing + ".")):
+            raise RewardFunctionError(
+                f"reward function {spec!r}: no module named {missing!r} (install it, put its "
+                "directory on PYTHONPATH of the verifier service, or name the file: "
+                "'path/to/file.py:function')"
+            ) from exc
         raise RewardFunctionError(
             f"reward function {spec!r}: importing {name!r} raised {_describe(exc)}"
         ) from exc
@@ -210,11 +207,7 @@ def _cached(spec: str) -> Callable[..., Any]:
 def preload(specs: Sequence[str]) -> None:
     """Loads `specs` into this worker (the pool's initializer). A spec that fails is
     remembered: its requests get the error as their reason, others are served."""
-    for spec in specs:
-        try:
-            _cached(spec)
-        except RewardFunctionError:
-            pass
+    loading_errors(specs)
 
 
 def loading_errors(specs: Sequence[str]) -> list[str]:

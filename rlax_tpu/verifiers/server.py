@@ -48,7 +48,9 @@ DEFAULT_MAX_PARALLEL_TESTS = 4
 # Each Verify call holds a server thread until its batch is answered; callers are the
 # controller's threads, so a few dozen at once is plenty (the queue bounds the real work).
 _MAX_CALLS = 32
-# How long the start-up check may take to import the config's reward functions in a worker.
+# How long the start-up check may take to report on the config's reward functions. The
+# imports themselves run in each worker's initializer, under the pool's start timeout;
+# the check reads what they left in a worker.
 _REWARD_IMPORT_TIMEOUT_S = 60.0
 
 
