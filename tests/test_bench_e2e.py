@@ -1,5 +1,5 @@
 """tools/bench_e2e.py's arithmetic on synthetic controller output (the benchmark itself runs
-the whole job three times, minutes, so it is not run here)."""
+the whole job several times per round, minutes, so it is not run here)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,157 @@ def test_step_parts_are_warm_medians_in_ms_and_absent_parts_are_left_out():
     }
 
 
+def test_compute_is_generation_plus_update_and_overhead_the_rest_of_the_step():
+    rows, summary = rows_and_summary(step_s=0.2, eval_s=1.0)
+    figures = bench_e2e.figures(summary, rows, target=0.9)
+    # 200 ms steps of 50 ms generation and a 100 ms update.
+    assert figures["compute_ms"] == pytest.approx(150.0)
+    assert figures["overhead_ms"] == pytest.approx(50.0)
+    assert figures["step_vs_compute"] == pytest.approx(200 / 150, abs=1e-3)
+
+
+def test_compute_is_unknown_when_a_part_was_not_measured():
+    split = bench_e2e.compute_split({"controller_step": 200.0, "worker_generate": 50.0})
+    assert split == {"compute_ms": None, "overhead_ms": None, "step_vs_compute": None}
+
+
+def test_without_a_target_or_evaluations_target_and_accuracy_figures_are_none():
+    rows, summary = rows_and_summary(step_s=0.25, eval_s=0.0)
+    summary = {**summary, "evals": {}, "eval_elapsed_s": {}}
+    figures = bench_e2e.figures(summary, rows, target=None)
+    assert figures["steps_per_s"] == pytest.approx(4.0)
+    assert figures["time_to_target_s"] is None and figures["steps_to_target"] is None
+    assert figures["final_accuracy"] is None and figures["initial_accuracy"] is None
+
+
+# -- over rounds ---------------------------------------------------------------------------------
+def mode_round(steps_per_s, *, step=150.0, generate=40.0, update=85.0, to_target=10.0, acc=0.8):
+    step_ms = {"controller_step": step, "worker_generate": generate, "trainer_jitted_step": update}
+    return {
+        "steps": 40,
+        "steps_per_s": steps_per_s,
+        "time_to_target_s": to_target,
+        "time_to_target_excl_eval_s": None if to_target is None else to_target - 1,
+        "steps_to_target": None if to_target is None else 10,
+        "final_accuracy": acc,
+        "step_ms": step_ms,
+        **bench_e2e.compute_split(step_ms),
+    }
+
+
+def tunix_round(steps_per_s):
+    return {"steps_per_s": steps_per_s, "status": "ok"}
+
+
+def test_a_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians():
+    on = [mode_round(1.0), mode_round(2.0), mode_round(3.0)]
+    tunix = [tunix_round(2.0), tunix_round(1.0), tunix_round(6.0)]
+    report = bench_e2e.size_report(
+        bench_e2e.bench_config("20m", False, 1, []),
+        None,
+        {"on_policy": on},
+        tunix,
+        {"sft_s": 1.0, "reused": False},
+    )
+    # Per round 0.5, 2, 0.5: median 0.5 (the medians' ratio, 2 / 2, would say 1).
+    assert [r["speedup_vs_tunix"] for r in report["rounds"]] == [0.5, 2.0, 0.5]
+    assert report["speedup_vs_tunix"] == pytest.approx(0.5)
+    assert report["min_max"]["speedup_vs_tunix"] == [0.5, 2.0]
+    assert report["on_policy"]["steps_per_s"] == pytest.approx(2.0)
+    assert report["on_policy"]["min_max"]["steps_per_s"] == [1.0, 3.0]
+    assert report["tunix"]["steps_per_s"] == pytest.approx(2.0)
+    # Off-policy did not run: its ratios are missing, not zero.
+    assert report["off_policy"] is None and report["speedup_off_vs_tunix"] is None
+
+
+def test_overhead_fraction_is_the_median_of_per_round_overhead_over_compute():
+    on = [
+        mode_round(1.0, step=150.0, generate=40.0, update=85.0),  # 25 / 125 = 0.2
+        mode_round(1.0, step=200.0, generate=50.0, update=50.0),  # 100 / 100 = 1
+        mode_round(1.0, step=110.0, generate=50.0, update=50.0),  # 10 / 100 = 0.1
+    ]
+    tunix = [tunix_round(None)] * 3
+    report = bench_e2e.size_report(
+        bench_e2e.bench_config("demo", True, 1, []),
+        0.7,
+        {"on_policy": on},
+        tunix,
+        {"sft_s": 1.0, "reused": True},
+    )
+    assert report["overhead_fraction_on_policy"] == pytest.approx(0.2)
+    assert report["min_max"]["overhead_fraction_on_policy"] == [0.1, 1.0]
+    assert report["on_policy"]["compute_ms"] == pytest.approx(100.0)
+    assert report["on_policy"]["overhead_ms"] == pytest.approx(25.0)
+    assert report["speedup_vs_tunix"] is None
+
+
+def test_off_vs_on_compares_time_to_target_with_a_target_and_steps_per_s_without():
+    modes = {
+        "on_policy": mode_round(2.0, to_target=30.0),
+        "off_policy": mode_round(3.0, to_target=10.0),
+    }
+    by_time = bench_e2e.round_ratios(modes, None, by_time_to_target=True)
+    by_rate = bench_e2e.round_ratios(modes, None, by_time_to_target=False)
+    assert by_time["speedup_off_vs_on"] == pytest.approx(3.0)
+    assert by_rate["speedup_off_vs_on"] == pytest.approx(1.5)
+
+
+def test_a_round_that_missed_the_target_counts_as_slowest_in_the_median_time():
+    rounds = [mode_round(1.0, to_target=10.0), mode_round(1.0, to_target=None)]
+    rounds.append(mode_round(1.0, to_target=20.0))
+    summary = bench_e2e.summarise_mode(rounds)
+    assert summary["time_to_target_s"] == pytest.approx(20.0)
+    assert summary["target_reached_rounds"] == 2
+    assert summary["min_max"]["time_to_target_s"] == [10.0, 20.0]
+    missed = bench_e2e.summarise_mode([mode_round(1.0, to_target=None)] * 2 + rounds[:1])
+    assert missed["time_to_target_s"] is None and missed["steps_to_target"] is None
+
+
+def test_step_parts_are_medians_over_rounds():
+    rounds = [mode_round(1.0, step=s) for s in (100.0, 300.0, 200.0)]
+    summary = bench_e2e.summarise_mode(rounds)
+    assert summary["step_ms"]["controller_step"] == pytest.approx(200.0)
+    assert summary["step_ms_min_max"]["controller_step"] == [100.0, 300.0]
+    assert len(summary["rounds"]) == 3
+
+
+def test_the_demo_size_keeps_the_single_size_keys_at_the_top_level():
+    on = [mode_round(2.0)]
+    demo = bench_e2e.size_report(
+        bench_e2e.bench_config("demo", True, 1, []),
+        0.7,
+        {name: on for name in bench_e2e.MODES},
+        [tunix_round(4.0)],
+        {"sft_s": 1.0, "reused": True},
+    )
+    report = bench_e2e.report_for({"demo": demo}, {"quick": True, "num_rounds": 1})
+    from rlax_tpu.simulator.model import benchmark_kind
+
+    assert benchmark_kind(report) == "e2e"
+    assert report["on_policy"]["steps_per_s"] == pytest.approx(2.0)
+    assert report["speedup_vs_tunix"] == pytest.approx(0.5)
+    assert report["tunix_steps_per_s"] == pytest.approx(4.0)
+    assert (report["quick"], report["num_workers"], report["steps"]) == (True, 1, 40)
+    assert report["sizes"]["demo"] is demo
+
+
+def test_the_20m_size_has_18_to_22_million_parameters():
+    config = bench_e2e.bench_config("20m", False, 1, [])
+    assert 18e6 <= bench_e2e.num_params(config) <= 22e6
+    demo = bench_e2e.bench_config("demo", True, 1, [])
+    assert config.model.vocab_size == demo.model.vocab_size  # the same tokenizer and task
+    assert config.model.tokenizer == demo.model.tokenizer
+    assert config.controller.num_steps == bench_e2e.WARMUP_STEPS + bench_e2e.MEASURED_STEPS_20M
+    assert not config.controller.eval_dataset
+
+
 def test_unknown_modes_are_refused_before_anything_runs(capsys):
     with pytest.raises(SystemExit):
         bench_e2e.main(["--modes", "on_policy,sideways", "--work-dir", "/nonexistent/x"])
     assert "sideways" in capsys.readouterr().err
+
+
+def test_unknown_sizes_are_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--sizes", "demo,huge", "--work-dir", "/nonexistent/x"])
+    assert "huge" in capsys.readouterr().err

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """End-to-end RL on the demo task: on-policy against one-step and N-step off-policy (and Tunix).
 
-    python tools/bench_e2e.py [--quick] [--json OUT] [--target ACC] [--work-dir DIR]
+    python tools/bench_e2e.py [--quick] [--rounds R] [--sizes demo,20m] [--json OUT]
+                              [--target ACC] [--work-dir DIR]
 
-The demo (configs/tiny_cpu.py: a tiny Llama-style model with a character tokenizer learning
-arithmetic with GRPO) is warm-started by SFT once; then, from the same weights, seed and
-prompt order, the whole job (launcher, parameter server, trainer, inference workers,
-verifiers, controller) runs three times: on-policy (η=1, N=0), one-step off-policy (η=1,
-N=1) and off-policy (η=1, N=4), with held-out greedy accuracy measured every few steps.
-Each mode reports steps/s, the wall time to a fixed held-out accuracy, final accuracy,
-mean staleness of the rollouts trained on, and the fraction of time trainer and inference
-workers sit idle. When the optional `google-tunix` package is importable (`.venv-peer`,
-built by tools/peer_env.py), Tunix's GRPO learner then runs on the same warm-started
-weights (our model behind Tunix's transformer interface), prompts, group size, batch and
-lengths, on-policy, and its warm steps/s is compared with ours. docs/controller.md
-("End-to-end benchmark") explains the figures.
+Two model sizes of one family (configs/tiny_cpu.py: a Llama-style model with a character
+tokenizer learning arithmetic with GRPO). "demo" is the demo's model (--quick: a smaller
+one), warm-started by SFT, with held-out greedy accuracy measured every few steps; "20m"
+is a ~20M-parameter model of the same family on the same task, for throughput only (a
+one-step warm start, a few steps, no evaluations). For each size the whole job (launcher,
+parameter server, trainer, inference workers, verifiers, controller) runs, from the same
+warm start, seed and prompt order, on-policy (η=1, N=0), one-step off-policy (η=1, N=1) and
+off-policy (η=1, N=4); then, when the optional `google-tunix` package is importable
+(`.venv-peer`, built by tools/peer_env.py), Tunix's GRPO learner runs on the same weights
+(our model behind Tunix's transformer interface), prompts, group size, batch and lengths,
+on-policy. That sequence is one round; R rounds run interleaved (A B C T, A B C T, ...) so
+that a noisy host slows every contender alike, and every figure is the median over rounds
+with its min-max, every ratio the median of the per-round ratios. Each mode also reports
+its step's compute (generation + the jitted update) against the rest (overhead).
+docs/controller.md ("End-to-end benchmark") explains the figures.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlax_tpu.config import RunConfig, StalenessConfig, load_config  # noqa: E402
+from rlax_tpu.config.checkpoint import SHAPE_FIELDS  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
 # name: (η = reload_every, N = max_staleness)
 MODES = {"on_policy": (1, 0), "one_step": (1, 1), "off_policy": (1, 4)}
 LABELS = {
-    "on_policy": "on-policy (η=1, N=0)",
-    "one_step": "one-step off-policy (η=1, N=1)",
-    "off_policy": "off-policy (η=1, N=4)",
+    "on_policy": "on-policy N=0",
+    "one_step": "one-step N=1",
+    "off_policy": "off-policy N=4",
 }
 # Steps whose time counts as warm-up (compiles of the trainer and workers) in steps/s.
 WARMUP_STEPS = 2
@@ -63,10 +70,13 @@ STEP_PARTS = {
     "trainer_recompute": "train/time/recompute_s",
     "trainer_publish": "train/time/publish_s",
 }
+# A step's compute: generation and the jitted update; the rest of controller_step is overhead.
+COMPUTE_PARTS = ("worker_generate", "trainer_jitted_step")
 
 # Full: the demo's own model, SFT warm start and learning rates, fewer RL steps than the
 # demo and a held-out evaluation every 5 steps to resolve the time to the target.
 # --quick: a smaller model (half the width, two layers) with a shorter warm start.
+# (tools/validate_simulator.py rebuilds the demo size's config from these two lists.)
 QUICK = [
     "model.hidden_size=64",
     "model.intermediate_size=256",
@@ -84,11 +94,68 @@ FULL = [
 ]
 DEFAULT_TARGET = {"quick": 0.7, "full": 0.75}
 
+# The 20m size: the demo's family, tokenizer and task at about 19M parameters, where a
+# step's compute, not its overhead, dominates. Throughput only: SFT to a useful policy would
+# take hours on 2 cores, so the warm start is one SFT step (its checkpoint and HF export
+# carry the same initial weights to our runs and to Tunix), and there are no evaluations.
+MEASURED_STEPS_20M = 4
+SIZE_20M = [
+    "model.hidden_size=512",
+    "model.intermediate_size=1536",
+    "model.num_layers=6",
+    "model.num_heads=8",
+    "model.num_kv_heads=4",
+    "model.head_dim=64",
+    # 12 KiB of keys and values a token: 64 MiB holds a batch's 64 sequences of 64 tokens.
+    "inference.kv_cache_bytes=67108864",
+    "controller.sft_steps=1",
+    f"controller.num_steps={WARMUP_STEPS + MEASURED_STEPS_20M}",
+    "controller.eval_dataset=",
+]
+SIZES = ("demo", "20m")
 
-def bench_config(quick: bool, workers: int, extra: list[str]) -> RunConfig:
+# A mode's figures summarised as medians over rounds; "not reached" (None) counts as
+# slower than any time for the target figures.
+MEDIAN_FIGURES = (
+    "steps_per_s",
+    "steps_per_s_wall",
+    "wall_s",
+    "eval_s",
+    "initial_accuracy",
+    "final_accuracy",
+    "staleness_mean",
+    "trainer_idle_fraction",
+    "worker_idle_fraction",
+    "reward_mean_last_10",
+    "compute_ms",
+    "overhead_ms",
+    "step_vs_compute",
+)
+TARGET_FIGURES = ("time_to_target_s", "time_to_target_excl_eval_s", "steps_to_target")
+# Ratios between contenders, formed per round; a size reports the median over rounds.
+RATIOS = (
+    "speedup_vs_tunix",
+    "speedup_off_vs_tunix",
+    "overhead_fraction_on_policy",
+    "speedup_off_vs_on",
+    "speedup_one_step_vs_on",
+    "speedup_off_vs_on_excl_eval",
+    "accuracy_delta_off_vs_on",
+)
+
+
+def bench_config(size: str, quick: bool, workers: int, extra: list[str]) -> RunConfig:
+    """The config of `size` ("demo": QUICK or FULL; "20m": SIZE_20M), then `extra`."""
     base = load_config(str(ROOT / "configs" / "tiny_cpu.py"))
-    overrides = [*(QUICK if quick else FULL), f"inference.num_workers={workers}", *extra]
-    return base.apply_overrides(overrides)
+    own = SIZE_20M if size == "20m" else QUICK if quick else FULL
+    return base.apply_overrides([*own, f"inference.num_workers={workers}", *extra])
+
+
+def num_params(config: RunConfig) -> int:
+    """Parameters of the config's model (the simulator's count of the Transformer's tree)."""
+    from rlax_tpu.simulator.model import count_params
+
+    return count_params(config.model)
 
 
 # -- the shared SFT warm start -------------------------------------------------------------------
@@ -128,7 +195,11 @@ def warm_start(config: RunConfig, work: Path, log: Path) -> tuple[Path, float, b
 
 
 # -- one mode: the whole job, from the warm start ------------------------------------------------
-def run_mode(config: RunConfig, name: str, warm: Path, work: Path, target: float) -> dict:
+def run_mode(
+    config: RunConfig, name: str, warm: Path, work: Path, log: Path, target: float | None
+) -> dict:
+    """`name` in a fresh run directory work/<name> holding a copy of the warm start; the
+    job's output goes to `log`. Returns its figures."""
     from rlax_tpu.controller import job
 
     eta, n = MODES[name]
@@ -143,17 +214,33 @@ def run_mode(config: RunConfig, name: str, warm: Path, work: Path, target: float
         staleness=StalenessConfig(reload_every=eta, max_staleness=n),
         storage=dataclasses.replace(config.storage, run_dir=str(run_dir)),
     )
-    with open(work / f"{name}.log", "w") as out, contextlib.redirect_stdout(out):
+    with open(log, "w") as out, contextlib.redirect_stdout(out):
         summary = job.run(config)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return figures(summary, rows, target)
 
 
-def figures(summary: dict, rows: list[dict], target: float) -> dict:
-    """A mode's figures from the controller's summary and its metrics.jsonl rows.
+def compute_split(step_ms: dict[str, float]) -> dict[str, float | None]:
+    """A step's compute (generation + the jitted update) and the rest of the controller's
+    step (overhead), in ms, from the step_ms medians; None when a part was not measured."""
+    step = step_ms.get("controller_step")
+    parts = [step_ms.get(p) for p in COMPUTE_PARTS]
+    if step is None or None in parts or sum(parts) <= 0:
+        return {"compute_ms": None, "overhead_ms": None, "step_vs_compute": None}
+    compute = sum(parts)
+    return {
+        "compute_ms": round(compute, 1),
+        "overhead_ms": round(step - compute, 1),
+        "step_vs_compute": round(step / compute, 3),
+    }
+
+
+def figures(summary: dict, rows: list[dict], target: float | None) -> dict:
+    """A mode's figures from the controller's summary and its metrics.jsonl rows (one run).
 
     Step s's row has elapsed_s taken just before the evaluation at s (if any); the summary's
     eval_elapsed_s[s] is when that evaluation finished, so their difference is its length.
+    With no target (or no evaluations) the target and accuracy figures are None.
     """
     rows = [r for r in rows if "reward_mean" in r]  # training steps (not the step-0 eval)
     elapsed = {r["step"]: r["elapsed_s"] for r in rows}
@@ -165,8 +252,14 @@ def figures(summary: dict, rows: list[dict], target: float) -> dict:
     # Warm training throughput: steps after the warm-up, evaluations taken out.
     warm = elapsed[last] - elapsed[WARMUP_STEPS]
     warm -= sum(d for s, d in eval_s.items() if WARMUP_STEPS <= s < last)
-    reached = [s for s in sorted(evals) if evals[s] >= target]
+    reached = [s for s in sorted(evals) if target is not None and evals[s] >= target]
     first = reached[0] if reached else None
+    # Medians over the warm steps, in ms: where a step's time goes (docs/controller.md).
+    step_ms = {
+        name: round(1e3 * statistics.median(values), 1)
+        for name, key in STEP_PARTS.items()
+        if (values := [r[key] for r in rows[WARMUP_STEPS:] if key in r])
+    }
     return {
         "steps": steps,
         "steps_per_s": round((last - WARMUP_STEPS) / warm, 3),
@@ -181,18 +274,14 @@ def figures(summary: dict, rows: list[dict], target: float) -> dict:
         ),
         "steps_to_target": first,
         "initial_accuracy": evals.get(0),
-        "final_accuracy": evals[max(evals)],
+        "final_accuracy": evals[max(evals)] if evals else None,
         "evals": {str(s): evals[s] for s in sorted(evals)},
         "staleness_mean": round(summary["staleness_mean"], 3),
         "trainer_idle_fraction": round(summary["trainer_idle_fraction"], 3),
         "worker_idle_fraction": round(summary["worker_idle_fraction"], 3),
         "reward_mean_last_10": round(statistics.mean(r["reward_mean"] for r in rows[-10:]), 3),
-        # Medians over the warm steps, in ms: where a step's time goes (docs/controller.md).
-        "step_ms": {
-            name: round(1e3 * statistics.median(values), 1)
-            for name, key in STEP_PARTS.items()
-            if (values := [r[key] for r in rows[WARMUP_STEPS:] if key in r])
-        },
+        "step_ms": step_ms,
+        **compute_split(step_ms),
     }
 
 
@@ -383,78 +472,363 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
     }
 
 
-# -- the report ---------------------------------------------------------------------------------
+# -- over rounds ---------------------------------------------------------------------------------
+def median(values: Sequence[float | None], *, missing_is_slowest: bool = False) -> float | None:
+    """The median of the values given; None ones are left out, or with `missing_is_slowest`
+    (a target not reached) count as infinitely long. None when nothing is left, or when the
+    median itself is a missing one."""
+    if missing_is_slowest:
+        values = [math.inf if v is None else v for v in values]
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    mid = statistics.median(present)
+    return None if math.isinf(mid) else round(mid, 4)
+
+
+def spread(values: Sequence[float | None]) -> list[float] | None:
+    """[min, max] of the values that are not None (None when there are none)."""
+    present = [v for v in values if v is not None]
+    return [min(present), max(present)] if present else None
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
+def summarise_mode(rounds: list[dict]) -> dict:
+    """One mode's figures over rounds: each figure's median (its min-max in `min_max`), the
+    step parts' medians, how many rounds reached the target, and every round's `figures`."""
+    out: dict[str, Any] = {"steps": rounds[0]["steps"], "num_rounds": len(rounds)}
+    ranges: dict[str, list[float] | None] = {}
+    for key in MEDIAN_FIGURES:
+        values = [r.get(key) for r in rounds]
+        out[key], ranges[key] = median(values), spread(values)
+    for key in TARGET_FIGURES:
+        values = [r.get(key) for r in rounds]
+        if key == "steps_to_target":  # a step that was evaluated (an even count has two)
+            reached = sorted(math.inf if v is None else v for v in values)
+            low = statistics.median_low(reached)
+            out[key] = None if math.isinf(low) else low
+        else:
+            out[key] = median(values, missing_is_slowest=True)
+        ranges[key] = spread(values)
+    out["target_reached_rounds"] = sum(r.get("time_to_target_s") is not None for r in rounds)
+    parts = [p for p in STEP_PARTS if any(p in r["step_ms"] for r in rounds)]
+    out["step_ms"] = {p: median([r["step_ms"].get(p) for r in rounds]) for p in parts}
+    out["step_ms_min_max"] = {p: spread([r["step_ms"].get(p) for r in rounds]) for p in parts}
+    out["min_max"] = ranges
+    out["rounds"] = rounds
+    return out
+
+
+def round_ratios(
+    modes: dict[str, dict | None], tunix: dict | None, *, by_time_to_target: bool
+) -> dict[str, float | None]:
+    """The ratios of one round's figures (None where a side is missing).
+
+    speedup_off_vs_on and speedup_one_step_vs_on: on-policy time to target over the other's
+    when `by_time_to_target`, else the other's steps/s over on-policy's."""
+    on, one, off = (modes.get(name) for name in MODES)
+
+    def get(mode: dict | None, key: str) -> float | None:
+        return None if mode is None else mode.get(key)
+
+    tunix_rate = None if tunix is None else tunix.get("steps_per_s")
+    if by_time_to_target:
+        off_vs_on = ratio(get(on, "time_to_target_s"), get(off, "time_to_target_s"))
+        one_vs_on = ratio(get(on, "time_to_target_s"), get(one, "time_to_target_s"))
+        excl = ratio(get(on, "time_to_target_excl_eval_s"), get(off, "time_to_target_excl_eval_s"))
+    else:
+        off_vs_on = ratio(get(off, "steps_per_s"), get(on, "steps_per_s"))
+        one_vs_on = ratio(get(one, "steps_per_s"), get(on, "steps_per_s"))
+        excl = None
+    on_acc, off_acc = get(on, "final_accuracy"), get(off, "final_accuracy")
+    return {
+        "speedup_vs_tunix": ratio(get(on, "steps_per_s"), tunix_rate),
+        "speedup_off_vs_tunix": ratio(get(off, "steps_per_s"), tunix_rate),
+        "overhead_fraction_on_policy": ratio(get(on, "overhead_ms"), get(on, "compute_ms")),
+        "speedup_off_vs_on": off_vs_on,
+        "speedup_one_step_vs_on": one_vs_on,
+        "speedup_off_vs_on_excl_eval": excl,
+        "accuracy_delta_off_vs_on": (
+            None if on_acc is None or off_acc is None else round(off_acc - on_acc, 4)
+        ),
+    }
+
+
+def summarise_tunix(rounds: list[dict]) -> dict:
+    """Tunix's figures over rounds (medians of those it has), its status and every round's."""
+    out: dict[str, Any] = {
+        key: median([r.get(key) for r in rounds])
+        for key in ("steps_per_s", "rollout_s", "update_s", "wall_s", "reward_mean_last_10")
+    }
+    out["min_max"] = {"steps_per_s": spread([r.get("steps_per_s") for r in rounds])}
+    statuses = [r["status"] for r in rounds]
+    if len(set(statuses)) == 1:
+        out["status"] = statuses[0]
+    else:
+        out["status"] = "; ".join(
+            f"round {i + 1}: {s}" for i, s in enumerate(statuses) if s != "ok"
+        )
+    out["rounds"] = rounds
+    return out
+
+
+def size_report(
+    config: RunConfig,
+    target: float | None,
+    mode_rounds: dict[str, list[dict]],
+    tunix_rounds: list[dict],
+    warm: dict[str, Any],
+) -> dict:
+    """One size's report: its settings, every mode's summary over rounds (None for a mode
+    not run), Tunix's, and each ratio as the median of its per-round values."""
+    ctl, model = config.controller, config.model
+    num_rounds = len(tunix_rounds)
+    modes = {
+        name: summarise_mode(mode_rounds[name]) if mode_rounds.get(name) else None for name in MODES
+    }
+    per_round = [
+        round_ratios(
+            {name: rounds[r] for name, rounds in mode_rounds.items() if rounds},
+            tunix_rounds[r],
+            by_time_to_target=target is not None,
+        )
+        for r in range(num_rounds)
+    ]
+    tunix = summarise_tunix(tunix_rounds)
+    return {
+        "num_params": num_params(config),
+        "model": {key: getattr(model, key) for key in SHAPE_FIELDS},
+        "steps": ctl.num_steps,
+        "warmup_steps": WARMUP_STEPS,
+        "prompts_per_batch": ctl.prompts_per_batch,
+        "samples_per_prompt": ctl.samples_per_prompt,
+        "max_new_tokens": config.inference.max_new_tokens,
+        "num_workers": config.inference.num_workers,
+        "eval_every": ctl.eval_every if ctl.eval_dataset else None,
+        "eval_size": ctl.eval_size if ctl.eval_dataset else None,
+        "sft_steps": ctl.sft_steps,
+        "sft_s": round(warm["sft_s"], 1),
+        "sft_reused": warm["reused"],
+        "target_accuracy": target,
+        "num_rounds": num_rounds,
+        # What speedup_off_vs_on and speedup_one_step_vs_on compare.
+        "speedup_basis": "time_to_target" if target is not None else "steps_per_s",
+        **modes,
+        "tunix": tunix,
+        **{key: median([r[key] for r in per_round]) for key in RATIOS},
+        "min_max": {key: spread([r[key] for r in per_round]) for key in RATIOS},
+        "rounds": per_round,
+    }
+
+
+def report_for(sizes: dict[str, dict], meta: dict[str, Any]) -> dict:
+    """The JSON: the demo size's figures under the keys a single-size report has always had
+    (tools/validate_simulator.py and the simulator's calibration read them; null when the
+    demo size was not run), then every size's report under `sizes`."""
+    demo = sizes.get("demo") or {}
+    keys = (
+        "steps",
+        "prompts_per_batch",
+        "samples_per_prompt",
+        "max_new_tokens",
+        "num_workers",
+        "eval_every",
+        "eval_size",
+        "sft_steps",
+        "sft_s",
+        "sft_reused",
+        "target_accuracy",
+        *MODES,
+        *RATIOS,
+    )
+    tunix = demo.get("tunix") or {}
+    return {
+        **meta,
+        **{key: demo.get(key) for key in keys},
+        "tunix_steps_per_s": tunix.get("steps_per_s"),
+        "tunix_status": tunix.get("status"),
+        "tunix": demo.get("tunix"),
+        "sizes": sizes,
+    }
+
+
+# -- the table ----------------------------------------------------------------------------------
+def _show(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _cell(value: float | None, bounds: list[float] | None, fmt: str = "{:.2f}") -> str:
+    """median [min–max]."""
+    if value is None:
+        return "n/a"
+    if bounds is None or bounds[0] == bounds[1]:
+        return _show(value, fmt)
+    return f"{_show(value, fmt)} [{_show(bounds[0], fmt)}–{_show(bounds[1], fmt)}]"
+
+
 def print_table(report: dict) -> None:
-    def show(value, fmt="{:.2f}"):
-        return "n/a" if value is None else fmt.format(value)
-
-    def times(value):
-        return show(value, "{:.2f}x")
-
     print()
     print(
-        f"demo task, {report['device']}, {report['steps']} RL steps, batch "
-        f"{report['prompts_per_batch']}x{report['samples_per_prompt']}, "
-        f"{report['num_workers']} inference worker(s), target held-out accuracy "
-        f"{report['target_accuracy']:.2f}"
+        f"{report['device']}, {report['num_rounds']} round(s): medians over rounds "
+        "[min–max]; a ratio is the median of its per-round values"
     )
-    header = (
-        f"{'mode':<32}{'steps/s':>9}{'to target s':>13}{'final acc':>11}{'initial':>9}"
-        f"{'staleness':>11}{'trainer idle':>14}{'worker idle':>13}"
+    columns = (
+        ("steps/s", "steps_per_s", "{:.2f}"),
+        ("compute ms", "compute_ms", "{:.0f}"),
+        ("overhead ms", "overhead_ms", "{:.0f}"),
+        ("step/compute", "step_vs_compute", "{:.2f}"),
+        ("to target s", "time_to_target_s", "{:.1f}"),
+        ("final acc", "final_accuracy", "{:.3f}"),
     )
-    print(header)
-    for name in MODES:
-        m = report[name]
-        if m is None:
-            print(f"{LABELS[name]:<32}{'(not run)':>9}")
-            continue
+    for size, s in report["sizes"].items():
+        target = s["target_accuracy"]
+        print()
         print(
-            f"{LABELS[name]:<32}{show(m['steps_per_s']):>9}"
-            f"{show(m['time_to_target_s'], '{:.1f}'):>13}{show(m['final_accuracy'], '{:.3f}'):>11}"
-            f"{show(m['initial_accuracy'], '{:.3f}'):>9}{show(m['staleness_mean']):>11}"
-            f"{show(m['trainer_idle_fraction']):>14}{show(m['worker_idle_fraction']):>13}"
+            f"{size}: {s['num_params'] / 1e6:.2f}M parameters, {s['steps']} RL steps "
+            f"({WARMUP_STEPS} warm-up), batch {s['prompts_per_batch']}x"
+            f"{s['samples_per_prompt']}, {s['num_workers']} inference worker(s), "
+            + (
+                f"target held-out accuracy {target:.2f}"
+                if target is not None
+                else "no evaluations (throughput only)"
+            )
         )
-    tunix = report["tunix"]
-    print(f"{'tunix GRPO learner (on-policy)':<32}{show(tunix['steps_per_s']):>9}")
-    on = report["on_policy"]
-    if on is not None:
-        ms = on["step_ms"]
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in ms.items())
-        print(f"on-policy step, median ms: {parts}")
-    if tunix.get("rollout_s") is not None:
+        print(f"{'':<16}" + "".join(f"{title:>22}" for title, _, _ in columns))
+        for name in MODES:
+            m = s[name]
+            if m is None:
+                print(f"{LABELS[name]:<16}{'(not run)':>22}")
+                continue
+            cells = [_cell(m[key], m["min_max"][key], fmt) for _, key, fmt in columns]
+            if target is not None and 0 < m["target_reached_rounds"] < m["num_rounds"]:
+                cells[4] += f" {m['target_reached_rounds']}/{m['num_rounds']}"
+            print(f"{LABELS[name]:<16}" + "".join(f"{c:>22}" for c in cells))
+        tunix = s["tunix"]
+        rate = _cell(tunix["steps_per_s"], tunix["min_max"]["steps_per_s"])
+        print(f"{'tunix GRPO':<16}{rate:>22}")
+        on = s["on_policy"]
+        if on is not None:
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in on["step_ms"].items() if v is not None)
+            print(f"  on-policy step, median ms: {parts}")
+        if tunix.get("rollout_s") is not None:
+            print(
+                f"  tunix step, median ms: rollouts {1e3 * tunix['rollout_s']:.0f}, "
+                f"update {1e3 * tunix['update_s']:.0f}"
+            )
+        basis = "time to target" if s["speedup_basis"] == "time_to_target" else "steps/s"
+        for key, fmt in (
+            ("speedup_vs_tunix", "{:.2f}x"),
+            ("speedup_off_vs_tunix", "{:.2f}x"),
+            ("overhead_fraction_on_policy", "{:.2f}"),
+            ("speedup_off_vs_on", "{:.2f}x"),
+            ("speedup_one_step_vs_on", "{:.2f}x"),
+            ("accuracy_delta_off_vs_on", "{:+.3f}"),
+        ):
+            if s[key] is None and key == "accuracy_delta_off_vs_on":
+                continue
+            n = sum(r[key] is not None for r in s["rounds"])
+            note = f" ({basis})" if key in ("speedup_off_vs_on", "speedup_one_step_vs_on") else ""
+            print(f"  {key}{note}: {_cell(s[key], s['min_max'][key], fmt)} over {n} round(s)")
+        print(f"  tunix: {tunix['status']}")
+    print()
+    print(
+        f"steps/s: warm (after the first {WARMUP_STEPS} steps), held-out evaluations excluded. "
+        "compute: median generation + median jitted update; overhead: the median controller "
+        "step minus compute (negative when generation overlaps the update); overhead_fraction"
+        "_on_policy = on-policy overhead / compute (target <= 0.2). Time to target: from the "
+        "start of RL to the end of the first evaluation at or above the target, compiles and "
+        "every evaluation included."
+    )
+
+
+def _progress(size: str, r: int, rounds: int, name: str, m: dict, seconds: float) -> None:
+    line = (
+        f"[{size} round {r + 1}/{rounds}] {name}: {m['steps']} steps in {seconds:.0f}s, "
+        f"{m['steps_per_s']:.2f} steps/s, compute {_show(m['compute_ms'], '{:.0f}')} ms, "
+        f"overhead {_show(m['overhead_ms'], '{:.0f}')} ms"
+    )
+    if m["final_accuracy"] is not None:
+        line += (
+            f", held-out {_show(m['initial_accuracy'], '{:.3f}')} -> "
+            f"{m['final_accuracy']:.3f}, target reached at {m['time_to_target_s']} s"
+        )
+    print(line, flush=True)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def run_size(
+    size: str,
+    config: RunConfig,
+    target: float | None,
+    modes: list[str],
+    rounds: int,
+    work: Path,
+    tunix: bool,
+) -> dict:
+    """`rounds` rounds of every mode in `modes` then Tunix, each run from the size's warm
+    start, under work/<size>/; the size's report."""
+    root = work / size
+    root.mkdir(parents=True, exist_ok=True)
+    ctl = config.controller
+    print(
+        f"{size}: {num_params(config) / 1e6:.2f}M parameters; SFT warm start "
+        f"({ctl.sft_steps} steps)",
+        flush=True,
+    )
+    warm, sft_s, reused = warm_start(config, work, root / "warm_start.log")
+    print(f"warm start {'reused' if reused else 'ready'} in {sft_s:.0f}s: {warm}", flush=True)
+    mode_rounds: dict[str, list[dict]] = {name: [] for name in modes}
+    tunix_rounds: list[dict] = []
+    # A peer that failed once (its API drifts) fails again: later rounds skip it.
+    skip = None if tunix else "skipped (--no-tunix)"
+    for r in range(rounds):
+        for name in modes:
+            t0 = time.perf_counter()
+            log = root / f"round{r + 1}-{name}.log"
+            m = run_mode(config, name, warm, root, log, target)
+            mode_rounds[name].append(m)
+            _progress(size, r, rounds, name, m, time.perf_counter() - t0)
+        if skip is not None:
+            peer = {"steps_per_s": None, "status": skip}
+        else:
+            peer = tunix_grpo(config, warm, ctl.num_steps, root / f"round{r + 1}-tunix.log")
+            if peer["status"] != "ok":
+                skip = f"skipped (failed in round {r + 1})"
+        tunix_rounds.append(peer)
         print(
-            f"tunix step, median ms: rollouts {1e3 * tunix['rollout_s']:.0f}, "
-            f"update {1e3 * tunix['update_s']:.0f}"
+            f"[{size} round {r + 1}/{rounds}] tunix: {peer['status']}, "
+            f"{peer.get('steps_per_s')} steps/s",
+            flush=True,
         )
-    print(
-        f"speedup vs on-policy (time to target): off-policy {times(report['speedup_off_vs_on'])}, "
-        f"one-step {times(report['speedup_one_step_vs_on'])}; final accuracy off - on: "
-        f"{show(report['accuracy_delta_off_vs_on'], '{:+.3f}')}"
-    )
-    print(
-        f"speedup vs tunix (on-policy steps/s): {times(report['speedup_vs_tunix'])}; "
-        f"tunix: {report['tunix_status']}"
-    )
-    print(
-        "steps/s: warm (after the first "
-        f"{WARMUP_STEPS} steps), held-out evaluations excluded. Time to target: seconds from "
-        "the start of RL to the end of the first evaluation at or above the target, compiles "
-        "and every evaluation (every "
-        f"{report['eval_every']} steps, {report['eval_size']} prompts, greedy) included; "
-        "idle fractions over the same wall time."
+    return size_report(
+        config, target, mode_rounds, tunix_rounds, {"sft_s": sft_s, "reused": reused}
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (a few minutes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the demo size's smaller model and warm start"
+    )
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument(
-        "--target", type=float, help="held-out accuracy to reach (default 0.7 quick, 0.75 full)"
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of every mode then Tunix, interleaved (default %(default)s)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=",".join(SIZES),
+        help=f"comma-separated model sizes to run (default: {','.join(SIZES)})",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        help="held-out accuracy the demo size is to reach (default 0.7 quick, 0.75 full)",
     )
     parser.add_argument(
         "--work-dir",
@@ -471,45 +845,56 @@ def main(argv: list[str] | None = None) -> int:
         "of a mode not run are null",
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, every size and mode",
     )
     args = parser.parse_args(argv)
     selected = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(selected) - set(MODES))
     if unknown or not selected:
         parser.error(f"unknown mode(s) {unknown} in --modes: choose from {list(MODES)}")
-    target = (
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = sorted(set(sizes) - set(SIZES))
+    if unknown or not sizes:
+        parser.error(f"unknown size(s) {unknown} in --sizes: choose from {list(SIZES)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    demo_target = (
         args.target
         if args.target is not None
         else DEFAULT_TARGET["quick" if args.quick else "full"]
     )
-    config = bench_config(args.quick, args.workers, args.set)
-    configure_jax(config)  # before anything starts JAX: the SFT and Tunix run in-process
+    configs = {size: bench_config(size, args.quick, args.workers, args.set) for size in sizes}
+    for size, config in configs.items():
+        if config.controller.num_steps <= WARMUP_STEPS:
+            parser.error(
+                f"{size}: controller.num_steps={config.controller.num_steps} leaves no step "
+                f"after the {WARMUP_STEPS} warm-up steps: set more"
+            )
+    configure_jax(configs[sizes[0]])  # before anything starts JAX: SFT and Tunix run here
 
     temporary = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="bench_e2e_")) if temporary else args.work_dir
     work.mkdir(parents=True, exist_ok=True)
+    print(f"work dir {work}", flush=True)
     t_start = time.perf_counter()
+    reports = {}
     try:
-        print(f"work dir {work}; SFT warm start ({config.controller.sft_steps} steps)", flush=True)
-        warm, sft_s, reused = warm_start(config, work, work / "warm_start.log")
-        print(f"warm start {'reused' if reused else 'ready'} in {sft_s:.0f}s: {warm}", flush=True)
-        modes: dict[str, dict | None] = dict.fromkeys(MODES)
-        for name in selected:
-            t0 = time.perf_counter()
-            modes[name] = run_mode(config, name, warm, work, target)
-            m = modes[name]
-            print(
-                f"{name}: {m['steps']} steps in {time.perf_counter() - t0:.0f}s, "
-                f"{m['steps_per_s']:.2f} steps/s, held-out {m['initial_accuracy']:.3f} -> "
-                f"{m['final_accuracy']:.3f}, target reached at {m['time_to_target_s']} s",
-                flush=True,
-            )
-        if args.no_tunix:
-            tunix = {"steps_per_s": None, "status": "skipped (--no-tunix)"}
-        else:
-            tunix = tunix_grpo(config, warm, config.controller.num_steps, work / "tunix.log")
-        print(f"tunix: {tunix['status']}, {tunix.get('steps_per_s')} steps/s", flush=True)
+        for size in SIZES:
+            if size in configs:
+                target = demo_target if size == "demo" else None
+                reports[size] = run_size(
+                    size,
+                    configs[size],
+                    target,
+                    selected,
+                    args.rounds,
+                    work,
+                    tunix=not args.no_tunix,
+                )
     except BaseException:
         print(f"failed; the run directories and logs are kept in {work}", file=sys.stderr)
         raise
@@ -518,46 +903,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    on, one, off = modes["on_policy"], modes["one_step"], modes["off_policy"]
-
-    def get(mode: dict | None, key: str) -> float | None:
-        return None if mode is None else mode[key]
-
-    ctl = config.controller
-    report = {
-        "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
-        "cpu_count": os.cpu_count(),
-        "quick": args.quick,
-        "steps": ctl.num_steps,
-        "prompts_per_batch": ctl.prompts_per_batch,
-        "samples_per_prompt": ctl.samples_per_prompt,
-        "max_new_tokens": config.inference.max_new_tokens,
-        "num_workers": config.inference.num_workers,
-        "eval_every": ctl.eval_every,
-        "eval_size": ctl.eval_size,
-        "sft_steps": ctl.sft_steps,
-        "sft_s": round(sft_s, 1),
-        "sft_reused": reused,
-        "target_accuracy": target,
-        "on_policy": on,
-        "one_step": one,
-        "off_policy": off,
-        "speedup_off_vs_on": ratio(get(on, "time_to_target_s"), get(off, "time_to_target_s")),
-        "speedup_one_step_vs_on": ratio(get(on, "time_to_target_s"), get(one, "time_to_target_s")),
-        "speedup_off_vs_on_excl_eval": ratio(
-            get(on, "time_to_target_excl_eval_s"), get(off, "time_to_target_excl_eval_s")
-        ),
-        "accuracy_delta_off_vs_on": (
-            None
-            if on is None or off is None
-            else round(off["final_accuracy"] - on["final_accuracy"], 4)
-        ),
-        "tunix_steps_per_s": tunix["steps_per_s"],
-        "speedup_vs_tunix": ratio(get(on, "steps_per_s"), tunix["steps_per_s"]),
-        "tunix_status": tunix["status"],
-        "tunix": tunix,
-        "total_s": round(time.perf_counter() - t_start, 1),
-    }
+    report = report_for(
+        reports,
+        {
+            "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
+            "cpu_count": os.cpu_count(),
+            "quick": args.quick,
+            "num_rounds": args.rounds,
+            "total_s": round(time.perf_counter() - t_start, 1),
+        },
+    )
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
