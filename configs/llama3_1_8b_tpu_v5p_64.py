@@ -123,7 +123,7 @@ def get_config() -> RunConfig:
             controller_cpu="8",
             controller_memory="32Gi",
             param_server_cpu="16",
-            # Per replica: 49 versions × 14.96 GiB / 8 = 91.6 GiB + 4 GiB pull cache = 95.6 GiB,
+            # Per replica: 49 versions × 14.96 GiB / 8 = 91.6 GiB,
             # plus a third for versions waiting for their persistent copy and gRPC buffers.
             param_server_memory="128Gi",
             verifier_cpu="16",

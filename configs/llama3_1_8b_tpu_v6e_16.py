@@ -75,7 +75,7 @@ def get_config() -> RunConfig:
             trainer_tpu=TpuSliceConfig(accelerator="tpu-v6e-slice", topology="4x4"),
             inference_tpu=TpuSliceConfig(accelerator="tpu-v6e-slice", topology="2x2"),
             verifier_replicas=2,
-            # 3 versions × 16.06 GB + the 4 GiB pull cache, about a third of headroom.
+            # 3 versions × 16.06 GB, with room for versions waiting for their persistent copy.
             param_server_memory="72Gi",
         ),
     )

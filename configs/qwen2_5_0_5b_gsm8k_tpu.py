@@ -74,8 +74,8 @@ def get_config() -> RunConfig:
             cpu_node_pool="cpu-highmem",
             verifier_node_pool="verifier-sandbox",
             verifier_replicas=1,
-            # 3 versions × 0.92 GiB + the 4 GiB pull cache, with room for versions waiting
-            # for their persistent copy.
+            # 3 versions × 0.92 GiB, with room for versions waiting for their persistent copy
+            # and gRPC buffers.
             param_server_memory="16Gi",
         ),
     )

@@ -110,7 +110,7 @@ def get_config() -> RunConfig:
             controller_cpu="8",
             controller_memory="32Gi",
             param_server_cpu="16",
-            # Per replica: 3 versions × 61.03 GiB / 4 = 45.8 GiB + 4 GiB pull cache = 49.8 GiB,
+            # Per replica: 3 versions × 61.03 GiB / 4 = 45.8 GiB,
             # plus a third for versions waiting for their persistent copy and gRPC buffers.
             param_server_memory="72Gi",
             verifier_cpu="16",

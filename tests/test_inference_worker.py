@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 from model_helpers import model_params
+from processes import ProcessGroup
 
 from rlax_tpu.config import load_config
 from rlax_tpu.inference.engine import Engine, GenerationRequest
@@ -21,7 +22,7 @@ from rlax_tpu.inference.worker import (
     VersionMismatchError,
     WorkerClosedError,
 )
-from rlax_tpu.param_server.client import ParamServerCallError
+from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
 
 TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
 # A tiny engine: 4 slots, one prefill bucket, 8 greedy tokens; compiles in about 2 s.
@@ -89,6 +90,12 @@ class FakeParamServer:
             raise ParamServerCallError("no such version", grpc.StatusCode.NOT_FOUND)
         assert set(like) == set(self.versions_held[version])  # the model's param tree
         return self.versions_held[version]
+
+    def fetch(self, version, like, wait_s=0.0):  # the worker's prefetch: `place` finishes it
+        return self.pull(version, like)
+
+    def place(self, fetched, like):
+        return fetched
 
     def versions(self):
         return sorted(self.versions_held)
@@ -249,6 +256,36 @@ def test_load_pulls_from_the_param_server_and_confirms_the_version(config, param
         assert worker.version == 1
     finally:
         worker.close()
+
+
+def test_the_next_version_is_fetched_while_generating_and_loads_from_it(config, params):
+    """A real parameter server: after loading 0 the worker waits for version 1 in the
+    background; once 1 is published its bytes arrive without any load asking, and the load
+    of 1 only places them (counted as a prefetched load). Without prefetch_weights it pulls."""
+    group = ProcessGroup()
+    token = "prefetch-test-token"
+    try:
+        address = group.start_param_server(None, token=token).address
+        with ParamServerClient([address], auth_token=token) as client:
+            client.publish(0, params[0])
+            for prefetch in (True, False):
+                run = config.apply_overrides([f"inference.prefetch_weights={prefetch}"])
+                worker = InferenceWorker(run, param_server=client, consumer_id=f"w-{prefetch}")
+                try:
+                    worker.load(0)
+                    if prefetch:
+                        client.publish(1, params[1])
+                        version, pending = worker._prefetch
+                        assert version == 1
+                        pending.result(timeout=60)  # arrived before the load asks for it
+                    worker.load(1)
+                    assert worker.stats()["prefetched_loads"] == (1 if prefetch else 0)
+                    rollouts = list(worker.generate(requests(f"p{prefetch}", 1), version=1))
+                    assert [r.version for r in rollouts] == [1]
+                finally:
+                    worker.close()
+    finally:
+        group.stop_all()
 
 
 class BrokenEngine(FreezableEngine):

@@ -1,7 +1,9 @@
 """The parameter-server client against real server processes: pytrees in and out, shardings,
 idempotent publishes, replicas split along the tensor-parallel dimension, retention."""
 
+import concurrent.futures
 import secrets
+import time
 
 import grpc
 import jax
@@ -90,6 +92,32 @@ def test_pull_onto_one_device(servers):
     leaf = pulled["layers"][1]["mlp"]["w_up"]
     assert leaf.devices() == {device}
     np.testing.assert_array_equal(leaf, params["layers"][1]["mlp"]["w_up"])
+
+
+def test_a_waiting_pull_gets_the_version_as_it_commits(servers):
+    """pull(wait_s=…) asked before the publish returns the version once it commits; a pull
+    without waiting, or whose wait runs out, is NOT_FOUND."""
+    params, later = _params(0), _params(1)
+    (address,) = servers()
+    device = SingleDeviceSharding(jax.devices()[0])
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
+    with ParamServerClient([address], auth_token=TOKEN) as client:
+        client.publish(0, params)  # the layout the pull needs
+        with pytest.raises(ParamServerCallError) as info:
+            client.pull(1, like)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND
+        t0 = time.monotonic()
+        with pytest.raises(ParamServerCallError) as info:
+            client.pull(1, like, wait_s=0.3)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and time.monotonic() - t0 >= 0.3
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.pull, 1, like, wait_s=60)
+            time.sleep(0.5)
+            assert not waiting.done()
+            client.publish(1, later)
+            pulled = waiting.result(timeout=30)
+    for a, b in zip(jax.tree.leaves(pulled), jax.tree.leaves(later), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_republish_is_a_no_op_and_different_content_is_refused(servers):
@@ -193,14 +221,14 @@ def test_wrong_token_is_rejected_by_the_client(servers):
         assert client.versions() == []
 
 
-def test_repeated_pulls_are_identical_and_gc_beats_the_pull_cache(servers, tmp_path):
+def test_repeated_pulls_are_identical_and_gc_ends_them(servers, tmp_path):
     (address,) = servers(storage=str(tmp_path / "params"))
     trees = [{"w": np.arange(12, dtype=np.float32).reshape(3, 4) * (v + 1)} for v in range(3)]
     with ParamServerClient([address], auth_token=TOKEN) as client:
         client.publish(0, trees[0])
         client.publish(1, trees[1])
         first = client.pull_arrays(1)["w"]
-        second = client.pull_arrays(1)["w"]  # served from the pull cache
+        second = client.pull_arrays(1)["w"]
         np.testing.assert_array_equal(first, trees[1]["w"])
         np.testing.assert_array_equal(second, trees[1]["w"])
         half = ((0, 3), (2, 4))

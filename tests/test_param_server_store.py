@@ -118,8 +118,8 @@ def test_aborted_publish_leaves_no_trace(tmp_path):
     publish(store, 0, tree(0))
     pieces = pieces_of(tree(1))
     txn = store.begin_publish(1, pieces, layout.version_digest(pieces))
-    send(txn, tree(1))  # every piece complete: written to memory and storage already
-    assert version_dirs(tmp_path) == ["0000000000", "0000000001"]
+    send(txn, tree(1))  # every piece complete, in memory; storage is written after commit
+    assert version_dirs(tmp_path) == ["0000000000"]
     txn.abort()
     assert version_dirs(tmp_path) == ["0000000000"]
     assert [v.version for v in store.versions()] == [0]
@@ -526,11 +526,11 @@ def test_restart_serves_committed_versions_and_removes_uncommitted_ones(tmp_path
         publish(store, v, tree(v))
     pieces = pieces_of(tree(3))
     crashed = store.begin_publish(3, pieces, layout.version_digest(pieces))
-    send(crashed, tree(3))  # all bytes written, never committed: the process "dies" here
-    for future, _ in crashed._writes:  # (a dead process writes nothing more)
-        future.result()
-    for future in crashed._storage_writes:
-        future.result()
+    send(crashed, tree(3))
+    crashed.commit()
+    store.wait_persisted(3)
+    # The process "dies" after writing version 3's arrays and before its manifest.
+    storage.remove(os.path.join(tmp_path, "versions", "0000000003", "MANIFEST.json"))
     assert "0000000003" in version_dirs(tmp_path)
     del store, crashed
 

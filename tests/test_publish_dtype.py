@@ -79,6 +79,7 @@ def run(tmp_path_factory):
     config = run_config(str(root / "run"), model=MIXED, inference=ENGINE)
     trainer = Trainer(config, param_server=client)
     trainer.initialize()
+    client.wait_persisted([0])  # storage is written after the publish returned
     yield dict(
         storage=storage,
         server=server,

@@ -79,12 +79,6 @@ def _add_param_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replica", type=int, default=0, metavar="I", help="this replica's index")
     group.add_argument("--num-replicas", type=int, metavar="R", help="replicas in total")
     group.add_argument("--chunk-bytes", type=int, metavar="B", help="bytes per streamed chunk")
-    group.add_argument(
-        "--pull-cache-bytes",
-        type=int,
-        metavar="B",
-        help="serialized chunks of the newest pulled version kept for other pulls (0 = off)",
-    )
 
 
 def _add_inference_args(parser: argparse.ArgumentParser) -> None:

@@ -471,6 +471,10 @@ class InferenceConfig(ConfigBase):
     # The GPUs every inference worker runs on when not on a TPU slice, "<model>[:<count>]"
     # as trainer.gpu ("" = a TPU slice: mesh.topology, else deploy.inference_tpu).
     gpu: str = ""
+    # While it generates, each worker fetches the next version it may load (the held one
+    # + η) into host memory, the moment the parameter server commits it; its next load then
+    # only places it on the devices. Costs one version of host memory per worker.
+    prefetch_weights: bool = True
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
@@ -552,9 +556,6 @@ class ParamServerConfig(ConfigBase):
     # versions workers may load, multiples of η, and the final one are published).
     hot_versions: int | None = None
     chunk_bytes: int = 2 * 2**20
-    # Serialized chunks of the newest pulled version kept to serve every worker's pull of
-    # it without re-reading (0 = off). Costs up to one version of extra host memory.
-    pull_cache_bytes: int = 4 * 2**30
     host: str = "127.0.0.1"
     # Environment variable holding the shared auth token of all components.
     auth_token_env: str = "RLAX_TPU_AUTH_TOKEN"
@@ -562,7 +563,6 @@ class ParamServerConfig(ConfigBase):
     def validate(self) -> None:
         require(self.num_replicas >= 1, "num_replicas", "must be >= 1")
         require(self.hot_versions is None or self.hot_versions >= 1, "hot_versions", "must be >= 1")
-        require(self.pull_cache_bytes >= 0, "pull_cache_bytes", "must be >= 0 (0 = off)")
         require(
             2**10 <= self.chunk_bytes <= 64 * 2**20,
             "chunk_bytes",

@@ -36,6 +36,9 @@ _log = logging.getLogger(__name__)
 
 # Completed rollouts kept for repeated request ids (per version held; a reload forgets them).
 DEFAULT_MAX_RECORDED = 8192
+# A prefetch waits for the next version in calls of this length, until the version comes or
+# the prefetch is abandoned (a load of another version), so an abandoned one ends soon.
+PREFETCH_WAIT_S = 5.0
 # Only these are final: an aborted or failed request is generated afresh when repeated.
 _RECORDED_REASONS = ("stop", "length")
 _STOP = object()  # tells the engine thread to exit
@@ -168,6 +171,9 @@ class InferenceWorker:
         self._thread.start()
         # Confirmations to the parameter server after loads: they only free memory there.
         self._confirmations = concurrent.futures.ThreadPoolExecutor(1, "inference-confirm")
+        # The next version's bytes, fetched while generating (inference.prefetch_weights):
+        # (version, future of ParamServerClient.fetch), or None.
+        self._prefetch: tuple[int, concurrent.futures.Future] | None = None
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -244,8 +250,11 @@ class InferenceWorker:
                 return LoadResult(version, already_loaded=True, aborted=())
             first, t0 = self._version < 0, time.perf_counter()
             if params is None:
+                params = self._prefetched(version)
+            if params is None:
                 params = self._pull(version)
             aborted = self._on_engine(lambda: self._swap(version, params)).result()
+            self._start_prefetch(version)
             if first and self._progress is not None:
                 source = "the parameter server" if self.param_server is not None else "the caller"
                 self._progress(
@@ -277,7 +286,14 @@ class InferenceWorker:
                 "recorded": len(self._recorded),
                 **{
                     name: self._counters[name]
-                    for name in ("started", "recorded_hits", "joined_in_flight", "aborted", "loads")
+                    for name in (
+                        "started",
+                        "recorded_hits",
+                        "joined_in_flight",
+                        "aborted",
+                        "loads",
+                        "prefetched_loads",
+                    )
                 },
                 **({"failure": self._failure} if self._failure else {}),
             }
@@ -288,6 +304,7 @@ class InferenceWorker:
             self._commands.put((_STOP, None))
             self._thread.join()
         self._confirmations.shutdown(wait=True)
+        self._prefetch = None  # a prefetch still waiting stops at its next call
 
     # -- weights ------------------------------------------------------------------------------
     def param_like(self) -> Any:
@@ -310,6 +327,50 @@ class InferenceWorker:
                 shardings,
             )
         return self._like
+
+    def _start_prefetch(self, held: int) -> None:
+        """Fetch the next loadable version into host memory in the background; the
+        parameter server sends it as it commits (a head start for the next load only: the
+        load pulls as usual when this fails or the controller asks for another version)."""
+        if self.param_server is None or not self.config.inference.prefetch_weights:
+            return
+        following, like = held + self.policy.reload_every, self.param_like()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def fetch() -> None:
+            while True:
+                try:
+                    fetched = self.param_server.fetch(following, like, PREFETCH_WAIT_S)
+                except ParamServerCallError as e:
+                    wanted = self._prefetch is not None and self._prefetch[1] is future
+                    if e.code == grpc.StatusCode.NOT_FOUND and wanted and self._failure is None:
+                        continue  # not published yet: wait on
+                    future.set_exception(e)
+                except BaseException as e:  # noqa: BLE001 - handed to the load that wants it
+                    future.set_exception(e)
+                else:
+                    future.set_result(fetched)
+                return
+
+        # A daemon thread: a fetch still waiting for its version must not hold up the
+        # process's exit.
+        threading.Thread(target=fetch, name="inference-prefetch", daemon=True).start()
+        self._prefetch = (following, future)
+
+    def _prefetched(self, version: int) -> Any:
+        """`version` on the devices from the prefetched bytes, if those are `version`'s
+        (waiting for a fetch still under way); else None."""
+        pending, self._prefetch = self._prefetch, None
+        if pending is None or pending[0] != version:
+            return None
+        try:
+            fetched = pending[1].result()
+        except Exception as e:  # noqa: BLE001 - the load pulls as usual and says why
+            _log.debug("prefetching version %d failed (%s); pulling it", version, e)
+            return None
+        with self._lock:
+            self._counters["prefetched_loads"] += 1
+        return self.param_server.place(fetched, self.param_like())
 
     def _pull(self, version: int) -> Any:
         if self.param_server is None:

@@ -1,11 +1,12 @@
 """The parameter server (DESIGN §3): versioned model weights from the trainer to the workers.
 
-`VersionStore` keeps immutable versions on TensorStore (hot in memory, persisted on a
+`VersionStore` keeps immutable versions (hot in memory, persisted with TensorStore on a
 directory or gs://); `ParamServerServicer` serves it over gRPC; `rlax-tpu serve param-server`
 runs it as a process (`server`). `layout` defines pieces, boxes and digests for both ends,
-`wire` the Pull stream's codec, `errors` the errors both ends raise; `ParamServerClient`
-talks to it (JAX only for publish and pull, `arrays`). Names load on first use, so a client
-does not load the store and TensorStore, nor a server the client's JAX.
+`wire` the codec of the messages carrying bytes, `errors` the errors both ends raise;
+`ParamServerClient` talks to it (JAX only for publish and pull, `arrays`). Names load on
+first use, so a client does not load the store and TensorStore, nor a server the client's
+JAX.
 """
 
 from rlax_tpu._lazy import lazy_exports
@@ -23,8 +24,9 @@ _EXPORTS = {
     "StorageFailedError": "errors",
     "VersionConflictError": "errors",
     "VersionNotFoundError": "errors",
-    "decode_pull_chunk": "wire",
-    "encode_pull_chunk": "wire",
+    "decode_publish_request": "wire",
+    "decode_pull_chunks": "wire",
+    "encode_piece_chunks": "wire",
     "RunningServer": "server",
     "ServeOptions": "server",
     "start_server": "server",

@@ -134,6 +134,32 @@ def device_boxes(leaf: Any) -> dict[Any, Box]:
     return {device: layout.box_from_slices(index, shape) for device, index in index_map.items()}
 
 
+def assemble_all(
+    leaves: Mapping[str, Any],
+    boxes: Mapping[str, Mapping[Any, Box]],
+    fetched: Mapping[tuple[str, Box], np.ndarray],
+) -> dict[str, jax.Array]:
+    """{path: the jax.Array of `leaves[path]`'s shape, dtype and sharding} from the fetched
+    boxes (`fetched[(path, box)]` for each box of `boxes[path]`). Leaves every device of
+    which holds the whole array (one device, or replicated) go to their devices in one
+    batched transfer; the others shard by shard (`assemble`)."""
+    out: dict[str, jax.Array] = {}
+    whole = []
+    for path, leaf in leaves.items():
+        full = layout.full_box(tuple(leaf.shape))
+        if leaf.sharding.is_fully_addressable and set(boxes[path].values()) == {full}:
+            whole.append(path)
+        else:
+            shards = {box: fetched[(path, box)] for box in set(boxes[path].values())}
+            out[path] = assemble(leaf, boxes[path], shards)
+    if whole:
+        host = [fetched[(p, layout.full_box(tuple(leaves[p].shape)))] for p in whole]
+        host = [h.astype(leaves[p].dtype, copy=False) for h, p in zip(host, whole, strict=True)]
+        placed = jax.device_put(host, [leaves[p].sharding for p in whole])
+        out.update(zip(whole, placed, strict=True))
+    return out
+
+
 def assemble(leaf: Any, boxes: Mapping[Any, Box], fetched: Mapping[Box, np.ndarray]) -> jax.Array:
     """The jax.Array of `leaf`'s shape, dtype and sharding whose shard on each device of
     `boxes` is `fetched[box]`."""

@@ -24,7 +24,7 @@ import numpy as np
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.errors import ParamServerError, PullMismatchError
 from rlax_tpu.param_server.layout import Box, Piece
-from rlax_tpu.param_server.wire import decode_pull_chunk
+from rlax_tpu.param_server.wire import decode_pull_chunks, encode_piece_chunks, pack
 from rlax_tpu.rpc import make_channel
 from rlax_tpu.rpc.client import RpcCallError
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
@@ -112,6 +112,10 @@ def _raise_from(e: grpc.RpcError, what: str) -> ParamServerCallError:
     return ParamServerCallError.from_rpc(e, what)
 
 
+def _serialized(message: bytes) -> bytes:
+    return message
+
+
 class ParamServerClient:
     """Talks to the replicas of one parameter server (addresses in replica order)."""
 
@@ -137,12 +141,21 @@ class ParamServerClient:
         self.timeout_s = timeout_s
         self._channels = [make_channel(a, auth_token=auth_token) for a in addresses]
         self._stubs = [pb_grpc.ParamServerStub(c) for c in self._channels]
-        # Pull replies are decoded without copying their bytes (see decode_pull_chunk).
+        # The messages carrying bytes are serialized and parsed by hand, without copying
+        # the bytes more than once (param_server.wire).
+        self._publishes = [
+            c.stream_unary(
+                "/rlax_tpu.v1.ParamServer/Publish",
+                request_serializer=_serialized,
+                response_deserializer=pb.PublishReply.FromString,
+            )
+            for c in self._channels
+        ]
         self._pulls = [
             c.unary_stream(
                 "/rlax_tpu.v1.ParamServer/Pull",
                 request_serializer=pb.PullRequest.SerializeToString,
-                response_deserializer=decode_pull_chunk,
+                response_deserializer=decode_pull_chunks,
             )
             for c in self._channels
         ]
@@ -248,20 +261,14 @@ class ParamServerClient:
             pieces, payload = [], {}
             for path, box in sorted(held[replica].items()):
                 data = data_of(replica, path)
-                raw = layout.to_bytes(data)
-                payload[path] = raw
-                pieces.append(
-                    Piece(
-                        path=path,
-                        dtype=layout.dtype_name(data.dtype),
-                        shape=shapes[path],
-                        domain=box,
-                        digest=layout.digest_bytes(raw),
-                    )
-                )
+                payload[path] = layout.to_bytes(data)
+                # No digest: the server hashes the bytes as they arrive, so the sender's
+                # critical path does not (a version's digest is the server's).
+                dtype = layout.dtype_name(data.dtype)
+                pieces.append(Piece(path=path, dtype=dtype, shape=shapes[path], domain=box))
             requests = self._publish_requests(version, pieces, payload)
             try:
-                reply = self._stubs[replica].Publish(requests, timeout=self.timeout_s)
+                reply = self._publishes[replica](requests, timeout=self.timeout_s)
             except grpc.RpcError as e:
                 raise _raise_from(
                     e, f"publish of version {version} to {self.addresses[replica]}"
@@ -277,24 +284,17 @@ class ParamServerClient:
 
     def _publish_requests(
         self, version: int, pieces: list[Piece], payload: Mapping[str, memoryview]
-    ) -> Iterator[pb.PublishRequest]:
-        begin = pb.PublishBegin(version=version, version_digest=layout.version_digest(pieces))
+    ) -> Iterator[bytes]:
+        """The serialized stream: begin, the pieces' bytes in messages of about chunk_bytes
+        (small pieces share one), commit."""
+        begin = pb.PublishBegin(version=version)
         for piece in pieces:
             layout.piece_to_proto(piece, begin.pieces.add())
-        yield pb.PublishRequest(begin=begin)
-        step = self.chunk_bytes
-        for piece in pieces:
-            raw = payload[piece.path]
-            for offset in range(0, len(raw), step):
-                yield pb.PublishRequest(
-                    chunk=pb.PieceChunk(
-                        version=version,
-                        path=piece.path,
-                        offset=offset,
-                        data=bytes(raw[offset : offset + step]),
-                    )
-                )
-        yield pb.PublishRequest(commit=pb.PublishCommit(version=version))
+        yield pb.PublishRequest(begin=begin).SerializeToString()
+        items = ((piece.path, payload[piece.path]) for piece in pieces)
+        for batch in pack(items, self.chunk_bytes):
+            yield encode_piece_chunks(version, batch)
+        yield pb.PublishRequest(commit=pb.PublishCommit(version=version)).SerializeToString()
 
     # -- pull -----------------------------------------------------------------------------
     def held_pieces(self, refresh: bool = False) -> list[dict[str, Piece]]:
@@ -316,11 +316,12 @@ class ParamServerClient:
         return self.held_pieces(refresh=True) if any(not h for h in held) else held
 
     def pull_boxes(
-        self, version: int, wanted: Mapping[str, Sequence[Box]]
+        self, version: int, wanted: Mapping[str, Sequence[Box]], wait_s: float = 0.0
     ) -> dict[tuple[str, Box], np.ndarray]:
         """Fetch the given boxes of the given arrays: {(path, box): array of the box}.
 
-        Each box is assembled from the replicas that hold parts of it.
+        Each box is assembled from the replicas that hold parts of it. With `wait_s` > 0, a
+        version not yet committed is waited for (that long at most) and sent as it commits.
         """
         held = self._layout()
         requests: list[dict[str, list[Box]]] = [{} for _ in self._stubs]
@@ -348,13 +349,20 @@ class ParamServerClient:
                     return target, layout.relative(sub_box, want_box)
             raise ParamServerCallError(f"the server sent an unrequested box of {path!r}")
 
-        futures = [
-            self._pool.submit(self._pull_from, r, version, requests[r], target_for)
-            for r in range(len(self._stubs))
-            if requests[r]
-        ]
-        for future in futures:
-            future.result()
+        replicas = [r for r in range(len(self._stubs)) if requests[r]]
+        # A pull that may wait gets threads of its own: it must not hold the shared pool's
+        # threads, which other pulls need meanwhile.
+        pool = self._pool if wait_s <= 0 else concurrent.futures.ThreadPoolExecutor(len(replicas))
+        try:
+            futures = [
+                pool.submit(self._pull_from, r, version, requests[r], target_for, wait_s)
+                for r in replicas
+            ]
+            for future in futures:
+                future.result()
+        finally:
+            if pool is not self._pool:
+                pool.shutdown(wait=False)
         return out
 
     def _pull_from(
@@ -363,13 +371,14 @@ class ParamServerClient:
         version: int,
         select: Mapping[str, list[Box]],
         target_for: Callable[[str, Box], tuple[np.ndarray, tuple[slice, ...]]],
+        wait_s: float = 0.0,
     ) -> None:
         """Stream the selected boxes from one replica into their targets.
 
         A box that fills its whole target is written straight into the target's bytes;
         a part of a target goes through a temporary array of the box.
         """
-        request = pb.PullRequest(version=version)
+        request = pb.PullRequest(version=version, wait_s=wait_s)
         for path, boxes in select.items():
             selection = request.select.add(path=path)
             for box in boxes:
@@ -378,22 +387,24 @@ class ParamServerClient:
         flat = None
         pending: tuple[np.ndarray, tuple[slice, ...], np.ndarray] | None = None
         try:
-            for header, data in self._pulls[replica](request, timeout=self.timeout_s):
-                if header.HasField("info"):
-                    if pending is not None:
-                        pending[0][pending[1]] = pending[2]
-                        pending = None
-                    info = layout.piece_from_proto(header.info)
-                    target, where = target_for(info.path, info.domain)
-                    if target[where].shape == target.shape:
-                        flat = target.reshape(-1).view(np.uint8)
-                    else:
-                        box = np.empty(layout.box_shape(info.domain), dtype=target.dtype)
-                        pending = (target, where, box)
-                        flat = box.reshape(-1).view(np.uint8)
-                assert flat is not None, "a pull stream starts with a box's info"
-                flat[header.offset : header.offset + len(data)] = np.frombuffer(data, np.uint8)
-                received += len(data)
+            for message in self._pulls[replica](request, timeout=self.timeout_s + wait_s):
+                for header, data in message:
+                    if header.HasField("info"):
+                        if pending is not None:
+                            pending[0][pending[1]] = pending[2]
+                            pending = None
+                        info = layout.piece_from_proto(header.info)
+                        target, where = target_for(info.path, info.domain)
+                        if target[where].shape == target.shape:
+                            flat = target.reshape(-1).view(np.uint8)
+                        else:
+                            box = np.empty(layout.box_shape(info.domain), dtype=target.dtype)
+                            pending = (target, where, box)
+                            flat = box.reshape(-1).view(np.uint8)
+                    assert flat is not None, "a pull stream starts with a box's info"
+                    end = header.offset + len(data)
+                    flat[header.offset : end] = np.frombuffer(data, np.uint8)
+                    received += len(data)
         except grpc.RpcError as e:
             raise _raise_from(
                 e, f"pull of version {version} from {self.addresses[replica]}"
@@ -415,30 +426,44 @@ class ParamServerClient:
         wanted = {p: [layout.full_box(shapes[p])] for p in (paths or sorted(shapes))}
         return {path: array for (path, _), array in self.pull_boxes(version, wanted).items()}
 
-    def pull(self, version: int, like: Any) -> Any:
-        """A tree like `like` (leaves with .shape, .dtype, .sharding: jax arrays or
-        jax.ShapeDtypeStruct) holding `version`, placed with `like`'s shardings.
+    def fetch(
+        self, version: int, like: Any, wait_s: float = 0.0
+    ) -> dict[tuple[str, Box], np.ndarray]:
+        """The first half of `pull`: the host bytes of every box of this process's devices
+        under `like`'s shardings ({(path, box): array}), checked against the published
+        arrays. `place` puts them on the devices. An inference worker fetches the next
+        version it will load while it generates (`wait_s`: see `pull_boxes`)."""
+        from rlax_tpu.param_server import arrays
+        from rlax_tpu.tree import flatten
 
-        Only the boxes of this process's devices are fetched. The arrays are not converted:
-        a leaf of `like` whose shape or dtype differs from the array the server holds is a
-        PullMismatchError, before any byte moves (build the model to pull into with
-        `ModelConfig.served()`, the published dtype).
-        """
+        targets = flatten(like)
+        self._check_like(targets)
+        wanted = {
+            path: sorted(set(arrays.device_boxes(leaf).values())) for path, leaf in targets.items()
+        }
+        return self.pull_boxes(version, wanted, wait_s)
+
+    def place(self, fetched: Mapping[tuple[str, Box], np.ndarray], like: Any) -> Any:
+        """The second half of `pull`: a tree like `like` on its devices from `fetch`'s
+        bytes."""
         from rlax_tpu.param_server import arrays
         from rlax_tpu.tree import flatten, unflatten_like
 
         targets = flatten(like)
-        self._check_like(targets)
         device_boxes = {path: arrays.device_boxes(leaf) for path, leaf in targets.items()}
-        wanted = {path: sorted(set(boxes.values())) for path, boxes in device_boxes.items()}
-        fetched = self.pull_boxes(version, wanted)
-        values = {
-            path: arrays.assemble(
-                leaf, device_boxes[path], {box: fetched[(path, box)] for box in wanted[path]}
-            )
-            for path, leaf in targets.items()
-        }
-        return unflatten_like(like, values)
+        return unflatten_like(like, arrays.assemble_all(targets, device_boxes, fetched))
+
+    def pull(self, version: int, like: Any, wait_s: float = 0.0) -> Any:
+        """A tree like `like` (leaves with .shape, .dtype, .sharding: jax arrays or
+        jax.ShapeDtypeStruct) holding `version`, placed with `like`'s shardings.
+
+        Only the boxes of this process's devices are fetched. With `wait_s` > 0, a version not
+        yet committed is waited for, that long at most (`pull_boxes`). The arrays are not converted:
+        a leaf of `like` whose shape or dtype differs from the array the server holds is a
+        PullMismatchError, before any byte moves (build the model to pull into with
+        `ModelConfig.served()`, the published dtype).
+        """
+        return self.place(self.fetch(version, like, wait_s), like)
 
     def _check_like(self, targets: Mapping[str, Any]) -> None:
         stored = {path: piece for h in self._layout() for path, piece in h.items()}

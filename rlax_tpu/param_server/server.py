@@ -40,7 +40,6 @@ class ServeOptions:
     replica: int = 0
     num_replicas: int = 1
     chunk_bytes: int = 2 * 2**20
-    pull_cache_bytes: int = 4 * 2**30
     auth_token_env: str = DEFAULT_AUTH_TOKEN_ENV
     config_digest: str = ""
     # Each streaming call holds a thread for its whole duration (many workers pull at once).
@@ -76,7 +75,7 @@ def start_server(options: ServeOptions, *, auth_token: str) -> RunningServer:
         num_replicas=options.num_replicas,
     )
     servicer = ParamServerServicer(
-        store, chunk_bytes=options.chunk_bytes, pull_cache_bytes=options.pull_cache_bytes
+        store, chunk_bytes=options.chunk_bytes, max_waiting_pulls=options.max_workers // 2
     )
     server, port = make_server(
         options.host,
@@ -117,7 +116,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     for flag, key in (
         ("hot_versions", "param_server.hot_versions"),
         ("chunk_bytes", "param_server.chunk_bytes"),
-        ("pull_cache_bytes", "param_server.pull_cache_bytes"),
         ("num_replicas", "param_server.num_replicas"),
         ("host", "param_server.host"),
     ):
@@ -149,7 +147,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         replica=args.replica,
         num_replicas=ps.num_replicas,
         chunk_bytes=ps.chunk_bytes,
-        pull_cache_bytes=ps.pull_cache_bytes,
         auth_token_env=ps.auth_token_env,
         config_digest=config_digest,
     )

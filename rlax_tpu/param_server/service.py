@@ -1,8 +1,10 @@
 """The ParamServer gRPC service (protos/rlax_tpu/v1/param_server.proto) over a VersionStore.
 
 A thin layer: it turns streams into store calls and store errors into status codes
-(see STATUS_CODES). Pull is the hot path: boxes are read ahead on a thread pool and their
-bytes go out in `chunk_bytes` slices, serialized by hand to skip protobuf's extra copies.
+(see STATUS_CODES). Publish and Pull carry the bytes: their messages are parsed and
+serialized by hand (param_server.wire) to skip protobuf's extra copies, and hold about
+`chunk_bytes` of data each, many small arrays to a message. A pull of a version in memory
+sends views of its arrays; one only on storage is read ahead on a thread pool.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
+import numpy as np
 
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.errors import (
@@ -28,7 +32,12 @@ from rlax_tpu.param_server.errors import (
 )
 from rlax_tpu.param_server.layout import Box, Piece
 from rlax_tpu.param_server.store import VersionStore
-from rlax_tpu.param_server.wire import encode_pull_chunk
+from rlax_tpu.param_server.wire import (
+    decode_publish_request,
+    encode_pull_chunk,
+    join_pull_chunks,
+    pack,
+)
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 
 # Store errors -> gRPC status. A conflict is ALREADY_EXISTS: the version exists with other
@@ -61,47 +70,6 @@ def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
 
 
-class _PullCache:
-    """Serialized PullChunk messages of the newest version pulled, up to `max_bytes`.
-
-    Every inference worker pulls the same version after a reload; serializing it once and
-    sending the same bytes to each (as a bare byte stream would) removes the read and
-    message-assembly copies from all but the first pull. Versions are immutable and
-    entries are keyed by content digest, so an entry is never stale; only the newest
-    version is kept, which bounds the extra memory by one version.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._version = -1
-        self._entries: dict[tuple, list[bytes]] = {}
-        self._bytes = 0
-
-    @staticmethod
-    def _key(piece: Piece, index: int, box: Box) -> tuple:
-        return (piece.path, piece.digest, index, box)
-
-    def get(self, version: int, piece: Piece, index: int, box: Box) -> list[bytes] | None:
-        with self._lock:
-            if version != self._version:
-                return None
-            return self._entries.get(self._key(piece, index, box))
-
-    def put(self, version: int, piece: Piece, index: int, box: Box, messages: list[bytes]) -> None:
-        """Keep the complete messages of one box (if the version is the newest and they fit)."""
-        size = sum(len(m) for m in messages)
-        with self._lock:
-            if version < self._version or size > self.max_bytes:
-                return
-            if version > self._version:  # a newer version: drop the older one's entries
-                self._version, self._entries, self._bytes = version, {}, 0
-            key = self._key(piece, index, box)
-            if key not in self._entries and self._bytes + size <= self.max_bytes:
-                self._entries[key] = messages
-                self._bytes += size
-
-
 class ParamServerServicer:
     """Serves one VersionStore (one replica) over gRPC; `add_to_server` registers it."""
 
@@ -111,12 +79,14 @@ class ParamServerServicer:
         *,
         chunk_bytes: int,
         read_threads: int = 4,
-        pull_cache_bytes: int = 4 * 2**30,
+        max_waiting_pulls: int = 16,
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.store, self.chunk_bytes = store, chunk_bytes
-        self._pull_cache = _PullCache(pull_cache_bytes)
+        # Pulls waiting for a version to commit each hold a server thread: at most this many
+        # wait, so that publishes and the other calls always find a thread.
+        self._waiting = threading.BoundedSemaphore(max(1, max_waiting_pulls))
         self._readers = concurrent.futures.ThreadPoolExecutor(
             read_threads, thread_name_prefix="param-server-read"
         )
@@ -130,7 +100,7 @@ class ParamServerServicer:
         handlers = {
             "Publish": grpc.stream_unary_rpc_method_handler(
                 self.Publish,
-                request_deserializer=pb.PublishRequest.FromString,
+                request_deserializer=decode_publish_request,  # chunks: views of the bytes
                 response_serializer=pb.PublishReply.SerializeToString,
             ),
             "Pull": grpc.unary_stream_rpc_method_handler(
@@ -159,28 +129,29 @@ class ParamServerServicer:
         self._readers.shutdown(wait=False, cancel_futures=True)
 
     # -- Publish -------------------------------------------------------------------------
-    def Publish(
-        self, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext
-    ) -> pb.PublishReply:
+    def Publish(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PublishReply:
+        """`requests` are decode_publish_request's: parsed begin and commit messages, and the
+        chunks of the others as [(version, path, offset, data view)]."""
         txn = None
         try:
             first = next(requests, None)
-            if first is None or first.WhichOneof("kind") != "begin":
+            if not isinstance(first, pb.PublishRequest) or first.WhichOneof("kind") != "begin":
                 raise InvalidPublishError("a publish stream must start with a begin message")
             begin = first.begin
             pieces = [layout.piece_from_proto(p) for p in begin.pieces]
             txn = self.store.begin_publish(begin.version, pieces, begin.version_digest)
             for request in requests:
+                if isinstance(request, list):  # the bytes of one or more chunks
+                    for version, path, offset, data in request:
+                        if version != begin.version:
+                            raise InvalidPublishError(
+                                f"a chunk of version {version} in the publish of version "
+                                f"{begin.version}; one stream publishes one version"
+                            )
+                        txn.write(path, offset, data)
+                    continue
                 kind = request.WhichOneof("kind")
-                if kind == "chunk":
-                    chunk = request.chunk
-                    if chunk.version != begin.version:
-                        raise InvalidPublishError(
-                            f"a chunk of version {chunk.version} in the publish of version "
-                            f"{begin.version}; one stream publishes one version"
-                        )
-                    txn.write(chunk.path, chunk.offset, chunk.data)
-                elif kind == "commit":
+                if kind == "commit":
                     result = txn.commit()
                     return pb.PublishReply(
                         version=result.version,
@@ -206,24 +177,34 @@ class ParamServerServicer:
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             version = request.version
+            if request.wait_s > 0:
+                self._wait_for(version, request.wait_s)
             plan = self._plan(request)  # bad requests fail before the first chunk
-            misses = []
-            for piece, index, box in plan:
-                messages = self._pull_cache.get(version, piece, index, box)
-                if messages is None:
-                    misses.append((piece, index, box))
-                else:
-                    yield from messages
-            reads = collections.deque()
-            building: dict[tuple, list[bytes]] = {}  # messages of boxes being sent, to cache
-            for item in self._reads(version, misses):
-                reads.append(item)
-                if len(reads) > _READ_AHEAD:
-                    yield from self._send(version, building, *reads.popleft())
-            while reads:
-                yield from self._send(version, building, *reads.popleft())
-        except Exception as e:  # e.g. the version was garbage-collected while we sent it
+            items = ((key, layout.to_bytes(data)) for key, data in self._box_data(version, plan))
+            for batch in pack(items, self.chunk_bytes):
+                entries = []
+                for (piece, index, box, digest, base), pos, data in batch:
+                    offset = base + pos
+                    header = pb.PullChunk(
+                        version=version, path=piece.path, box=index, offset=offset
+                    )
+                    if offset == 0:  # a box's first chunk says what the box is
+                        info = dataclasses.replace(piece, domain=box, digest=digest)
+                        layout.piece_to_proto(info, header.info)
+                    entries.append(encode_pull_chunk(header, data))
+                yield join_pull_chunks(entries)
+        except Exception as e:  # e.g. the version was garbage-collected while we read it
             _abort(context, e)
+
+    def _wait_for(self, version: int, timeout_s: float) -> None:
+        """Wait until `version` is committed or `timeout_s` passed (then the pull fails as
+        for any missing version). When too many pulls wait already, this one does not."""
+        if not self._waiting.acquire(blocking=False):
+            return
+        try:
+            self.store.wait_committed(version, timeout_s)
+        finally:
+            self._waiting.release()
 
     def _plan(self, request: pb.PullRequest) -> list[tuple[Piece, int, Box]]:
         """(piece, box index, box) for every box to send, checked against what we hold."""
@@ -253,65 +234,50 @@ class ParamServerServicer:
                 plan.append((piece, i, box))
         return plan
 
-    def _reads(
+    def _box_data(
         self, version: int, plan: list[tuple[Piece, int, Box]]
-    ) -> Iterable[tuple[Piece, int, Box, str, int, concurrent.futures.Future, bool]]:
-        """(piece, box index, box, digest, byte offset, future array, last slab of the box)
-        per slab, lazily, so that only a few slab reads run ahead of the wire."""
+    ) -> Iterator[tuple[tuple[Piece, int, Box, str, int], np.ndarray]]:
+        """((piece, box index, box, digest, byte offset in the box), data) of every box to
+        send, in order: a version in memory as views of its arrays; one on storage in slabs
+        read ahead on the reader threads, a few ahead of the wire."""
+        reads: collections.deque = collections.deque()
         for piece, index, box in plan:
-            digest = (
-                piece.digest if box == piece.domain else self._cached_digest(version, piece, box)
-            )
-            if digest is None:  # the digest goes in the first chunk: hash the whole box first
-                data = self.store.read(version, piece.path, box)
-                digest = self._remember_digest(version, piece, box, data)
-                done = concurrent.futures.Future()
+            data = self.store.view(version, piece.path, box)
+            if data is not None or box != piece.domain:  # the digest of a box needs its data
+                if data is None:
+                    data = self.store.read(version, piece.path, box)
+                digest = (
+                    piece.digest
+                    if box == piece.domain
+                    else self._box_digest(version, piece, box, data)
+                )
+                done: concurrent.futures.Future = concurrent.futures.Future()
                 done.set_result(data)
-                yield piece, index, box, digest, 0, done, True
-                continue
-            slabs = list(_slabs(box, layout.parse_dtype(piece.dtype).itemsize))
-            for i, (offset, slab) in enumerate(slabs):
-                future = self._readers.submit(self.store.read, version, piece.path, slab)
-                yield piece, index, box, digest, offset, future, i == len(slabs) - 1
+                reads.append(((piece, index, box, digest, 0), done))
+            else:
+                itemsize = layout.parse_dtype(piece.dtype).itemsize
+                for offset, slab in _slabs(box, itemsize):
+                    future = self._readers.submit(self.store.read, version, piece.path, slab)
+                    reads.append(((piece, index, box, piece.digest, offset), future))
+            while len(reads) > _READ_AHEAD:
+                key, future = reads.popleft()
+                yield key, future.result()
+        while reads:
+            key, future = reads.popleft()
+            yield key, future.result()
 
-    def _send(
-        self,
-        version: int,
-        building: dict[tuple, list[bytes]],
-        piece: Piece,
-        index: int,
-        box: Box,
-        digest: str,
-        offset: int,
-        future: concurrent.futures.Future,
-        last: bool,
-    ) -> Iterator[bytes]:
-        data = layout.to_bytes(future.result())
-        messages = building.setdefault((piece.path, index, box), [])
-        for start in range(0, max(len(data), 1), self.chunk_bytes):
-            header = pb.PullChunk(
-                version=version, path=piece.path, box=index, offset=offset + start
-            )
-            if offset + start == 0:
-                info = dataclasses.replace(piece, domain=box, digest=digest)
-                layout.piece_to_proto(info, header.info)
-            message = encode_pull_chunk(header, data[start : start + self.chunk_bytes])
-            messages.append(message)
-            yield message
-        if last:
-            self._pull_cache.put(version, piece, index, box, building.pop((piece.path, index, box)))
-
-    def _cached_digest(self, version: int, piece: Piece, box: Box) -> str | None:
+    def _box_digest(self, version: int, piece: Piece, box: Box, data: np.ndarray) -> str:
+        """sha256 of a box that is not a whole piece, remembered: every worker of a
+        tensor-parallel group asks for the same boxes."""
         key = (version, piece.digest, piece.path, box)
         with self._digest_lock:
-            return self._box_digests.get(key)
-
-    def _remember_digest(self, version: int, piece: Piece, box: Box, data) -> str:
-        digest = layout.digest_bytes(layout.to_bytes(data))
-        with self._digest_lock:
-            self._box_digests[(version, piece.digest, piece.path, box)] = digest
-            while len(self._box_digests) > 4096:
-                self._box_digests.popitem(last=False)
+            digest = self._box_digests.get(key)
+        if digest is None:
+            digest = layout.digest_bytes(layout.to_bytes(data))
+            with self._digest_lock:
+                self._box_digests[key] = digest
+                while len(self._box_digests) > 4096:
+                    self._box_digests.popitem(last=False)
         return digest
 
     # -- the rest ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The parameter server's storage: immutable, versioned weight trees on TensorStore (DESIGN §3).
 
-Each committed version is kept hot in TensorStore memory kvstores (the newest K) and persisted
-as zarr3 arrays with a MANIFEST.json written last (its presence is the commit on storage).
+Each committed version is kept hot in memory (the newest K: the arrays the publish was
+received into, read-only, served as views) and persisted with TensorStore as zarr3 arrays
+with a MANIFEST.json written last (its presence is the commit on storage).
 A publish is acknowledged once the hot copy is complete; the persistent copy is finished in
 the background ("written continuously", DESIGN §3), and `VersionInfo.persisted` says when it
 is on storage: a caller that needs a version to survive a restart waits for that
@@ -33,6 +34,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +62,7 @@ FORMAT = "rlax_tpu.param_server/1"
 CHUNK_TARGET_BYTES = 8 * 2**20
 _COLD_HANDLES = 256  # opened persistent arrays kept for reads of versions not in memory
 _DIGEST = re.compile(r"[0-9a-f]{64}")
-# Hashing and persisting complete pieces while more bytes arrive, for all publishes.
+# Hashing complete pieces while more bytes arrive, and writing committed versions to storage.
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(
     max(4, min(16, 2 * (os.cpu_count() or 2))), thread_name_prefix="param-server-publish"
 )
@@ -94,7 +96,7 @@ class _Version:
     pieces: dict[str, Piece]  # by path, in path order
     keys: dict[str, str]  # path -> array directory name
     persisted: bool
-    hot: dict[str, ts.TensorStore] | None = None
+    hot: dict[str, np.ndarray] | None = None  # read-only, each the shape of its piece's box
     load_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # The persistent array writes still running (futures), until the manifest is written.
     persisting: list[concurrent.futures.Future] | None = None
@@ -136,6 +138,7 @@ class VersionStore:
         # Shared by every persistent array (connection pools, I/O concurrency limits).
         self._context = ts.Context()
         self._lock = threading.Lock()  # the index below; held briefly
+        self._committed = threading.Condition(self._lock)  # notified when a version commits
         self._commit_lock = threading.Lock()  # serialises commits, GC and metadata writes
         self._versions: dict[int, _Version] = {}
         self._in_flight: set[int] = set()
@@ -189,21 +192,15 @@ class VersionStore:
                     "has committed or aborted"
                 )
             self._in_flight.add(version)
-        if mode == "new":
-            # Bytes of an earlier attempt whose abort could not delete them (a storage error).
-            self._delete_persisted(version)
+        # Nothing to clean on storage: a publish writes there only once committed, and what
+        # a crash leaves half-written is deleted at restart (_recover).
         return PublishTransaction(self, version, by_path, version_digest, mode)
 
-    def _commit(
-        self,
-        txn: PublishTransaction,
-        pieces: dict[str, Piece],
-        digest: str,
-        persisting: list[concurrent.futures.Future],
-    ) -> bool:
+    def _commit(self, txn: PublishTransaction, pieces: dict[str, Piece], digest: str) -> bool:
         """Make `txn` a committed version, served from memory at once; its persistent copy
-        (the `persisting` writes, then the manifest) finishes in the background. True if
-        the same content was there already."""
+        (its arrays, then the manifest) is written in the background, after the publish: a
+        publish never waits for storage, nor shares the CPU with its writes. True if the
+        same content was there already."""
         v = txn.version
         with self._commit_lock:
             with self._lock:
@@ -223,9 +220,14 @@ class VersionStore:
             keys = _array_keys(pieces)
             record = _Version(v, digest, pieces, keys, False, txn.hot)
             if self._root is not None:
-                record.persisting = persisting
+                # On threads: creating an array is a synchronous round trip to storage.
+                record.persisting = [
+                    _BACKGROUND.submit(self._write_persistent, v, keys[p], piece, txn.hot[p])
+                    for p, piece in pieces.items()
+                ]
             with self._lock:
                 self._versions[v] = record
+                self._committed.notify_all()
                 if first:
                     self._layout = {p: dataclasses.replace(x, digest="") for p, x in pieces.items()}
                 self._enforce_hot_bound()
@@ -264,6 +266,17 @@ class VersionStore:
                 record.persisting = None
         finally:
             record.persisted_event.set()
+
+    def wait_committed(self, version: int, timeout_s: float) -> bool:
+        """Wait until `version` is committed here (at most `timeout_s`); True if it is."""
+        deadline = time.monotonic() + timeout_s
+        with self._committed:
+            while version not in self._versions:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._committed.wait(left)
+            return True
 
     def wait_persisted(self, version: int, timeout_s: float | None = None) -> bool:
         """Wait until `version`'s persistent copy is committed (or failed, or the version
@@ -314,28 +327,22 @@ class VersionStore:
             return dict(self._consumers)
 
     def read(self, version: int, path: str, box: Box | None = None) -> np.ndarray:
-        """The `box` (default: all) of array `path` at `version`: dtype[box shape], a new array.
+        """The `box` (default: all) of array `path` at `version`: dtype[box shape], read-only
+        (a view of the memory copy when the version is in memory).
 
         `box` is in global coordinates and must lie inside the piece this replica holds.
         """
         for attempt in range(2):
             record = self._record(version)
-            piece = record.pieces.get(path)
-            if piece is None:
-                raise InvalidReadError(
-                    f"version {version} has no array {path!r} on replica {self.replica}; it "
-                    f"holds {_summary(record.pieces)}"
-                )
-            box = piece.domain if box is None else tuple((int(a), int(b)) for a, b in box)
-            if len(box) != len(piece.domain) or not layout.contains(piece.domain, box):
-                raise InvalidReadError(
-                    f"array {path!r} of version {version}: box {list(box)} is not inside the "
-                    f"box {list(piece.domain)} that replica {self.replica} of "
-                    f"{self.num_replicas} holds; ask the replica that holds it"
-                )
+            piece, box = self._piece_box(record, path, box)
             try:
-                array = self._source(record, path)
-                return _read_array(array[layout.relative(box, piece.domain)], piece.dtype)
+                source = self._source(record, path)
+                where = layout.relative(box, piece.domain)
+                if isinstance(source, np.ndarray):
+                    return source[where]
+                out = _read_array(source[where], piece.dtype)
+                out.flags.writeable = False
+                return out
             except ValueError as e:  # TensorStore: a chunk is missing
                 if attempt == 0:
                     continue  # deleted or moved out of memory meanwhile: look it up again
@@ -344,6 +351,32 @@ class VersionStore:
                     f"copy under {self._version_url(version)} is damaged"
                 ) from e
         raise AssertionError("unreachable")
+
+    def view(self, version: int, path: str, box: Box | None = None) -> np.ndarray | None:
+        """`read` if the version is in memory (a view, at once), else None."""
+        record = self._record(version)
+        hot = record.hot
+        if hot is None:
+            return None
+        piece, box = self._piece_box(record, path, box)
+        return hot[path][layout.relative(box, piece.domain)]
+
+    def _piece_box(self, record: _Version, path: str, box: Box | None) -> tuple[Piece, Box]:
+        """The piece of `path` and `box` (default: all of it), checked to lie inside it."""
+        piece = record.pieces.get(path)
+        if piece is None:
+            raise InvalidReadError(
+                f"version {record.version} has no array {path!r} on replica {self.replica}; "
+                f"it holds {_summary(record.pieces)}"
+            )
+        box = piece.domain if box is None else tuple((int(a), int(b)) for a, b in box)
+        if len(box) != len(piece.domain) or not layout.contains(piece.domain, box):
+            raise InvalidReadError(
+                f"array {path!r} of version {record.version}: box {list(box)} is not inside "
+                f"the box {list(piece.domain)} that replica {self.replica} of "
+                f"{self.num_replicas} holds; ask the replica that holds it"
+            )
+        return piece, box
 
     def _record(self, version: int) -> _Version:
         with self._lock:
@@ -360,7 +393,7 @@ class VersionStore:
             f"published here or was garbage-collected; {where}"
         )
 
-    def _source(self, record: _Version, path: str) -> ts.TensorStore:
+    def _source(self, record: _Version, path: str) -> np.ndarray | ts.TensorStore:
         """The array to read: in memory if it is there (loading it if it belongs there)."""
         hot = record.hot
         if hot is None and record.persisted and self._belongs_in_memory(record.version):
@@ -373,11 +406,10 @@ class VersionStore:
         with self._lock:
             return version in sorted(self._versions)[-self.hot_versions :]
 
-    def _load_hot(self, record: _Version) -> dict[str, ts.TensorStore] | None:
+    def _load_hot(self, record: _Version) -> dict[str, np.ndarray] | None:
         with record.load_lock:
             if record.hot is not None:
                 return record.hot
-            context = _memory_context(self._context)
             hot = {}
             for path, piece in record.pieces.items():
                 data = _read_array(self._cold_array(record, path), piece.dtype)
@@ -387,7 +419,8 @@ class VersionStore:
                         f"its manifest digest: the copy under {self._version_url(record.version)} "
                         "is damaged"
                     )
-                hot[path] = _write_hot(context, record.keys[path], piece, data)
+                data.flags.writeable = False
+                hot[path] = data
             with self._lock:
                 if self._versions.get(record.version) is not record:
                     return None  # deleted meanwhile
@@ -540,13 +573,8 @@ class PublishTransaction:
         self._staged = {} if mode == "noop" else {p: _Staged(x.nbytes) for p, x in pieces.items()}
         self._digests: dict[str, str] = {}
         self._hashing: dict[str, concurrent.futures.Future] = {}
-        self._keys = _array_keys(pieces)
-        self._context = _memory_context(store._context) if mode == "new" else None
-        self.hot: dict[str, ts.TensorStore] = {}
-        # Writes to memory still running (TensorStore futures, with the arrays they read).
-        self._writes: list[tuple[Any, np.ndarray]] = []
+        self.hot: dict[str, np.ndarray] = {}
         # Writes to storage (concurrent futures): they outlive the commit (VersionStore).
-        self._storage_writes: list[concurrent.futures.Future] = []
 
     def write(self, path: str, offset: int, data: bytes | memoryview) -> None:
         """Bytes [offset, offset + len(data)) of the C-order little-endian bytes of `path`."""
@@ -605,19 +633,14 @@ class PublishTransaction:
         self._check_digests(wait=False)
 
     def _finish_piece(self, path: str) -> None:
-        """All bytes of `path` are here: copy them to memory and storage, and hash them."""
+        """All bytes of `path` are here: they become its memory copy; hash them."""
         data = self._staged.pop(path).take()
         piece = self._pieces[path]
-        if self.mode == "new":  # start both copies, then hash while they run
+        if self.mode == "new":
             array = data.view(layout.parse_dtype(piece.dtype))
             array = array.reshape(layout.box_shape(piece.domain))
-            self.hot[path] = _open_hot(self._context, self._keys[path], piece)
-            self._writes.append((self.hot[path].write(array), array))  # `array` outlives it
-            if self._store._root is not None:
-                # On a thread: creating the array is a synchronous round trip to storage.
-                write = self._store._write_persistent
-                future = _BACKGROUND.submit(write, self.version, self._keys[path], piece, array)
-                self._storage_writes.append(future)
+            array.flags.writeable = False
+            self.hot[path] = array
         # Hashed on another thread (hashlib releases the GIL) while more bytes arrive.
         self._hashing[path] = _BACKGROUND.submit(layout.digest_bytes, data)
 
@@ -653,9 +676,6 @@ class PublishTransaction:
                 "send every byte of every declared piece before commit"
             )
         self._check_digests(wait=True)
-        for future, _ in self._writes:
-            future.result()
-        self._writes.clear()
         pieces = {
             p: dataclasses.replace(x, digest=self._digests[p]) for p, x in self._pieces.items()
         }
@@ -665,33 +685,15 @@ class PublishTransaction:
                 f"version {v}: version_digest {self._declared[:16]}… does not match the pieces "
                 f"received ({digest[:16]}…); compute it with layout.version_digest"
             )
-        storage_writes, self._storage_writes = self._storage_writes, []
-        try:
-            already = store._commit(self, pieces, digest, storage_writes)
-        except BaseException:
-            self._storage_writes = storage_writes  # _abort waits for them and deletes
-            raise
+        already = store._commit(self, pieces, digest)
         return PublishResult(v, digest, already, self._bytes_received)
 
     def _abort(self) -> None:
         if self._state != "open":
             return
         self._state = "aborted"
-        self.hot, self._context, self._staged = {}, None, {}
-        for future, _ in self._writes:  # let in-flight writes land before deleting them
-            try:
-                future.result()
-            except Exception:
-                pass
-        self._writes.clear()
-        wrote_storage = bool(self._storage_writes)
-        concurrent.futures.wait(self._storage_writes)
-        self._storage_writes = []
-        try:
-            if wrote_storage:
-                self._store._delete_persisted(self.version)
-        finally:
-            self._store._release(self.version)
+        self.hot, self._staged = {}, {}  # nothing is on storage before the commit
+        self._store._release(self.version)
 
 
 class _Staged:
@@ -830,11 +832,6 @@ def _kvstore(url: str) -> dict[str, Any]:
     return {"driver": "file", "path": os.path.abspath(url) + "/"}
 
 
-def _memory_context(parent: ts.Context) -> ts.Context:
-    """A context with a memory kvstore of its own: dropping a version's handles frees it."""
-    return ts.Context(ts.Context.Spec({"memory_key_value_store": {}}), parent)
-
-
 def _array_spec(kvstore: dict[str, Any], piece: Piece) -> dict[str, Any]:
     shape = layout.box_shape(piece.domain)
     chunk = [max(1, n) for n in shape]
@@ -869,17 +866,6 @@ def _read_array(source: ts.TensorStore, dtype: str) -> np.ndarray:
     out = np.empty(source.shape, layout.parse_dtype(dtype))
     ts.array(out, copy=False, write=True).write(source).result()
     return out
-
-
-def _open_hot(context: ts.Context, key: str, piece: Piece) -> ts.TensorStore:
-    spec = _array_spec({"driver": "memory", "path": key + "/"}, piece)
-    return ts.open(spec, create=True, context=context).result()
-
-
-def _write_hot(context: ts.Context, key: str, piece: Piece, data: np.ndarray) -> ts.TensorStore:
-    array = _open_hot(context, key, piece)
-    array.write(data).result()
-    return array
 
 
 def _piece_json(p: Piece) -> dict[str, Any]:
