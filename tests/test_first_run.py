@@ -246,6 +246,7 @@ def test_resumable_knobs_leave_the_identity_and_results_knobs_do_not():
         ("controller.eval_every", "5"),
         ("trainer.checkpoint_every", "2"),
         ("deploy.image", "rlax-tpu:v2"),
+        ("inference.prefetch_weights", "false"),
     ]:
         assert base.override(key, value).digest() == base.digest(), key
     for key, value in [("seed", "1"), ("trainer.learning_rate", "2e-6")]:

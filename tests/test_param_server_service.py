@@ -15,7 +15,7 @@ from rlax_tpu import storage
 from rlax_tpu.cli import build_parser
 from rlax_tpu.cli import main as cli_main
 from rlax_tpu.config import ConfigError, load_config
-from rlax_tpu.param_server import decode_pull_chunks, layout
+from rlax_tpu.param_server import decode_pull_chunks, layout, wire
 from rlax_tpu.param_server.server import options_from_args
 from rlax_tpu.rpc import get_status, make_channel
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
@@ -154,6 +154,26 @@ def test_pull_chunks_decode_without_protobuf_copies(shared):
     assert {p: bytes(d) for p, d in got.items()} == {
         p: bytes(layout.to_bytes(a)) for p, a in tree(0).items()
     }
+
+
+def test_a_malformed_publish_message_is_invalid_argument_and_stores_nothing(shared):
+    """A chunk whose path is sent as a number, after a good begin: refused naming the field,
+    and the version does not appear."""
+    process, stub, _ = shared
+    begin = next(publish_requests(9, tree(9)))
+    chunk = wire._tag(2, 0) + wire._varint(5)  # PieceChunk.path as a varint
+    malformed = wire._tag(2, 2) + wire._varint(len(chunk)) + chunk
+    with make_channel(process.address, auth_token=TOKEN) as channel:
+        call = channel.stream_unary(
+            "/rlax_tpu.v1.ParamServer/Publish",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.PublishReply.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            call(iter([begin.SerializeToString(), malformed]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed PublishRequest" in e.value.details() and "'path'" in e.value.details()
+    assert 9 not in listed(stub)
 
 
 def test_republish_is_a_noop_and_other_content_is_already_exists(shared):

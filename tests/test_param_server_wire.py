@@ -62,10 +62,15 @@ def test_pull_chunks_round_trip_both_ways():
     assert decoded[0][0].info.dtype == "float32" and not decoded[1][0].HasField("info")
 
 
-def test_truncated_messages_are_refused():
+def test_truncated_or_mistyped_messages_are_refused():
     raw = wire.encode_piece_chunks(1, [("w", 0, _bytes(100))])
     with pytest.raises(ValueError, match="truncated"):
         wire.decode_publish_request(raw[:-10])
+    # A path sent as a number (wire type varint): refused, not read as that many bytes.
+    chunk = wire._tag(2, 0) + wire._varint(2**40)
+    request = wire._tag(2, 2) + wire._varint(len(chunk)) + chunk
+    with pytest.raises(ValueError, match="'path' has the wrong wire type"):
+        wire.decode_publish_request(request)
 
 
 def test_pack_cuts_large_items_and_groups_small_ones_in_order():

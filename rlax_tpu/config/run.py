@@ -935,6 +935,7 @@ RESUMABLE_FIELDS = (
     "trainer.gpu_memory_fraction",
     "inference.gpu",
     "inference.gpu_memory_fraction",
+    "inference.prefetch_weights",  # when the weights move, not which
     "verifiers.address",
     "deploy",
     "logging",

@@ -342,7 +342,8 @@ class InferenceWorker:
                 try:
                     fetched = self.param_server.fetch(following, like, PREFETCH_WAIT_S)
                 except ParamServerCallError as e:
-                    wanted = self._prefetch is not None and self._prefetch[1] is future
+                    pending = self._prefetch  # read once: a load may take it meanwhile
+                    wanted = pending is not None and pending[1] is future
                     if e.code == grpc.StatusCode.NOT_FOUND and wanted and self._failure is None:
                         continue  # not published yet: wait on
                     future.set_exception(e)
@@ -352,10 +353,10 @@ class InferenceWorker:
                     future.set_result(fetched)
                 return
 
+        self._prefetch = (following, future)
         # A daemon thread: a fetch still waiting for its version must not hold up the
         # process's exit.
         threading.Thread(target=fetch, name="inference-prefetch", daemon=True).start()
-        self._prefetch = (following, future)
 
     def _prefetched(self, version: int) -> Any:
         """`version` on the devices from the prefetched bytes, if those are `version`'s

@@ -15,7 +15,6 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import numpy as np
@@ -54,6 +53,13 @@ SERVICE_NAME = "rlax_tpu.v1.ParamServer"
 # Boxes are read from the store in slabs of about this size, a few ahead of the wire.
 _SLAB_BYTES = 8 * 2**20
 _READ_AHEAD = 3
+
+
+def _decoded(raw: bytes) -> pb.PublishRequest | list:
+    try:
+        return decode_publish_request(raw)
+    except ValueError as e:  # protobuf's DecodeError is a ValueError too
+        raise InvalidPublishError(f"a malformed PublishRequest: {e}") from None
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
@@ -100,7 +106,7 @@ class ParamServerServicer:
         handlers = {
             "Publish": grpc.stream_unary_rpc_method_handler(
                 self.Publish,
-                request_deserializer=decode_publish_request,  # chunks: views of the bytes
+                request_deserializer=None,  # Publish decodes them (views of the bytes)
                 response_serializer=pb.PublishReply.SerializeToString,
             ),
             "Pull": grpc.unary_stream_rpc_method_handler(
@@ -129,11 +135,12 @@ class ParamServerServicer:
         self._readers.shutdown(wait=False, cancel_futures=True)
 
     # -- Publish -------------------------------------------------------------------------
-    def Publish(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PublishReply:
-        """`requests` are decode_publish_request's: parsed begin and commit messages, and the
-        chunks of the others as [(version, path, offset, data view)]."""
+    def Publish(self, raw: Iterator[bytes], context: grpc.ServicerContext) -> pb.PublishReply:
+        """`raw`: the serialized PublishRequests, decoded here (decode_publish_request) so a
+        malformed one fails the call with INVALID_ARGUMENT saying what is wrong."""
         txn = None
         try:
+            requests = map(_decoded, raw)
             first = next(requests, None)
             if not isinstance(first, pb.PublishRequest) or first.WhichOneof("kind") != "begin":
                 raise InvalidPublishError("a publish stream must start with a begin message")

@@ -12,7 +12,7 @@ the generated classes write.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 
@@ -29,6 +29,7 @@ _REQUEST_CHUNK = pb.PublishRequest.DESCRIPTOR.fields_by_name["chunk"].number
 _REQUEST_CHUNKS = pb.PublishRequest.DESCRIPTOR.fields_by_name["chunks"].number
 _CHUNKS_ENTRY = pb.PieceChunks.DESCRIPTOR.fields_by_name["chunks"].number
 _PIECE = {f.name: f.number for f in pb.PieceChunk.DESCRIPTOR.fields}
+_PIECE_NAMES = {number: name for name, number in _PIECE.items()}
 # PullChunks: repeated PullChunk, whose `data` is the only bulk field.
 _PULL_ENTRY = pb.PullChunks.DESCRIPTOR.fields_by_name["chunks"].number
 _PULL_DATA = pb.PullChunk.DESCRIPTOR.fields_by_name["data"].number
@@ -78,16 +79,19 @@ def decode_publish_request(raw: bytes) -> pb.PublishRequest | list[Chunk]:
 
 
 def _piece_chunk(view: memoryview) -> Chunk:
-    out = {"version": 0, "path": "", "offset": 0, "data": memoryview(b"")}
-    names = {number: name for name, number in _PIECE.items()}
+    out: dict[str, Any] = {"version": 0, "path": "", "offset": 0, "data": memoryview(b"")}
     for number, value in _fields(view):
-        name = names.get(number)
+        name = _PIECE_NAMES.get(number)
+        if name is None:
+            continue  # a field this version does not know: protobuf's rule is to skip it
+        if isinstance(value, int) != (name in ("version", "offset")):
+            raise ValueError(f"PieceChunk field {name!r} has the wrong wire type")
         if name == "path":
             out[name] = bytes(value).decode()
-        elif name in ("version", "offset"):
-            out[name] = value - (1 << 64) if value >= 1 << 63 else value  # int64
-        elif name is not None:
+        elif name == "data":
             out[name] = value
+        else:
+            out[name] = value - (1 << 64) if value >= 1 << 63 else value  # int64
     return out["version"], out["path"], out["offset"], out["data"]
 
 

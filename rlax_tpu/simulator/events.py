@@ -101,8 +101,8 @@ class _Loop:
 
 class _ParamServer:
     """Pulls of weights as fluid flows: concurrent pulls share `ps_bytes_per_s` fairly
-    (water-filling), each capped by its own link; the first pull of a version reads it
-    from storage at `first_pull_bytes_per_s`."""
+    (water-filling), each capped by its own link; the first pull of a version, which
+    shares the server with the version's storage write, at `first_pull_bytes_per_s`."""
 
     def __init__(self, loop: _Loop, timing: TimingModel) -> None:
         self.loop, self.timing = loop, timing

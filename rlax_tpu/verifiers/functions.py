@@ -331,22 +331,17 @@ def encode_metadata(metadata: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> 
 
 def decode_arguments(prompt: str, chat: bool, metadata: str) -> tuple[str | list[Any], dict]:
     """(prompt, metadata) as the function receives them; ValueError naming what is wrong."""
-    if chat:
-        try:
-            messages = json.loads(prompt)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the chat prompt is not JSON ({exc})") from None
-        if not isinstance(messages, list):
-            raise ValueError(f"the chat prompt is a JSON {type(messages).__name__}, not a list")
-        decoded_prompt: str | list[Any] = messages
-    else:
-        decoded_prompt = prompt
-    if not metadata:
-        return decoded_prompt, {}
-    try:
-        fields = json.loads(metadata)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the metadata is not JSON ({exc})") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"the metadata is a JSON {type(fields).__name__}, not an object")
+    decoded_prompt = _json_of(prompt, list, "the chat prompt", "a list") if chat else prompt
+    fields = _json_of(metadata, dict, "the metadata", "an object") if metadata else {}
     return decoded_prompt, fields
+
+
+def _json_of(text: str, kind: type, what: str, expected: str) -> Any:
+    """`text` parsed as JSON, which must be a `kind`; ValueError naming `what` otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not JSON ({exc})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is a JSON {type(value).__name__}, not {expected}")
+    return value
