@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import ProcessGroup
 from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu.config import (
@@ -37,12 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 
 
-def e2e_config(run_dir: Path, data: Path, **staleness) -> RunConfig:
+def e2e_config(run_dir: Path, data: Path, *, workers: int = 1, **staleness) -> RunConfig:
     return tiny_job_config(
         "e2e",
         run_dir,
         seed=3,
         staleness=StalenessConfig(**staleness),
+        inference={"num_workers": workers, "gpu_memory_fraction": 0.2},
         trainer={"learning_rate": 1e-3, "checkpoint_every": 2},
         controller=ControllerConfig(
             num_steps=STEPS,
@@ -62,10 +64,10 @@ class Job:
     """`rlax-tpu run CONFIG` (or `resume`) as a child process; every process it started is
     killed at `cleanup` if still alive (they are found in the run's logs/processes.json)."""
 
-    def __init__(self, args: list[str], run_dir: Path) -> None:
+    def __init__(self, args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
         self.log = open(run_dir.parent / f"{run_dir.name}.job.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         env.pop("XLA_FLAGS", None)  # the job sets its own device count (cpu_devices)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rlax_tpu", *args],
@@ -135,11 +137,18 @@ def workspace(tmp_path_factory):
 
 
 def start_run(
-    workspace, name: str, *, warm_from: Path | None = None, replay: bool = False, **staleness
+    workspace,
+    name: str,
+    *,
+    warm_from: Path | None = None,
+    replay: bool = False,
+    workers: int = 1,
+    **staleness,
 ) -> Job:
     root, data = workspace
     run_dir = root / name
-    config = e2e_config(run_dir, data, **(staleness or {"reload_every": 2, "max_staleness": 3}))
+    staleness = staleness or {"reload_every": 2, "max_staleness": 3}
+    config = e2e_config(run_dir, data, workers=workers, **staleness)
     if replay:  # TBA: trajectory balance trained on batches sampled from the replay buffer
         config = dataclasses.replace(
             config,
@@ -246,20 +255,112 @@ def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, 
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
-def kill_mid_run(job: Job, victim: str = "controller") -> None:
+def kill_mid_run(
+    job: Job, victim: str = "controller", *, wait: bool = True, after_steps: int = 3
+) -> int:
+    """SIGKILL `victim` once `after_steps` steps are consumed and the components run
+    (`wait`: until the job exits); its pid."""
     deadline = time.monotonic() + 300
-    while consumed_steps(job.run_dir) < 3:
+    while consumed_steps(job.run_dir) < after_steps or (
+        victim != "controller" and not job.children()
+    ):
         assert job.process.poll() is None, job.output()[-5000:]
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.05)
     children = job.children()
     if victim == "controller":
+        pid = job.process.pid
         job.process.kill()  # the launcher and controller die at once; children get SIGTERM
     else:
-        os.kill(children[victim], signal.SIGKILL)
-    job.wait(120)
-    assert consumed_steps(job.run_dir) < STEPS, "the run finished before the kill"
-    wait_gone(children.values(), kill_after_s=60)
+        pid = children[victim]
+        os.kill(pid, signal.SIGKILL)
+    if wait:
+        job.wait(120)
+        assert consumed_steps(job.run_dir) < STEPS, "the run finished before the kill"
+        wait_gone(children.values(), kill_after_s=60)
+    return pid
+
+
+# Elastic recovery: a lost worker (one of two), verifier or parameter server is started again
+# by the launcher while the run goes on. Killing a worker is the default-suite case: it dies
+# as the components come up, so its share of the first batch certainly moves to the other
+# worker (8 steps on two workers can end before a restarted one is back).
+@pytest.mark.parametrize(
+    ("victim", "workers", "after_steps"),
+    [
+        ("inference_worker-1", 2, 0),
+        pytest.param("verifier-0", 1, 3, marks=pytest.mark.slow),
+        pytest.param("param_server-0", 1, 3, marks=pytest.mark.slow),
+    ],
+)
+def test_a_lost_component_costs_a_restart_of_it_alone_and_the_same_weights(
+    workspace, reference, victim, workers, after_steps
+):
+    job = start_run(workspace, f"elastic_{victim}", warm_from=reference, workers=workers)
+    try:
+        killed = kill_mid_run(job, victim, wait=False, after_steps=after_steps)
+        assert job.wait() == 0, job.output()[-5000:]
+        output = job.output()
+    finally:
+        job.cleanup()
+    assert not alive(killed)
+    result = summary(job.run_dir)
+    assert result["start_step"] == 0 and result["end_step"] == STEPS  # it never resumed
+    assert f"{victim} (pid {killed}) exited" in output
+    if victim.startswith("inference_worker"):  # its work moved: the run did not wait for it
+        assert "inference worker 1 (" in output and "its requests go to the other" in output
+    else:  # the run waited for the restarted component
+        assert f"{victim} is back" in output
+    assert result["final_digest"] == summary(reference)["final_digest"]
+    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+def test_a_restarted_controller_reattaches_to_the_components_still_running(workspace, reference):
+    """`run --connect` (components elsewhere, as on GKE) killed mid-run and started again: it
+    drives the same processes, the trainer keeps its state rather than restoring a
+    checkpoint, and the weights equal the uninterrupted run's."""
+    root, data = workspace
+    run_dir = root / "reattach"
+    run_dir.mkdir()
+    for part in ("checkpoints_warm_start", "tokenizer"):
+        shutil.copytree(reference / part, run_dir / part)
+    config = e2e_config(run_dir, data, reload_every=2, max_staleness=3)
+    path = str(write_config(config, root / "reattach.json"))
+    token, env = "reattach-token", {"XLA_FLAGS": ""}
+    group = ProcessGroup()
+    try:
+        ps = group.start_param_server(str(run_dir / "params"), token=token)
+        kwargs = {"token": token, "param_servers": [ps.address], "env": env}
+        trainer = group.start_trainer(path, **kwargs)
+        worker = group.start_inference_worker(path, **kwargs)
+        verifier = group.start_verifier(token=token, test_data_cache=str(root / "cache"))
+        connect = {
+            "RLAX_TPU_AUTH_TOKEN": token,
+            "RLAX_TPU_PARAM_SERVER": ps.address,
+            "RLAX_TPU_TRAINER": trainer.address,
+            "RLAX_TPU_INFERENCE": worker.address,
+            "RLAX_TPU_VERIFIER": verifier.address,
+        }
+        first = Job(["run", path, "--connect"], run_dir, env=connect)
+        try:
+            kill_mid_run(first, "controller")
+        finally:
+            first.cleanup()
+        second = Job(["run", path, "--connect"], run_dir, env=connect)
+        try:
+            assert second.wait() == 0, second.output()[-5000:]
+        finally:
+            second.cleanup()
+        assert all(p.running() for p in (ps, trainer, worker, verifier))  # none restarted
+        trainer_lines = "\n".join(trainer.stdout_lines)
+    finally:
+        group.stop_all()
+    result = summary(run_dir)
+    assert 0 < result["start_step"] < STEPS  # it resumed from its snapshot ...
+    assert "kept its state at step" in trainer_lines  # ... without restoring the trainer
+    assert "restoring the checkpoint" not in trainer_lines
+    assert result["final_digest"] == summary(reference)["final_digest"]
+    assert RolloutLog(str(run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
 @pytest.mark.slow  # ~50 s: over the default suite's budget

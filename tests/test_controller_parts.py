@@ -266,3 +266,42 @@ def test_runs_sharing_a_verifier_send_request_ids_in_their_own_namespace():
     assert a != run_prefix("e" * 64, "gs://bucket/runs/a")
     assert request_id(rollout, a) == f"{a}b0:gsm8k:7/s1/v0"
     assert request_id(rollout) == "b0:gsm8k:7/s1/v0"
+
+
+# -- elastic workers ------------------------------------------------------------------------------
+def test_with_every_worker_silent_the_pool_waits_its_bound_then_stops_naming_the_fix(tmp_path):
+    """A real worker client at an address where nothing listens: the job is kept (not lost)
+    while the pool waits for a worker, then the run stops with a message naming the wait."""
+    import socket
+
+    from rlax_tpu.controller.generation import GenerationPool
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.inference.client import InferenceWorkerClient
+    from rlax_tpu.inference.types import GenerationRequest, SamplingParams
+
+    with socket.socket() as s:  # a free port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    heard: list[str] = []
+    client = InferenceWorkerClient(address, auth_token="t")
+    pool = GenerationPool(
+        [client],
+        RolloutLog(str(tmp_path)),
+        samples=1,
+        sampling=SamplingParams(),
+        counters={},
+        wait_s=1.0,
+        report=heard.append,
+    )
+    pool.start()
+    request = GenerationRequest(
+        request_id="p/s0/v0", prompt_id="p", sample_index=0, prompt_tokens=(1, 2)
+    )
+    try:
+        with pytest.raises(ControllerError, match=r"no inference worker has answered for 1s"):
+            pool.generate([request], version=0)
+    finally:
+        pool.stop()
+        client.close()
+    assert pool.lost == 1 and "its requests go to the other workers" in heard[0]
+    assert "component_wait_s" in pool.failure

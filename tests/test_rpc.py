@@ -1,4 +1,8 @@
-"""rlax_tpu.rpc over real gRPC on loopback: Health round trip, token auth, large messages."""
+"""rlax_tpu.rpc over real gRPC on loopback: Health round trip, token auth, large messages,
+and waiting out a component that is down or restarting."""
+
+import threading
+import time
 
 import grpc
 import pytest
@@ -6,13 +10,16 @@ import pytest
 from rlax_tpu.rpc import (
     MAX_MESSAGE_BYTES,
     AuthTokenError,
+    ComponentUnreachableError,
     HealthServicer,
     auth_token_from_env,
     common_pb2,
     format_address,
     get_status,
+    is_unreachable,
     make_channel,
     make_server,
+    retry_unreachable,
 )
 
 TOKEN = "s3cret-token"
@@ -39,9 +46,15 @@ def serve():
         servers.append(server)
         return format_address("127.0.0.1", port)
 
+    start.servers = servers
     yield start
     for server in servers:
         server.stop(grace=None).wait()
+
+
+def _servers_of(serve):
+    """The servers the `serve` fixture started so far (to stop one on purpose)."""
+    return serve.servers
 
 
 def call(address, token):
@@ -163,3 +176,66 @@ def test_a_serve_command_on_a_taken_port_says_so_and_binds_nothing(capsys):
         )
     finally:
         server.stop(0)
+
+
+# -- waiting out a component that is down or restarting ----------------------------------------
+def test_a_call_waits_for_a_restarted_component_on_its_address_and_then_answers(serve):
+    address = serve()
+    port = int(address.rsplit(":", 1)[1])
+    channel = make_channel(address, auth_token=TOKEN)  # made while it is up, kept across
+    assert get_status(channel, timeout_s=5).version == 7
+    servers = []
+
+    def restart():
+        server, bound = make_server("127.0.0.1", port, auth_token=TOKEN, max_workers=2)
+        assert bound == port
+        HealthServicer(lambda: {**STATUS, "version": 8}).add_to_server(server)
+        server.start()
+        servers.append(server)
+
+    # Down: the first server is gone; a replacement binds the same port 1.5 s later.
+    stopped = []
+    for server in list(_servers_of(serve)):
+        server.stop(grace=None).wait()
+        stopped.append(server)
+    timer = threading.Timer(1.5, restart)
+    timer.start()
+    heard = []
+    try:
+        t0 = time.monotonic()
+        status = retry_unreachable(
+            lambda: get_status(channel, timeout_s=5),
+            wait_s=30,
+            what="the test server",
+            on_retry=heard.append,
+        )
+        assert status.version == 8 and time.monotonic() - t0 >= 1.0
+        assert len(heard) == 1 and "the test server does not answer" in heard[0]
+    finally:
+        timer.join()
+        channel.close()
+        for server in servers:
+            server.stop(grace=None).wait()
+
+
+def test_a_component_that_stays_down_is_named_after_the_wait_and_a_refusal_is_not_retried(serve):
+    address = serve()
+    for server in list(_servers_of(serve)):
+        server.stop(grace=None).wait()
+    with make_channel(address, auth_token=TOKEN) as channel:
+        with pytest.raises(ComponentUnreachableError) as info:
+            retry_unreachable(lambda: get_status(channel, timeout_s=2), wait_s=1.0, what="x-42")
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and is_unreachable(info.value)
+    assert "x-42 has not answered for 1s" in str(info.value)
+    assert "controller.component_wait_s" in str(info.value)
+
+    calls = []
+    up = serve()
+
+    def refused():
+        calls.append(1)
+        return call(up, "wrong-token")
+
+    with pytest.raises(grpc.RpcError) as info:
+        retry_unreachable(refused, wait_s=30, what="y")
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and calls == [1]

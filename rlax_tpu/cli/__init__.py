@@ -280,10 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlax-tpu: config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        # The run's own failures (a component died, no usable snapshot, ...) end with their
-        # message, not a traceback; anything else is a bug and keeps its traceback.
-        if type(e).__module__.startswith("rlax_tpu.controller"):
+        # The run's own failures (a component died or stayed unreachable, no usable
+        # snapshot, ...) end with their message, not a traceback; anything else is a bug
+        # and keeps its traceback.
+        from rlax_tpu.rpc.client import RpcCallError
+
+        if type(e).__module__.startswith("rlax_tpu.controller") or isinstance(e, RpcCallError):
             print(f"rlax-tpu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+            if args.command in ("run", "resume") and "resume" not in str(e):
+                print(
+                    "the run directory keeps everything up to its last snapshot: "
+                    "`rlax-tpu resume RUN_DIR` continues from there",
+                    file=sys.stderr,
+                )
             return 1
         raise
 

@@ -742,13 +742,21 @@ class ControllerConfig(ConfigBase):
     # Batches generated with version 0 into the buffer before the first step (TBA pre-fill).
     replay_prefill_batches: int = 0
     # Rewards carry verdicts: a sample the verifiers could not judge (a verifier error, a
-    # missed deadline, an unreachable service) is sent again up to verify_retries times,
-    # after verify_retry_backoff_s, doubling. Still unjudged, it is never trained on: its
-    # group is dropped (and replaced from the refill stream). More than
-    # max_unjudged_fraction of a round's samples unjudged stops the run.
+    # missed deadline) is sent again up to verify_retries times, after
+    # verify_retry_backoff_s, doubling. Still unjudged, it is never trained on: its group
+    # is dropped (and replaced from the refill stream). More than max_unjudged_fraction of
+    # a round's samples unjudged stops the run. A verifier that does not answer at all is
+    # waited for instead (component_wait_s): its verdicts, once back, are the same.
     verify_retries: int = 2
     verify_retry_backoff_s: float = 1.0
     max_unjudged_fraction: float = 0.1
+    # Elastic recovery (docs/controller.md): a lost inference worker, verifier or parameter
+    # server costs a wait, not a restart. Its work goes to the others, and every caller
+    # waits up to component_wait_s for it (or a replacement) to answer again before the run
+    # stops (then `rlax-tpu resume`). The local launcher restarts such a process at most
+    # component_restarts times (on its port); a lost trainer or controller stops the job.
+    component_wait_s: float = 300.0
+    component_restarts: int = 3
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -775,6 +783,8 @@ class ControllerConfig(ConfigBase):
         require(self.keep_snapshots >= 1, "keep_snapshots", "must be >= 1")
         require(self.verify_retries >= 0, "verify_retries", "must be >= 0")
         require(self.verify_retry_backoff_s >= 0, "verify_retry_backoff_s", "must be >= 0")
+        require(self.component_wait_s >= 0, "component_wait_s", "must be >= 0 (0: no wait)")
+        require(self.component_restarts >= 0, "component_restarts", "must be >= 0")
         require(
             0 <= self.max_unjudged_fraction <= 1,
             "max_unjudged_fraction",
@@ -928,6 +938,8 @@ RESUMABLE_FIELDS = (
     "controller.eval_size",
     "controller.eval_dataset",
     "controller.keep_snapshots",
+    "controller.component_wait_s",  # how long a lost component is waited for, not results
+    "controller.component_restarts",
     "trainer.checkpoint_every",
     "trainer.max_checkpoints_to_keep",
     "trainer.recompute_every",  # metrics only: the weights never read it

@@ -125,6 +125,8 @@ class Controller:
             samples=self.samples,
             sampling=self.sampling,
             counters=self.stats,
+            wait_s=ctl.component_wait_s,
+            report=self.report,
         )
         self.scorer = Scorer(
             components.verifier,
@@ -162,6 +164,7 @@ class Controller:
             capture_step=self._step_state,
             restore=self._restore,
             worker_versions=lambda: list(self.pool.worker_versions),
+            wait_s=ctl.component_wait_s,
         )
         self.evaluator = None
         if eval_prompts:

@@ -7,11 +7,19 @@ rollouts over. A rollout aborted by a reload is regenerated (its request id, and
 tokens, are the same). Finished rollouts are written to the rollout log before anything can
 train on them (with the dataset records of their prompts, for people reading the log), and
 a batch first takes what the log already holds (a resumed run).
+
+Workers are elastic (DESIGN §8): a worker that does not answer (UNAVAILABLE: it died, or
+its connection broke mid-call) hands its unfinished requests back to the queue, for the
+others; its thread then waits until the worker (or its replacement, on the same address)
+answers again, and it rejoins, loading the version of its next job. A request's tokens do
+not depend on which worker serves it, so the run's results do not change. Only when every
+worker has been silent for `wait_s` does the pool fail, and the run stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import queue
 import threading
@@ -23,6 +31,9 @@ from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.scoring import Judgement
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.inference.types import GenerationRequest, Rollout, SamplingParams
+from rlax_tpu.rpc.client import is_unreachable
+
+_log = logging.getLogger(__name__)
 
 FINAL_REASONS = ("stop", "length")
 _TIMINGS = ("load_s", "generate_s", "log_s")
@@ -112,7 +123,9 @@ class GenerationPool:
     """One thread per inference worker client, fed from one priority queue.
 
     `counters` is the run's snapshotted accounting: `reused` (rollouts taken from the log)
-    and `regenerated` (aborted by a reload and generated again) are counted into it."""
+    and `regenerated` (aborted by a reload and generated again) are counted into it.
+    `wait_s`: how long the pool waits with every worker silent before it fails;
+    `report(line)` hears of workers lost and back."""
 
     def __init__(
         self,
@@ -122,8 +135,12 @@ class GenerationPool:
         samples: int,
         sampling: SamplingParams,
         counters: MutableMapping[str, Any],
+        wait_s: float = 300.0,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         self.workers = list(workers)
+        self.wait_s = wait_s
+        self.report = report or _log.warning
         self.log = log
         self.samples = samples
         self.sampling = sampling
@@ -132,7 +149,10 @@ class GenerationPool:
             counters.setdefault(key, 0)
         self.worker_versions = [-1] * len(self.workers)  # the version each worker loaded last
         self.busy_s = [0.0] * len(self.workers)
-        self.failure: str | None = None  # a dead worker ends the run (resume later)
+        self.failure: str | None = None  # set, the run stops (resume later)
+        self.lost = 0  # times a worker stopped answering (and its requests moved)
+        self._down_since: dict[int, float] = {}  # silent workers: since when
+        self._closing = threading.Event()
         self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._lock = threading.Lock()  # batches' rollouts, filled by the worker threads
         self._threads: list[threading.Thread] = []
@@ -147,6 +167,7 @@ class GenerationPool:
             self._threads.append(thread)
 
     def stop(self) -> None:
+        self._closing.set()
         for _ in self._threads:
             self._jobs.put(_STOP)
         for thread in self._threads:
@@ -160,37 +181,96 @@ class GenerationPool:
             if job is _STOP:
                 return
             t0 = time.perf_counter()
+            done: set[str] = set()
             try:
-                if self.worker_versions[i] != job.version:
-                    self.worker_versions[i] = client.load(job.version).version
-                t_loaded = time.perf_counter()
-                job.timing["load_s"] += t_loaded - t0
-                retry, finished = [], []
-                for rollout in client.generate(job.requests, version=job.version):
-                    if rollout.finish_reason in FINAL_REASONS:
-                        finished.append(rollout)
-                    elif rollout.finish_reason == "aborted":
-                        retry.append(rollout.request_id)
-                    else:
-                        job.fail(
-                            f"request {rollout.request_id} failed on worker {i}: {rollout.error}"
-                        )
-                t_generated = time.perf_counter()
-                job.timing["generate_s"] += t_generated - t_loaded
-                if finished:
-                    job.deliver(finished)
-                job.timing["log_s"] += time.perf_counter() - t_generated
-                if retry:
-                    with self._lock:
-                        self.counters["regenerated"] += len(retry)
-                    again = [r for r in job.requests if r.request_id in set(retry)]
-                    self._jobs.put(dataclasses.replace(job, requests=again))
-            except Exception as e:  # noqa: BLE001 - a dead worker ends the run (resume later)
-                self.failure = f"inference worker {i} failed: {type(e).__name__}: {e}"
-                job.fail(self.failure)
-                return
+                self._run(i, client, job, done)
+                with self._lock:
+                    self._down_since.pop(i, None)
+            except Exception as e:  # noqa: BLE001 - lost: move its work; else the run stops
+                if not is_unreachable(e):
+                    self.failure = f"inference worker {i} failed: {type(e).__name__}: {e}"
+                    job.fail(self.failure)
+                    return
+                self._requeue(job, done)
+                if not self._wait_for_worker(i, client, e):
+                    return
             finally:
                 self.busy_s[i] += time.perf_counter() - t0
+
+    def _run(self, i: int, client: Any, job: _Job, done: set[str]) -> None:
+        """Load the job's version if needed, generate, hand the finished rollouts over (their
+        ids into `done`), and requeue those a reload aborted."""
+        t0 = time.perf_counter()
+        if self.worker_versions[i] != job.version:
+            self.worker_versions[i] = client.load(job.version).version
+        t_loaded = time.perf_counter()
+        job.timing["load_s"] += t_loaded - t0
+        retry, finished = [], []
+        try:
+            for rollout in client.generate(job.requests, version=job.version):
+                if rollout.finish_reason in FINAL_REASONS:
+                    finished.append(rollout)
+                elif rollout.finish_reason == "aborted":
+                    retry.append(rollout.request_id)
+                else:
+                    job.fail(f"request {rollout.request_id} failed on worker {i}: {rollout.error}")
+        finally:  # what finished before a lost connection is kept
+            t_generated = time.perf_counter()
+            job.timing["generate_s"] += t_generated - t_loaded
+            if finished:
+                job.deliver(finished)
+                done.update(r.request_id for r in finished)
+            job.timing["log_s"] += time.perf_counter() - t_generated
+        if retry:
+            with self._lock:
+                self.counters["regenerated"] += len(retry)
+            again = [r for r in job.requests if r.request_id in set(retry)]
+            self._jobs.put(dataclasses.replace(job, requests=again))
+
+    def _requeue(self, job: _Job, done: set[str]) -> None:
+        """A lost worker's job goes back to the queue (same priority) without what it
+        finished."""
+        rest = [r for r in job.requests if r.request_id not in done]
+        if rest:
+            self._jobs.put(dataclasses.replace(job, requests=rest))
+
+    def _wait_for_worker(self, i: int, client: Any, error: BaseException) -> bool:
+        """Worker i did not answer: until it answers its status again (True: it rejoins and
+        loads its next job's version), the pool stops (False), or every worker has been
+        silent for `wait_s` (False, with `failure` set)."""
+        address = getattr(client, "address", "?")
+        with self._lock:
+            self._down_since.setdefault(i, time.monotonic())
+            self.worker_versions[i] = -1  # a replacement holds no weights
+            self.lost += 1
+            down = len(self._down_since)
+        self.report(
+            f"inference worker {i} ({address}) does not answer ({error}); its requests go to "
+            f"the other workers ({len(self.workers) - down} answering), and it rejoins when it "
+            "answers again"
+        )
+        delay = 0.2
+        while not self._closing.wait(delay):
+            try:
+                client.status()
+            except Exception:  # noqa: BLE001 - still down
+                delay = min(delay * 2, 2.0)
+                with self._lock:
+                    silent = len(self._down_since) == len(self.workers) and (
+                        time.monotonic() - max(self._down_since.values()) >= self.wait_s
+                    )
+                if silent and self.failure is None:
+                    self.failure = (
+                        f"no inference worker has answered for {self.wait_s:g}s "
+                        f"(controller.component_wait_s; the last error: {error}); start them "
+                        "again, then `rlax-tpu resume`"
+                    )
+                if self.failure is not None:
+                    return False
+                continue
+            self.report(f"inference worker {i} ({address}) answers again: it rejoins")
+            return True
+        return False
 
     # -- batches ------------------------------------------------------------------------------
     def request(self, prompt: Prompt, sample_index: int, version: int) -> GenerationRequest:

@@ -253,10 +253,17 @@ def _connect(
             trainer, auth_token=token, max_message_bytes=config.trainer.max_message_bytes
         ),
         param_server=ParamServerClient(
-            list(param_server), auth_token=token, chunk_bytes=config.param_server.chunk_bytes
+            list(param_server),
+            auth_token=token,
+            chunk_bytes=config.param_server.chunk_bytes,
+            reconnect_s=config.controller.component_wait_s,
+            on_retry=_log.warning,
         ),
         workers=[InferenceWorkerClient(a, auth_token=token) for a in inference],
-        verifier=ServiceVerifier([VerifierClient(a, auth_token=token) for a in verifier]),
+        verifier=ServiceVerifier(
+            [VerifierClient(a, auth_token=token) for a in verifier],
+            wait_s=config.controller.component_wait_s,
+        ),
     )
 
 
@@ -309,8 +316,10 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
             failure = cluster.failure
         components.param_server.close()
     storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
-    if failure:
+    if failure and summary["end_step"] < effective.controller.num_steps:
         raise ComponentFailed(failure)
+    if failure:  # after the last step: the run is complete, its results are all written
+        print(f"after the last step: {failure.splitlines()[0]}", file=sys.stderr)
     return summary
 
 

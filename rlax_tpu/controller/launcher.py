@@ -3,17 +3,22 @@
 `LocalCluster` starts the parameter server, the trainer, N inference workers and the
 verifier service with a fresh auth token, each with its log file in the run directory
 (with `verifiers.address` set it starts no verifier: the run uses the services there, and
-their token, from the environment, is the run's), and watches them: the death of any
-child sets `failed`, which stops the controller. The trainer and the workers share this
-machine's GPUs, each with its memory share from the config (`component_env`); the
-parameter server and the verifier get no accelerator. On exit it stops every child it
-started (SIGTERM, then SIGKILL) and nothing else; each child also gets SIGTERM from the
-kernel if the launcher itself dies (PR_SET_PDEATHSIG).
+their token, from the environment, is the run's), and watches them. A dead inference
+worker, verifier or parameter server is started again on its port (so every client finds
+it where it was), up to controller.component_restarts times each, after a backoff of 1 s
+doubling; meanwhile the controller moves its work to the others or waits for it
+(docs/controller.md, "Elastic recovery"). The death of the trainer, or of a component
+out of restarts, sets `failed`, which stops the controller (then `rlax-tpu resume`). The
+trainer and the workers share this machine's GPUs, each with its memory share from the config
+(`component_env`); the parameter server and the verifier get no accelerator. On exit it
+stops every child it started (SIGTERM, then SIGKILL) and nothing else; each child also
+gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -26,6 +31,12 @@ from pathlib import Path
 
 from rlax_tpu.config import ConfigError, RunConfig, load_config
 from rlax_tpu.rpc.process import CHILD_LAUNCHER, PROGRESS_PREFIX
+
+_log = logging.getLogger(__name__)
+
+# Components the launcher starts again when they die: passive, with nothing a restart loses
+# (the parameter server recovers its versions from storage).
+RESTARTABLE = ("inference_worker", "verifier", "param_server")
 
 # Components that never need an accelerator: JAX (if anything imports it) stays on the CPU
 # and CUDA sees no GPU, so they take no GPU memory and hold no TPU.
@@ -97,6 +108,7 @@ class Child:
         )
         self.pid = self.process.pid
         self.address: str | None = None
+        self.ready_timeout_s = 60.0  # how long its start may take (the launcher sets it)
         self._ready = threading.Event()
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
 
@@ -177,6 +189,8 @@ class LocalCluster:
         self.env = {**given, token_env: self.token}
         self.overrides = [f"--set={o}" for o in overrides]
         self.children: list[Child] = []
+        self.restarts: dict[str, int] = {}  # by child name
+        self._lock = threading.Lock()  # children, while a restart replaces one
         self.failed = threading.Event()
         self.failure: str | None = None
         self._closing = False
@@ -193,10 +207,17 @@ class LocalCluster:
         component = name.rsplit("-", 1)[0]
         env = {**self.env, **component_env(self.config, component)}
         child = Child(name, args, env=env, log=self.log_dir / f"{name}.log")
+        child.ready_timeout_s = ready_timeout_s
         self.children.append(child)
         address = child.wait_ready(ready_timeout_s)
         self.addresses.setdefault(component, []).append(address)
         return address
+
+    def _write_processes(self) -> None:
+        """Who is who, for operators (and tests that kill one component on purpose)."""
+        with self._lock:
+            entries = {c.name: {"pid": c.pid, "address": c.address} for c in self.children}
+        (self.log_dir / "processes.json").write_text(json.dumps(entries))
 
     def start(self) -> None:
         """Start everything (parameter server first: the others connect to it). With
@@ -226,28 +247,77 @@ class LocalCluster:
             args = ["serve", "inference", *common, f"--param-server={ps}"]
             self._start(f"inference_worker-{i}", [*args, f"--worker-id=inference_worker-{i}"], 180)
         self._start("trainer-0", ["serve", "trainer", *common, f"--param-server={ps}"], 300)
-        # Who is who, for operators (and tests that kill one component on purpose).
-        (self.log_dir / "processes.json").write_text(
-            json.dumps({c.name: {"pid": c.pid, "address": c.address} for c in self.children})
-        )
+        self._write_processes()
         threading.Thread(target=self._watch, name="cluster-watch", daemon=True).start()
 
     def _watch(self) -> None:
+        restarting: set[str] = set()
         while not self._closing:
-            for child in self.children:
-                if not child.running() and not self._closing:
-                    self.failure = (
-                        f"{child.name} (pid {child.pid}) exited with code "
-                        f"{child.process.returncode}; its log {child.log_path} ends with:\n"
-                        f"{child.log_tail()}"
-                    )
-                    self.failed.set()
+            with self._lock:
+                dead = [c for c in self.children if not c.running() and c.name not in restarting]
+            for child in dead:
+                if self._closing:
                     return
+                why = f"{child.name} (pid {child.pid}) exited with code {child.process.returncode}"
+                component = child.name.rsplit("-", 1)[0]
+                count = self.restarts.get(child.name, 0)
+                if component in RESTARTABLE and count < self.config.controller.component_restarts:
+                    restarting.add(child.name)
+                    print(
+                        f"{why}; starting it again on {child.address} (restart {count + 1} of "
+                        f"{self.config.controller.component_restarts})",
+                        flush=True,
+                    )
+                    threading.Thread(
+                        target=self._restart,
+                        args=(child, restarting),
+                        daemon=True,
+                        name=f"restart-{child.name}",
+                    ).start()
+                    continue
+                if component in RESTARTABLE:
+                    why += f", after {count} restarts (controller.component_restarts)"
+                self.failure = f"{why}; its log {child.log_path} ends with:\n{child.log_tail()}"
+                self.failed.set()
+                return
             time.sleep(0.2)
+
+    def _restart(self, old: Child, restarting: set[str]) -> None:
+        """`old`'s process again, on its port, after a backoff; a child that does not come
+        up fails the run. Runs on its own thread until the new child exits."""
+        name = old.name
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        old.stop(0)  # reaped, its log closed
+        time.sleep(min(2.0 ** (count - 1), 30.0))
+        port = old.address.rsplit(":", 1)[1]
+        args = list(old.args)
+        args[args.index("--port") + 1] = port
+        component = name.rsplit("-", 1)[0]
+        env = {**self.env, **component_env(self.config, component)}
+        with self._lock:
+            if self._closing:
+                return
+            child = Child(name, args, env=env, log=old.log_path)
+            child.ready_timeout_s = old.ready_timeout_s
+            self.children[self.children.index(old)] = child
+        try:
+            child.wait_ready(child.ready_timeout_s)
+        except ComponentFailed as e:
+            if not self._closing:
+                self.failure = f"{name} did not come back after a restart: {e}"
+                self.failed.set()
+            return
+        self._write_processes()
+        print(f"{name} is back (pid {child.pid}) on {child.address}", flush=True)
+        restarting.discard(name)
+        # The kernel's parent-death signal (PR_SET_PDEATHSIG) follows the thread that started
+        # a child, not the process: this thread lives as long as its child.
+        child.process.wait()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every child, trainer first (it saves), then the rest."""
-        self._closing = True
-        for child in sorted(self.children, key=lambda c: not c.name.startswith("trainer")):
+        with self._lock:
+            self._closing = True
+            children, self.children = self.children, []
+        for child in sorted(children, key=lambda c: not c.name.startswith("trainer")):
             child.stop(timeout_s)
-        self.children = []

@@ -19,6 +19,7 @@ from typing import Any
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.snapshots import Snapshot, SnapshotError, SnapshotStore
+from rlax_tpu.rpc.client import is_unreachable, retry_unreachable
 
 _log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Recovery:
         capture_step: Callable[[], dict[str, Any]],
         restore: Callable[[Mapping[str, Any], Mapping[str, Any]], None],
         worker_versions: Callable[[], Sequence[int]],
+        wait_s: float = 300.0,
     ) -> None:
         self.schedule = schedule
         self.snapshots = snapshots
@@ -51,6 +53,7 @@ class Recovery:
         self._capture_main, self._capture_step = capture_main, capture_step
         self._restore = restore
         self._worker_versions = worker_versions
+        self.wait_s = wait_s  # for a trainer that does not answer during the restore
         self._main_at: dict[int, dict[str, Any]] = {}
         self._step_at: dict[int, dict[str, Any]] = {}
         # The checkpoint whose versions were last found on the server's storage: snapshots
@@ -80,8 +83,21 @@ class Recovery:
         snapshot = None
         for candidate in self.snapshots.candidates(self.digest):
             try:
-                restored = self.trainer.restore(candidate.checkpoint_step)
+                # A trainer that does not answer (restarting, or it died while restoring)
+                # is waited for and asked again: that says nothing about the checkpoint.
+                restored = retry_unreachable(
+                    lambda c=candidate: self.trainer.restore(c.checkpoint_step),
+                    wait_s=self.wait_s,
+                    what="the trainer",
+                    on_retry=_log.warning,
+                )
             except Exception as e:  # noqa: BLE001 - the checkpoint is gone or broken
+                if is_unreachable(e):
+                    raise ControllerError(
+                        f"could not restore checkpoint {candidate.checkpoint_step}: {e}. The "
+                        "run directory is intact: start the trainer again, then `rlax-tpu "
+                        "resume`"
+                    ) from None
                 _log.warning(
                     "snapshot of step %d: checkpoint %d does not load (%s); trying an older one",
                     candidate.step,
@@ -134,11 +150,11 @@ class Recovery:
         # the run, where no batch `step` was ever drawn (re-running a finished run, or
         # extending it, resumes there).
         self.at_step(step, drawn=drawn)
-        if final:
-            self.trainer.save(wait=True)
+        checkpoint = self.schedule.checkpoint_at_or_before(step)
+        # A trainer ahead of the loop (reattached: it answers the steps up to its own from
+        # their records) checkpoints its own step, not this one.
+        if final and self.trainer.save(wait=True) == step:
             checkpoint = step
-        else:
-            checkpoint = self.schedule.checkpoint_at_or_before(step)
         checkpoint = max(c for c in self._main_at if c <= checkpoint)
         state = self._step_at[checkpoint]
         snapshot = Snapshot(

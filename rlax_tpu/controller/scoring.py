@@ -26,7 +26,12 @@ import grpc
 
 from rlax_tpu.controller.datasets import decode_response
 from rlax_tpu.controller.errors import ControllerError, UnjudgedError
-from rlax_tpu.rpc.client import RpcCallError
+from rlax_tpu.rpc.client import (
+    ComponentUnreachableError,
+    RpcCallError,
+    is_unreachable,
+    retry_unreachable,
+)
 from rlax_tpu.verifiers.functions import encode_metadata, encode_prompt
 from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
@@ -50,19 +55,46 @@ class Verifier(Protocol):
 class ServiceVerifier:
     """Scores through one or more verifier services: chunk i of a call to service i mod n, the
     services in parallel. A retried request goes wherever its new chunk goes (the result
-    does not depend on who judges it)."""
+    does not depend on who judges it).
 
-    def __init__(self, clients: list[Any]) -> None:
+    Replicas are elastic: a chunk whose service does not answer (UNAVAILABLE) goes to the
+    next one; with none answering, the call waits up to `wait_s` for one to come back
+    (restarted), then raises ComponentUnreachableError. `report(line)` hears of it."""
+
+    def __init__(
+        self,
+        clients: list[Any],
+        *,
+        wait_s: float = 300.0,
+        report: Callable[[str], None] | None = None,
+    ) -> None:
         self.clients = clients
+        self.wait_s = wait_s
+        self.report = report or _log.warning
 
     def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]:
         chunks = [requests[start : start + CHUNK] for start in range(0, len(requests), CHUNK)]
         if len(self.clients) == 1 or len(chunks) <= 1:
-            return [r for chunk in chunks for r in self.clients[0].verify(chunk)]
-        n = len(self.clients)
-        with ThreadPoolExecutor(n, thread_name_prefix="verify") as pool:
-            results = pool.map(lambda i: self.clients[i % n].verify(chunks[i]), range(len(chunks)))
+            return [r for i, chunk in enumerate(chunks) for r in self._verify(i, chunk)]
+        with ThreadPoolExecutor(len(self.clients), thread_name_prefix="verify") as pool:
+            results = pool.map(lambda i: self._verify(i, chunks[i]), range(len(chunks)))
             return [r for chunk in results for r in chunk]
+
+    def _verify(self, i: int, chunk: Sequence[VerificationRequest]) -> list[VerificationResult]:
+        """Chunk i on service i mod n, else the next one answering, waiting for one."""
+        n = len(self.clients)
+
+        def on_any() -> list[VerificationResult]:
+            for k in range(n):
+                try:
+                    return self.clients[(i + k) % n].verify(chunk)
+                except RpcCallError as e:
+                    if not is_unreachable(e) or k == n - 1:
+                        raise
+            raise AssertionError("unreachable")  # the loop returns or raises
+
+        what = "the verifier service" if n == 1 else f"every one of the {n} verifier services"
+        return retry_unreachable(on_any, wait_s=self.wait_s, what=what, on_retry=self.report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +267,8 @@ class Scorer:
         (retried like one), unless it failed for a reason no retry can fix."""
         try:
             return self.verifier.verify_many(requests)
+        except ComponentUnreachableError as e:  # waited for it: the run stops, to resume
+            raise ControllerError(f"{e}; start it again, then `rlax-tpu resume`") from None
         except RpcCallError as e:
             if e.code in _FATAL_CODES:
                 raise ControllerError(f"the verifier refused the requests: {e}") from None

@@ -14,6 +14,7 @@ lockstep across hosts, so each host runs its own worker.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from rlax_tpu.rpc import format_address
@@ -26,6 +27,8 @@ from rlax_tpu.rpc.process import (
     stop_on_signals,
     wait_for,
 )
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_WORKER_ID = "inference_worker-0"
 # Each Generate stream holds a server thread until its batch is done; many callers share
@@ -71,6 +74,8 @@ def main(args: argparse.Namespace) -> int:
             args.param_server,
             auth_token=token,
             chunk_bytes=config.param_server.chunk_bytes,
+            reconnect_s=config.controller.component_wait_s,  # a restarted server is waited for
+            on_retry=_log.warning,
         )
         if args.param_server
         else None

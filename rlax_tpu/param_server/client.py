@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from rlax_tpu.param_server.errors import ParamServerError, PullMismatchError
 from rlax_tpu.param_server.layout import Box, Piece
 from rlax_tpu.param_server.wire import decode_pull_chunks, encode_piece_chunks, pack
 from rlax_tpu.rpc import make_channel
-from rlax_tpu.rpc.client import RpcCallError
+from rlax_tpu.rpc.client import RpcCallError, retry_unreachable
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 from rlax_tpu.rpc.protos import param_server_pb2_grpc as pb_grpc
 
@@ -127,7 +128,12 @@ class ParamServerClient:
         plan: ReplicaPlan | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = 600.0,
+        reconnect_s: float = 0.0,
+        on_retry: Callable[[str], None] | None = None,
     ) -> None:
+        """`reconnect_s`: how long each call waits for a replica that does not answer (down
+        or restarting: it recovers its committed versions from storage) before it fails;
+        every call is idempotent, so it is simply made again. 0: fail at once."""
         if not addresses:
             raise ValueError("ParamServerClient needs at least one replica address")
         self.plan = plan or ReplicaPlan(num_replicas=len(addresses))
@@ -139,6 +145,7 @@ class ParamServerClient:
         self.addresses = list(addresses)
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
+        self.reconnect_s, self._on_retry = reconnect_s, on_retry
         self._channels = [make_channel(a, auth_token=auth_token) for a in addresses]
         self._stubs = [pb_grpc.ParamServerStub(c) for c in self._channels]
         # The messages carrying bytes are serialized and parsed by hand, without copying
@@ -266,13 +273,16 @@ class ParamServerClient:
                 # critical path does not (a version's digest is the server's).
                 dtype = layout.dtype_name(data.dtype)
                 pieces.append(Piece(path=path, dtype=dtype, shape=shapes[path], domain=box))
-            requests = self._publish_requests(version, pieces, payload)
-            try:
-                reply = self._publishes[replica](requests, timeout=self.timeout_s)
-            except grpc.RpcError as e:
-                raise _raise_from(
-                    e, f"publish of version {version} to {self.addresses[replica]}"
-                ) from None
+            what = f"publish of version {version} to {self.addresses[replica]}"
+
+            def send() -> pb.PublishReply:  # the whole stream again after a reconnect
+                requests = self._publish_requests(version, pieces, payload)
+                try:
+                    return self._publishes[replica](requests, timeout=self.timeout_s)
+                except grpc.RpcError as e:
+                    raise _raise_from(e, what) from None
+
+            reply = self._retrying(send, what)
             return reply.already_present, reply.bytes_received
 
         results = list(self._pool.map(one, list(replicas)))
@@ -301,11 +311,8 @@ class ParamServerClient:
         """For each replica, {path: piece} it holds (from its layout)."""
         if self._held is None or refresh:
             self._held = []
-            for replica, stub in enumerate(self._stubs):
-                try:
-                    reply = stub.ListVersions(pb.ListVersionsRequest(), timeout=self.timeout_s)
-                except grpc.RpcError as e:
-                    raise _raise_from(e, f"listing versions of {self.addresses[replica]}") from None
+            for replica in range(len(self._stubs)):
+                reply = self._call(replica, "ListVersions", pb.ListVersionsRequest())
                 pieces = [layout.piece_from_proto(p) for p in reply.layout]
                 self._held.append({p.path: p for p in pieces})
         return self._held
@@ -355,7 +362,12 @@ class ParamServerClient:
         pool = self._pool if wait_s <= 0 else concurrent.futures.ThreadPoolExecutor(len(replicas))
         try:
             futures = [
-                pool.submit(self._pull_from, r, version, requests[r], target_for, wait_s)
+                # The replica's whole stream again after a reconnect.
+                pool.submit(
+                    self._retrying,
+                    functools.partial(self._pull_from, r, version, requests[r], target_for, wait_s),
+                    f"pull of version {version} from {self.addresses[r]}",
+                )
                 for r in replicas
             ]
             for future in futures:
@@ -551,7 +563,20 @@ class ParamServerClient:
         """`method` on `replica`; `timeout_s` is time the server may take beyond the usual
         deadline (a call that waits server-side)."""
         call: Callable[..., Any] = getattr(self._stubs[replica], method)
-        try:
-            return call(request, timeout=self.timeout_s + timeout_s)
-        except grpc.RpcError as e:
-            raise _raise_from(e, f"{method} on {self.addresses[replica]}") from None
+        what = f"{method} on {self.addresses[replica]}"
+
+        def once() -> Any:
+            try:
+                return call(request, timeout=self.timeout_s + timeout_s)
+            except grpc.RpcError as e:
+                raise _raise_from(e, what) from None
+
+        return self._retrying(once, what)
+
+    def _retrying(self, call: Callable[[], Any], what: str) -> Any:
+        return retry_unreachable(
+            call,
+            wait_s=self.reconnect_s,
+            what=f"the parameter server ({what})",
+            on_retry=self._on_retry,
+        )

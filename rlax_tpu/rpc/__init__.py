@@ -11,7 +11,13 @@ from rlax_tpu.rpc.auth import (
     auth_token_from_env,
 )
 from rlax_tpu.rpc.channels import MAX_MESSAGE_BYTES, format_address, make_channel, make_server
-from rlax_tpu.rpc.client import ComponentClient, RpcCallError
+from rlax_tpu.rpc.client import (
+    ComponentClient,
+    ComponentUnreachableError,
+    RpcCallError,
+    is_unreachable,
+    retry_unreachable,
+)
 from rlax_tpu.rpc.health import HealthServicer, get_status
 from rlax_tpu.rpc.protos import common_pb2, common_pb2_grpc
 
@@ -22,6 +28,7 @@ __all__ = [
     "AuthTokenError",
     "ClientAuthInterceptor",
     "ComponentClient",
+    "ComponentUnreachableError",
     "HealthServicer",
     "ServerAuthInterceptor",
     "auth_token_from_env",
@@ -29,6 +36,8 @@ __all__ = [
     "common_pb2_grpc",
     "format_address",
     "get_status",
+    "is_unreachable",
     "make_channel",
     "make_server",
+    "retry_unreachable",
 ]

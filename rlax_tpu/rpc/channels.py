@@ -16,6 +16,11 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A component that restarts is found again within seconds: gRPC's reconnect backoff
+    # otherwise grows to 120 s between attempts while it is down.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 

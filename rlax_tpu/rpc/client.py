@@ -1,9 +1,18 @@
-"""What every component's client shares: one authenticated channel, and errors that
-carry the gRPC status so callers can branch on it (e.g. NOT_FOUND vs UNAVAILABLE)."""
+"""What every component's client shares: one authenticated channel, errors that carry
+the gRPC status so callers can branch on it (e.g. NOT_FOUND vs UNAVAILABLE), and waiting
+out a component that is down or restarting (`retry_unreachable`).
+
+A component that died, or is starting again, answers nothing: its calls fail with
+UNAVAILABLE (connection refused, or the connection broke mid-call). Every other status is
+an answer (the component ran and said no), and is never retried here. Calls are idempotent
+(DESIGN §2), so calling again once the component is back is always safe.
+"""
 
 from __future__ import annotations
 
-from typing import Self
+import time
+from collections.abc import Callable
+from typing import Self, TypeVar
 
 import grpc
 
@@ -24,6 +33,60 @@ class RpcCallError(RuntimeError):
         code = error.code() if hasattr(error, "code") else None
         details = error.details() if hasattr(error, "details") else str(error)
         return cls(f"{what}: {code.name if code is not None else 'ERROR'}: {details}", code)
+
+
+class ComponentUnreachableError(RpcCallError):
+    """A component did not answer (UNAVAILABLE) for as long as its callers wait for it."""
+
+
+def is_unreachable(error: BaseException) -> bool:
+    """Whether `error` says the component did not answer at all (down, restarting, or its
+    connection broke mid-call), as opposed to answering with a refusal."""
+    if isinstance(error, RpcCallError):
+        code = error.code
+    elif isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        code = error.code()
+    else:
+        return False
+    return code == grpc.StatusCode.UNAVAILABLE
+
+
+T = TypeVar("T")
+
+
+def retry_unreachable(
+    call: Callable[[], T],
+    *,
+    wait_s: float,
+    what: str,
+    on_retry: Callable[[str], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """`call()`, called again while it fails as unreachable, for up to `wait_s` seconds in
+    all (backoff 0.2 s doubling to 5 s); then ComponentUnreachableError naming `what` and
+    the last error. `on_retry(message)` hears of the first failure (once per outage). Any
+    other error is raised at once. `wait_s` = 0: one attempt, its error as it is."""
+    start = clock()
+    delay, told = 0.2, False
+    while True:
+        try:
+            return call()
+        except (RpcCallError, grpc.RpcError) as e:
+            if not is_unreachable(e) or wait_s <= 0:
+                raise
+            waited = clock() - start
+            if waited >= wait_s:
+                raise ComponentUnreachableError(
+                    f"{what} has not answered for {waited:.0f}s (the wait for a restarted "
+                    f"component, controller.component_wait_s, is {wait_s:g}s); last error: {e}",
+                    grpc.StatusCode.UNAVAILABLE,
+                ) from None
+            if on_retry is not None and not told:
+                on_retry(f"{what} does not answer ({e}); waiting up to {wait_s:g}s for it")
+                told = True
+            sleep(min(delay, max(wait_s - waited, 0.0)))
+            delay = min(delay * 2, 5.0)
 
 
 class ComponentClient:

@@ -61,7 +61,12 @@ def connect_param_server(config: RunConfig, addresses: list[str], token: str) ->
 
     plan = _replica_plan(config, len(addresses)) if len(addresses) > 1 else None
     return ParamServerClient(
-        addresses, auth_token=token, plan=plan, chunk_bytes=config.param_server.chunk_bytes
+        addresses,
+        auth_token=token,
+        plan=plan,
+        chunk_bytes=config.param_server.chunk_bytes,
+        reconnect_s=config.controller.component_wait_s,  # a restarted server is waited for
+        on_retry=_log.warning,
     )
 
 

@@ -120,6 +120,8 @@ class Trainer:
         self.objective = programs.objective
         self.policy = StalenessPolicy.from_config(config.staleness)
         self.param_server = param_server
+        self._unpublished: int | None = None  # a version whose publish failed
+        self._trained_here = False  # an RL step trained since the last restore
         if config.controller.samples_per_prompt > 1 and (
             self.levels.mini_size % config.controller.samples_per_prompt
         ):
@@ -257,10 +259,14 @@ class Trainer:
 
     def _publish(self, version: int) -> None:
         """Publish `version` if anything may read it (StalenessPolicy.publishes: a version
-        workers may load, or the run's final one)."""
+        workers may load, or the run's final one). The client waits for a parameter server
+        that is down or restarting; one that stays down fails the call, and the version is
+        published again before the next step (or the repeat of this one) is answered."""
         final = self.config.controller.num_steps
         if self.param_server is not None and self.policy.publishes(version, final):
+            self._unpublished = version
             receipt = self.param_server.publish(version, self._published_params())
+            self._unpublished = None
             _log.info(
                 "published version %d (%s)",
                 version,
@@ -304,6 +310,8 @@ class Trainer:
     # -- steps --------------------------------------------------------------------------------
     def _check_order(self, step: int) -> StepResult | None:
         self._require_state()
+        if self._unpublished is not None and self._unpublished == self.step:
+            self._publish(self._unpublished)  # its publish failed: the server was down
         if self.warm_start_step < self.warm_start_steps:
             raise WarmStartPendingError(
                 f"asked to train step {step}, but version 0 does not exist yet: the SFT warm "
@@ -483,6 +491,7 @@ class Trainer:
             self._reference = self._copy(self._params)
         result = StepResult(step=step, version=self.step, metrics=metrics)
         self._results[step] = result
+        self._trained_here = True
         self._last_metrics = metrics
         t_publish = time.perf_counter()
         self._publish(self.step)
@@ -525,7 +534,19 @@ class Trainer:
         return self.step
 
     def restore(self, step: int | None = None) -> int:
-        """Load the newest valid checkpoint (or `step`) onto this trainer's mesh."""
+        """Load the newest valid checkpoint (or `step`) onto this trainer's mesh.
+
+        A trainer already past `step` that holds the result of every step since (a restarted
+        controller reattaching to it) keeps its state instead: the controller goes on from
+        `step`, and the steps from there to this trainer's are answered from their records,
+        as a repeated TrainStep is; retraining them from the checkpoint would give the same
+        weights."""
+        if step is not None and self._reattaches(step):
+            self.progress(
+                f"kept its state at step {self.step} instead of restoring checkpoint {step}: "
+                f"steps {step}..{self.step - 1} are answered from their records"
+            )
+            return step
         which = "the newest checkpoint" if step is None else f"the checkpoint of step {step}"
         self.progress(f"restoring {which} from {self.checkpoints.directory} ...")
         t0 = time.perf_counter()
@@ -544,6 +565,7 @@ class Trainer:
         self._sft_opt_state, self._sft_results = None, {}
         self.warm_start_step = self.warm_start_steps  # an RL checkpoint follows the warm start
         self.step = restored.step
+        self._trained_here = False
         self._results = {
             r.step: r
             for r in (StepResult.from_json(d) for d in restored.meta.get("results", []))
@@ -557,6 +579,16 @@ class Trainer:
             "restored checkpoint of step %d from %s", restored.step, self.checkpoints.directory
         )
         return self.step
+
+    def _reattaches(self, step: int) -> bool:
+        """Whether `restore(step)` may keep this trainer's state (see `restore`): it is past
+        `step` with every result since, or at `step` having trained here (a trainer that
+        only initialized restores, so a missing checkpoint is still reported)."""
+        if self._params is None or self.warm_start_step < self.warm_start_steps:
+            return False
+        if step == self.step:
+            return self._trained_here
+        return step < self.step and all(s in self._results for s in range(step, self.step))
 
     def _save_warm_start(self, *, wait: bool) -> None:
         """Checkpoint the warm start's params and optimizer state at its next step."""
