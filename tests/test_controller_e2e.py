@@ -315,6 +315,7 @@ def test_a_lost_component_costs_a_restart_of_it_alone_and_the_same_weights(
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
+@pytest.mark.slow  # ~40 s: the default suite runs close to its 20-minute budget
 def test_a_restarted_controller_reattaches_to_the_components_still_running(workspace, reference):
     """`run --connect` (components elsewhere, as on GKE) killed mid-run and started again: it
     drives the same processes, the trainer keeps its state rather than restoring a
