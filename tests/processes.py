@@ -175,6 +175,17 @@ class ProcessGroup:
         args = ["--test-data-cache", test_data_cache, *args]
         return self.start_component("verifier", None, token=token, overrides=overrides, args=args)
 
+    def start_run_components(
+        self, config: str, run_dir: str, *, token: str, env: Mapping[str, str] | None = None
+    ) -> tuple[ServerProcess, ServerProcess, ServerProcess]:
+        """A run's parameter server (persisting under RUN_DIR/params), trainer and one
+        inference worker for `config`, as `rlax-tpu run --connect` drives them; the test
+        adds its verifier. Returns (parameter server, trainer, worker)."""
+        ps = self.start_param_server(os.path.join(run_dir, "params"), token=token)
+        kwargs = {"token": token, "param_servers": [ps.address], "env": env}
+        trainer = self.start_trainer(config, **kwargs)
+        return ps, trainer, self.start_inference_worker(config, **kwargs)
+
     def stop_all(self) -> None:
         for process in self.processes:
             process.stop()

@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 
 
-def e2e_config(run_dir: Path, data: Path, *, workers: int = 1, **staleness) -> RunConfig:
+def e2e_config(
+    run_dir: Path, data: Path, *, workers: int = 1, restarts: int = 3, **staleness
+) -> RunConfig:
     return tiny_job_config(
         "e2e",
         run_dir,
@@ -56,6 +58,7 @@ def e2e_config(run_dir: Path, data: Path, *, workers: int = 1, **staleness) -> R
             sft_steps=40,
             sft_learning_rate=3e-3,
             keep_snapshots=10,
+            component_restarts=restarts,
         ),
     )
 
@@ -143,12 +146,13 @@ def start_run(
     warm_from: Path | None = None,
     replay: bool = False,
     workers: int = 1,
+    restarts: int = 3,
     **staleness,
 ) -> Job:
     root, data = workspace
     run_dir = root / name
     staleness = staleness or {"reload_every": 2, "max_staleness": 3}
-    config = e2e_config(run_dir, data, workers=workers, **staleness)
+    config = e2e_config(run_dir, data, workers=workers, restarts=restarts, **staleness)
     if replay:  # TBA: trajectory balance trained on batches sampled from the replay buffer
         config = dataclasses.replace(
             config,
@@ -238,7 +242,8 @@ def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
     ],
 )
 def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, victim):
-    job = start_run(workspace, f"killed_{victim}", warm_from=reference)
+    # No restarts: a lost worker stops the run as a lost trainer does (then resumed).
+    job = start_run(workspace, f"killed_{victim}", warm_from=reference, restarts=0)
     try:
         kill_mid_run(job, victim)
     finally:
@@ -330,10 +335,7 @@ def test_a_restarted_controller_reattaches_to_the_components_still_running(works
     token, env = "reattach-token", {"XLA_FLAGS": ""}
     group = ProcessGroup()
     try:
-        ps = group.start_param_server(str(run_dir / "params"), token=token)
-        kwargs = {"token": token, "param_servers": [ps.address], "env": env}
-        trainer = group.start_trainer(path, **kwargs)
-        worker = group.start_inference_worker(path, **kwargs)
+        ps, trainer, worker = group.start_run_components(path, str(run_dir), token=token, env=env)
         verifier = group.start_verifier(token=token, test_data_cache=str(root / "cache"))
         connect = {
             "RLAX_TPU_AUTH_TOKEN": token,

@@ -305,3 +305,60 @@ def test_with_every_worker_silent_the_pool_waits_its_bound_then_stops_naming_the
         client.close()
     assert pool.lost == 1 and "its requests go to the other workers" in heard[0]
     assert "component_wait_s" in pool.failure
+
+
+def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(tmp_path):
+    """A worker's load finds the version missing (NOT_FOUND: the parameter server restarted
+    before it was on storage): the trainer publishes it again, once, and the job is loaded
+    and generated; a version still missing after that stops the run."""
+    import grpc
+
+    from rlax_tpu.controller.generation import GenerationPool
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.inference.client import InferenceCallError
+    from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
+
+    class Worker:  # the worker's answers, as its client returns them
+        def __init__(self, held):
+            self.held, self.address = held, "worker"
+
+        def load(self, version):
+            if version not in self.held:
+                raise InferenceCallError(
+                    f"version {version} is not held", grpc.StatusCode.NOT_FOUND
+                )
+            return LoadResult(version=version, already_loaded=False, aborted=())
+
+        def generate(self, requests, version):
+            for r in requests:
+                yield Rollout(
+                    r.request_id, r.prompt_id, r.sample_index, version, (1,), (2,), (0.0,), "stop"
+                )
+
+    held, asked = set(), []
+
+    def republish(version):
+        asked.append(version)
+        if version == 3:  # the trainer holds version 3 only
+            held.add(version)
+
+    pool = GenerationPool(
+        [Worker(held)],
+        RolloutLog(str(tmp_path)),
+        samples=1,
+        sampling=SamplingParams(),
+        counters={},
+        republish=republish,
+        report=lambda line: None,
+    )
+    pool.start()
+    request = GenerationRequest(
+        request_id="p/s0/v3", prompt_id="p", sample_index=0, prompt_tokens=(1,)
+    )
+    try:
+        assert list(pool.generate([request], version=3)) == ["p/s0/v3"]
+        with pytest.raises(ControllerError, match="version 2 is not held"):
+            pool.generate([dataclasses.replace(request, request_id="p/s0/v2")], version=2)
+    finally:
+        pool.stop()
+    assert asked == [3, 2]

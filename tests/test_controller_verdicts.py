@@ -70,10 +70,7 @@ def connected_run(workspace, monkeypatch, name, *, fail_always="(?!)", fail_once
     monkeypatch.setenv("RLAX_TPU_AUTH_TOKEN", TOKEN)
     group = ProcessGroup()
     try:
-        ps = group.start_param_server(str(run_dir / "params"), token=TOKEN)
-        kwargs = {"token": TOKEN, "param_servers": [ps.address], "env": env}
-        trainer = group.start_trainer(path, **kwargs)
-        worker = group.start_inference_worker(path, **kwargs)
+        ps, trainer, worker = group.start_run_components(path, str(run_dir), token=TOKEN, env=env)
         verifier = group.start(
             ["--fail-always", fail_always, "--fail-once", fail_once],
             script=FAULTY,

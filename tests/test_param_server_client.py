@@ -22,6 +22,7 @@ from rlax_tpu.param_server.client import (
     ParamServerCallError,
     ParamServerClient,
     ReplicaPlan,
+    VersionsMissingError,
     split_dims_from_logical,
 )
 from rlax_tpu.sharding import build_mesh, shard_model, state_shardings
@@ -190,8 +191,9 @@ def test_wait_persisted_returns_once_versions_are_on_storage_and_names_what_is_n
         client.wait_persisted([0, 1], timeout_s=30)
         assert [v.persisted for v in client.list_versions().versions] == [True, True]
         assert (tmp_path / "params" / "versions" / "0000000001" / "MANIFEST.json").exists()
-        with pytest.raises(ParamServerCallError, match=r"versions \[5\] are not held"):
+        with pytest.raises(VersionsMissingError, match=r"versions \[5\] are not held") as info:
             client.wait_persisted([1, 5], timeout_s=5)
+        assert info.value.missing == [5] and info.value.code == grpc.StatusCode.NOT_FOUND
     with ParamServerClient([memory_only], auth_token=TOKEN) as client:
         client.publish(0, {"w": np.zeros(3, np.float32)})
         client.wait_persisted([0, 1])  # no storage: nothing to wait for

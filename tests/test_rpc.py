@@ -229,6 +229,17 @@ def test_a_component_that_stays_down_is_named_after_the_wait_and_a_refusal_is_no
     assert "x-42 has not answered for 1s" in str(info.value)
     assert "controller.component_wait_s" in str(info.value)
 
+    # A run that is stopping does not wait for it at all.
+    stop = threading.Event()
+    stop.set()
+    t0 = time.monotonic()
+    with make_channel(address, auth_token=TOKEN) as channel:
+        with pytest.raises(ComponentUnreachableError, match="the run is stopping"):
+            retry_unreachable(
+                lambda: get_status(channel, timeout_s=2), wait_s=60, what="z", stop=stop
+            )
+    assert time.monotonic() - t0 < 5
+
     calls = []
     up = serve()
 

@@ -139,6 +139,21 @@ def test_repeating_a_done_step_returns_its_recorded_result(first_step, client, c
     assert client.status().version == 1
 
 
+def test_republish_sends_the_held_version_again_and_refuses_any_other(
+    first_step, client, ps_client
+):
+    """Over gRPC: the trainer holds version 1 and publishes it again (held: the same bytes,
+    nothing changes); version 0 it cannot. (The trainer test restarts a server that lost
+    the version.)"""
+    before = ps_client.pull_arrays(1)
+    assert client.republish(1) == 1 and client.status().version == 1
+    got = ps_client.pull_arrays(1)
+    assert all(np.array_equal(got[p], before[p]) for p in before)
+    error = call_error(client.republish, 0)
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "holds version 1" in str(error) and "resuming from a checkpoint" in str(error)
+
+
 def test_a_future_step_is_failed_precondition_naming_the_expected_step(first_step, client, config):
     error = call_error(client.train_step, 5, rollout_batch(config, 5))
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -78,6 +78,53 @@ def test_each_step_publishes_its_version_to_the_param_server(run):
     assert_trees_close(client.pull(1, like), after_first, rtol=0, atol=0)
 
 
+def test_restore_keeps_the_state_of_a_trainer_past_the_checkpoint_with_every_result_since(run):
+    """A restarted controller reattaching: Restore(c) of a trainer at step 2 that holds the
+    results of steps c..1 keeps its state, and the steps from c are answered from records."""
+    trainer = run[0]
+    before = jax.tree.map(np.asarray, trainer.params())
+    for checkpoint in (1, 2):  # behind it, and where it stands (it trained here)
+        assert trainer.restore(checkpoint) == checkpoint and trainer.step == 2
+        assert_trees_close(trainer.params(), before, rtol=0, atol=0)
+    assert trainer.train_step(1, rollout_batch(1)).already_done
+
+
+def test_a_version_whose_publish_failed_is_published_before_the_next_answer(tmp_path):
+    """The parameter server is down past the client's wait: the step's publish fails, the
+    step stays trained, and its repeat publishes the version (to the restarted server)."""
+    from rlax_tpu.rpc import ComponentUnreachableError
+
+    group = ProcessGroup()
+    try:
+        first = group.start_param_server(None, token=TOKEN)
+        port = first.address.rsplit(":", 1)[1]
+        # Waits 2 s for a server that does not answer (the config's component_wait_s).
+        client = ParamServerClient([first.address], auth_token=TOKEN, reconnect_s=2.0)
+        config = run_config(str(tmp_path), mini=4, checkpoint_every=100, mesh=ONE_DEVICE)
+        trainer = Trainer(config, param_server=client, mesh=_one_device_mesh())
+        assert trainer.initialize() == 0
+        first.kill()
+        with pytest.raises(ComponentUnreachableError, match="has not answered for 2s"):
+            trainer.train_step(0, rollout_batch(0))
+        assert trainer.step == 1
+        group.start_param_server(None, token=TOKEN, args=["--port", port])
+        assert trainer.train_step(0, rollout_batch(0)).already_done
+        assert client.versions() == [1]  # version 0 went with the memory-only server
+        assert_trees_close(client.pull(1, trainer.params()), trainer.params(), rtol=0, atol=0)
+        # Lost after its publish (the server died before writing it to storage): the
+        # controller asks the trainer to publish it again; an older version it cannot.
+        group.processes[-1].kill()
+        group.start_param_server(None, token=TOKEN, args=["--port", port])
+        trainer.republish(1)
+        assert client.versions() == [1]
+        with pytest.raises(OutOfOrderStepError, match="holds version 1"):
+            trainer.republish(0)
+        trainer.close()
+        client.close()
+    finally:
+        group.stop_all()
+
+
 def test_restore_on_a_four_device_mesh_gives_the_same_values(run):
     trainer = run[0]
     mesh = build_mesh(FOUR_DEVICES, devices=jax.devices()[:4])

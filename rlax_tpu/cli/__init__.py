@@ -283,11 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         # The run's own failures (a component died or stayed unreachable, no usable
         # snapshot, ...) end with their message, not a traceback; anything else is a bug
         # and keeps its traceback.
+        from rlax_tpu.controller.launcher import ComponentFailed
         from rlax_tpu.rpc.client import RpcCallError
 
         if type(e).__module__.startswith("rlax_tpu.controller") or isinstance(e, RpcCallError):
             print(f"rlax-tpu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-            if args.command in ("run", "resume") and "resume" not in str(e):
+            # A component that failed or stayed unreachable loses nothing: say how to go on.
+            if args.command in ("run", "resume") and isinstance(e, RpcCallError | ComponentFailed):
                 print(
                     "the run directory keeps everything up to its last snapshot: "
                     "`rlax-tpu resume RUN_DIR` continues from there",

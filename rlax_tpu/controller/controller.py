@@ -127,6 +127,7 @@ class Controller:
             counters=self.stats,
             wait_s=ctl.component_wait_s,
             report=self.report,
+            republish=components.trainer.republish,
         )
         self.scorer = Scorer(
             components.verifier,
@@ -165,6 +166,7 @@ class Controller:
             restore=self._restore,
             worker_versions=lambda: list(self.pool.worker_versions),
             wait_s=ctl.component_wait_s,
+            stop=self.stop,
         )
         self.evaluator = None
         if eval_prompts:

@@ -13,7 +13,9 @@ its connection broke mid-call) hands its unfinished requests back to the queue, 
 others; its thread then waits until the worker (or its replacement, on the same address)
 answers again, and it rejoins, loading the version of its next job. A request's tokens do
 not depend on which worker serves it, so the run's results do not change. Only when every
-worker has been silent for `wait_s` does the pool fail, and the run stop.
+worker has been silent for `wait_s` does the pool fail, and the run stop. A version the
+parameter server lost (it restarted before the version was on storage) is published again
+by the trainer (`republish`, once) and the load retried.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
+
+import grpc
 
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.scoring import Judgement
@@ -125,7 +129,8 @@ class GenerationPool:
     `counters` is the run's snapshotted accounting: `reused` (rollouts taken from the log)
     and `regenerated` (aborted by a reload and generated again) are counted into it.
     `wait_s`: how long the pool waits with every worker silent before it fails;
-    `report(line)` hears of workers lost and back."""
+    `report(line)` hears of workers lost and back; `republish(version)` has the trainer
+    publish a version the parameter server lost again (None: such a load fails the run)."""
 
     def __init__(
         self,
@@ -137,8 +142,11 @@ class GenerationPool:
         counters: MutableMapping[str, Any],
         wait_s: float = 300.0,
         report: Callable[[str], None] | None = None,
+        republish: Callable[[int], Any] | None = None,
     ) -> None:
         self.workers = list(workers)
+        self.republish = republish
+        self._republished: dict[int, float] = {}  # version -> when it was published again
         self.wait_s = wait_s
         self.report = report or _log.warning
         self.log = log
@@ -155,6 +163,7 @@ class GenerationPool:
         self._closing = threading.Event()
         self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._lock = threading.Lock()  # batches' rollouts, filled by the worker threads
+        self._republish_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     # -- threads ------------------------------------------------------------------------------
@@ -187,6 +196,11 @@ class GenerationPool:
                 with self._lock:
                     self._down_since.pop(i, None)
             except Exception as e:  # noqa: BLE001 - lost: move its work; else the run stops
+                if getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND and self._found_again(
+                    job.version, t0
+                ):
+                    self._requeue(job, done)
+                    continue
                 if not is_unreachable(e):
                     self.failure = f"inference worker {i} failed: {type(e).__name__}: {e}"
                     job.fail(self.failure)
@@ -226,6 +240,24 @@ class GenerationPool:
                 self.counters["regenerated"] += len(retry)
             again = [r for r in job.requests if r.request_id in set(retry)]
             self._jobs.put(dataclasses.replace(job, requests=again))
+
+    def _found_again(self, version: int, attempt_t0: float) -> bool:
+        """A load of `version` found it missing: whether it is published again now (by the
+        trainer, once per version; a load that started before that publish ended is tried
+        again too). False: it stays missing, and the run stops."""
+        if self.republish is None:
+            return False
+        with self._republish_lock:
+            if version in self._republished:
+                return attempt_t0 < self._republished[version]
+            self.report(f"the parameter server lost version {version}: the trainer publishes it")
+            try:
+                self.republish(version)
+            except Exception as e:  # noqa: BLE001 - not the trainer's version: a resume
+                self.report(f"version {version} cannot be published again: {e}")
+                return False
+            self._republished[version] = time.perf_counter()
+            return True
 
     def _requeue(self, job: _Job, done: set[str]) -> None:
         """A lost worker's job goes back to the queue (same priority) without what it

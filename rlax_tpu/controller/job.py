@@ -238,9 +238,11 @@ def _connect(
     trainer: str,
     inference: Sequence[str],
     verifier: Sequence[str],
+    stop: threading.Event,
 ) -> Any:  # rlax_tpu.controller.controller.Components
     """The controller's clients of the components at these addresses (one per inference
-    worker; verification spread over every verifier replica)."""
+    worker; verification spread over every verifier replica). They wait for a component
+    that does not answer (controller.component_wait_s) until `stop` is set."""
     from rlax_tpu.controller.controller import Components
     from rlax_tpu.controller.scoring import ServiceVerifier
     from rlax_tpu.inference.client import InferenceWorkerClient
@@ -258,11 +260,13 @@ def _connect(
             chunk_bytes=config.param_server.chunk_bytes,
             reconnect_s=config.controller.component_wait_s,
             on_retry=_log.warning,
+            stop=stop,
         ),
         workers=[InferenceWorkerClient(a, auth_token=token) for a in inference],
         verifier=ServiceVerifier(
             [VerifierClient(a, auth_token=token) for a in verifier],
             wait_s=config.controller.component_wait_s,
+            stop=stop,
         ),
     )
 
@@ -307,6 +311,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
             trainer=cluster.addresses["trainer"][0],
             inference=cluster.addresses["inference_worker"],
             verifier=cluster.addresses["verifier"],
+            stop=stop,
         )
         try:
             summary = _drive(
@@ -369,6 +374,7 @@ def run_connected(
             trainer=addresses.trainer,
             inference=addresses.inference,
             verifier=addresses.verifier,
+            stop=stop,
         )
         try:
             summary = _drive(

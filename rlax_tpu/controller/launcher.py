@@ -18,7 +18,6 @@ gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import signal
@@ -31,8 +30,6 @@ from pathlib import Path
 
 from rlax_tpu.config import ConfigError, RunConfig, load_config
 from rlax_tpu.rpc.process import CHILD_LAUNCHER, PROGRESS_PREFIX
-
-_log = logging.getLogger(__name__)
 
 # Components the launcher starts again when they die: passive, with nothing a restart loses
 # (the parameter server recovers its versions from storage).
@@ -190,6 +187,7 @@ class LocalCluster:
         self.overrides = [f"--set={o}" for o in overrides]
         self.children: list[Child] = []
         self.restarts: dict[str, int] = {}  # by child name
+        self._restarting: set[str] = set()  # names of children being started again
         self._lock = threading.Lock()  # children, while a restart replaces one
         self.failed = threading.Event()
         self.failure: str | None = None
@@ -251,10 +249,11 @@ class LocalCluster:
         threading.Thread(target=self._watch, name="cluster-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        restarting: set[str] = set()
         while not self._closing:
             with self._lock:
-                dead = [c for c in self.children if not c.running() and c.name not in restarting]
+                dead = [
+                    c for c in self.children if not c.running() and c.name not in self._restarting
+                ]
             for child in dead:
                 if self._closing:
                     return
@@ -262,7 +261,7 @@ class LocalCluster:
                 component = child.name.rsplit("-", 1)[0]
                 count = self.restarts.get(child.name, 0)
                 if component in RESTARTABLE and count < self.config.controller.component_restarts:
-                    restarting.add(child.name)
+                    self._restarting.add(child.name)
                     print(
                         f"{why}; starting it again on {child.address} (restart {count + 1} of "
                         f"{self.config.controller.component_restarts})",
@@ -270,7 +269,7 @@ class LocalCluster:
                     )
                     threading.Thread(
                         target=self._restart,
-                        args=(child, restarting),
+                        args=(child,),
                         daemon=True,
                         name=f"restart-{child.name}",
                     ).start()
@@ -282,7 +281,7 @@ class LocalCluster:
                 return
             time.sleep(0.2)
 
-    def _restart(self, old: Child, restarting: set[str]) -> None:
+    def _restart(self, old: Child) -> None:
         """`old`'s process again, on its port, after a backoff; a child that does not come
         up fails the run. Runs on its own thread until the new child exits."""
         name = old.name
@@ -309,7 +308,7 @@ class LocalCluster:
             return
         self._write_processes()
         print(f"{name} is back (pid {child.pid}) on {child.address}", flush=True)
-        restarting.discard(name)
+        self._restarting.discard(name)
         # The kernel's parent-death signal (PR_SET_PDEATHSIG) follows the thread that started
         # a child, not the process: this thread lives as long as its child.
         child.process.wait()

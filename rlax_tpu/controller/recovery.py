@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.snapshots import Snapshot, SnapshotError, SnapshotStore
+from rlax_tpu.param_server.client import VersionsMissingError
 from rlax_tpu.rpc.client import is_unreachable, retry_unreachable
 
 _log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class Recovery:
         restore: Callable[[Mapping[str, Any], Mapping[str, Any]], None],
         worker_versions: Callable[[], Sequence[int]],
         wait_s: float = 300.0,
+        stop: threading.Event | None = None,
     ) -> None:
         self.schedule = schedule
         self.snapshots = snapshots
@@ -53,7 +56,8 @@ class Recovery:
         self._capture_main, self._capture_step = capture_main, capture_step
         self._restore = restore
         self._worker_versions = worker_versions
-        self.wait_s = wait_s  # for a trainer that does not answer during the restore
+        # For a trainer that does not answer during the restore; `stop`: the run stops.
+        self.wait_s, self.stop = wait_s, stop
         self._main_at: dict[int, dict[str, Any]] = {}
         self._step_at: dict[int, dict[str, Any]] = {}
         # The checkpoint whose versions were last found on the server's storage: snapshots
@@ -90,6 +94,7 @@ class Recovery:
                     wait_s=self.wait_s,
                     what="the trainer",
                     on_retry=_log.warning,
+                    stop=self.stop,
                 )
             except Exception as e:  # noqa: BLE001 - the checkpoint is gone or broken
                 if is_unreachable(e):
@@ -178,9 +183,7 @@ class Recovery:
         oldest = self.schedule.oldest_needed(checkpoint)
         if checkpoint != self._persisted_for:  # a new checkpoint: new versions to check
             final = self.schedule.num_steps
-            self.param_server.wait_persisted(
-                self.schedule.policy.published(oldest, checkpoint, final)
-            )
+            self._wait_persisted(self.schedule.policy.published(oldest, checkpoint, final))
             self._persisted_for = checkpoint
         self.snapshots.write(snapshot)
         # Then the server may delete what no consumer needs (memory and persisted copies).
@@ -188,6 +191,18 @@ class Recovery:
         for old in [b for b in self._main_at if b < checkpoint]:
             del self._main_at[old]
             self._step_at.pop(old, None)
+
+    def _wait_persisted(self, versions: Sequence[int]) -> None:
+        """Until the parameter server has `versions` on storage. One it lost (it restarted
+        before the version was on storage) the trainer publishes again if it holds it;
+        any other refusal stops the run, and the resume uses an earlier snapshot."""
+        try:
+            self.param_server.wait_persisted(versions)
+        except VersionsMissingError as e:
+            for version in e.missing:
+                _log.warning("the parameter server lost version %d: publishing it again", version)
+                self.trainer.republish(version)
+            self.param_server.wait_persisted(versions)
 
     def _collect(self, oldest: int) -> None:
         try:

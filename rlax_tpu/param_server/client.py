@@ -109,6 +109,15 @@ class ParamServerCallError(RpcCallError, ParamServerError):
     `code` its gRPC status."""
 
 
+class VersionsMissingError(ParamServerCallError):
+    """`wait_persisted`: a replica does not hold `missing` (NOT_FOUND): a server that restarted
+    lost what was not on storage yet."""
+
+    def __init__(self, message: str, missing: Sequence[int]) -> None:
+        super().__init__(message, code=grpc.StatusCode.NOT_FOUND)
+        self.missing = list(missing)
+
+
 def _raise_from(e: grpc.RpcError, what: str) -> ParamServerCallError:
     return ParamServerCallError.from_rpc(e, what)
 
@@ -130,10 +139,12 @@ class ParamServerClient:
         timeout_s: float = 600.0,
         reconnect_s: float = 0.0,
         on_retry: Callable[[str], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         """`reconnect_s`: how long each call waits for a replica that does not answer (down
         or restarting: it recovers its committed versions from storage) before it fails;
-        every call is idempotent, so it is simply made again. 0: fail at once."""
+        every call is idempotent, so it is simply made again. 0: fail at once. `stop` set
+        (the caller is stopping) ends such a wait at once."""
         if not addresses:
             raise ValueError("ParamServerClient needs at least one replica address")
         self.plan = plan or ReplicaPlan(num_replicas=len(addresses))
@@ -145,7 +156,7 @@ class ParamServerClient:
         self.addresses = list(addresses)
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.reconnect_s, self._on_retry = reconnect_s, on_retry
+        self.reconnect_s, self._on_retry, self._stop = reconnect_s, on_retry, stop
         self._channels = [make_channel(a, auth_token=auth_token) for a in addresses]
         self._stubs = [pb_grpc.ParamServerStub(c) for c in self._channels]
         # The messages carrying bytes are serialized and parsed by hand, without copying
@@ -535,7 +546,8 @@ class ParamServerClient:
         """Return once every replica has `versions` on storage (a publish returns when the
         memory copy is complete; the persistent copy follows). Servers without storage
         have nothing to wait for. Raises ParamServerCallError naming the versions that a
-        replica does not hold or did not persist within `timeout_s`, and why."""
+        replica does not hold (VersionsMissingError, with `.missing`) or did not persist
+        within `timeout_s`, and why."""
         versions = sorted(set(int(v) for v in versions))
         if not versions:
             return
@@ -554,10 +566,10 @@ class ParamServerClient:
                     problems.append(f"versions {late} are not on storage after {timeout_s:g} s")
                 if reply.persist_error:
                     problems.append(reply.persist_error)
-                raise ParamServerCallError(
-                    f"parameter server {self.addresses[replica]}: " + "; ".join(problems),
-                    code=grpc.StatusCode.UNAVAILABLE,
-                )
+                message = f"parameter server {self.addresses[replica]}: " + "; ".join(problems)
+                if missing:
+                    raise VersionsMissingError(message, missing)
+                raise ParamServerCallError(message, code=grpc.StatusCode.UNAVAILABLE)
 
     def _call(self, replica: int, method: str, request: Any, timeout_s: float = 0.0) -> Any:
         """`method` on `replica`; `timeout_s` is time the server may take beyond the usual
@@ -579,4 +591,5 @@ class ParamServerClient:
             wait_s=self.reconnect_s,
             what=f"the parameter server ({what})",
             on_retry=self._on_retry,
+            stop=self._stop,
         )

@@ -10,6 +10,7 @@ an answer (the component ran and said no), and is never retried here. Calls are 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Self, TypeVar
@@ -60,22 +61,29 @@ def retry_unreachable(
     wait_s: float,
     what: str,
     on_retry: Callable[[str], None] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    stop: threading.Event | None = None,
 ) -> T:
     """`call()`, called again while it fails as unreachable, for up to `wait_s` seconds in
     all (backoff 0.2 s doubling to 5 s); then ComponentUnreachableError naming `what` and
     the last error. `on_retry(message)` hears of the first failure (once per outage). Any
-    other error is raised at once. `wait_s` = 0: one attempt, its error as it is."""
-    start = clock()
+    other error is raised at once. `wait_s` = 0: one attempt, its error as it is. Once
+    `stop` is set (the run is stopping: nobody will bring the component back), the wait
+    ends at once with ComponentUnreachableError."""
+    start = time.monotonic()
     delay, told = 0.2, False
+    stop = stop or threading.Event()
     while True:
         try:
             return call()
         except (RpcCallError, grpc.RpcError) as e:
             if not is_unreachable(e) or wait_s <= 0:
                 raise
-            waited = clock() - start
+            waited = time.monotonic() - start
+            if stop.is_set():
+                raise ComponentUnreachableError(
+                    f"{what} does not answer and the run is stopping; last error: {e}",
+                    grpc.StatusCode.UNAVAILABLE,
+                ) from None
             if waited >= wait_s:
                 raise ComponentUnreachableError(
                     f"{what} has not answered for {waited:.0f}s (the wait for a restarted "
@@ -85,7 +93,7 @@ def retry_unreachable(
             if on_retry is not None and not told:
                 on_retry(f"{what} does not answer ({e}); waiting up to {wait_s:g}s for it")
                 told = True
-            sleep(min(delay, max(wait_s - waited, 0.0)))
+            stop.wait(min(delay, max(wait_s - waited, 0.0)))
             delay = min(delay * 2, 5.0)
 
 

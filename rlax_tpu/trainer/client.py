@@ -62,6 +62,12 @@ class TrainerClient(ComponentClient):
         request = pb.RestoreRequest() if step is None else pb.RestoreRequest(step=step)
         return self._call("Restore", request, f"Restore({step})").step
 
+    def republish(self, version: int) -> int:
+        """Publish `version`, the one the trainer holds, again (a restarted parameter server
+        lost it); FAILED_PRECONDITION for any other version."""
+        request = pb.RepublishRequest(version=version)
+        return self._call("Republish", request, f"Republish({version})").version
+
     def warm_start_step(self) -> int:
         """The SFT warm start's next step (== controller.sft_steps once version 0 exists)."""
         return int(self.status().details.get("warm_start_step", "0"))

@@ -119,6 +119,10 @@ class LeaderTrainer:
         self._send("restore", step=step)
         return self._trainer.restore(step)
 
+    def republish(self, version: int) -> None:
+        self._send("republish", version=version)
+        self._trainer.republish(version)
+
     def stop_followers(self) -> None:
         self._send("stop")
 
@@ -168,6 +172,8 @@ def follow(trainer: Any) -> None:
                 trainer.save(wait=command["wait"])
             elif op == "restore":
                 trainer.restore(command["step"])
+            elif op == "republish":
+                trainer.republish(command["version"])
             else:
                 raise ValueError(f"unknown command {op!r} from the leader")
         except refused as e:

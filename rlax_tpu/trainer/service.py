@@ -158,6 +158,17 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             _abort(context, e)
         return pb.RestoreReply(step=step)
 
+    def Republish(
+        self, request: pb.RepublishRequest, context: grpc.ServicerContext
+    ) -> pb.RepublishReply:
+        try:
+            check_step(request.version)
+            with self.lock:
+                self.trainer.republish(request.version)
+        except Exception as e:
+            _abort(context, e)
+        return pb.RepublishReply(version=request.version)
+
 
 def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     """End the call with `error`'s status; unexpected errors say what they were (INTERNAL)."""

@@ -273,6 +273,20 @@ class Trainer:
                 "already present" if receipt.already_present else f"{receipt.bytes_sent} bytes",
             )
 
+    def republish(self, version: int) -> None:
+        """Publish `version` again: the one this trainer holds, which a restarted parameter
+        server lost (committed, not yet on storage). Already held there: nothing is sent.
+        OutOfOrderStepError for any other version (an older one can only come back from its
+        checkpoint: a resume)."""
+        self._require_state()
+        if version != self.step or self.warm_start_step < self.warm_start_steps:
+            raise OutOfOrderStepError(
+                f"asked to publish version {version} again, but this trainer holds version "
+                f"{self.step}{'' if version != self.step else ' of an unfinished warm start'}; "
+                "an older version comes back only by resuming from a checkpoint"
+            )
+        self._publish(version)
+
     def _published_params(self) -> Any:
         """The params as inference workers serve them: the master params cast to
         `model.publish_dtype` on device, each array sharded as its master (the client reads
