@@ -19,123 +19,42 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_job import (
+    ELASTIC_FAILPOINTS,
+    FULL_RESTART_FAILPOINTS,
+    STEPS,
+    Disturbed,
+    Job,
+    Kill,
+    Schedule,
+    alive,
+    chaos_schedule,
+    consumed_steps,
+    e2e_config,
+    run_disturbed,
+    summary,
+    wait_gone,
+    write_data,
+)
 from processes import ProcessGroup
-from tiny_job import tiny_job_config, write_config
+from tiny_job import write_config
 
 from rlax_tpu.config import (
     AlgorithmConfig,
-    ControllerConfig,
-    DatasetConfig,
-    RunConfig,
     StalenessConfig,
     StorageConfig,
 )
 from rlax_tpu.controller.snapshots import RolloutLog, SnapshotStore, snapshot_name
 from rlax_tpu.staleness import StalenessPolicy
-from rlax_tpu.verifiers.tasks import arithmetic_problems
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8
-
-
-def e2e_config(
-    run_dir: Path, data: Path, *, workers: int = 1, restarts: int = 3, **staleness
-) -> RunConfig:
-    return tiny_job_config(
-        "e2e",
-        run_dir,
-        seed=3,
-        staleness=StalenessConfig(**staleness),
-        inference={"num_workers": workers, "gpu_memory_fraction": 0.2},
-        trainer={"learning_rate": 1e-3, "checkpoint_every": 2},
-        controller=ControllerConfig(
-            num_steps=STEPS,
-            prompts_per_batch=2,
-            samples_per_prompt=4,
-            datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
-            dynamic_sampling=True,
-            dynamic_sampling_max_rounds=2,
-            sft_steps=40,
-            sft_learning_rate=3e-3,
-            keep_snapshots=10,
-            component_restarts=restarts,
-        ),
-    )
-
-
-class Job:
-    """`rlax-tpu run CONFIG` (or `resume`) as a child process; every process it started is
-    killed at `cleanup` if still alive (they are found in the run's logs/processes.json)."""
-
-    def __init__(self, args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.run_dir = run_dir
-        self.log = open(run_dir.parent / f"{run_dir.name}.job.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-        env.pop("XLA_FLAGS", None)  # the job sets its own device count (cpu_devices)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "rlax_tpu", *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=env,
-        )
-
-    def children(self) -> dict[str, int]:
-        path = self.run_dir / "logs" / "processes.json"
-        if not path.exists():
-            return {}
-        return {name: entry["pid"] for name, entry in json.loads(path.read_text()).items()}
-
-    def wait(self, timeout_s: float = 400) -> int:
-        try:
-            return self.process.wait(timeout_s)
-        finally:
-            self.log.flush()
-
-    def output(self) -> str:
-        return (self.run_dir.parent / f"{self.run_dir.name}.job.log").read_text(errors="replace")
-
-    def cleanup(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        wait_gone(self.children().values(), kill_after_s=30)
-        self.log.close()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
-
-
-def wait_gone(pids, kill_after_s: float) -> None:
-    deadline = time.monotonic() + kill_after_s
-    for pid in pids:
-        while alive(pid):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-
-
-def consumed_steps(run_dir: Path) -> int:
-    directory = run_dir / "consumed"
-    return len(list(directory.glob("batch_*.json"))) if directory.exists() else 0
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     data = root / "sums.jsonl"
-    rows = arithmetic_problems(11, 64, max_operand=4, ops=("+",))
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_data(data)
     return root, data
 
 
@@ -147,6 +66,7 @@ def start_run(
     replay: bool = False,
     workers: int = 1,
     restarts: int = 3,
+    env: dict[str, str] | None = None,
     **staleness,
 ) -> Job:
     root, data = workspace
@@ -172,7 +92,7 @@ def start_run(
         for part in ("checkpoints_warm_start", "tokenizer"):
             shutil.copytree(warm_from / part, run_dir / part)
     path = write_config(config, root / f"{name}.json")
-    return Job(["run", str(path)], run_dir)
+    return Job(["run", str(path)], run_dir, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +129,12 @@ def test_an_off_policy_run_trains_every_batch_once_within_the_staleness_bound(re
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert any(m["reward_mean"] > 0 for m in metrics)
     assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
-    assert SnapshotStore(str(reference), keep=10).steps() == [0, 2, 4, 6, 8]
+    snapshots = SnapshotStore(str(reference), keep=10)
+    assert snapshots.steps() == [0, 2, 4, 6, 8]
+    # The final snapshot resumes from the last step's own checkpoint, which exists (it once
+    # named checkpoint 9 of an 8-step run, and a resume fell back and retrained).
+    assert snapshots.read(STEPS).checkpoint_step == STEPS
+    assert (reference / "checkpoints" / str(STEPS) / "commit_success.txt").exists()
     # Only what a worker may load (multiples of η) and the final version were ever
     # persisted, and the parameter server garbage-collected, on disk too, what neither a
     # resume from the last snapshot nor the worker (which last loaded batch 7's version)
@@ -242,22 +167,31 @@ def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
     ],
 )
 def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, victim):
+    """Killed after 3 steps, then resumed. The first resume's trainer dies as it starts to
+    restore the checkpoint (a failpoint): that resume stops saying the trainer did not
+    answer and the run directory is intact, never that the snapshots are unusable, and the
+    next resume finishes with the uninterrupted run's weights."""
+    root, _ = workspace
+    name = f"killed_{victim}"
     # No restarts: a lost worker stops the run as a lost trainer does (then resumed).
-    job = start_run(workspace, f"killed_{victim}", warm_from=reference, restarts=0)
-    try:
-        kill_mid_run(job, victim)
-    finally:
-        job.cleanup()
-
-    resumed = Job(["resume", str(job.run_dir)], job.run_dir)
-    try:
-        assert resumed.wait() == 0, resumed.output()[-5000:]
-    finally:
-        resumed.cleanup()
-    result = summary(job.run_dir)
+    schedule = Schedule(kills=(Kill(victim, 3),), failpoints=("trainer.restore@*",))
+    disturbed = run_disturbed(
+        lambda env: start_run(workspace, name, warm_from=reference, restarts=0, env=env),
+        schedule,
+        failpoint_dir=root / f"{name}.failpoints",
+    )
+    report = disturbed.report()
+    assert [i.returncode == 0 for i in disturbed.incarnations] == [False, False, True], report
+    assert not disturbed.missed and disturbed.incarnations[1].fired, report
+    assert all(not i.leftovers for i in disturbed.incarnations), report
+    output = (root / f"{name}.job.log").read_text(errors="replace")
+    assert "start the trainer again, then `rlax-tpu resume`" in output
+    assert "is usable" not in output and "start a new run directory" not in output
+    run_dir = root / name
+    result = summary(run_dir)
     assert 0 < result["start_step"] < STEPS  # it resumed rather than starting over
     assert result["final_digest"] == summary(reference)["final_digest"]
-    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+    assert RolloutLog(str(run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
 def kill_mid_run(
@@ -287,13 +221,14 @@ def kill_mid_run(
 
 
 # Elastic recovery: a lost worker (one of two), verifier or parameter server is started again
-# by the launcher while the run goes on. Killing a worker is the default-suite case: it dies
-# as the components come up, so its share of the first batch certainly moves to the other
-# worker (8 steps on two workers can end before a restarted one is back).
+# by the launcher while the run goes on. The worker dies as the components come up, so its
+# share of the first batch certainly moves to the other worker (8 steps on two workers can
+# end before a restarted one is back). All -m slow: the default suite's chaos test
+# (test_chaos_short_…) kills each of them in one run.
 @pytest.mark.parametrize(
     ("victim", "workers", "after_steps"),
     [
-        ("inference_worker-1", 2, 0),
+        pytest.param("inference_worker-1", 2, 0, marks=pytest.mark.slow),
         pytest.param("verifier-0", 1, 3, marks=pytest.mark.slow),
         pytest.param("param_server-0", 1, 3, marks=pytest.mark.slow),
     ],
@@ -318,6 +253,78 @@ def test_a_lost_component_costs_a_restart_of_it_alone_and_the_same_weights(
         assert f"{victim} is back" in output
     assert result["final_digest"] == summary(reference)["final_digest"]
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+# -- chaos: components killed at random moments and inside narrow windows ---------------
+CHAOS_WORKERS = 2
+# Steps and versions where snapshots, checkpoints and publishes happen (η=2, every 2 steps).
+CHAOS_KEYS = (2, 4, 6)
+
+
+def run_chaos(workspace, reference, name: str, schedule: Schedule) -> tuple[Disturbed, Path]:
+    root, _ = workspace
+    disturbed = run_disturbed(
+        lambda env: start_run(workspace, name, warm_from=reference, workers=CHAOS_WORKERS, env=env),
+        schedule,
+        failpoint_dir=root / f"{name}.failpoints",
+    )
+    print(f"\n{name}: {schedule}\n{disturbed.report()}")
+    return disturbed, root / name
+
+
+def assert_survived(disturbed: Disturbed, run_dir: Path, reference: Path, schedule) -> None:
+    """The run finished with the undisturbed run's weights and consumed rollouts (none
+    trained twice or lost), left no process behind, and restarted only where a trainer or
+    controller died; every failpoint fired."""
+    report = disturbed.report()
+    incarnations = disturbed.incarnations
+    assert incarnations[-1].returncode == 0, report
+    for inc in incarnations:
+        assert not inc.leftovers, report
+        # A job stops only when a trainer or controller died in it; elastic kills never.
+        assert (inc.returncode != 0) <= (inc.full_restart_kills > 0), report
+    assert disturbed.restarts <= sum(i.full_restart_kills for i in incarnations), report
+    fired = sorted(f for inc in incarnations for f in inc.fired)
+    assert fired == sorted(schedule.failpoints), report
+    assert all(not alive(pid) for pid in disturbed.pids), report
+    assert summary(run_dir)["final_digest"] == summary(reference)["final_digest"], report
+    assert RolloutLog(str(run_dir)).consumed() == RolloutLog(str(reference)).consumed(), report
+
+
+def test_chaos_short_every_elastic_kill_at_once_costs_no_restart(workspace, reference):
+    """The default suite's chaos run: a worker, then the verifier and the parameter server
+    killed 0.1 s apart, and the parameter server killed again inside the window between a
+    version's commit in memory and its manifest on storage. The run never restarts."""
+    schedule = Schedule(
+        kills=(
+            Kill("inference_worker-1", 1, 0.3),
+            Kill("verifier-0", 2, 0.0),
+            Kill("param_server-0", 2, 0.1),
+        ),
+        failpoints=("param_server.persist@4",),
+    )
+    disturbed, run_dir = run_chaos(workspace, reference, "chaos_short", schedule)
+    assert_survived(disturbed, run_dir, reference, schedule)
+    assert disturbed.restarts == 0 and not disturbed.missed, disturbed.report()
+
+
+# ~2-3 min each; `-m slow`. The schedule draws every component kind (elastic kills at random
+# moments, two close together, a trainer or controller kill) and two failpoints, one of
+# each list in turn by seed: over seeds 0-4 every failpoint fires.
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
+def test_chaos_seeded_kills_of_every_component_end_with_the_same_weights(
+    workspace, reference, seed
+):
+    schedule = chaos_schedule(seed, steps=STEPS, workers=CHAOS_WORKERS, keys=CHAOS_KEYS)
+    kinds = {k.victim.rsplit("-", 1)[0] for k in schedule.kills}
+    assert {"inference_worker", "verifier", "param_server"} <= kinds
+    assert kinds & {"trainer", "controller"}
+    names = [f.split("@")[0] for f in schedule.failpoints]
+    assert names[0] in FULL_RESTART_FAILPOINTS and names[1] in ELASTIC_FAILPOINTS
+    disturbed, run_dir = run_chaos(workspace, reference, f"chaos_{seed}", schedule)
+    assert_survived(disturbed, run_dir, reference, schedule)
+    assert disturbed.restarts >= 1  # the trainer or controller kill, or the failpoint
 
 
 @pytest.mark.slow  # ~40 s: the default suite runs close to its 20-minute budget

@@ -362,3 +362,67 @@ def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(
     finally:
         pool.stop()
     assert asked == [3, 2]
+
+
+def test_a_worker_restarted_between_two_jobs_loads_its_version_again(tmp_path):
+    """The pool believes worker 0 holds version 2 (it loaded it for the last job), but the
+    worker was restarted meanwhile, unseen (no call failed): its Generate is refused
+    (FAILED_PRECONDITION, no weights). The pool loads the version again and generates; it
+    does not stop the run. A worker that refuses again after the reload does."""
+    import grpc
+
+    from rlax_tpu.controller.generation import GenerationPool
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.inference.client import InferenceCallError
+    from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
+
+    class Worker:  # the worker's answers, as its client returns them
+        address = "worker"
+
+        def __init__(self):
+            self.held, self.loads, self.forgets = -1, [], False
+
+        def load(self, version):
+            self.loads.append(version)
+            self.held = version
+            return LoadResult(version=version, already_loaded=False, aborted=())
+
+        def generate(self, requests, version):
+            if self.forgets:
+                self.held = -1
+            if self.held != version:
+                raise InferenceCallError(
+                    "the worker holds no weights yet: Load a version before Generate",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
+            for r in requests:
+                yield Rollout(
+                    r.request_id, r.prompt_id, r.sample_index, version, (1,), (2,), (0.0,), "stop"
+                )
+
+    worker, heard = Worker(), []
+    pool = GenerationPool(
+        [worker],
+        RolloutLog(str(tmp_path)),
+        samples=1,
+        sampling=SamplingParams(),
+        counters={},
+        report=heard.append,
+    )
+    pool.start()
+
+    def request(n: int) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=f"p{n}/s0/v2", prompt_id=f"p{n}", sample_index=0, prompt_tokens=(1,)
+        )
+
+    try:
+        assert list(pool.generate([request(0)], version=2)) == ["p0/s0/v2"]
+        worker.held = -1  # restarted: a fresh process holds nothing
+        assert list(pool.generate([request(1)], version=2)) == ["p1/s0/v2"]
+        assert worker.loads == [2, 2] and "lost its weights" in heard[-1]
+        worker.forgets = True  # refuses whatever was loaded: a real fault
+        with pytest.raises(ControllerError, match="holds no weights"):
+            pool.generate([request(2)], version=2)
+    finally:
+        pool.stop()

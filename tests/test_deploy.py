@@ -82,6 +82,29 @@ def shipped(request):
     return load_config(str(path)), rendered(path)
 
 
+def assert_restarts(name: str, job: dict, config) -> None:
+    """What restarts what (docs/deploy.md): a failed trainer pod fails its Job, and JobSet
+    restarts the run; every other component's pod is replaced alone by its Job, free when
+    preempted, counted when it crashed; a refusal (exit 2), or the controller giving up
+    (exit 1), fails the Job at once."""
+    [container] = job["template"]["spec"]["containers"]
+    stopped = [a for a in container["args"] if a.startswith("--stopped-exit-code")]
+    if name == "trainer":
+        assert job["backoffLimit"] == 0 and "podFailurePolicy" not in job and not stopped
+        return
+    # A server stopped by SIGTERM must fail its pod (so its Job replaces it), never succeed.
+    assert stopped == ([] if name == "controller" else ["--stopped-exit-code=143"])
+    assert job["backoffLimit"] == config.controller.component_restarts > 0
+    preempted, fatal = job["podFailurePolicy"]["rules"]
+    assert preempted == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert fatal["action"] == "FailJob"
+    assert fatal["onExitCodes"]["containerName"] == container["name"] == name
+    assert fatal["onExitCodes"]["operator"] == "In"
+    assert fatal["onExitCodes"]["values"] == ([1, 2] if name == "controller" else [2])
+    # podFailurePolicy needs restartPolicy Never: a replacement is a new pod, same index.
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
 def test_every_shipped_tpu_config_renders_the_five_components(shipped):
     config, objects = shipped
     assert [o["kind"] for o in objects] == ["ConfigMap", *["Service"] * 4, "JobSet"]
@@ -99,7 +122,8 @@ def test_every_shipped_tpu_config_renders_the_five_components(shipped):
     for name, rj in jobs.items():
         job = rj["template"]["spec"]
         assert job["parallelism"] == job["completions"] >= 1
-        assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
+        assert job["completionMode"] == "Indexed"
+        assert_restarts(name, job, config)
         pod = pod_spec(rj)
         assert pod["restartPolicy"] == "Never"
         assert (
@@ -133,6 +157,37 @@ def test_every_shipped_tpu_config_renders_the_five_components(shipped):
     for cpu_job in ("controller", "param-server", "verifier"):
         resources = container_of(jobs[cpu_job])["resources"]
         assert set(resources["requests"]) == {"cpu", "memory"}
+
+
+def kubernetes_round_trip(obj: dict, model: str) -> dict:
+    """`obj` read into the Kubernetes client's model of `model` (batch/v1, core/v1) and
+    written back: a field name the API does not know is dropped on the way."""
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    return api.sanitize_for_serialization(api.deserialize(json.dumps(obj), model, None))
+
+
+def test_the_manifests_use_only_fields_the_kubernetes_api_knows(shipped):
+    """JobSet's replicated jobs embed batch/v1 Job templates; those, the Services and the
+    ConfigMap must survive a trip through the Kubernetes API's models unchanged (a misspelt
+    `podFailurePolicy` field would be dropped by the API server, silently)."""
+    _, objects = shipped
+    for obj in objects[:-1]:
+        assert kubernetes_round_trip(obj, f"V1{obj['kind']}") == obj
+    templates = {}
+    for name, rj in jobs_of(by_kind(objects, "JobSet")[0]).items():
+        template = templates[name] = json.loads(json.dumps(rj["template"]))
+        # A quantity may be a number in YAML (the API server takes `google.com/tpu: 4`);
+        # the client's model takes only its string form.
+        resources = template["spec"]["template"]["spec"]["containers"][0]["resources"]
+        for quantities in resources.values():
+            quantities.update({k: str(v) for k, v in quantities.items()})
+        assert kubernetes_round_trip(template, "V1JobTemplateSpec") == template
+    misspelt = templates["inference"]
+    rule = misspelt["spec"]["podFailurePolicy"]["rules"][0]
+    rule["onPodCondition"] = rule.pop("onPodConditions")
+    assert kubernetes_round_trip(misspelt, "V1JobTemplateSpec") != misspelt
 
 
 def test_tpu_hosts_times_chips_per_host_is_the_mesh_size(shipped):
@@ -404,9 +459,10 @@ def test_xmanager_dry_run_builds_the_same_jobs_without_network(tmp_path, entry):
         assert spec["secret_env"] == ["RLAX_TPU_AUTH_TOKEN"]
         assert "RLAX_TPU_AUTH_TOKEN" not in spec["env"]
         assert spec["image"] == config.deploy.image
-    # The same processes as on GKE: the args differ only in the config and the addresses.
+    # The same processes as on GKE: the args differ only in the config and the addresses
+    # (and in the exit code of a stopped server that GKE replaces alone).
     gke = jobs_of(by_kind(rendered(config_path, "storage.run_dir=gs://bucket/runs/x"), "JobSet")[0])
-    strip = {rel, overrides[0], "/etc/rlax-tpu/config.json"}
+    strip = {rel, overrides[0], "/etc/rlax-tpu/config.json", "--stopped-exit-code=143"}
 
     def shape(args):
         return [a.split("=")[0] for a in args if a not in strip and not a.startswith("--replica")]
@@ -531,6 +587,44 @@ def test_the_watchdog_fails_the_run_when_a_component_stops_answering(health_serv
     finally:
         watchdog.close()
         probe.close()
+
+
+def test_the_watchdog_waits_for_a_lost_worker_and_says_when_it_is_back(health_server):
+    """Only the trainer's loss stops a connected controller: a worker whose pod is being
+    replaced is reported when it stops answering and again when its replacement answers."""
+    from rlax_tpu.rpc import HealthServicer, format_address, make_server
+
+    _, trainer = health_server
+
+    def worker(port: int):
+        server, port = make_server("127.0.0.1", port, auth_token="t0ken")
+        HealthServicer(lambda: {"component": "inference", "instance_id": "w"}).add_to_server(server)
+        server.start()
+        return server, port
+
+    server, port = worker(0)
+    address = format_address("127.0.0.1", port)
+    named = {"trainer": trainer, "inference_worker-0": address}
+    probe = HealthProbe(named, auth_token="t0ken", timeout_s=1)
+    lines: list[str] = []
+    watchdog = Watchdog(probe, interval_s=0.05, misses=2, report=lines.append).start()
+    try:
+        server.stop(0).wait()
+        deadline = time.monotonic() + 10
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lines and lines[0].startswith(f"inference_worker-0 ({address}) stopped answering")
+        time.sleep(0.5)  # many more missed polls: still not a failure
+        assert not watchdog.failed.is_set() and len(lines) == 1
+        server, _ = worker(port)  # the replacement, at the same address
+        while len(lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lines[1:] == ["inference_worker-0 answers again"]
+        assert not watchdog.failed.is_set()
+    finally:
+        watchdog.close()
+        probe.close()
+        server.stop(0).wait()
 
 
 @pytest.mark.slow

@@ -134,3 +134,57 @@ def test_local_cluster_refuses_overlapping_shares_before_starting_anything(tmp_p
             config=config,
         )
     assert _RecordedChild.started == []
+
+
+def test_a_child_whose_launcher_died_before_it_started_exits_at_once():
+    """PR_SET_PDEATHSIG is set by the child itself, so a launcher that dies in between
+    sends no signal: the child compares its parent with the pid the launcher gave it."""
+    import os
+    import subprocess
+    import sys
+
+    from rlax_tpu.rpc.process import CHILD_LAUNCHER, PARENT_PID_ENV
+
+    def launch(parent: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, PARENT_PID_ENV: str(parent)}
+        return subprocess.run(
+            [sys.executable, "-c", CHILD_LAUNCHER, "--help"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    orphan = launch(parent=os.getpid() + 10**6)  # not its parent: the launcher is gone
+    assert orphan.returncode == 1 and "the launcher died" in orphan.stderr
+    ours = launch(parent=os.getpid())
+    assert ours.returncode == 0 and "usage: rlax-tpu" in ours.stdout
+
+
+STOP_WAITER = """
+import os, signal
+from rlax_tpu.rpc.process import stop_on_signals
+stop = stop_on_signals()
+handler = signal.getsignal(signal.SIGTERM)
+# A SIGTERM that arrives while the main thread holds the event's lock (inside Event.wait, or
+# inside the set of an earlier signal) runs the handler right there.
+with stop._cond:
+    handler(signal.SIGTERM, None)
+print("handled", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("stopped" if stop.wait(30) else "not stopped", flush=True)
+"""
+
+
+def test_a_stop_signal_that_arrives_while_the_stop_event_is_locked_still_stops():
+    """A SIGTERM handler that sets the stop event itself can run while the main thread holds
+    that event's lock: the process then hangs forever and outlives its run (a verifier did,
+    its stack four handlers deep in Event.set). The handler must take no lock; the event is
+    still set, by the signal's own thread."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_WAITER], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["handled", "stopped"], done.stderr

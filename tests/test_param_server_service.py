@@ -393,3 +393,16 @@ def test_flags_override_the_config_and_storage_defaults_to_the_run_dir():
     ):
         with pytest.raises(ConfigError, match=field):
             options_from_args(parse(["serve", "param-server", "--storage", "x", *bad]))
+
+
+def test_a_stopped_server_exits_with_the_code_it_was_given():
+    """`--stopped-exit-code`: what GKE's replaceable servers exit with after SIGTERM, so a
+    stopped server is a failed pod (replaced), not a completed one."""
+    group = ProcessGroup()
+    try:
+        stopped = group.start_param_server(None, token=TOKEN, args=["--stopped-exit-code=143"])
+        assert stopped.stop(timeout_s=60) == 143
+        default = group.start_param_server(None, token=TOKEN)
+        assert default.stop(timeout_s=60) == 0
+    finally:
+        group.stop_all()

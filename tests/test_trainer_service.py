@@ -5,6 +5,8 @@ step, and a SIGKILLed trainer resumes from its checkpoint. The chunked stream a 
 in, and its limits, are tested in test_trainer_stream.py."""
 
 import dataclasses
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -137,6 +139,9 @@ def test_repeating_a_done_step_returns_its_recorded_result(first_step, client, c
     assert (again.step, again.version, again.already_done) == (0, 1, True)
     assert again.metrics == first_step.metrics
     assert client.status().version == 1
+    other = call_error(client.train_step, 0, rollout_batch(config, 5))
+    assert other.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 0 is repeated with another batch" in str(other)
 
 
 def test_republish_sends_the_held_version_again_and_refuses_any_other(
@@ -279,5 +284,27 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(
         redone = client.train_step(2, rollout_batch(config, 2))
         assert (redone.version, redone.already_done) == (3, False)
         assert_same_training(redone.metrics, lost.metrics)
-    assert process.stop() == 0  # SIGTERM: save, then exit 0
-    assert "saved step 3" in process.stderr()
+        # Its parameter server dies: the next step's publish waits for it (for up to
+        # controller.component_wait_s) ...
+        param_server.kill()
+        failed: list[TrainerCallError] = []
+
+        def next_step():
+            with pytest.raises(TrainerCallError) as info:
+                client.train_step(3, rollout_batch(config, 3))
+            failed.append(info.value)
+
+        waiting = threading.Thread(target=next_step)
+        waiting.start()
+        deadline = time.monotonic() + 120
+        while "does not answer" not in process.stderr():
+            assert time.monotonic() < deadline, process.stderr()
+            time.sleep(0.1)
+        # ... but not once the trainer is told to stop: it saves (step 4) and exits at once.
+        t0 = time.monotonic()
+        assert process.stop(timeout_s=60) == 0, process.stderr()  # SIGTERM: save, exit 0
+        assert time.monotonic() - t0 < 30
+        waiting.join(60)
+        # The step it was in ends with the wait, naming what it waited for.
+        assert failed and "ComponentUnreachableError: the parameter server" in str(failed[0])
+    assert "saved step 4" in process.stderr()

@@ -21,8 +21,9 @@ from trainer_helpers import assert_trees_close, rollout_batch, run_config
 from rlax_tpu.config import AlgorithmConfig, MeshConfig
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.sharding import build_mesh
-from rlax_tpu.trainer import OutOfOrderStepError, Trainer
+from rlax_tpu.trainer import BatchMismatchError, OutOfOrderStepError, Trainer
 from rlax_tpu.trainer.checkpoints import COMMIT_MARKER, checksums
+from rlax_tpu.trainer.wire import batch_digest
 
 TOKEN = secrets.token_hex(8)
 FOUR_DEVICES = MeshConfig(data=1, fsdp=2, tensor=2)
@@ -57,10 +58,29 @@ def run(tmp_path_factory):
 def test_repeated_step_returns_the_recorded_result_and_trains_nothing(run):
     trainer, _, _, (first, _) = run
     before = jax.tree.map(np.asarray, trainer.params())
-    again = trainer.train_step(0, rollout_batch(7))
+    again = trainer.train_step(0, rollout_batch(0))
     assert again.already_done and again.metrics == first.metrics and again.version == 1
     assert trainer.step == 2
     assert_trees_close(trainer.params(), before, rtol=0, atol=0)
+
+
+def test_a_repeated_step_with_another_batch_is_refused(run, tmp_path):
+    """A repeat answered from the record must be the same batch: one that is not means the
+    controller's log or snapshot disagrees with what was trained, which a recorded answer
+    would hide. Also after a restore, from the checkpoint's records."""
+    trainer, _, _, (first, _) = run
+    with pytest.raises(BatchMismatchError, match="step 0 is repeated with another batch"):
+        trainer.train_step(0, rollout_batch(7))
+    assert trainer.step == 2
+    restored = Trainer(run_config(str(trainer.config.storage.run_dir), mini=4, checkpoint_every=1))
+    try:
+        assert restored.restore(2) == 2
+        with pytest.raises(BatchMismatchError, match="step 1 is repeated"):
+            restored.train_step(1, rollout_batch(7))
+        again = restored.train_step(1, rollout_batch(1))
+        assert again.already_done and again.batch_digest == batch_digest(rollout_batch(1))
+    finally:
+        restored.close()
 
 
 def test_step_out_of_order_is_rejected_naming_the_expected_step(run):
@@ -134,7 +154,7 @@ def test_restore_on_a_four_device_mesh_gives_the_same_values(run):
     leaf = jax.tree.leaves(restored.params())[0]
     assert len(leaf.sharding.device_set) == 4
     # The recorded results survive the restart: step 1 is still idempotent.
-    assert restored.train_step(1, None).metrics == run[3][1].metrics
+    assert restored.train_step(1, rollout_batch(1)).metrics == run[3][1].metrics
     restored.close()
 
 
@@ -298,7 +318,8 @@ def test_checkpoint_round_trip_on_a_file_url(file_run):
     restored = Trainer(trainer.config, mesh=_one_device_mesh())
     assert restored.initialize() == 4
     assert_trees_close(restored.params(), trainer.params(), rtol=0, atol=0)
-    assert restored.train_step(3, None).metrics == trainer.train_step(3, None).metrics
+    batch = rollout_batch(3)
+    assert restored.train_step(3, batch).metrics == trainer.train_step(3, batch).metrics
     restored.close()
 
 
@@ -323,5 +344,5 @@ def test_checkpoint_round_trip_on_gcs(gcs_bucket):
     assert restored.checkpoints.steps() == [2]
     assert_trees_close(restored.params(), trainer.params(), rtol=0, atol=0)
     assert_trees_close(restored._opt_state, trainer._opt_state, rtol=0, atol=0)
-    assert restored.train_step(0, None).metrics == first.metrics
+    assert restored.train_step(0, rollout_batch(0)).metrics == first.metrics
     restored.close()

@@ -216,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("run_dir", help="the run directory (local path or gs://)")
         elif name == "serve":
             p.add_argument("component", choices=COMPONENTS)
+            p.add_argument(
+                "--stopped-exit-code",
+                type=int,
+                default=0,
+                metavar="N",
+                help="exit with N after a stop by SIGTERM/SIGINT (default 0). The GKE pods of "
+                "replaceable components use 143, so that a stopped server is a failed pod, "
+                "which its Job replaces, not a completed one (docs/deploy.md)",
+            )
             _add_config_args(p, optional=True)
             _add_param_server_args(p)
             _add_inference_args(p)
@@ -353,22 +362,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.controller.job import resume
 
         return resume(args.run_dir)
-    if args.command == "serve" and args.component == "param-server":
-        from rlax_tpu.param_server.server import main as serve_param_server
-
-        return serve_param_server(args)
-    if args.command == "serve" and args.component == "inference":
-        from rlax_tpu.inference.server import main as serve_inference
-
-        return serve_inference(args)
-    if args.command == "serve" and args.component == "trainer":
-        from rlax_tpu.trainer.server import main as serve_trainer
-
-        return serve_trainer(args)
-    if args.command == "serve" and args.component == "verifier":
-        from rlax_tpu.verifiers.server import main as serve_verifier
-
-        return serve_verifier(args)
+    if args.command == "serve":
+        # A server returns 0 only once it was told to stop.
+        code = _serve(args)
+        return args.stopped_exit_code if code == 0 else code
     if args.command == "sft":
         from rlax_tpu.cli.sft_eval import sft_main
 
@@ -394,6 +391,24 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return bench(args)
     raise AssertionError(f"command {args.command!r} has no handler")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.component == "param-server":
+        from rlax_tpu.param_server.server import main as serve_param_server
+
+        return serve_param_server(args)
+    if args.component == "inference":
+        from rlax_tpu.inference.server import main as serve_inference
+
+        return serve_inference(args)
+    if args.component == "trainer":
+        from rlax_tpu.trainer.server import main as serve_trainer
+
+        return serve_trainer(args)
+    from rlax_tpu.verifiers.server import main as serve_verifier
+
+    return serve_verifier(args)
 
 
 def _deploy(args: argparse.Namespace) -> int:

@@ -755,6 +755,8 @@ class ControllerConfig(ConfigBase):
     # waits up to component_wait_s for it (or a replacement) to answer again before the run
     # stops (then `rlax-tpu resume`). The local launcher restarts such a process at most
     # component_restarts times (on its port); a lost trainer or controller stops the job.
+    # On GKE it is each crashed pod's backoffLimit (a preempted pod is replaced for free),
+    # the controller's included (docs/deploy.md, "What restarts what").
     component_wait_s: float = 300.0
     component_restarts: int = 3
 
@@ -901,7 +903,8 @@ class DeployConfig(ConfigBase):
     verifier_memory: str = "32Gi"
     # SIGTERM to SIGKILL: the trainer's last checkpoint and the controller's final snapshot.
     termination_grace_period_s: int = 300
-    # Restarts of the whole run after a failure or a preemption (JobSet failurePolicy).
+    # Restarts of the whole run (JobSet failurePolicy): after the trainer's loss, or a Job
+    # that gave up; other lost pods are replaced alone (controller.component_restarts).
     max_restarts: int = 20
 
     def validate(self) -> None:

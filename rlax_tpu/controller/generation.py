@@ -213,12 +213,27 @@ class GenerationPool:
 
     def _run(self, i: int, client: Any, job: _Job, done: set[str]) -> None:
         """Load the job's version if needed, generate, hand the finished rollouts over (their
-        ids into `done`), and requeue those a reload aborted."""
-        t0 = time.perf_counter()
-        if self.worker_versions[i] != job.version:
-            self.worker_versions[i] = client.load(job.version).version
+        ids into `done`), and requeue those a reload aborted. A worker that turns out not to
+        hold the version it last loaded (FAILED_PRECONDITION before any rollout: it was
+        restarted between two jobs, unseen) loads it again, once."""
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            if self.worker_versions[i] != job.version:
+                self.worker_versions[i] = client.load(job.version).version
+            job.timing["load_s"] += time.perf_counter() - t0
+            try:
+                self._generate(i, client, job, done)
+                return
+            except Exception as e:
+                lost_weights = getattr(e, "code", None) == grpc.StatusCode.FAILED_PRECONDITION
+                if not lost_weights or attempt or done:
+                    raise
+                self.report(f"inference worker {i} lost its weights ({e}): it loads them again")
+                with self._lock:
+                    self.worker_versions[i] = -1
+
+    def _generate(self, i: int, client: Any, job: _Job, done: set[str]) -> None:
         t_loaded = time.perf_counter()
-        job.timing["load_s"] += t_loaded - t0
         retry, finished = [], []
         try:
             for rollout in client.generate(job.requests, version=job.version):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -339,8 +338,9 @@ def run_connected(
     `addresses` (remote.ComponentAddresses) with the token of `param_server.auth_token_env`.
 
     It waits until every component answers, then runs like `run` (resuming from the run
-    directory's newest snapshot, if any). A component that stops answering stops the run
-    with ConnectError, so the cluster restarts it and the new controller resumes."""
+    directory's newest snapshot, if any). A trainer that stops answering stops the run
+    with ConnectError, so the cluster restarts it and the new controller resumes; the
+    other components are waited for (Watchdog)."""
     from rlax_tpu.controller.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
     from rlax_tpu.rpc import AuthTokenError, auth_token_from_env
 
@@ -395,9 +395,9 @@ def run_connected(
 def main(config: RunConfig, *, addresses: Any = None, ready_timeout_s: float = 1800.0) -> int:
     """`rlax-tpu run`: SIGTERM / Ctrl-C write a final snapshot and stop every component.
     With `addresses` (`--connect`) the components run elsewhere and are left running."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    from rlax_tpu.rpc.process import stop_on_signals
+
+    stop = stop_on_signals()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if addresses is None:
         summary = run(config, stop=stop)

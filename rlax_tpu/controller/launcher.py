@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlax_tpu.config import ConfigError, RunConfig, load_config
-from rlax_tpu.rpc.process import CHILD_LAUNCHER, PROGRESS_PREFIX
+from rlax_tpu.rpc.process import CHILD_LAUNCHER, PARENT_PID_ENV, PROGRESS_PREFIX
 
 # Components the launcher starts again when they die: passive, with nothing a restart loses
 # (the parameter server recovers its versions from storage).
@@ -100,7 +100,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=env,
+            env={**env, PARENT_PID_ENV: str(os.getpid())},
             text=True,
         )
         self.pid = self.process.pid

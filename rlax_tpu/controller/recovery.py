@@ -20,6 +20,7 @@ from typing import Any
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.snapshots import Snapshot, SnapshotError, SnapshotStore
+from rlax_tpu.failpoints import failpoint
 from rlax_tpu.param_server.client import VersionsMissingError
 from rlax_tpu.rpc.client import is_unreachable, retry_unreachable
 
@@ -185,6 +186,7 @@ class Recovery:
             final = self.schedule.num_steps
             self._wait_persisted(self.schedule.policy.published(oldest, checkpoint, final))
             self._persisted_for = checkpoint
+        failpoint("controller.snapshot", step)  # all ready, not yet written (chaos test)
         self.snapshots.write(snapshot)
         # Then the server may delete what no consumer needs (memory and persisted copies).
         self._housekeeping.submit(self._collect, oldest)

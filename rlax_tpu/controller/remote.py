@@ -3,8 +3,9 @@ they serve, and watching them while the controller drives them (`rlax-tpu run --
 
 The local launcher learns addresses from READY lines and watches its children's pids; for
 remote components the addresses come from flags or environment variables and liveness
-from their Health service. A component that stops answering stops the run, which then
-exits non-zero so the cluster restarts it and the controller resumes from its snapshot.
+from their Health service. A trainer that stops answering stops the run, which then exits
+non-zero so the cluster restarts it and the controller resumes from its snapshot; any other
+component is waited for while the cluster replaces its pod.
 """
 
 from __future__ import annotations
@@ -158,11 +159,24 @@ def wait_until_serving(
 
 
 class Watchdog:
-    """Polls every component's Health; one that misses `misses` polls in a row sets `failed`
-    (and `failure` says which), which stops the controller like a dead local child."""
+    """Polls every component's Health. The trainer missing `misses` polls in a row sets
+    `failed` (and `failure` says why), which stops the controller like a dead local child:
+    only a restart of the run restores a lost trainer. Any other component that stops
+    answering is reported, and reported again when it answers: the run waits for it where it
+    needs it (controller.component_wait_s; docs/controller.md, "Elastic recovery"), while
+    its pod is replaced."""
 
-    def __init__(self, probe: HealthProbe, *, interval_s: float = 20.0, misses: int = 3) -> None:
+    def __init__(
+        self,
+        probe: HealthProbe,
+        *,
+        interval_s: float = 20.0,
+        misses: int = 3,
+        essential: Sequence[str] = ("trainer",),
+        report: Callable[[str], None] = print,
+    ) -> None:
         self.probe, self.interval_s, self.misses = probe, interval_s, misses
+        self.essential, self.report = tuple(essential), report
         self.failed = threading.Event()
         self.failure: str | None = None
         self._closing = threading.Event()
@@ -179,16 +193,21 @@ class Watchdog:
                 failures = self.probe.failures()
             except ConnectError as e:
                 failures = {"auth": str(e)}
+            for name in sorted(set(missed) - set(failures)):
+                if missed[name] >= self.misses:
+                    self.report(f"{name} answers again")
             missed = {name: missed.get(name, 0) + 1 for name in failures}
             for name, count in missed.items():
-                if count >= self.misses:
-                    address = self.probe.addresses.get(name, "")
-                    self.failure = (
-                        f"{name} ({address}) stopped answering: {failures[name]} "
-                        f"({count} health checks in a row)"
-                    )
+                if count != self.misses:
+                    continue
+                address = self.probe.addresses.get(name, "")
+                why = f"{name} ({address}) stopped answering: {failures[name]} "
+                why += f"({count} health checks in a row)"
+                if name in self.essential or name == "auth":
+                    self.failure = why
                     self.failed.set()
                     return
+                self.report(f"{why}; the run goes on without it and waits for it where needed")
 
     def close(self) -> None:
         self._closing.set()

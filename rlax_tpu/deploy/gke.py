@@ -7,9 +7,17 @@ the processes' args and the multi-host coordinator address. The per-component Se
 name the ports (`grpc`, `coordinator`) and list a component's pods. The auth token comes
 from a Secret (`deploy.auth_secret`, key `token`) and is never written here.
 
-Any pod that fails fails its Job (backoffLimit 0) and JobSet restarts the whole run
-(`failurePolicy.maxRestarts`); the restarted controller resumes from the newest snapshot
-in the gs:// run directory. The run succeeds when the controller's job completes.
+What restarts what: a lost parameter-server, verifier or inference-worker pod, or the
+controller's, is replaced alone by its Job (same name, so same address): preempted pods
+(`DisruptionTarget`) without limit, crashed ones up to `controller.component_restarts`
+times. The others carry on: the controller waits for the lost component and reassigns its
+work, and a new controller reattaches to the live components (docs/controller.md,
+"Elastic recovery"). A trainer pod that fails fails the trainer's Job (a multi-host slice
+cannot lose one host), as does a controller that exits 1 or 2 (it stopped because the run
+cannot go on as it is: the trainer is gone, no worker came back, a refused config), or a
+component that exits 2 (refused its config) or exhausts its restarts; then JobSet restarts
+the whole run (`failurePolicy.maxRestarts`) and the controller resumes from the newest
+snapshot in the gs:// run directory. The run succeeds when the controller's job completes.
 """
 
 from __future__ import annotations
@@ -49,6 +57,16 @@ TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 TPU_RESOURCE = "google.com/tpu"
 GVISOR = "gvisor"
+# Replaced alone when their pod is lost; the trainer's slice restarts with the whole run.
+RESTARTED_ALONE = ("controller", "param-server", "verifier", "inference")
+# A replaceable server stopped by SIGTERM exits with this (128 + SIGTERM) rather than 0:
+# its pod then fails, and its Job replaces it; a pod that succeeded would complete the Job.
+STOPPED_EXIT_CODE = 143
+# Exit codes that end a Job at once rather than being retried: 2 is a refusal (bad config,
+# a run directory of another config) for every command; the controller's 1 means it
+# stopped because the run cannot go on as it is (rlax_tpu/cli, main).
+EXIT_REFUSED = 2
+EXIT_CONTROLLER_GAVE_UP = 1
 
 
 def pod_host(run: str, component: str, replica: int | str, host: int = 0) -> str:
@@ -119,13 +137,20 @@ def _ports(component: Component) -> list[dict[str, Any]]:
     return ports
 
 
+def _args(component: Component) -> list[str]:
+    args = component.args_for(_replica(component))
+    if component.port is not None and component.name in RESTARTED_ALONE:
+        args.insert(2, f"--stopped-exit-code={STOPPED_EXIT_CODE}")  # after `serve NAME`
+    return args
+
+
 def _pod_spec(plan: Plan, component: Component) -> dict[str, Any]:
     deploy = plan.config.deploy
     container: dict[str, Any] = {
         "name": component.name,
         "image": deploy.image,
         "command": ["rlax-tpu"],
-        "args": component.args_for(_replica(component)),
+        "args": _args(component),
         "env": _env(plan, component),
     }
     if component.port is not None:
@@ -167,6 +192,34 @@ def _pod_spec(plan: Plan, component: Component) -> dict[str, Any]:
     return spec
 
 
+def _restarts(plan: Plan, component: Component) -> dict[str, Any]:
+    """The Job's retry settings. The trainer: none, a failed pod fails the Job and JobSet
+    restarts the run. The others: a replacement pod (same index, so same DNS name), free
+    for a preempted pod, counted for a crashed one; a refusal fails the Job at once."""
+    if component.name not in RESTARTED_ALONE:
+        return {"backoffLimit": 0}
+    fatal = [EXIT_REFUSED]
+    if component.name == "controller":
+        fatal.insert(0, EXIT_CONTROLLER_GAVE_UP)
+    return {
+        "backoffLimit": plan.config.controller.component_restarts,
+        "podFailurePolicy": {
+            "rules": [
+                # Preempted or evicted (spot nodes, maintenance): replaced, not counted.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": component.name,
+                        "operator": "In",
+                        "values": fatal,
+                    },
+                },
+            ]
+        },
+    }
+
+
 def _replicated_job(plan: Plan, component: Component) -> dict[str, Any]:
     job_metadata: dict[str, Any] = {"labels": _labels(plan, component.name)}
     if component.tpu is not None and component.multi_host:
@@ -181,8 +234,7 @@ def _replicated_job(plan: Plan, component: Component) -> dict[str, Any]:
                 "parallelism": component.hosts,
                 "completions": component.hosts,
                 "completionMode": "Indexed",
-                # A failed pod fails the run; JobSet restarts it whole (failurePolicy).
-                "backoffLimit": 0,
+                **_restarts(plan, component),
                 "template": {
                     "metadata": {"labels": _labels(plan, component.name)},
                     "spec": _pod_spec(plan, component),
@@ -242,7 +294,8 @@ def manifests(plan: Plan) -> list[dict[str, Any]]:
         "spec": {
             # JobSet's headless service: pod DNS names <run>-<job>-<replica>-<host>.<run>.
             "network": {"enableDNSHostnames": True, "subdomain": plan.name},
-            # A preempted or failed run comes back whole; the controller resumes it.
+            # A failed Job (the trainer's, or one that gave up) restarts the run whole;
+            # the controller resumes it from its newest snapshot.
             "failurePolicy": {"maxRestarts": deploy.max_restarts},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": ["controller"]},
             "replicatedJobs": [_replicated_job(plan, c) for c in plan.components],

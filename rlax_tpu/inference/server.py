@@ -76,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
             chunk_bytes=config.param_server.chunk_bytes,
             reconnect_s=config.controller.component_wait_s,  # a restarted server is waited for
             on_retry=_log.warning,
+            stop=stop,  # but not by a stopping worker: it exits at once
         )
         if args.param_server
         else None

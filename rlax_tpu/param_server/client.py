@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from rlax_tpu.failpoints import failpoint
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.errors import ParamServerError, PullMismatchError
 from rlax_tpu.param_server.layout import Box, Piece
@@ -315,6 +316,7 @@ class ParamServerClient:
         items = ((piece.path, payload[piece.path]) for piece in pieces)
         for batch in pack(items, self.chunk_bytes):
             yield encode_piece_chunks(version, batch)
+            failpoint("trainer.publish", version)  # the sender dies mid-stream (chaos test)
         yield pb.PublishRequest(commit=pb.PublishCommit(version=version)).SerializeToString()
 
     # -- pull -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
+from rlax_tpu.failpoints import failpoint
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.errors import (
     InvalidPublishError,
@@ -156,6 +157,7 @@ class ParamServerServicer:
                                 f"{begin.version}; one stream publishes one version"
                             )
                         txn.write(path, offset, data)
+                    failpoint("param_server.receive", begin.version)  # chaos test
                     continue
                 kind = request.WhichOneof("kind")
                 if kind == "commit":

@@ -42,6 +42,7 @@ import numpy as np
 import tensorstore as ts
 
 from rlax_tpu import storage
+from rlax_tpu.failpoints import failpoint
 from rlax_tpu.param_server import layout
 from rlax_tpu.param_server.errors import (
     InvalidPublishError,
@@ -247,6 +248,7 @@ class VersionStore:
                 with self._lock:
                     if self._versions.get(v) is not record:
                         return
+                failpoint("param_server.persist", v)  # committed, not on storage (chaos test)
                 # The manifest is the commit: written only after every array is on storage.
                 storage.write_text(self._manifest_url(v), _manifest_json(record))
                 if not self._layout_written:  # _recover() rebuilds it if we die before

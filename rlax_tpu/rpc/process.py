@@ -5,6 +5,7 @@ first compiles) as `PROGRESS <text>` lines, and wait for the stop signal."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -15,21 +16,43 @@ from rlax_tpu.rpc.auth import AuthTokenError, auth_token_from_env
 
 # Runs `rlax-tpu ARGS...` in a child that gets SIGTERM when its parent dies
 # (PR_SET_PDEATHSIG): `python -c CHILD_LAUNCHER ARGS...`. Set by the child itself, not by a
-# preexec_fn: forking a multithreaded JAX process with a preexec_fn can deadlock.
+# preexec_fn: forking a multithreaded JAX process with a preexec_fn can deadlock. A parent
+# that dies before the child's prctl call sends no signal; with PARENT_PID_ENV set to the
+# parent's pid the child sees that (its parent is another process by then) and exits.
+PARENT_PID_ENV = "RLAX_TPU_PARENT_PID"
 CHILD_LAUNCHER = (
-    "import ctypes, runpy, signal, sys\n"
+    "import ctypes, os, runpy, signal, sys\n"
     "if sys.platform.startswith('linux'):\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    f"    if os.environ.pop('{PARENT_PID_ENV}', str(os.getppid())) != str(os.getppid()):\n"
+    "        sys.exit('rlax-tpu: the launcher died before this process started')\n"
     "sys.argv = ['rlax-tpu', *sys.argv[1:]]\n"
     "runpy.run_module('rlax_tpu', run_name='__main__')\n"
 )
 
 
 def stop_on_signals() -> threading.Event:
-    """An event that SIGTERM or SIGINT sets (call from the main thread)."""
+    """An event that SIGTERM or SIGINT sets (call from the main thread).
+
+    The Python-level handler does nothing itself: it runs between two bytecodes of the main
+    thread, which may hold the event's lock at that moment (inside `Event.wait`, or inside
+    the `set` of an earlier signal), and `Event.set` there deadlocks the process, which then
+    never exits. The C-level handler writes the signal's number to a wakeup pipe instead,
+    and a thread of its own reads it and sets the event."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    stopping = (signal.SIGTERM, signal.SIGINT)
+    for sig in stopping:
+        signal.signal(sig, lambda *_: None)
+
+    def watch() -> None:
+        while os.read(read, 1)[0] not in stopping:  # another handled signal: not ours
+            pass
+        stop.set()
+
+    threading.Thread(target=watch, name="stop-on-signal", daemon=True).start()
     return stop
 
 

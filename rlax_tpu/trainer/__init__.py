@@ -17,6 +17,7 @@ _EXPORTS = {
     "BatchLevels": "step",
     "BatchSizeError": "step",
     "NotInitializedError": "trainer",
+    "BatchMismatchError": "trainer",
     "OutOfOrderStepError": "trainer",
     "StaleRolloutError": "trainer",
     "WarmStartPendingError": "trainer",

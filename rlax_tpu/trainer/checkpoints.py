@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rlax_tpu import storage
+from rlax_tpu.failpoints import failpoint
 
 _log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class CheckpointStore:
             ),
             force=True,
         )
+        failpoint("trainer.checkpoint", step)  # the save started, not finished (chaos test)
         if wait:
             self.wait()
 

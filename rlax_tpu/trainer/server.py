@@ -21,6 +21,7 @@ import json
 import logging
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +55,13 @@ def _replica_plan(config: RunConfig, num_replicas: int) -> Any:
     )
 
 
-def connect_param_server(config: RunConfig, addresses: list[str], token: str) -> Any:
+def connect_param_server(
+    config: RunConfig, addresses: list[str], token: str, stop: threading.Event | None = None
+) -> Any:
     """The trainer's ParamServerClient for the replicas at `addresses`: publishes in
-    `param_server.chunk_bytes` chunks, split across replicas as the params are sharded."""
+    `param_server.chunk_bytes` chunks, split across replicas as the params are sharded. A
+    server that does not answer is waited for (`controller.component_wait_s`) until `stop`
+    is set: a stopping trainer saves its checkpoint rather than wait for it."""
     from rlax_tpu.param_server.client import ParamServerClient
 
     plan = _replica_plan(config, len(addresses)) if len(addresses) > 1 else None
@@ -67,6 +72,7 @@ def connect_param_server(config: RunConfig, addresses: list[str], token: str) ->
         chunk_bytes=config.param_server.chunk_bytes,
         reconnect_s=config.controller.component_wait_s,  # a restarted server is waited for
         on_retry=_log.warning,
+        stop=stop,
     )
 
 
@@ -206,7 +212,7 @@ def main(args: argparse.Namespace) -> int:
     leader = jax.process_index() == 0
     param_server = None
     if args.param_server:  # every process sends its share of each version
-        param_server = connect_param_server(config, args.param_server, token)
+        param_server = connect_param_server(config, args.param_server, token, stop)
     server = None
     if leader:
         bound = bind_server(

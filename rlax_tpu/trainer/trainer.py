@@ -38,6 +38,7 @@ from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
 from rlax_tpu.config import RunConfig
+from rlax_tpu.failpoints import failpoint
 from rlax_tpu.models.transformer import is_stacked, stack_layers, unstack_layers
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.staleness import StalenessPolicy
@@ -45,7 +46,7 @@ from rlax_tpu.trainer import perf
 from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
 from rlax_tpu.trainer.programs import TrainerPrograms
 from rlax_tpu.trainer.step import train_flops
-from rlax_tpu.trainer.wire import StepResult
+from rlax_tpu.trainer.wire import StepResult, batch_digest
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ WARM_START_CHECKPOINTS = run_dir_layout.WARM_START_CHECKPOINTS
 
 class OutOfOrderStepError(ValueError):
     """A step was asked for before the steps preceding it were trained."""
+
+
+class BatchMismatchError(OutOfOrderStepError):
+    """A repeated step came with another batch than the one this trainer trained it on."""
 
 
 class NotInitializedError(RuntimeError):
@@ -322,7 +327,9 @@ class Trainer:
         }
 
     # -- steps --------------------------------------------------------------------------------
-    def _check_order(self, step: int) -> StepResult | None:
+    def _check_order(self, step: int, digest: str = "") -> StepResult | None:
+        """None if `step` is the one to train; the recorded result of a step done before
+        (`digest`: the repeat's batch, checked against the one trained); else an error."""
         self._require_state()
         if self._unpublished is not None and self._unpublished == self.step:
             self._publish(self._unpublished)  # its publish failed: the server was down
@@ -339,6 +346,13 @@ class Trainer:
                     f"step {step} was trained before the checkpoint this trainer restored "
                     f"and its result is not recorded; the expected step is {self.step}"
                 )
+            if digest and recorded.batch_digest and digest != recorded.batch_digest:
+                raise BatchMismatchError(
+                    f"step {step} is repeated with another batch than the one it was trained "
+                    f"on (digest {digest} against {recorded.batch_digest}): the controller's "
+                    "rollout log or snapshot does not match this trainer's state; restart the "
+                    "trainer so the resume restores it from its checkpoint"
+                )
             return dataclasses.replace(recorded, already_done=True)
         if step > self.step:
             raise OutOfOrderStepError(
@@ -348,8 +362,10 @@ class Trainer:
         return None
 
     def train_step(self, step: int, batch: RolloutBatch) -> StepResult:
-        """Train batch `step` on version `step`, publish version step + 1, maybe checkpoint."""
-        done = self._check_order(step)
+        """Train batch `step` on version `step`, publish version step + 1, maybe checkpoint.
+        A step trained before is answered from its record, if `batch` is the same."""
+        digest = batch_digest(batch)
+        done = self._check_order(step, digest)
         if done is not None:
             return done
         rows, seq = np.shape(batch.tokens)
@@ -392,7 +408,7 @@ class Trainer:
             self.progress(f"train step {rows}x{seq}: compiled and ran in {step_s:.1f}s")
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["time/recompute_s"] = recompute_s
-        return self._finish(step, metrics, tokens=rows * seq, step_s=step_s)
+        return self._finish(step, metrics, tokens=rows * seq, step_s=step_s, digest=digest)
 
     def _recompute_due(self, step: int) -> bool:
         """Whether train step `step` recomputes π_old: when the objective reads it (recomputed
@@ -497,13 +513,15 @@ class Trainer:
             "mfu": perf.mfu(train_flops(self.num_params, tokens), step_s, self._peak_flops),
         }
 
-    def _finish(self, step: int, metrics: dict[str, float], *, tokens: int, step_s: float):
+    def _finish(
+        self, step: int, metrics: dict[str, float], *, tokens: int, step_s: float, digest: str
+    ):
         metrics.update(self._speed(tokens, step_s))
         self.step = step + 1
         if self._keeps_reference and reference_reset_due(self.config.trainer.algorithm, self.step):
             _log.info("resetting the reference policy to version %d", self.step)
             self._reference = self._copy(self._params)
-        result = StepResult(step=step, version=self.step, metrics=metrics)
+        result = StepResult(step=step, version=self.step, metrics=metrics, batch_digest=digest)
         self._results[step] = result
         self._trained_here = True
         self._last_metrics = metrics
@@ -555,6 +573,8 @@ class Trainer:
         `step`, and the steps from there to this trainer's are answered from their records,
         as a repeated TrainStep is; retraining them from the checkpoint would give the same
         weights."""
+        if step is not None:
+            failpoint("trainer.restore", step)  # the controller's Restore (chaos test)
         if step is not None and self._reattaches(step):
             self.progress(
                 f"kept its state at step {self.step} instead of restoring checkpoint {step}: "

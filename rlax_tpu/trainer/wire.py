@@ -8,6 +8,7 @@ a step's result. No JAX: the controller builds and sends batches without loading
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import struct
 from collections.abc import Iterator, Mapping
@@ -32,14 +33,40 @@ class StepResult:
     version: int
     metrics: dict[str, float]
     already_done: bool = False
+    # The trained batch's content (`batch_digest`): a repeat of the step must send the same.
+    batch_digest: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "version": self.version, "metrics": self.metrics}
+        out = {"step": self.step, "version": self.version, "metrics": self.metrics}
+        if self.batch_digest:
+            out["batch_digest"] = self.batch_digest
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepResult:
         metrics = {k: (math.nan if v is None else float(v)) for k, v in data["metrics"].items()}
-        return cls(step=int(data["step"]), version=int(data["version"]), metrics=metrics)
+        return cls(
+            step=int(data["step"]),
+            version=int(data["version"]),
+            metrics=metrics,
+            batch_digest=str(data.get("batch_digest", "")),
+        )
+
+
+# What a batch's digest covers: what was trained on (the log-probs follow from the tokens
+# and versions, and the recomputed ones from the weights).
+DIGESTED_FIELDS = ("tokens", "response_mask", "group_ids", "rewards", "versions")
+
+
+def batch_digest(batch: Any) -> str:
+    """A digest of `batch`'s DIGESTED_FIELDS (host or device arrays; shapes and dtypes
+    included), the same for the same rollouts on any host."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in DIGESTED_FIELDS:
+        a = np.ascontiguousarray(np.asarray(getattr(batch, name)))
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
