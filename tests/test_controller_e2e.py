@@ -164,6 +164,7 @@ def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
         "controller",
         pytest.param("inference_worker-0", marks=pytest.mark.slow),
         pytest.param("trainer-0", marks=pytest.mark.slow),
+        pytest.param("param_server-0", marks=pytest.mark.slow),
     ],
 )
 def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, victim):
@@ -183,6 +184,10 @@ def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, 
     report = disturbed.report()
     assert [i.returncode == 0 for i in disturbed.incarnations] == [False, False, True], report
     assert not disturbed.missed and disturbed.incarnations[1].fired, report
+    # The job stops soon after the kill: nothing waits out controller.component_wait_s
+    # (300 s) for a component that will not come back (a trainer publishing to a lost
+    # parameter server did, until the launcher stopped it).
+    assert disturbed.incarnations[0].wall_s < 120, report
     assert all(not i.leftovers for i in disturbed.incarnations), report
     output = (root / f"{name}.job.log").read_text(errors="replace")
     assert "start the trainer again, then `rlax-tpu resume`" in output

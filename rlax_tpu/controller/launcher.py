@@ -8,7 +8,9 @@ worker, verifier or parameter server is started again on its port (so every clie
 it where it was), up to controller.component_restarts times each, after a backoff of 1 s
 doubling; meanwhile the controller moves its work to the others or waits for it
 (docs/controller.md, "Elastic recovery"). The death of the trainer, or of a component
-out of restarts, sets `failed`, which stops the controller (then `rlax-tpu resume`). The
+out of restarts, sets `failed`, which stops the controller (then `rlax-tpu resume`); a
+parameter server out of restarts also gets the trainer SIGTERM, which ends the wait of a
+step publishing to it. The
 trainer and the workers share this machine's GPUs, each with its memory share from the config
 (`component_env`); the parameter server and the verifier get no accelerator. On exit it
 stops every child it started (SIGTERM, then SIGKILL) and nothing else; each child also
@@ -278,8 +280,21 @@ class LocalCluster:
                     why += f", after {count} restarts (controller.component_restarts)"
                 self.failure = f"{why}; its log {child.log_path} ends with:\n{child.log_tail()}"
                 self.failed.set()
+                if component == "param_server":
+                    self._stop_waiting_trainer()
                 return
             time.sleep(0.2)
+
+    def _stop_waiting_trainer(self) -> None:
+        """The parameter server is gone for good: a trainer step in it waits for the server
+        (its publish, up to controller.component_wait_s), and the controller's call with
+        it, so the run could not stop. SIGTERM ends that wait; the trainer saves its
+        checkpoint and exits, and the run stops (then `rlax-tpu resume`)."""
+        with self._lock:
+            trainers = [c for c in self.children if c.name.startswith("trainer")]
+        for child in trainers:
+            if child.running():
+                child.process.send_signal(signal.SIGTERM)
 
     def _restart(self, old: Child) -> None:
         """`old`'s process again, on its port, after a backoff; a child that does not come
