@@ -1,6 +1,7 @@
-"""Failpoints: named places where a process can be told to die, for the chaos test
-(tests/test_chaos.py) and tools/bench_recovery.py. Random SIGKILLs from outside cannot hit
-a window a few milliseconds wide; these can, every time.
+"""Failpoints: named places where a process can be told to die, for the chaos tests
+(tests/test_controller_e2e.py, harness tests/e2e_job.py) and tools/bench_recovery.py.
+Random SIGKILLs from outside cannot hit a window a few milliseconds wide; these can, every
+time.
 
 `RLAX_TPU_FAILPOINTS="name@key,name@key"` makes the process that passes `failpoint(name,
 key)` with that key (a step or a version; `*` for any) SIGKILL itself there, once per

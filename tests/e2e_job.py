@@ -65,9 +65,8 @@ def write_data(path: Path) -> Path:
     return path
 
 
-# Victims whose death the run survives without a restart (the launcher starts them again);
-# the others' death stops the job, and `rlax-tpu resume` continues it.
-ELASTIC = ("inference_worker", "verifier", "param_server")
+# Victims whose death stops the job (`rlax-tpu resume` continues it); the launcher starts the
+# others again while the run goes on.
 FULL_RESTART = ("trainer", "controller")
 # Failpoints by the component they kill (the first part of a failpoint's name), in the order
 # the chaos schedule takes them by seed.

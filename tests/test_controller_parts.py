@@ -269,31 +269,49 @@ def test_runs_sharing_a_verifier_send_request_ids_in_their_own_namespace():
 
 
 # -- elastic workers ------------------------------------------------------------------------------
+def one_sample_pool(workers, tmp_path, **kwargs):
+    """A started GenerationPool of `workers` (clients, or stand-ins answering as clients do),
+    one sample per prompt, logging under `tmp_path`."""
+    from rlax_tpu.controller.generation import GenerationPool
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.inference.types import SamplingParams
+
+    pool = GenerationPool(
+        workers,
+        RolloutLog(str(tmp_path)),
+        samples=1,
+        sampling=SamplingParams(),
+        counters={},
+        **kwargs,
+    )
+    pool.start()
+    return pool
+
+
+def finished_rollouts(requests, version):
+    """What a worker's Generate yields for `requests`: each finished ("stop")."""
+    from rlax_tpu.inference.types import Rollout
+
+    for r in requests:
+        yield Rollout(
+            r.request_id, r.prompt_id, r.sample_index, version, (1,), (2,), (0.0,), "stop"
+        )
+
+
 def test_with_every_worker_silent_the_pool_waits_its_bound_then_stops_naming_the_fix(tmp_path):
     """A real worker client at an address where nothing listens: the job is kept (not lost)
     while the pool waits for a worker, then the run stops with a message naming the wait."""
     import socket
 
-    from rlax_tpu.controller.generation import GenerationPool
-    from rlax_tpu.controller.snapshots import RolloutLog
     from rlax_tpu.inference.client import InferenceWorkerClient
-    from rlax_tpu.inference.types import GenerationRequest, SamplingParams
+    from rlax_tpu.inference.types import GenerationRequest
 
     with socket.socket() as s:  # a free port nothing listens on
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     heard: list[str] = []
     client = InferenceWorkerClient(address, auth_token="t")
-    pool = GenerationPool(
-        [client],
-        RolloutLog(str(tmp_path)),
-        samples=1,
-        sampling=SamplingParams(),
-        counters={},
-        wait_s=1.0,
-        report=heard.append,
-    )
-    pool.start()
+    pool = one_sample_pool([client], tmp_path, wait_s=1.0, report=heard.append)
     request = GenerationRequest(
         request_id="p/s0/v0", prompt_id="p", sample_index=0, prompt_tokens=(1, 2)
     )
@@ -313,10 +331,8 @@ def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(
     and generated; a version still missing after that stops the run."""
     import grpc
 
-    from rlax_tpu.controller.generation import GenerationPool
-    from rlax_tpu.controller.snapshots import RolloutLog
     from rlax_tpu.inference.client import InferenceCallError
-    from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
+    from rlax_tpu.inference.types import GenerationRequest, LoadResult
 
     class Worker:  # the worker's answers, as its client returns them
         def __init__(self, held):
@@ -330,10 +346,7 @@ def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(
             return LoadResult(version=version, already_loaded=False, aborted=())
 
         def generate(self, requests, version):
-            for r in requests:
-                yield Rollout(
-                    r.request_id, r.prompt_id, r.sample_index, version, (1,), (2,), (0.0,), "stop"
-                )
+            return finished_rollouts(requests, version)
 
     held, asked = set(), []
 
@@ -342,16 +355,7 @@ def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(
         if version == 3:  # the trainer holds version 3 only
             held.add(version)
 
-    pool = GenerationPool(
-        [Worker(held)],
-        RolloutLog(str(tmp_path)),
-        samples=1,
-        sampling=SamplingParams(),
-        counters={},
-        republish=republish,
-        report=lambda line: None,
-    )
-    pool.start()
+    pool = one_sample_pool([Worker(held)], tmp_path, republish=republish, report=lambda line: None)
     request = GenerationRequest(
         request_id="p/s0/v3", prompt_id="p", sample_index=0, prompt_tokens=(1,)
     )
@@ -371,10 +375,8 @@ def test_a_worker_restarted_between_two_jobs_loads_its_version_again(tmp_path):
     does not stop the run. A worker that refuses again after the reload does."""
     import grpc
 
-    from rlax_tpu.controller.generation import GenerationPool
-    from rlax_tpu.controller.snapshots import RolloutLog
     from rlax_tpu.inference.client import InferenceCallError
-    from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
+    from rlax_tpu.inference.types import GenerationRequest, LoadResult
 
     class Worker:  # the worker's answers, as its client returns them
         address = "worker"
@@ -395,21 +397,10 @@ def test_a_worker_restarted_between_two_jobs_loads_its_version_again(tmp_path):
                     "the worker holds no weights yet: Load a version before Generate",
                     grpc.StatusCode.FAILED_PRECONDITION,
                 )
-            for r in requests:
-                yield Rollout(
-                    r.request_id, r.prompt_id, r.sample_index, version, (1,), (2,), (0.0,), "stop"
-                )
+            yield from finished_rollouts(requests, version)
 
     worker, heard = Worker(), []
-    pool = GenerationPool(
-        [worker],
-        RolloutLog(str(tmp_path)),
-        samples=1,
-        sampling=SamplingParams(),
-        counters={},
-        report=heard.append,
-    )
-    pool.start()
+    pool = one_sample_pool([worker], tmp_path, report=heard.append)
 
     def request(n: int) -> GenerationRequest:
         return GenerationRequest(

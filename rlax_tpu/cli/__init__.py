@@ -37,7 +37,14 @@ _COMMANDS = {
     "compile": "compile every program for the config's TPU topology on this host: per-chip "
     "memory, FLOPs, fit",
 }
-COMPONENTS = ("param-server", "inference", "trainer", "verifier")
+# `serve COMPONENT`: the module whose main(args) serves it.
+_SERVERS = {
+    "param-server": "rlax_tpu.param_server.server",
+    "inference": "rlax_tpu.inference.server",
+    "trainer": "rlax_tpu.trainer.server",
+    "verifier": "rlax_tpu.verifiers.server",
+}
+COMPONENTS = tuple(_SERVERS)
 
 
 def _add_config_args(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
@@ -394,21 +401,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.component == "param-server":
-        from rlax_tpu.param_server.server import main as serve_param_server
+    import importlib
 
-        return serve_param_server(args)
-    if args.component == "inference":
-        from rlax_tpu.inference.server import main as serve_inference
-
-        return serve_inference(args)
-    if args.component == "trainer":
-        from rlax_tpu.trainer.server import main as serve_trainer
-
-        return serve_trainer(args)
-    from rlax_tpu.verifiers.server import main as serve_verifier
-
-    return serve_verifier(args)
+    return importlib.import_module(_SERVERS[args.component]).main(args)
 
 
 def _deploy(args: argparse.Namespace) -> int:
