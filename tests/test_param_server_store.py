@@ -386,7 +386,14 @@ def test_memory_and_storage_stay_bounded_over_thousands_of_publishes(local_dir):
             assert_version(store, v - keep + 1, {"w": base + (v - keep + 1)})
         if v % 97 == 0:
             infos = store.versions()
-            assert sum(i.in_memory for i in infos) <= k and len(infos) <= keep
+            assert len(infos) <= keep
+            # Beyond the newest K, a version stays in memory only while its persistent copy
+            # is being written (on a loaded host the background writes fall behind) ...
+            beyond_k = [i for i in infos[:-k] if i.in_memory]
+            assert not any(i.persisted for i in beyond_k), beyond_k
+            # ... and once they are on storage, only K are.
+            assert all(store.wait_persisted(i.version, timeout_s=30) for i in infos)
+            assert sum(i.in_memory for i in store.versions()) <= k
 
     for v in range(warm_up):
         step(v)

@@ -109,7 +109,8 @@ class _Version:
 
 
 class VersionStore:
-    """Committed versions of one replica: hot in memory (at most K) and persisted.
+    """Committed versions of one replica: hot in memory (the newest K, plus any older one
+    whose persistent copy is still being written) and persisted.
 
     `storage_url` is a local directory, file:// or gs:// URL; None keeps everything in memory
     only (tests, benchmarks): then a version pushed out of the newest K is gone at once
@@ -308,12 +309,11 @@ class VersionStore:
     # -- reads -----------------------------------------------------------------------------
     def versions(self) -> list[VersionInfo]:
         """Every committed version, ascending."""
-        with self._lock:
-            records = [self._versions[v] for v in sorted(self._versions)]
-        return [
-            VersionInfo(r.version, r.digest, r.hot is not None, r.persisted, r.num_bytes)
-            for r in records
-        ]
+        with self._lock:  # one consistent snapshot: persisting may evict a copy meanwhile
+            return [
+                VersionInfo(r.version, r.digest, r.hot is not None, r.persisted, r.num_bytes)
+                for r in (self._versions[v] for v in sorted(self._versions))
+            ]
 
     def pieces(self, version: int) -> list[Piece]:
         """The pieces (with digests) this replica holds of `version`, in path order."""
