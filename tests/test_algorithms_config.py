@@ -20,6 +20,8 @@ def test_config_names_agree_with_the_jax_registries():
     assert tuple(algorithms.ADVANTAGES) == AlgorithmConfig.ADVANTAGES
     assert tuple(algorithms.GRADIENT_MASKS) == AlgorithmConfig.GRADIENT_MASKS
     assert tuple(algorithms.KL_ESTIMATORS) == AlgorithmConfig.KL_ESTIMATORS
+    assert tuple(algorithms.ROLLOUT_CORRECTIONS) == AlgorithmConfig.ROLLOUT_CORRECTIONS
+    assert tuple(algorithms.COVARIANCE_CONTROLS) == AlgorithmConfig.COVARIANCE_CONTROLS
     assert tuple(algorithms.PRESETS) == AlgorithmConfig.PRESET_NAMES
     assert set(AlgorithmConfig.PRESETS) == set(AlgorithmConfig.PRESET_NAMES)
 
@@ -52,8 +54,24 @@ PINNED = {
     "M=ppo_clip(ε_low=0.2, ε_high=0.2) R=0.001·k2",
     "reinforce_pp_batch": "reinforce_pp_batch: w=sequence_mean ρ=token A=batch_norm "
     "M=ppo_clip(ε_low=0.2, ε_high=0.2) R=0.01·k2",
-    "ppo": "ppo: w=token_mean ρ=token A=gae M=ppo_clip(ε_low=0.2, ε_high=0.2) R=none",
+    "reinforce_pp_return_to_go": "reinforce_pp_return_to_go: w=sequence_mean ρ=token "
+    "A=reinforce_pp_return_to_go M=ppo_clip(ε_low=0.2, ε_high=0.2) R=0.01·k1 in the reward",
+    "ppo": "ppo: w=token_mean ρ=token A=gae[whitened] M=ppo_clip(ε_low=0.2, ε_high=0.2) R=none",
     "aipo": "aipo: w=sequence_sum ρ=token_truncated(ρ_max=2.0) A=group_mean M=keep_all R=none",
+    "remax": "remax: w=token_mean ρ=token A=remax M=ppo_clip(ε_low=0.2, ε_high=0.2) "
+    "R=0.001·k1 in the reward",
+    "opo": "opo: w=token_mean ρ=token A=opo M=ppo_clip(ε_low=0.2, ε_high=0.2) R=none",
+    "gpg": "gpg: w=token_mean ρ=one A=gpg M=keep_all R=none",
+    "grpo_dual_clip": "grpo_dual_clip: w=sequence_mean ρ=token A=group_mean_std "
+    "M=ppo_clip(ε_low=0.2, ε_high=0.2)+dual_clip(c=3.0) R=0.04·k3",
+    "clip_cov": "clip_cov: w=token_mean ρ=token A=group_mean_std "
+    "M=ppo_clip(ε_low=1.0, ε_high=1.0) R=none cov=clip_cov(ratio=0.0002, cov∈(1.0, 5.0))",
+    "kl_cov": "kl_cov: w=token_mean ρ=token A=group_mean_std M=keep_all R=none "
+    "cov=kl_cov(ratio=0.002, κ=1.0)",
+    "gmpo": "gmpo: w=sequence_mean ρ=sequence[geometric_mean] A=group_mean_std "
+    "M=sequence_log_clip(ε_low=0.4, ε_high=0.4) R=none",
+    "sapo": "sapo: w=sequence_mean ρ=token A=group_mean_std "
+    "M=token_soft_gate(τ_pos=1.0, τ_neg=1.05) R=none",
     "trajectory_balance": "trajectory_balance: β=0.012→0.004 by step 500, reference reset never",
     "online_dpo": "online_dpo: β=0.1, reference reset never",
 }
@@ -117,7 +135,9 @@ def test_round_trips_through_dict():
         ("advantage", "grpo", "group_mean_std, group_mean, leave_one_out, batch_norm"),
         ("gradient_mask", "none", "keep_all, ppo_clip, sequence_clip"),
         ("sequence_ratio", "mean", "geometric_mean, product"),
-        ("kl_estimator", "k4", "k1, k2, k3"),
+        ("kl_estimator", "k4", "k1, k2, k3, abs"),
+        ("rollout_correction", "tis", "none, token_tis, sequence_tis, token_mis, sequence_mis"),
+        ("covariance_control", "cov", "none, clip_cov, kl_cov"),
     ],
 )
 def test_unknown_part_name_lists_the_valid_choices(field, value, choices):
@@ -144,7 +164,6 @@ def test_unknown_part_name_lists_the_valid_choices(field, value, choices):
             "gradient_mask",
             "use gradient_mask='sequence_clip'",
         ),
-        ({"name": "grpo", "value_loss_coef": 0.5}, "value_loss_coef", "advantage='gae'"),
         (
             {"name": "trajectory_balance", "aggregation": "token_mean"},
             "aggregation",
@@ -153,7 +172,7 @@ def test_unknown_part_name_lists_the_valid_choices(field, value, choices):
         ({"name": "online_dpo", "clip_eps_high": 0.3}, "clip_eps_high", "not used by online_dpo"),
         ({"name": "online_dpo", "reference_reset_every": 50}, "reference_reset_every", "frozen"),
         ({"name": "trajectory_balance", "kl_beta": 0.0}, "kl_beta", "needs β > 0"),
-        ({"name": "grpo", "clip_eps_low": 1.0}, "clip_eps_low", "[0, 1)"),
+        ({"name": "grpo", "clip_eps_low": 1.5}, "clip_eps_low", "[0, 1]"),
         ({"name": "cispo", "rho_max": 0.5}, "rho_max", ">= 1"),
         ({"name": "ppo", "gae_lambda": 1.5}, "gae_lambda", "[0, 1]"),
         ({"name": "grpo", "kl_beta": -0.1}, "kl_beta", ">= 0"),

@@ -44,6 +44,8 @@ def make_inputs(seed: int, spread: float = 0.3) -> dict[str, np.ndarray]:
         "old_values": rng.normal(0, 1, (B, S)),
         "values": rng.normal(0, 1, (B, S)),
         "versions": rng.integers(90, 101, B),
+        # ReMax's baseline: the reward of each prompt's greedy response.
+        "baseline_rewards": rng.integers(0, 3, B) / 2,
     }
     for key in ("behaviour", "logprobs", "reference", "old_values", "values"):
         inputs[key] = np.where(mask, inputs[key], np.nan)
@@ -199,13 +201,19 @@ def gae_reference(rewards, values, gamma, lam):
 def ref_ppo(x, lp, lp_sg, values=None):
     values = x["values"] if values is None else values
     n_tokens = x["mask"].sum()
+    gae = {
+        i: gae_reference(x["rewards"][i], tok(x["old_values"], x, i), 1.0, 0.95) for i in rows(x)
+    }
+    # verl/Tunix whiten GAE over every response token of the batch: var with n − 1, + 1e-8.
+    flat = np.concatenate(list(gae.values()))
+    mean, var = flat.mean(), flat.var(ddof=1)
     pg, vf = 0.0, 0.0
     for i in rows(x):
         old = tok(x["old_values"], x, i)
-        adv = gae_reference(x["rewards"][i], old, 1.0, 0.95)
+        adv = (gae[i] - mean) / np.sqrt(var + 1e-8)
         ratio = np.exp(tok(lp, x, i) - tok(x["behaviour"], x, i))
         pg += ppo_term(ratio, adv, 0.2, 0.2).sum()
-        v, ret = tok(values, x, i), adv + old
+        v, ret = tok(values, x, i), gae[i] + old  # the value target: GAE before whitening
         v_clip = old + np.clip(v - old, -0.2, 0.2)
         vf += np.sum(0.5 * np.maximum((v - ret) ** 2, (v_clip - ret) ** 2))
     return -pg / n_tokens + 0.1 * vf / n_tokens
@@ -360,11 +368,20 @@ def to_batch(x, dtype=jnp.float64) -> RolloutBatch:
         versions=jnp.asarray(x["versions"], jnp.int32),
         reference_logprobs=jnp.asarray(x["reference"], dtype),
         values=jnp.asarray(x["old_values"], dtype),
+        baseline_rewards=(
+            jnp.asarray(x["baseline_rewards"], dtype) if "baseline_rewards" in x else None
+        ),
     )
 
 
 def test_every_preset_has_a_reference():
-    assert set(REFERENCES) == set(PRESETS) == set(AlgorithmConfig.PRESET_NAMES)
+    # The presets of the newer advantage estimators and policy losses have theirs next to
+    # those parts' tests.
+    from test_algorithms_advantages import PRESET_REFERENCES
+    from test_algorithms_policy_losses import PRESET_REFERENCES as POLICY_LOSS_REFERENCES
+
+    assert set(REFERENCES) | set(PRESET_REFERENCES) | set(POLICY_LOSS_REFERENCES) == set(PRESETS)
+    assert set(PRESETS) == set(AlgorithmConfig.PRESET_NAMES)
 
 
 CASES = {

@@ -1,10 +1,13 @@
 """TrainStep and SftStep stream their batch in chunks below `trainer.max_message_bytes`. The
 chunk codec on its own: any cut of the bytes reassembles exactly; a truncated, oversized,
-misshapen or mistyped stream is refused naming the problem. A real trainer process with the
-limit lowered to 1 KiB: a batch several times the limit trains, a client whose messages
-exceed the limit gets RESOURCE_EXHAUSTED naming the knob, every refused stream leaves the
-trainer unchanged. Slow: with a warm start, the SFT and train batches streamed in 1 KiB
-messages train bit for bit as a second trainer trains them sent whole."""
+misshapen or mistyped stream is refused naming the problem; the optional fields (dense
+rewards, given advantages and returns, baselines) travel when present and enter the batch's
+digest. A real trainer process with the limit lowered to 1 KiB: a batch several times the
+limit trains, a client whose messages exceed the limit gets RESOURCE_EXHAUSTED naming the
+knob, every refused stream leaves the trainer unchanged, a batch with the optional fields
+trains and its repeat must bring the same ones. Slow: with a warm start, the SFT and train
+batches streamed in 1 KiB messages train bit for bit as a second trainer trains them sent
+whole."""
 
 import grpc
 import numpy as np
@@ -17,6 +20,7 @@ from rlax_tpu.rpc import make_channel
 from rlax_tpu.rpc.protos import trainer_pb2 as pb
 from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
 from rlax_tpu.trainer.client import TrainerClient
+from rlax_tpu.trainer.service import batch_from_arrays
 from rlax_tpu.trainer.wire import (
     SFT_STEP,
     TRAIN_STEP,
@@ -24,6 +28,7 @@ from rlax_tpu.trainer.wire import (
     BatchLimits,
     BatchReceiver,
     TruncatedStreamError,
+    batch_digest,
     batch_stream,
     pack_batch,
     unpack_batch,
@@ -65,10 +70,21 @@ def with_header(chunks: list, **changes) -> list:
     return [pb.BatchChunk(header=header), *chunks[1:]]
 
 
-def train_chunks(step: int = 1) -> list:
-    """The messages of TrainStep `step` on the test batch, cut below LIMIT."""
-    batch = arrays_of(rollout_batch(_CONFIG, step))
+def train_chunks(step: int = 1, **optional) -> list:
+    """The messages of TrainStep `step` on the test batch (with `optional` fields), cut below
+    LIMIT."""
+    batch = {**arrays_of(rollout_batch(_CONFIG, step)), **optional}
     return list(batch_stream(step, batch, max_message_bytes=LIMIT))
+
+
+def optional_fields(seed: int = 0, rows: int = 8) -> dict[str, np.ndarray]:
+    """Dense rewards, given advantages and returns ([rows, SEQ]) and baselines ([rows])."""
+    rng = np.random.default_rng(seed)
+    per_token = {
+        name: rng.standard_normal((rows, SEQ)).astype(np.float32)
+        for name in ("token_rewards", "token_advantages", "returns")
+    }
+    return {**per_token, "baseline_rewards": rng.standard_normal(rows).astype(np.float32)}
 
 
 # -- the codec ----------------------------------------------------------------------------------
@@ -107,6 +123,78 @@ def test_data_cut_anywhere_reassembles_and_other_dtypes_are_cast():
     assert np.array_equal(got["loss_mask"], arrays["loss_mask"].astype(np.float32))
     again = unpack_batch(b"".join(pack_batch(4, arrays)), SFT_STEP, LIMITS)
     assert again[0] == 4 and np.array_equal(again[1]["targets"], arrays["targets"])
+
+
+def test_the_optional_fields_reassemble_exactly_and_absent_ones_arrive_as_none():
+    optional = optional_fields()
+    for present in (list(optional), ["token_rewards"], ["baseline_rewards"], []):
+        sent = {name: optional[name] for name in present}
+        step, got = receive(train_chunks(3, **sent))
+        assert step == 3
+        for name in optional:
+            if name in sent:
+                assert got[name].dtype == np.float32
+                np.testing.assert_array_equal(got[name], sent[name])
+            else:
+                assert got[name] is None, name
+        batch = batch_from_arrays(got)
+        assert batch_digest(batch) == batch_digest(batch_from_arrays({**got, **sent}))
+    # Other float dtypes are cast, like every float field.
+    _, got = receive(train_chunks(3, returns=optional["returns"].astype(np.float64)))
+    assert got["returns"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("token_rewards", np.zeros((8, SEQ - 1), np.float32), r"token_rewards has length 31, "),
+        ("token_advantages", np.zeros((7, SEQ), np.float32), r"token_advantages has 7 sequen"),
+        ("returns", np.zeros((8,), np.float32), r"returns must have shape \[batch, seq\], got"),
+        ("baseline_rewards", np.zeros((8, SEQ), np.float32), r"baseline_rewards must have shape "),
+        ("baseline_rewards", np.zeros((8,), np.int32), r"baseline_rewards must be a floating"),
+    ],
+    ids=["length", "rows", "rank-1", "rank-2", "dtype"],
+)
+def test_a_misshapen_optional_field_is_refused_naming_it(field, value, error):
+    receiver = BatchReceiver(TRAIN_STEP, LIMITS)
+    with pytest.raises(BatchFormatError, match=r"batch\." + error) as info:
+        for chunk in train_chunks(1, **{field: value}):
+            receiver.add(chunk)
+    assert info.value.field == f"batch.{field}"
+
+
+@pytest.mark.parametrize(
+    "field", ["token_rewards", "token_advantages", "returns", "baseline_rewards"]
+)
+def test_a_value_that_is_not_finite_is_refused_naming_its_field(field):
+    value = optional_fields()[field]
+    value.reshape(-1)[3] = np.nan
+    _, arrays = receive(train_chunks(1, **{field: value}))
+    with pytest.raises(BatchFormatError, match=f"batch.{field} holds a value that is not finite"):
+        batch_from_arrays(arrays)
+
+
+def test_the_digest_covers_each_optional_field_present_and_no_other():
+    batch = rollout_batch(_CONFIG, 0)
+    # The digest of this batch before the optional fields existed: runs with a recorded
+    # result keep answering their repeats.
+    assert batch_digest(batch) == "6d29f0f48dfba3e49bcd5182e8222216"
+    optional = optional_fields()
+    digests = {batch_digest(batch)}
+    for name, value in optional.items():
+        with_field = batch.replace(**{name: value})
+        assert batch_digest(with_field) == batch_digest(batch.replace(**{name: value.copy()}))
+        changed = value.copy()
+        changed.reshape(-1)[0] += 1.0
+        assert batch_digest(batch.replace(**{name: changed})) != batch_digest(with_field)
+        digests.add(batch_digest(with_field))
+    # All zeros is present, not absent; the same values under another field differ.
+    zeros = np.zeros((8, SEQ), np.float32)
+    digests |= {batch_digest(batch.replace(token_rewards=zeros))}
+    digests |= {batch_digest(batch.replace(returns=zeros))}
+    assert len(digests) == 1 + len(optional) + 2
+    # What the trainer computes itself is not digested.
+    assert batch_digest(batch.replace(rollout_logprobs=zeros)) == batch_digest(batch)
 
 
 def test_a_stream_without_its_end_is_truncated():
@@ -304,6 +392,32 @@ def test_after_refused_streams_the_next_step_trains_and_a_done_step_is_answered(
     second = client.train_step(1, rollout_batch(_CONFIG, 1))
     assert (second.step, second.version, second.already_done) == (1, 2, False)
     assert client.status().version == 2
+
+
+def test_optional_fields_train_through_the_server_and_a_repeat_must_bring_the_same(
+    first_step, client
+):
+    """A batch with every optional field, streamed in 1 KiB messages, trains; repeated with
+    the same fields it is answered from its record, with other token rewards (or without
+    them) it is refused as another batch; a misshapen one is refused naming the field."""
+    step = client.status().version  # 1, or 2 after the test above
+    batch = rollout_batch(_CONFIG, step).replace(**optional_fields(step))
+    bad = batch.replace(token_rewards=np.zeros((8, SEQ - 1), np.float32))
+    error = call_error(client.train_step, step, bad)
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "batch.token_rewards has length 31" in str(error)
+    result = client.train_step(step, batch)
+    assert (result.step, result.already_done) == (step, False)
+    assert np.isfinite(result.metrics["loss"])
+    again = client.train_step(step, rollout_batch(_CONFIG, step).replace(**optional_fields(step)))
+    assert again.already_done and again.metrics == result.metrics
+    other = optional_fields(step)["token_rewards"]
+    other[0, SEQ // 2] += 1.0
+    for changed in (batch.replace(token_rewards=other), batch.replace(token_rewards=None)):
+        error = call_error(client.train_step, step, changed)
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "repeated with another batch" in str(error)
+    assert client.status().version == step + 1
 
 
 @pytest.mark.slow

@@ -37,6 +37,18 @@ class RolloutBatch:
     reference_logprobs: float32[batch, seq] | None — log π_ref(targets), for the KL
         term, trajectory balance and DPO.
     values: float32[batch, seq] | None — value-head predictions at rollout time (GAE).
+    rollout_logprobs: float32[batch, seq] | None — log π_rollout(targets), the inference
+        workers' own log-probs, kept when behaviour_logprobs holds the trainer's recomputed
+        π_old: the rollout correction (TIS/MIS, the mismatch gate) weighs π_old/π_rollout.
+    token_rewards: float32[batch, seq] | None — dense per-token rewards (process rewards,
+        tool-use turns, a KL folded into the reward), added to the sequence reward, which
+        arrives at each row's last response token.
+    token_advantages: float32[batch, seq] | None — advantages computed outside the trainer,
+        used as they are by advantage="given".
+    returns: float32[batch, seq] | None — value targets computed outside the trainer; the
+        value loss regresses them instead of A + V_old.
+    baseline_rewards: float32[batch] | None — a per-sequence reward baseline b_i (ReMax: the
+        reward of the prompt's greedy response), subtracted by advantage="remax".
     """
 
     tokens: jax.Array
@@ -47,6 +59,11 @@ class RolloutBatch:
     versions: jax.Array
     reference_logprobs: jax.Array | None = None
     values: jax.Array | None = None
+    rollout_logprobs: jax.Array | None = None
+    token_rewards: jax.Array | None = None
+    token_advantages: jax.Array | None = None
+    returns: jax.Array | None = None
+    baseline_rewards: jax.Array | None = None
 
     @property
     def targets(self) -> jax.Array:

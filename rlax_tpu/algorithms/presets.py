@@ -118,9 +118,24 @@ def reinforce_pp_batch() -> AlgorithmConfig:
     KL is the k2 loss term R instead, whose gradient β·(log π_θ − log π_ref)·∇log π_θ is
     the same-token part of the in-reward KL's gradient (a k1 loss would have none in
     expectation). Parts: w = 1/(B|y_i|), ρ = sg(r_t), A = batch_norm, M = PPO clip mask,
-    R = β·k2.
+    R = β·k2. The paper's exact form, KL in the reward, is `reinforce_pp_return_to_go`.
     """
     return AlgorithmConfig.preset("reinforce_pp_batch")
+
+
+def reinforce_pp_return_to_go() -> AlgorithmConfig:
+    """REINFORCE++ as published (Hu et al. 2025), verl's reinforce_plus_plus estimator.
+
+    R_t = r·1[t = |y|] − β·log(π_old(y_t)/π_ref(y_t)) (k1 KL folded into the reward,
+    β = 0.01), G_t = Σ_{s≥t} γ^{s−t} R_s (γ = 1), Â_t = (G_t − mean G)·(var G + 1e-8)^−½
+    over every response token of the batch (var with n − 1: verl's masked_whiten);
+    J = 1/B Σ_i 1/|y_i| Σ_t min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t), ε = 0.2, no KL loss.
+    Parts: w = 1/(B|y_i|), ρ = sg(r_t), A = reinforce_pp_return_to_go (whitened by the
+    estimator itself, so whiten_advantages stays off), M = PPO clip mask, R in the reward.
+    verl's example run keeps the reward unshaped and adds a k2 loss instead:
+    kl_in_reward=False, kl_estimator="k2", kl_beta=1e-3.
+    """
+    return AlgorithmConfig.preset("reinforce_pp_return_to_go")
 
 
 def ppo() -> AlgorithmConfig:
@@ -129,8 +144,13 @@ def ppo() -> AlgorithmConfig:
     J = 1/N Σ_{i,t} min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t) − c_V·½ max((V−R)², (V_clip−R)²),
     Â = GAE(γ = 1, λ = 0.95) over V_old with the reward at the last token, R = Â + V_old,
     V_clip = V_old + clip(V − V_old, ±0.2), ε = 0.2, c_V = 0.1; mean over all response
-    tokens. Huang et al. add a k1 KL (0.05) to the reward; here KL is the loss term R
-    (set kl_beta, kl_estimator="k2" to add one).
+    tokens. The policy sees Â whitened over the batch's response tokens,
+    (Â − mean)·(var + 1e-8)^−½ with var over n − 1, as verl's compute_gae_advantage_return
+    and Tunix's compute_gae_advantages do (whiten_advantages=True; R uses Â before it).
+    Every other preset leaves whiten_advantages off: their papers' advantages are not
+    whitened per token, or the estimator whitens itself (reinforce_pp_return_to_go).
+    Huang et al. add a k1 KL (0.05) to the reward: kl_beta=0.05, kl_estimator="k1",
+    kl_in_reward=True (verl's use_kl_in_reward, Tunix's default); none here.
     """
     return AlgorithmConfig.preset("ppo")
 
@@ -143,6 +163,108 @@ def aipo() -> AlgorithmConfig:
     J = 1/B Σ_i Σ_t sg(min(r_t, ρ)) Â_i log π_θ(y_t): w = 1/B, ρ = token truncated, M = 1.
     """
     return AlgorithmConfig.preset("aipo")
+
+
+def remax() -> AlgorithmConfig:
+    """ReMax (Li et al. 2023), in verl's recipe (examples/remax_trainer).
+
+    Â_t = Σ_{s≥t} R_s − r(x, ȳ), ȳ the prompt's greedy response (batch.baseline_rewards),
+    R_t = r·1[t = |y|] − β·log(π_old(y_t)/π_ref(y_t)) (k1 KL in the reward, β = 1e-3), no
+    std normalisation; J = 1/N Σ_{i,t} min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t), ε = 0.2,
+    N = the batch's response tokens (verl's token mean). The paper's on-policy REINFORCE,
+    g = 1/B Σ_i (r(y_i) − r(ȳ_i)) Σ_t ∇log π_θ(y_{i,t}), is this with one step per batch
+    (r_t = 1, the clip idle), β = 0 and aggregation="sequence_sum" (w = 1/B). The rollout
+    side must score each prompt's greedy response and pass it as baseline_rewards.
+    """
+    return AlgorithmConfig.preset("remax")
+
+
+def opo() -> AlgorithmConfig:
+    """OPO (Hao et al. 2025, 'On-Policy RL with Optimal Reward Baseline'), as in verl.
+
+    Â_i = r_i − b_g, b_g = Σ_{j∈g}|y_j| r_j / Σ_{j∈g}|y_j| (the length-weighted group mean:
+    the baseline of least gradient variance), no std normalisation;
+    J = 1/N Σ_{i,t} min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i), ε = 0.2, token mean, no KL, no
+    entropy bonus. Exact on-policy training (one optimizer step per batch: verl's
+    ppo_mini_batch_size = train_batch_size) is the trainer's schedule; then r_t = 1, the
+    clip never binds and ∇J = 1/N Σ_{i,t} Â_i ∇log π_θ(y_{i,t}).
+    """
+    return AlgorithmConfig.preset("opo")
+
+
+def gpg() -> AlgorithmConfig:
+    """GPG (Chu et al. 2025, 'GPG: A Simple and Strong RL Baseline for Model Reasoning').
+
+    J = 1/N Σ_{i,t} Â_i log π_θ(y_{i,t}): plain policy gradient, no ratio, no clip, no KL,
+    no reference; N = the batch's response tokens. Â_i = α(r_i − mean_g r)/F_norm, F_norm = 1,
+    α = B/(B − M), M the samples in groups whose rewards are all equal (no gradient; α
+    rescales the others: the paper's accurate gradient estimation, AMAP-ML/GPG's
+    adjust_gd). verl's compute_gpg_outcome_advantage instead takes α = B/#{i: r_i ≠ 0}
+    and a group mean of 0 for one-sample groups. GPG also resamples until half the groups
+    carry signal (min_inverse_alpha = 0.5): the controller's dynamic sampling.
+    """
+    return AlgorithmConfig.preset("gpg")
+
+
+def grpo_dual_clip() -> AlgorithmConfig:
+    """GRPO with dual-clip PPO (Ye et al. 2020, 'Mastering Complex Control in MOBA Games with
+    Deep RL'), at verl's default c = 3 (clip_ratio_c).
+
+    J = 1/B Σ_i 1/|y_i| Σ_t [ℓ_t − β D_KL^{k3}], ℓ_t = min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i)
+    for Â_i ≥ 0 and max(min(r_t Â_i, clip(r_t, 1−ε, 1+ε) Â_i), c·Â_i) for Â_i < 0: a
+    negative-advantage token whose ratio exceeds c contributes the constant c·Â_i and no
+    gradient (M = 0), so one stale, unlikely token cannot push the update without bound.
+    ε = 0.2, β = 0.04, c = 3, otherwise GRPO.
+    """
+    return AlgorithmConfig.preset("grpo_dual_clip")
+
+
+def clip_cov() -> AlgorithmConfig:
+    """Clip-Cov (Cui et al. 2025, 'The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models'), in the authors' verl recipe (recipe/entropy, 7B).
+
+    cov_t = (log π_θ(y_t) − mean log π_θ)(Â_t − mean Â) over the batch's N response tokens;
+    I = max(⌊r·N⌋, 1) tokens drawn uniformly from {t : ω_low < cov_t < ω_high, not clipped}
+    (deterministic: the draw's key is the trainer step). J = 1/N Σ_{t∉I} min(r_t Â_t,
+    clip(r_t, 1−ε, 1+ε) Â_t): the tokens in I carry neither value nor gradient (M = 0).
+    r = 2e-4, [ω_low, ω_high] = [1, 5], ε = 1 (the recipe's wide clip), Â as GRPO, token
+    mean, no KL.
+    """
+    return AlgorithmConfig.preset("clip_cov")
+
+
+def kl_cov() -> AlgorithmConfig:
+    """KL-Cov (Cui et al. 2025), in the authors' verl recipe (recipe/entropy, 7B).
+
+    cov_t as Clip-Cov's; I_KL = the max(⌊k·N⌋, 1) tokens of largest cov_t;
+    J = 1/N Σ_t [r_t Â_t − κ·1[t ∈ I_KL]·|log π_θ(y_t) − log π_old(y_t)|], unclipped
+    (M = 1), k = 2e-3, κ = 1, Â as GRPO, token mean, no KL to π_ref. The penalty's gradient,
+    −κ·sign(log π_θ − log π_old)·∇log π_θ, pulls the selected tokens back to π_old.
+    """
+    return AlgorithmConfig.preset("kl_cov")
+
+
+def gmpo() -> AlgorithmConfig:
+    """GMPO (Zhao et al. 2025, 'Geometric-Mean Policy Optimization'; verl's geo_mean).
+
+    J = 1/B Σ_i Â_i·exp(1/|y_i| Σ_t sgn(Â_i)·min(sgn(Â_i)·log r_t, sgn(Â_i)·clip(log r_t,
+    −ε_low, ε_high))), ε = 0.4 in log space (r ∈ (e^−0.4, e^0.4)), Â as GRPO, no KL: the
+    geometric mean of the token ratios, each clipped on the side Â pushes it. ∇J =
+    1/B Σ_i Â_i G_i 1/|y_i| Σ_t M_t ∇log π_θ(y_t): w = 1/(B|y_i|), ρ = G_i (the clipped
+    geometric mean), M = sequence_log_clip (0 on clipped tokens).
+    """
+    return AlgorithmConfig.preset("gmpo")
+
+
+def sapo() -> AlgorithmConfig:
+    """SAPO (Gao et al. 2025, 'Soft Adaptive Policy Optimization', Qwen team; verl's sapo).
+
+    J = 1/B Σ_i 1/|y_i| Σ_t f_{i,t}(r_t) Â_i, f(r) = σ(τ(r − 1))·4/τ with τ = τ_pos = 1 for
+    Â > 0 and τ = τ_neg = 1.05 otherwise: a smooth gate in place of PPO's hard clip, Â as
+    GRPO, no KL. ∇J = 1/B Σ_i 1/|y_i| Σ_t r_t·4σ(1 − σ)·Â_i ∇log π_θ(y_t): ρ = sg(r_t),
+    M = token_soft_gate (4σ(τ(r−1))(1 − σ(τ(r−1))), 1 at r = 1).
+    """
+    return AlgorithmConfig.preset("sapo")
 
 
 def trajectory_balance() -> AlgorithmConfig:
@@ -177,8 +299,17 @@ PRESETS: dict[str, Callable[[], AlgorithmConfig]] = {
     "cispo": cispo,
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_batch": reinforce_pp_batch,
+    "reinforce_pp_return_to_go": reinforce_pp_return_to_go,
     "ppo": ppo,
     "aipo": aipo,
+    "remax": remax,
+    "opo": opo,
+    "gpg": gpg,
+    "grpo_dual_clip": grpo_dual_clip,
+    "clip_cov": clip_cov,
+    "kl_cov": kl_cov,
+    "gmpo": gmpo,
+    "sapo": sapo,
     "trajectory_balance": trajectory_balance,
     "online_dpo": online_dpo,
 }

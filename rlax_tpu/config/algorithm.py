@@ -1,15 +1,28 @@
 """The RL objective's config: a preset name plus per-part choices and hyperparameters.
 
 Importable without JAX (the CLI reads configs before JAX starts); the JAX side that
-implements the parts is rlax_tpu.algorithms, which registers exactly the names listed
-here (checked by tests).
+implements the parts is rlax_tpu.algorithms, which registers exactly the built-in names
+listed here (checked by tests). Parts and presets of the user's own are registered by the
+modules named in `plugins` (rlax_tpu.algorithms.registry), imported when a config naming
+them is validated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from rlax_tpu.config.base import ConfigBase, require
+from rlax_tpu.config.base import ConfigBase, ConfigError, require
+from rlax_tpu.user_modules import import_user_module
+
+# Part field -> the AlgorithmConfig tuple of its built-in names.
+_CHOICES = {
+    "aggregation": "AGGREGATIONS",
+    "importance_weight": "IMPORTANCE_WEIGHTS",
+    "advantage": "ADVANTAGES",
+    "gradient_mask": "GRADIENT_MASKS",
+    "kl_estimator": "KL_ESTIMATORS",
+}
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -40,7 +53,13 @@ class AlgorithmConfig(ConfigBase):
     # How a sequence-level ratio is formed from token ratios: GSPO's length-normalised
     # geometric mean, or the full product π(y)/μ(y) (Proximal RLOO).
     sequence_ratio: str = ""
-    kl_estimator: str = ""  # R: k1, k2 or k3 (Schulman's estimators of KL(π_θ‖π_ref))
+    kl_estimator: str = ""  # R: k1, k2, k3 (Schulman's estimators of KL(π_θ‖π_ref)) or abs
+    # The trainer–inference mismatch correction (rlax_tpu.algorithms.rollout_correction):
+    # an extra stop-gradient factor π_old/π_rollout per token (TIS: truncated at C; MIS:
+    # zeroed outside [C_low, C]), at token or sequence level; needs batch.rollout_logprobs.
+    rollout_correction: str = ""  # none, token_tis, sequence_tis, token_mis, sequence_mis
+    # Covariance-based entropy control (Cui et al. 2025): none, clip_cov or kl_cov.
+    covariance_control: str = ""
     # -- hyperparameters (None = the preset's value) ----------------------------------
     clip_eps_low: float | None = None  # M: mask where ratio < 1 − ε_low and A < 0
     clip_eps_high: float | None = None  # M: mask where ratio > 1 + ε_high and A > 0
@@ -57,13 +76,46 @@ class AlgorithmConfig(ConfigBase):
     # The trainer copies π_θ into π_ref every this many steps (TBA's ρ; 0 = never).
     reference_reset_every: int | None = None
     entropy_coef: float | None = None  # weight of the entropy bonus (needs entropies)
-    gae_gamma: float | None = None  # A = gae: discount γ
+    gae_gamma: float | None = None  # A = gae, reinforce_pp_return_to_go: discount γ
     gae_lambda: float | None = None  # A = gae: λ
-    value_loss_coef: float | None = None  # weight of the value-head loss (A = gae)
+    # Weight of the value-head loss; it regresses batch.returns when the batch carries
+    # them, else the GAE returns A + V_old (advantage='gae').
+    value_loss_coef: float | None = None
     value_clip_eps: float | None = None  # PPO value clipping around the old values (0 = off)
+    # Fold the KL into the reward instead of adding the loss term R (verl's
+    # use_kl_in_reward, Tunix's PPO): R_t −= β·kl_t, kl_t the kl_estimator of
+    # log π_behaviour − log π_ref per token, stop-gradient.
+    kl_in_reward: bool | None = None
+    # Whiten A over the batch's response tokens: (A − mean)·rsqrt(var + 1e-8), var with
+    # n − 1 (verl's and Tunix's masked_whiten, which both apply it to GAE).
+    whiten_advantages: bool | None = None
+    pass_at_k: int | None = None  # A = pass_at_k: the k of pass@k (Chen et al. 2025)
+    # Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): where A < 0 and the ratio
+    # exceeds c the loss is the constant c·A, so M = 0 there; 0 = off, else > 1.
+    dual_clip_c: float | None = None
+    # The rollout correction's upper bound C (verl's rollout_is_threshold) and MIS's lower
+    # bound C_low (0 = 1/C).
+    rollout_is_threshold: float | None = None
+    rollout_is_threshold_lower: float | None = None
+    # The mismatch gate (Tunix's seq_logprob_error_threshold): drop a sequence whose
+    # 1/|y| Σ_t exp(|log π_old − log π_rollout|) exceeds it (0 = off, else >= 1).
+    rollout_gate_threshold: float | None = None
+    kl_clamp: float | None = None  # R: clip each token's KL estimate to ±kl_clamp (0 = off)
+    # Clip-Cov / KL-Cov: the fraction of response tokens they select (r, k), Clip-Cov's
+    # covariance window (ω_low, ω_high), KL-Cov's penalty weight κ.
+    cov_ratio: float | None = None
+    cov_bounds_low: float | None = None
+    cov_bounds_high: float | None = None
+    cov_kl_coef: float | None = None
+    # M = token_soft_gate (SAPO): the gate's temperatures for A > 0 and A < 0.
+    soft_gate_tau_pos: float | None = None
+    soft_gate_tau_neg: float | None = None
     # L in max-length normalisation w = 1/(B·L): the generation budget; 0 = the batch's
     # padded sequence length.
     max_response_len: int = 0
+    # Modules of the user's that register parts and presets (rlax_tpu.algorithms.registry):
+    # dotted names or paths to .py files, imported when this config is validated.
+    plugins: tuple[str, ...] = ()
 
     # Names of every part; rlax_tpu.algorithms registers exactly these (tested), and
     # this module stays importable without JAX.
@@ -91,10 +143,24 @@ class AlgorithmConfig(ConfigBase):
         "group_mean_batch_norm",
         "gae",
         "reward",
+        "given",
+        "reinforce_pp_return_to_go",
+        "remax",
+        "opo",
+        "gpg",
+        "pass_at_k",
     )
-    GRADIENT_MASKS = ("keep_all", "ppo_clip", "sequence_clip")
+    GRADIENT_MASKS = (
+        "keep_all",
+        "ppo_clip",
+        "sequence_clip",
+        "token_soft_gate",
+        "sequence_log_clip",
+    )
     SEQUENCE_RATIOS = ("geometric_mean", "product")
-    KL_ESTIMATORS = ("k1", "k2", "k3")
+    KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+    ROLLOUT_CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mis", "sequence_mis")
+    COVARIANCE_CONTROLS = ("none", "clip_cov", "kl_cov")
     # Objectives outside the J above, taking the same batch.
     SEPARATE_OBJECTIVES = ("trajectory_balance", "online_dpo")
     # Fields only the policy-gradient objective reads.
@@ -114,6 +180,22 @@ class AlgorithmConfig(ConfigBase):
         "gae_lambda",
         "value_loss_coef",
         "value_clip_eps",
+        "kl_in_reward",
+        "whiten_advantages",
+        "pass_at_k",
+        "rollout_correction",
+        "covariance_control",
+        "dual_clip_c",
+        "rollout_is_threshold",
+        "rollout_is_threshold_lower",
+        "rollout_gate_threshold",
+        "kl_clamp",
+        "cov_ratio",
+        "cov_bounds_low",
+        "cov_bounds_high",
+        "cov_kl_coef",
+        "soft_gate_tau_pos",
+        "soft_gate_tau_neg",
     )
 
     # Each preset's values, as published (sources in rlax_tpu/algorithms/presets.py and
@@ -139,6 +221,24 @@ class AlgorithmConfig(ConfigBase):
         "gae_lambda": 0.95,
         "value_loss_coef": 0.0,
         "value_clip_eps": 0.0,
+        "kl_in_reward": False,
+        "whiten_advantages": False,
+        "pass_at_k": 1,
+        # Off in every published preset (their papers have none); the numbers are verl's
+        # defaults, used when one is switched on.
+        "rollout_correction": "none",
+        "covariance_control": "none",
+        "dual_clip_c": 0.0,
+        "rollout_is_threshold": 2.0,
+        "rollout_is_threshold_lower": 0.0,
+        "rollout_gate_threshold": 0.0,
+        "kl_clamp": 0.0,
+        "cov_ratio": 2e-4,
+        "cov_bounds_low": 1.0,
+        "cov_bounds_high": 5.0,
+        "cov_kl_coef": 0.1,
+        "soft_gate_tau_pos": 1.0,
+        "soft_gate_tau_neg": 1.05,
     }
     _PRESET_VALUES = {
         # Williams 1992: plain reward times the sequence log-likelihood.
@@ -200,7 +300,7 @@ class AlgorithmConfig(ConfigBase):
         },
         # Hu et al. 2025, REINFORCE++ proper (k >= 1): batch-normalised reward, no group
         # baseline, PPO clip 0.2, β = 0.01. The paper's k1 KL in the reward is
-        # approximated by a k2 loss term (the parts cannot fold a KL into the reward).
+        # approximated by a k2 loss term (reinforce_pp_return_to_go has the exact form).
         "reinforce_pp_batch": {
             **_PG,
             "advantage": "batch_norm",
@@ -208,13 +308,26 @@ class AlgorithmConfig(ConfigBase):
             "kl_beta": 0.01,
             "kl_beta_final": 0.01,
         },
-        # Schulman et al. 2017 + GAE 2015; LLM settings of Huang et al. 2024.
+        # Hu et al. 2025, REINFORCE++ as published (verl's reinforce_plus_plus): k1 KL
+        # in the reward (β = 0.01), returns-to-go with γ = 1, whitened over the batch's
+        # tokens, PPO clip 0.2.
+        "reinforce_pp_return_to_go": {
+            **_PG,
+            "advantage": "reinforce_pp_return_to_go",
+            "kl_estimator": "k1",
+            "kl_beta": 0.01,
+            "kl_beta_final": 0.01,
+            "kl_in_reward": True,
+        },
+        # Schulman et al. 2017 + GAE 2015; LLM settings of Huang et al. 2024; advantages
+        # whitened over the batch's response tokens as in verl and Tunix.
         "ppo": {
             **_PG,
             "aggregation": "token_mean",
             "advantage": "gae",
             "value_loss_coef": 0.1,
             "value_clip_eps": 0.2,
+            "whiten_advantages": True,
         },
         # Wu et al. 2025 (LlamaRL) §6: min(π/μ, ρ), group-mean baseline, no clip mask;
         # ρ = 2, the low (low-variance) end of the recommended [2, 10].
@@ -225,6 +338,70 @@ class AlgorithmConfig(ConfigBase):
             "advantage": "group_mean",
             "gradient_mask": "keep_all",
             "rho_max": 2.0,
+        },
+        # Li et al. 2023: A = r(y) − r(greedy y); verl's recipe: k1 KL in the reward
+        # (β = 1e-3), PPO clip 0.2, token mean.
+        "remax": {
+            **_PG,
+            "aggregation": "token_mean",
+            "advantage": "remax",
+            "kl_estimator": "k1",
+            "kl_beta": 1e-3,
+            "kl_beta_final": 1e-3,
+            "kl_in_reward": True,
+        },
+        # Hao et al. 2025: length-weighted group baseline, no std, no KL, no entropy
+        # bonus; verl's recipe: token mean, PPO clip (inert when exactly on-policy).
+        "opo": {**_PG, "aggregation": "token_mean", "advantage": "opo"},
+        # Chu et al. 2025: plain policy gradient (no ratio, no clip, no KL), token mean,
+        # A = α(r − mean_g r), α = B/(B − #rows of all-equal groups), F_norm = 1.
+        "gpg": {
+            **_PG,
+            "aggregation": "token_mean",
+            "importance_weight": "one",
+            "advantage": "gpg",
+            "gradient_mask": "keep_all",
+        },
+        # GRPO with dual-clip PPO (Ye et al. 2020) at verl's clip_ratio_c = 3.
+        "grpo_dual_clip": {**_PG, "kl_beta": 0.04, "kl_beta_final": 0.04, "dual_clip_c": 3.0},
+        # Cui et al. 2025, the authors' verl recipe (7B): GRPO advantages, token mean, no
+        # KL, PPO clip ε = 1 (wide), Clip-Cov on r = 2e-4 of the tokens, cov ∈ (1, 5).
+        "clip_cov": {
+            **_PG,
+            "aggregation": "token_mean",
+            "clip_eps_low": 1.0,
+            "clip_eps_high": 1.0,
+            "covariance_control": "clip_cov",
+            "cov_ratio": 2e-4,
+            "cov_bounds_low": 1.0,
+            "cov_bounds_high": 5.0,
+        },
+        # Cui et al. 2025, the authors' verl recipe (7B): unclipped ρA, KL-Cov on the top
+        # k = 2e-3 of the tokens by covariance with κ = 1; token mean, no KL.
+        "kl_cov": {
+            **_PG,
+            "aggregation": "token_mean",
+            "gradient_mask": "keep_all",
+            "covariance_control": "kl_cov",
+            "cov_ratio": 2e-3,
+            "cov_kl_coef": 1.0,
+        },
+        # Zhao et al. 2025: geometric mean of the token ratios, each clipped in log space
+        # to (−0.4, 0.4) against A's sign; GRPO advantages, mean over sequences, no KL.
+        "gmpo": {
+            **_PG,
+            "importance_weight": "sequence",
+            "gradient_mask": "sequence_log_clip",
+            "clip_eps_low": 0.4,
+            "clip_eps_high": 0.4,
+        },
+        # Gao et al. 2025 (Qwen team): soft gate σ(τ(r−1))·4/τ in place of the clip,
+        # τ_pos = 1, τ_neg = 1.05; GRPO advantages, sequence mean of token means, no KL.
+        "sapo": {
+            **_PG,
+            "gradient_mask": "token_soft_gate",
+            "soft_gate_tau_pos": 1.0,
+            "soft_gate_tau_neg": 1.05,
         },
         # Bartoldson et al. 2025 (TBA), GSM8K Table 2: β 0.012 → 0.004 linearly by step 500.
         "trajectory_balance": {
@@ -243,8 +420,50 @@ class AlgorithmConfig(ConfigBase):
             "reference_reset_every": 0,
         },
     }
-    PRESET_NAMES = tuple(_PRESET_VALUES)
+    PRESET_NAMES = tuple(_PRESET_VALUES)  # the built-in ones
     PRESETS = {n: (lambda n=n: AlgorithmConfig(name=n)) for n in PRESET_NAMES}
+    # Part names that plugins registered, by field (rlax_tpu.algorithms.registry).
+    _REGISTERED_PARTS: ClassVar[dict[str, list[str]]] = {}
+
+    @classmethod
+    def choices(cls, field: str) -> tuple[str, ...]:
+        """The valid names of part `field` ("advantage", ...): built-in, then registered."""
+        built_in = getattr(cls, _CHOICES[field])
+        return built_in + tuple(cls._REGISTERED_PARTS.get(field, ()))
+
+    @classmethod
+    def register_part_name(cls, field: str, name: str) -> None:
+        """Make `name` a valid choice of part `field` (the JAX side registers the part)."""
+        if name not in cls.choices(field):
+            cls._REGISTERED_PARTS.setdefault(field, []).append(name)
+
+    @classmethod
+    def register_preset(cls, name: str, *, base: str, values: dict) -> AlgorithmConfig:
+        """Register preset `name`: preset `base`'s values updated by `values`. Returns it
+        resolved; ValueError (ConfigError) naming the problem if it does not validate."""
+        if not name.isidentifier():
+            raise ValueError(f"a preset name must be a Python identifier, got {name!r}")
+        if name in cls._PRESET_VALUES:
+            if name not in cls.PRESET_NAMES and cls._PRESET_VALUES[name] == {
+                **cls._PRESET_VALUES.get(base, {}),
+                **values,
+            }:
+                return cls.preset(name)  # the same plugin imported again
+            raise ValueError(f"preset {name!r} exists already; pick another name")
+        if base not in cls._PRESET_VALUES:
+            raise ValueError(
+                f"unknown base preset {base!r}; valid presets: {', '.join(cls._PRESET_VALUES)}"
+            )
+        fields = {f.name for f in dataclasses.fields(cls)} - {"name", "plugins"}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} are not AlgorithmConfig fields")
+        cls._PRESET_VALUES[name] = {**cls._PRESET_VALUES[base], **values}
+        try:
+            return cls.preset(name)
+        except ValueError:
+            del cls._PRESET_VALUES[name]
+            raise
 
     @classmethod
     def preset(cls, name: str, **overrides) -> AlgorithmConfig:
@@ -266,11 +485,14 @@ class AlgorithmConfig(ConfigBase):
         return self.name not in self.SEPARATE_OBJECTIVES
 
     def validate(self) -> None:
+        for plugin in self.plugins:
+            import_user_module(plugin, f"trainer.algorithm.plugins: {plugin!r}", ConfigError)
         require(
-            self.name in self.PRESET_NAMES,
+            self.name in self._PRESET_VALUES,
             "name",
             f"unknown algorithm preset {self.name!r}; valid presets: "
-            f"{', '.join(self.PRESET_NAMES)}",
+            f"{', '.join(self._PRESET_VALUES)} (a preset of your own: register it in a "
+            "module named in trainer.algorithm.plugins)",
         )
         v = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         v.update(self._inherited())
@@ -285,12 +507,14 @@ class AlgorithmConfig(ConfigBase):
             self._validate_separate_objective(v)
             return
         for field, choices in (
-            ("aggregation", self.AGGREGATIONS),
-            ("importance_weight", self.IMPORTANCE_WEIGHTS),
-            ("advantage", self.ADVANTAGES),
-            ("gradient_mask", self.GRADIENT_MASKS),
+            ("aggregation", self.choices("aggregation")),
+            ("importance_weight", self.choices("importance_weight")),
+            ("advantage", self.choices("advantage")),
+            ("gradient_mask", self.choices("gradient_mask")),
             ("sequence_ratio", self.SEQUENCE_RATIOS),
-            ("kl_estimator", self.KL_ESTIMATORS),
+            ("kl_estimator", self.choices("kl_estimator")),
+            ("rollout_correction", self.ROLLOUT_CORRECTIONS),
+            ("covariance_control", self.COVARIANCE_CONTROLS),
         ):
             require(
                 v[field] in choices,
@@ -299,7 +523,22 @@ class AlgorithmConfig(ConfigBase):
                 f"('' = the {self.name} preset's {self._PRESET_VALUES[self.name][field]!r})",
             )
         weight, mask = v["importance_weight"], v["gradient_mask"]
-        if mask != "keep_all":
+        if mask == "token_soft_gate":
+            require(
+                weight == "token",
+                "gradient_mask",
+                f"'token_soft_gate' (SAPO) gates the token ratio π_θ/μ itself; use "
+                f"importance_weight='token', got {weight!r}",
+            )
+        elif mask == "sequence_log_clip":
+            require(
+                weight == "sequence" and v["sequence_ratio"] == "geometric_mean",
+                "gradient_mask",
+                "'sequence_log_clip' (GMPO) weighs each sequence by the geometric mean of its "
+                "clipped token ratios; use importance_weight='sequence' with "
+                f"sequence_ratio='geometric_mean', got {weight!r} with {v['sequence_ratio']!r}",
+            )
+        elif mask != "keep_all":
             require(
                 weight != "one",
                 "gradient_mask",
@@ -319,9 +558,9 @@ class AlgorithmConfig(ConfigBase):
                 f"{'sequence' if mask == 'sequence_clip' else 'token'}-level importance_weight",
             )
         require(
-            0 <= v["clip_eps_low"] < 1,
+            0 <= v["clip_eps_low"] <= 1,
             "clip_eps_low",
-            f"ε_low must be in [0, 1), got {v['clip_eps_low']}",
+            f"ε_low must be in [0, 1] (1 = no lower clip), got {v['clip_eps_low']}",
         )
         require(
             v["clip_eps_high"] >= 0,
@@ -338,12 +577,81 @@ class AlgorithmConfig(ConfigBase):
             require(0 <= v[field] <= 1, field, f"must be in [0, 1], got {v[field]}")
         for field in ("entropy_coef", "value_loss_coef", "value_clip_eps", "max_response_len"):
             require(v[field] >= 0, field, f"must be >= 0, got {v[field]}")
+        # value_loss_coef > 0 with another advantage than 'gae' regresses batch.returns;
+        # whether the batch carries them is checked when the objective is called.
         require(
-            v["value_loss_coef"] == 0 or v["advantage"] == "gae",
-            "value_loss_coef",
-            f"the value head regresses GAE returns; with advantage={v['advantage']!r} "
-            "set value_loss_coef=0 or advantage='gae'",
+            not (v["kl_in_reward"] and v["advantage"] == "given"),
+            "kl_in_reward",
+            "advantage='given' uses batch.token_advantages as they are and reads no reward "
+            "to fold the KL into; fold it in where they are computed (kl_in_reward=false), "
+            "or keep the KL as the loss term (kl_in_reward=false, kl_beta > 0)",
         )
+        require(
+            v["pass_at_k"] >= 1,
+            "pass_at_k",
+            f"the k of pass@k must be >= 1 (1 = pass@1, GRPO's signal), got {v['pass_at_k']}",
+        )
+        self._validate_policy_loss_options(v)
+
+    def _validate_policy_loss_options(self, v: dict) -> None:
+        """Dual clip, the rollout correction and its gate, the KL clamp, Clip-Cov/KL-Cov and
+        SAPO's temperatures (resolved values `v`)."""
+        mask, correction = v["gradient_mask"], v["rollout_correction"]
+        require(
+            v["dual_clip_c"] == 0 or v["dual_clip_c"] > 1,
+            "dual_clip_c",
+            "must be > 1 (an A < 0 token's loss is capped at c·A once its ratio exceeds c; "
+            f"verl's default is 3) or 0 (off), got {v['dual_clip_c']}",
+        )
+        require(
+            not v["dual_clip_c"] or mask in ("ppo_clip", "sequence_clip"),
+            "dual_clip_c",
+            f"dual clip extends PPO's clip mask, and gradient_mask={mask!r} is none; use "
+            "gradient_mask='ppo_clip' (or 'sequence_clip'), or set dual_clip_c=0",
+        )
+        upper = v["rollout_is_threshold"]
+        require(upper >= 1, "rollout_is_threshold", f"C must be >= 1, got {upper}")
+        lower = v["rollout_is_threshold_lower"]
+        require(
+            0 <= lower <= upper,
+            "rollout_is_threshold_lower",
+            f"must be in [0, rollout_is_threshold={upper}] (0 = 1/C), got {lower}",
+        )
+        require(
+            lower == 0 or correction.endswith("_mis"),
+            "rollout_is_threshold_lower",
+            f"is MIS's lower bound, unused by rollout_correction={correction!r}; set it to "
+            "0, or rollout_correction='token_mis' or 'sequence_mis'",
+        )
+        gate = v["rollout_gate_threshold"]
+        require(
+            gate == 0 or gate >= 1,
+            "rollout_gate_threshold",
+            "bounds the mean of exp(|log π_old − log π_rollout|) over a sequence, which is "
+            f">= 1 (1 = exact agreement): set it >= 1 (e.g. 2) or 0 (off), got {gate}",
+        )
+        require(v["kl_clamp"] >= 0, "kl_clamp", f"must be >= 0 (0 = off), got {v['kl_clamp']}")
+        require(
+            0 < v["cov_ratio"] <= 1,
+            "cov_ratio",
+            f"the fraction of response tokens selected must be in (0, 1], got {v['cov_ratio']}",
+        )
+        require(
+            v["cov_bounds_low"] < v["cov_bounds_high"],
+            "cov_bounds_high",
+            f"Clip-Cov's window (cov_bounds_low, cov_bounds_high) = ({v['cov_bounds_low']}, "
+            f"{v['cov_bounds_high']}) is empty; make cov_bounds_high > cov_bounds_low",
+        )
+        require(v["cov_kl_coef"] >= 0, "cov_kl_coef", f"must be >= 0, got {v['cov_kl_coef']}")
+        require(
+            v["covariance_control"] == "none"
+            or v["importance_weight"].split("_")[0] in ("token", "one"),
+            "covariance_control",
+            f"{v['covariance_control']!r} selects single tokens by their covariance; use a "
+            f"token-level importance_weight, got {v['importance_weight']!r}",
+        )
+        for field in ("soft_gate_tau_pos", "soft_gate_tau_neg"):
+            require(v[field] > 0, field, f"the gate's temperature must be > 0, got {v[field]}")
 
     def _validate_separate_objective(self, v: dict) -> None:
         uses = "kl_beta (and its schedule) and reference_reset_every"

@@ -48,6 +48,51 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def _rollout_correction_fields(algorithm: AlgorithmConfig) -> list[str]:
+    """The fields of `algorithm` (resolved) that turn a rollout correction on: TIS/MIS
+    (`rollout_correction` other than "none") and the mismatch gate (a
+    `rollout_gate_threshold`). The JAX side's rule is
+    rlax_tpu.algorithms.rollout_correction.needs_rollout_logprobs."""
+    c = algorithm.resolved()
+    if not c.is_policy_gradient:
+        return []
+    fields = []
+    if c.rollout_correction not in ("none", ""):
+        fields.append(f"trainer.algorithm.rollout_correction={c.rollout_correction!r}")
+    if c.rollout_gate_threshold:
+        fields.append(f"trainer.algorithm.rollout_gate_threshold={c.rollout_gate_threshold}")
+    return fields
+
+
+def needs_rollout_logprobs(algorithm: AlgorithmConfig) -> bool:
+    """Whether `algorithm` has a rollout correction (TIS/MIS, the mismatch gate): it reads the
+    inference workers' own log-probs π_rollout next to the trainer's π_old. The JAX-free
+    twin of `Objective.needs_rollout_logprobs`."""
+    return bool(_rollout_correction_fields(algorithm))
+
+
+def greedy_baseline(algorithm: AlgorithmConfig) -> bool:
+    """Whether `algorithm` (resolved) subtracts a greedy baseline (ReMax,
+    advantage="remax"): the controller then also generates and judges one greedy response
+    per prompt and sends its reward as the group's `baseline_rewards`."""
+    c = algorithm.resolved()
+    return c.is_policy_gradient and c.advantage == "remax"
+
+
+def rollout_correction_conflict(algorithm: AlgorithmConfig) -> str:
+    """Why trainer.behaviour_logprobs="cached" cannot go with `algorithm`'s rollout
+    correction, and the fix (the message of RunConfig's check and of the trainer's)."""
+    fields = " and ".join(_rollout_correction_fields(algorithm)) or "a rollout correction"
+    return (
+        f"is 'cached', but trainer.algorithm {algorithm.name!r} has {fields}, which weighs "
+        "π_old / π_rollout; with cached behaviour log-probs π_old would be the inference "
+        "workers' π_rollout itself and the correction would be 1 on every token. Set "
+        "trainer.behaviour_logprobs=recomputed (the trainer recomputes π_old and keeps the "
+        "workers' log-probs as π_rollout), or turn the correction off "
+        "(trainer.algorithm.rollout_correction=none, trainer.algorithm.rollout_gate_threshold=0)"
+    )
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RopeScalingConfig(ConfigBase):
     """RoPE frequency scaling.
@@ -1061,6 +1106,22 @@ class RunConfig(ConfigBase):
                 "advantage without a critic (e.g. trainer.algorithm.advantage=group_mean "
                 "and trainer.algorithm.value_loss_coef=0)",
             )
+
+        require(
+            not (self.controller.replay and greedy_baseline(algorithm)),
+            "controller.replay",
+            "cannot go with trainer.algorithm.advantage='remax': ReMax's baseline is the reward "
+            "of each prompt's greedy response under the batch's version, and the replay buffer "
+            "trains on rollouts of older batches; set controller.replay=false or pick another "
+            "advantage",
+        )
+        # A rollout correction weighs π_old / π_rollout: π_old must be the trainer's recompute.
+        require(
+            self.trainer.behaviour_logprobs == "recomputed"
+            or not needs_rollout_logprobs(algorithm),
+            "trainer.behaviour_logprobs",
+            rollout_correction_conflict(algorithm),
+        )
 
     def tpu_topology(self, component: Literal["trainer", "inference"]) -> str:
         """The TPU slice `component`'s mesh runs on ("v5p:2x4x4"): its mesh's topology, else

@@ -6,7 +6,8 @@ functions of their arguments (no threads, no servers), so each rule is tested di
   unjudged sample is dropped whole: its advantages would be computed against a reward that
   does not exist), with dynamic sampling those with signal first, in draw order.
 * `assemble_batch`: the `RolloutArrays` of step b, padded to few shapes, after checking
-  every rollout is acceptable for b (b − version ≤ N; the trainer checks it again).
+  every rollout is acceptable for b (b − version ≤ N; the trainer checks it again); dense
+  per-token rewards (from a reward function of the user's) placed like the log-probs.
 """
 
 from __future__ import annotations
@@ -73,30 +74,48 @@ class Assembled:
 
 def assemble_batch(
     step: int,
-    groups: Sequence[Sequence[tuple[dict[str, Any], float]]],
+    groups: Sequence[Sequence[tuple[Any, ...]]],
     *,
     policy: StalenessPolicy,
     max_seq_len: int,
+    baselines: Sequence[float] | None = None,
 ) -> Assembled:
-    """The batch of train step `step` from `groups`, each a list of (rollout record, reward).
+    """The batch of train step `step` from `groups`, each a list of (rollout record, reward)
+    or (rollout record, reward, token rewards): a sequence of floats, one per generated
+    token (`record["tokens"]`), or None.
 
     Rows are the groups' samples in order; tokens are prompt + response, padded to
     `padded_seq_len` of the longest; position t scores tokens[t + 1], so response token j of
-    a row with prompt length P sits at P − 1 + j in the mask and behaviour log-probs. A
-    rollout that step may not train on is a ControllerError (the schedule and the replay
-    buffer's eviction prevent it; it is never trained on)."""
-    records, rewards, group_ids = [], [], []
+    a row with prompt length P sits at P − 1 + j in the mask, the behaviour log-probs and the
+    token rewards. `token_rewards` is None when no row has any (the batch of a run without
+    dense rewards is what it always was); else rows without any hold zeros. A rollout that
+    step may not train on, or token rewards that do not match its tokens, is a
+    ControllerError (the schedule and the replay buffer's eviction prevent the first, the
+    verifier the second; neither is ever trained on). `baselines`: one reward per group
+    (ReMax: the reward of the prompt's greedy response), sent as every row's
+    `baseline_rewards`; None sends none."""
+    if baselines is not None and len(baselines) != len(groups):
+        raise ControllerError(f"{len(baselines)} baselines for {len(groups)} groups")
+    records, rewards, group_ids, dense = [], [], [], []
     for g, group in enumerate(groups):
-        for record, reward in group:
+        for record, reward, *rest in group:
             if not policy.is_acceptable(step, record["version"]):
                 raise ControllerError(
                     f"rollout {record['prompt_id']}/s{record['sample_index']} has version "
                     f"{record['version']}, too stale for batch {step} "
                     f"(N={policy.max_staleness})"
                 )
+            token_rewards = rest[0] if rest else None
+            if token_rewards is not None and len(token_rewards) != len(record["tokens"]):
+                raise ControllerError(
+                    f"rollout {record['prompt_id']}/s{record['sample_index']} has "
+                    f"{len(token_rewards)} token rewards for {len(record['tokens'])} response "
+                    "tokens; a reward function gives one per generated token"
+                )
             records.append(record)
             rewards.append(reward)
             group_ids.append(g)
+            dense.append(token_rewards)
     if not records:
         raise ControllerError(f"batch {step} has no rollouts to train on")
     lengths = [len(r["prompt_tokens"]) + len(r["tokens"]) for r in records]
@@ -105,6 +124,9 @@ def assemble_batch(
     tokens = np.zeros((rows, seq), np.int32)
     mask = np.zeros((rows, seq), bool)
     behaviour = np.zeros((rows, seq), np.float32)
+    token_rewards = None
+    if any(d is not None for d in dense):
+        token_rewards = np.zeros((rows, seq), np.float32)
     for row, r in enumerate(records):
         p, resp = r["prompt_tokens"], r["tokens"]
         full = (list(p) + list(resp))[:seq]
@@ -112,6 +134,8 @@ def assemble_batch(
         n = min(len(resp), seq - len(p))
         mask[row, len(p) - 1 : len(p) - 1 + n] = True
         behaviour[row, len(p) - 1 : len(p) - 1 + n] = r["logprobs"][:n]
+        if dense[row] is not None:
+            token_rewards[row, len(p) - 1 : len(p) - 1 + n] = dense[row][:n]
     rewards_array = np.asarray(rewards, np.float32)
     versions = np.asarray([r["version"] for r in records], np.int32)
     batch = RolloutArrays(
@@ -121,6 +145,10 @@ def assemble_batch(
         rewards=rewards_array,
         behaviour_logprobs=behaviour,
         versions=versions,
+        token_rewards=token_rewards,
+        baseline_rewards=None
+        if baselines is None
+        else np.asarray([baselines[g] for g in group_ids], np.float32),
     )
     return Assembled(
         batch=batch,

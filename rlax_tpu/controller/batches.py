@@ -91,14 +91,23 @@ class BatchBuilder:
         self.log.append_verdicts(batch.index, verdicts)
 
     def _groups(self, batch: BatchState) -> list[tuple[str, bool, bool]]:
-        """(prompt key, fully judged, has reward variance) per group, in draw order."""
+        """(prompt key, fully judged, has reward variance) per group, in draw order. With a
+        greedy baseline (ReMax), a group is fully judged only with its baseline judged."""
         out = []
         for p in batch.prompts:
             group = batch.group(p)
-            judged = all(j.judged for _, j in group)
+            judged = self._judged(batch, p)
             signal = judged and group_has_signal([j.reward for _, j in group])
             out.append((p.key, judged, signal))
         return out
+
+    @staticmethod
+    def _judged(batch: BatchState, prompt: Any) -> bool:
+        """Whether the prompt's samples (and, with `batch.greedy`, its greedy baseline) are
+        all judged: a group's advantages are never computed against a missing reward."""
+        if batch.greedy and not batch.baseline(prompt)[1].judged:
+            return False
+        return all(j.judged for _, j in batch.group(prompt))
 
     def fill(self, batch: BatchState, stop: threading.Event) -> Selection | None:
         """Judge `batch` and choose its groups, drawing more prompts while dynamic sampling
@@ -141,19 +150,24 @@ class BatchBuilder:
         """The training batch of step `batch.index`: its chosen groups, or (replay mode)
         groups sampled from the replay buffer after this step's sync."""
         judged = {
-            p.key: [(rollout, j.reward) for rollout, j in batch.group(p)]
+            p.key: [(rollout, j.reward, j.token_rewards) for rollout, j in batch.group(p)]
             for p in batch.prompts
-            if all(j.judged for _, j in batch.group(p))
+            if self._judged(batch, p)
         }
-        if self.replay is not None:
+        baselines = None
+        if self.replay is not None:  # (RunConfig refuses a greedy baseline with replay)
             uids = {p.key: f"{p.record.dataset}:{p.record.id}" for p in batch.prompts}
             new = self.replay.entries(batch.index, [(uids[k], g) for k, g in judged.items()])
             groups = self.replay.groups(batch.index, new)
         else:
             groups = [judged[key] for key in selection.keys]
+            if batch.greedy:  # ReMax: each group's greedy reward is its rows' baseline
+                by_key = {p.key: p for p in batch.prompts}
+                baselines = [batch.baseline(by_key[k])[1].reward for k in selection.keys]
         return assemble_batch(
             batch.index,
             groups,
             policy=self.policy,
             max_seq_len=self.max_seq_len,
+            baselines=baselines,
         )

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import Assembled
 from rlax_tpu.controller.batches import BatchBuilder
 from rlax_tpu.controller.datasets import encode_prompt, stop_tokens
@@ -111,6 +112,8 @@ class Controller:
         self.stop = stop or threading.Event()
         self.digest = digest or config.digest()  # of the config the user ran
         self.num_steps, self.samples = ctl.num_steps, ctl.samples_per_prompt
+        # ReMax: a greedy response per prompt, judged, its reward the group's baseline.
+        self.greedy_baseline = greedy_baseline(config.trainer.algorithm)
         self.schedule = Schedule(config)
         self.policy = self.schedule.policy
         stops = stop_tokens(config.inference.stop_token_ids, tokenizer)
@@ -329,7 +332,7 @@ class Controller:
     def _launch_ahead(self, step: int) -> None:
         """Start every batch whose version is published (trainer at version `step`)."""
         for b, version in self.schedule.to_launch(step, self._batches):
-            batch = BatchState(b, version, self.samples)
+            batch = BatchState(b, version, self.samples, greedy=self.greedy_baseline)
             self._batches[b] = batch
             self.pool.submit(batch, self._draw(b))
 
@@ -351,7 +354,10 @@ class Controller:
             return
         self.builder.judge(batch)
         groups = [
-            (f"{p.record.dataset}:{p.record.id}", [(r, j.reward) for r, j in batch.group(p)])
+            (
+                f"{p.record.dataset}:{p.record.id}",
+                [(r, j.reward, j.token_rewards) for r, j in batch.group(p)],
+            )
             for p in batch.prompts
             if all(j.judged for _, j in batch.group(p))
         ]

@@ -41,6 +41,9 @@ _log = logging.getLogger(__name__)
 
 FINAL_REASONS = ("stop", "length")
 _TIMINGS = ("load_s", "generate_s", "log_s")
+# The sample index of a prompt's greedy response (ReMax's baseline, `BatchState.greedy`):
+# logged, judged and keyed like the K samples, never trained on.
+GREEDY_SAMPLE = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +58,9 @@ class Prompt:
 
 @dataclasses.dataclass
 class BatchState:
-    """One batch as its rollouts arrive and are judged, by (prompt key, sample index)."""
+    """One batch as its rollouts arrive and are judged, by (prompt key, sample index).
+    With `greedy` (ReMax), each prompt also has a greedy response at GREEDY_SAMPLE, whose
+    reward is its group's baseline."""
 
     index: int
     version: int
@@ -70,10 +75,16 @@ class BatchState:
     timing: dict[str, float] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(_TIMINGS, 0.0)
     )
+    greedy: bool = False
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """Every prompt's rollouts: the K samples, then the greedy one (with `greedy`)."""
+        return [*range(self.samples), *([GREEDY_SAMPLE] if self.greedy else [])]
 
     @property
     def expected(self) -> int:
-        return len(self.prompts) * self.samples
+        return len(self.prompts) * len(self.sample_indices)
 
     def group(self, prompt: Prompt) -> list[tuple[dict[str, Any], Judgement]]:
         """The prompt's samples in index order: (rollout record, judgement)."""
@@ -82,12 +93,17 @@ class BatchState:
             for i in range(self.samples)
         ]
 
+    def baseline(self, prompt: Prompt) -> tuple[dict[str, Any], Judgement]:
+        """The prompt's greedy response: (rollout record, judgement); only with `greedy`."""
+        key = (prompt.key, GREEDY_SAMPLE)
+        return self.rollouts[key], self.judgements[key]
+
     def unjudged(self) -> list[tuple[Prompt, int]]:
         """(prompt, sample index) of every rollout that has no judgement yet, in draw order."""
         return [
             (p, i)
             for p in self.prompts
-            for i in range(self.samples)
+            for i in self.sample_indices
             if (p.key, i) not in self.judgements
         ]
 
@@ -322,13 +338,17 @@ class GenerationPool:
     # -- batches ------------------------------------------------------------------------------
     def request(self, prompt: Prompt, sample_index: int, version: int) -> GenerationRequest:
         """The request of one sample: its id (and so its PRNG key) is a function of the
-        prompt key, the sample index and the version."""
+        prompt key, the sample index and the version. GREEDY_SAMPLE is the prompt's greedy
+        response (temperature 0, the samples' other settings)."""
+        greedy = sample_index == GREEDY_SAMPLE
         return GenerationRequest(
-            request_id=f"{prompt.key}/s{sample_index}/v{version}",
+            request_id=f"{prompt.key}/{'greedy' if greedy else f's{sample_index}'}/v{version}",
             prompt_id=prompt.key,
             sample_index=sample_index,
             prompt_tokens=prompt.tokens,
-            sampling=self.sampling,
+            sampling=dataclasses.replace(self.sampling, temperature=0.0)
+            if greedy
+            else self.sampling,
         )
 
     def submit(self, batch: BatchState, prompts: list[Prompt]) -> None:
@@ -339,8 +359,9 @@ class GenerationPool:
             batch.done.clear()
         logged = self.log.read_batch(b)
         missing: list[GenerationRequest] = []
+        indices = batch.sample_indices
         for prompt in prompts:
-            for i in range(self.samples):
+            for i in indices:
                 record = logged.get((prompt.key, i, version))
                 if record is not None:
                     batch.rollouts[(prompt.key, i)] = record
@@ -353,7 +374,7 @@ class GenerationPool:
         if not missing:
             return
         per_worker = math.ceil(len(missing) / len(self.workers))
-        per_worker = self.samples * math.ceil(per_worker / self.samples)  # whole groups
+        per_worker = len(indices) * math.ceil(per_worker / len(indices))  # whole groups
         records = {p.key: p.record for p in prompts}
         for k in range(0, len(missing), per_worker):
             requests = missing[k : k + per_worker]

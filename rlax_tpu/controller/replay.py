@@ -33,10 +33,29 @@ class Entry:
     version: int
     reward: float
     added_at: int  # the step at which it entered the buffer
+    # Dense per-token rewards of its verdict (one per generated token), or None.
+    token_rewards: tuple[float, ...] | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:
         return (self.prompt_key, self.sample_index, self.version)
+
+    def to_json(self) -> dict[str, Any]:
+        """The snapshot's form; token_rewards only when there are some (a snapshot of a run
+        without dense rewards is what it always was)."""
+        out = dataclasses.asdict(self)
+        if self.token_rewards is None:
+            del out["token_rewards"]
+        else:
+            out["token_rewards"] = list(self.token_rewards)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Entry:
+        token_rewards = data.get("token_rewards")
+        if token_rewards is not None:
+            data = {**data, "token_rewards": tuple(float(x) for x in token_rewards)}
+        return cls(**data)
 
 
 class ReplayBuffer:
@@ -161,15 +180,15 @@ class ReplayBuffer:
             "rng": self._rng.bit_generator.state,
             "recent": list(self._recent),
             "prompts": {
-                uid: [dataclasses.asdict(e) for e in entries]
-                for uid, entries in self._by_prompt.items()
+                uid: [e.to_json() for e in entries] for uid, entries in self._by_prompt.items()
             },
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         try:
             by_prompt = {
-                uid: [Entry(**e) for e in entries] for uid, entries in state["prompts"].items()
+                uid: [Entry.from_json(e) for e in entries]
+                for uid, entries in state["prompts"].items()
             }
             self._rng.bit_generator.state = state["rng"]
             recent = list(state["recent"])
@@ -203,13 +222,14 @@ class ReplayStage:
         self._records: dict[tuple[str, int, int], dict] = {}
 
     def entries(
-        self, batch: int, groups: Sequence[tuple[str, Sequence[tuple[dict, float]]]]
+        self, batch: int, groups: Sequence[tuple[str, Sequence[tuple[Any, ...]]]]
     ) -> list[tuple[str, Entry]]:
-        """(prompt uid, entry) of `groups` — (uid, [(rollout record, reward)]) — of `batch`,
-        their records kept for sampling."""
+        """(prompt uid, entry) of `groups` — (uid, [(rollout record, reward[, token
+        rewards])]) — of `batch`, their records kept for sampling."""
         out = []
         for uid, group in groups:
-            for record, reward in group:
+            for record, reward, *rest in group:
+                token_rewards = rest[0] if rest else None
                 entry = Entry(
                     batch=batch,
                     prompt_key=record["prompt_id"],
@@ -217,6 +237,7 @@ class ReplayStage:
                     version=record["version"],
                     reward=reward,
                     added_at=batch,
+                    token_rewards=None if token_rewards is None else tuple(token_rewards),
                 )
                 self._records[entry.key] = record
                 out.append((uid, entry))
@@ -226,7 +247,7 @@ class ReplayStage:
         """TBA's pre-fill before step 0."""
         self.buffer.add(0, items)
 
-    def groups(self, step: int, new: list[tuple[str, Entry]]) -> list[list[tuple[dict, float]]]:
+    def groups(self, step: int, new: list[tuple[str, Entry]]) -> list[list[tuple[Any, ...]]]:
         """Queue `new` (this step's batch); every `sync_every` steps add what is queued;
         evict what `step` can no longer accept; sample the step's groups."""
         self._pending.extend(new)
@@ -236,7 +257,7 @@ class ReplayStage:
         self.buffer.evict_older_than(step - self.max_staleness)
         groups = []
         for _, entries in self.buffer.sample(self.prompts_per_batch, self.samples):
-            groups.append([(self._record(e), e.reward) for e in entries])
+            groups.append([(self._record(e), e.reward, e.token_rewards) for e in entries])
         live = {e.key for u in self.buffer.prompts for e in self.buffer.entries(u)}
         live |= {e.key for _, e in self._pending}
         self._records = {k: v for k, v in self._records.items() if k in live}
@@ -258,11 +279,11 @@ class ReplayStage:
     def state(self) -> dict[str, Any]:
         return {
             "buffer": self.buffer.state(),
-            "pending": [[uid, dataclasses.asdict(e)] for uid, e in self._pending],
+            "pending": [[uid, e.to_json()] for uid, e in self._pending],
         }
 
     def restore(self, state: dict[str, Any] | None) -> None:
         if state is None:
             raise SnapshotError("the snapshot has no replay buffer state (replay mode is on)")
         self.buffer.restore(state["buffer"])
-        self._pending = [(uid, Entry(**e)) for uid, e in state["pending"]]
+        self._pending = [(uid, Entry.from_json(e)) for uid, e in state["pending"]]

@@ -105,14 +105,17 @@ class ServiceVerifier:
 
 @dataclasses.dataclass(frozen=True)
 class Judgement:
-    """A rollout's final verdict: `reward` is None when it stayed unjudged. `response` is
-    the decoded text that was judged, kept so that people can read the rollout log
-    (`rlax-tpu samples`); it is not part of the verdict (judgements compare without it)."""
+    """A rollout's final verdict: `reward` is None when it stayed unjudged. `token_rewards`:
+    dense per-token rewards, one per generated token, when the verifier (a reward function
+    of the user's) gave them, else None. `response` is the decoded text that was judged,
+    kept so that people can read the rollout log (`rlax-tpu samples`); it is not part of
+    the verdict (judgements compare without it)."""
 
     reward: float | None
     verdict: str
     reason: str = ""
     response: str = dataclasses.field(default="", compare=False)
+    token_rewards: tuple[float, ...] | None = None
 
     @property
     def judged(self) -> bool:
@@ -131,18 +134,21 @@ class Judgement:
             "verdict": self.verdict,
             "reason": self.reason,
             "response": self.response,
+            # Only when there are some: the records of every other run stay as they were.
+            **({} if self.token_rewards is None else {"token_rewards": list(self.token_rewards)}),
         }
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Judgement:
         """The judgement of a verdict record; records written before verdicts carried the
         response text load with response "" (their reward and verdict are what counts)."""
-        reward = record["reward"]
+        reward, token_rewards = record["reward"], record.get("token_rewards")
         return cls(
             None if reward is None else float(reward),
             record["verdict"],
             record.get("reason", ""),
             response=record.get("response", ""),
+            token_rewards=None if token_rewards is None else tuple(map(float, token_rewards)),
         )
 
 
@@ -163,10 +169,13 @@ def run_prefix(digest: str, run_dir: str) -> str:
     return hashlib.sha256(f"{digest}\n{run_dir}".encode()).hexdigest()[:12] + ":"
 
 
-def verification_request(record: Any, response: str, request_id: str) -> VerificationRequest:
+def verification_request(
+    record: Any, response: str, request_id: str, response_tokens: Sequence[int] = ()
+) -> VerificationRequest:
     """What the verifiers judge `response` to prompt `record` (a datasets.PromptRecord) by.
     A reward function of the user's (verifier "function") also gets the prompt (text, or
-    the chat messages), the row's metadata and the function's spec."""
+    the chat messages), the row's metadata, the function's spec and the response's token
+    ids as generated (`response_tokens`: what its per-token rewards are counted against)."""
     fields: dict[str, Any] = {}
     if record.verifier == "function":
         prompt, chat = encode_prompt(record.prompt, record.messages)
@@ -175,6 +184,7 @@ def verification_request(record: Any, response: str, request_id: str) -> Verific
             "prompt": prompt,
             "chat": chat,
             "metadata": encode_metadata(record.metadata),
+            "response_tokens": tuple(int(t) for t in response_tokens),
         }
     return VerificationRequest(
         kind=record.verifier,
@@ -218,7 +228,8 @@ class Scorer:
     def request(self, record: Any, rollout: dict[str, Any]) -> VerificationRequest:
         """The verification request of `rollout` (a rollout record) for prompt `record`."""
         response = decode_response(self.tokenizer, rollout["tokens"], self.stop_token_ids)
-        return verification_request(record, response, request_id(rollout, self.request_prefix))
+        key = request_id(rollout, self.request_prefix)
+        return verification_request(record, response, key, rollout["tokens"])
 
     def judge(self, items: Sequence[tuple[Any, dict[str, Any]]], *, what: str) -> list[Judgement]:
         """One Judgement per (prompt record, rollout record) of `items`, in order; raises
@@ -240,7 +251,12 @@ class Scorer:
                     reasons[i] = result.reason
                     failed.append(i)
                 else:
-                    out[i] = Judgement(float(result.reward), str(result.verdict), result.reason)
+                    out[i] = Judgement(
+                        float(result.reward),
+                        str(result.verdict),
+                        result.reason,
+                        token_rewards=result.token_rewards,
+                    )
             pending = failed
             if not pending:
                 break

@@ -34,6 +34,37 @@ from rlax_tpu.trainer.step import (
     recompute,
 )
 
+# RolloutBatch's optional fields the trainer computes itself before the update (π_ref, V_old,
+# and π_rollout: the cached behaviour log-probs kept next to the recomputed π_old) ...
+COMPUTED_FIELDS = ("reference_logprobs", "values", "rollout_logprobs")
+# ... and those only the sender can supply (trainer.wire.RolloutArrays, TrainStep's stream).
+SENT_FIELDS = ("token_rewards", "token_advantages", "returns", "baseline_rewards")
+_NEEDS_FLAG = {"values": "needs_rollout_values"}  # else the objective's needs_<field>
+
+
+def objective_inputs(objective: Any) -> frozenset[str]:
+    """The optional `RolloutBatch` fields `objective` cannot do without: π_ref, V_old and
+    π_rollout by its flags (`needs_reference_logprobs`, `needs_rollout_values`,
+    `needs_rollout_logprobs`), and of the sent ones those its parts require —
+    token_advantages for advantage="given", baseline_rewards for "remax", returns for a
+    value loss without GAE — or that a flag `needs_<field>` asks for. (token_rewards, and
+    returns next to GAE, are read when a batch brings them, never required.)"""
+    names = {
+        name
+        for name in COMPUTED_FIELDS
+        if getattr(objective, _NEEDS_FLAG.get(name, f"needs_{name}"))
+    }
+    names |= {name for name in SENT_FIELDS if getattr(objective, f"needs_{name}", False)}
+    c = objective.config
+    if c.is_policy_gradient:
+        if c.advantage == "given":
+            names.add("token_advantages")
+        if c.advantage == "remax":
+            names.add("baseline_rewards")
+        if c.value_loss_coef > 0 and c.advantage != "gae":
+            names.add("returns")
+    return frozenset(names)
+
 
 def train_model(config: RunConfig, rngs: nnx.Rngs) -> Transformer:
     """The model as the trainer holds it (decoder layers stacked with trainer.scan_layers)."""
@@ -56,10 +87,10 @@ class OptimizerLayout:
 class TrainerPrograms:
     """Model layout, optimizers and jitted functions of a trainer over `mesh`.
 
-    Attributes: levels, objective, temperature, forward_options (resolved for the mesh's
-    platform), graphdef, param_shardings, abstract_params, num_params, rl / sft
-    (`OptimizerLayout`s of the RL optimizer and of the SFT warm start's), and the jitted
-    functions:
+    Attributes: levels, objective, inputs (the optional batch fields the objective reads:
+    `objective_inputs`), temperature, forward_options (resolved for the mesh's platform),
+    graphdef, param_shardings, abstract_params, num_params, rl / sft (`OptimizerLayout`s of
+    the RL optimizer and of the SFT warm start's), and the jitted functions:
 
       recompute(params, tokens, values: static bool) -> Recomputed   (π_old, V_old)
       rl_step(params, opt_state, batch, step, behaviour) -> (params, opt_state, metrics)
@@ -76,6 +107,7 @@ class TrainerPrograms:
         self.rules = config.trainer.mesh.logical_axis_rules
         self.levels = BatchLevels.from_config(config)
         self.objective = build_objective(config.trainer.algorithm)
+        self.inputs = objective_inputs(self.objective)  # optional batch fields it reads
         # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
         # the distribution the inference workers' behaviour log-probs are of; SFT at 1.
         self.temperature = policy_temperature(config.inference)
@@ -198,19 +230,23 @@ class TrainerPrograms:
 
     def abstract_rollout_batch(self, seq_len: int) -> RolloutBatch:
         """A global batch as `train_step` hands it to `rl_step`: the fields the controller
-        sends (trainer.wire.RolloutArrays) plus the reference log-probs and V_old the
-        objective reads, each placed by rows."""
+        sends (trainer.wire.RolloutArrays) plus the optional ones the objective reads
+        (`inputs`: π_ref, V_old, π_rollout computed by the trainer; dense rewards, given
+        advantages and returns, baselines sent with the batch), each placed by rows."""
         rows, seq = self.levels.global_size, seq_len
         per_token = self.abstract_rows((rows, seq), jnp.float32)
+        per_row = self.abstract_rows((rows,), jnp.float32)
+        optional = {
+            name: (per_row if name == "baseline_rewards" else per_token) for name in self.inputs
+        }
         return RolloutBatch(
             tokens=self.abstract_tokens(seq),
             response_mask=self.abstract_rows((rows, seq), jnp.bool_),
             group_ids=self.abstract_rows((rows,), jnp.int32),
-            rewards=self.abstract_rows((rows,), jnp.float32),
+            rewards=per_row,
             behaviour_logprobs=per_token,
             versions=self.abstract_rows((rows,), jnp.int32),
-            reference_logprobs=per_token if self.objective.needs_reference_logprobs else None,
-            values=per_token if self.objective.needs_rollout_values else None,
+            **optional,
         )
 
     def abstract_rl_step_args(self, seq_len: int) -> tuple:

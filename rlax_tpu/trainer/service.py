@@ -29,6 +29,7 @@ from rlax_tpu.trainer import (
     Trainer,
 )
 from rlax_tpu.trainer.wire import (
+    DIGESTED_OPTIONAL_FIELDS,
     SFT_STEP,
     TRAIN_STEP,
     BatchFormatError,
@@ -79,11 +80,16 @@ def receive(
 def batch_from_arrays(
     arrays: Mapping[str, np.ndarray | None], *, vocab_size: int | None = None
 ) -> RolloutBatch:
-    """A RolloutBatch of TrainStep's host arrays, or BatchFormatError naming a bad value."""
+    """A RolloutBatch of TrainStep's host arrays, or BatchFormatError naming a bad value
+    (token ids, group ids; a reward, advantage, return or baseline that is not finite)."""
     check_tokens(arrays["tokens"], "batch.tokens", vocab_size)
     group_ids, size = arrays["group_ids"], arrays["tokens"].shape[0]
     if group_ids.min() < 0 or group_ids.max() >= size:
         raise BatchFormatError("batch.group_ids", f"must lie in [0, {size}) (the batch size)")
+    for name in DIGESTED_OPTIONAL_FIELDS:  # a NaN here would poison the whole update
+        value = arrays.get(name)
+        if value is not None and not np.isfinite(value).all():
+            raise BatchFormatError(f"batch.{name}", "holds a value that is not finite")
     return RolloutBatch(**arrays)
 
 

@@ -37,16 +37,17 @@ from jax.sharding import Mesh, NamedSharding
 from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
-from rlax_tpu.config import RunConfig
+from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.config.run import rollout_correction_conflict
 from rlax_tpu.failpoints import failpoint
 from rlax_tpu.models.transformer import is_stacked, stack_layers, unstack_layers
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import perf
 from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
-from rlax_tpu.trainer.programs import TrainerPrograms
+from rlax_tpu.trainer.programs import SENT_FIELDS, TrainerPrograms
 from rlax_tpu.trainer.step import train_flops
-from rlax_tpu.trainer.wire import StepResult, batch_digest
+from rlax_tpu.trainer.wire import BatchFormatError, StepResult, batch_digest
 
 _log = logging.getLogger(__name__)
 
@@ -123,6 +124,14 @@ class Trainer:
         self._spans_processes = len({d.process_index for d in self.mesh.devices.flat}) > 1
         self.rules = programs.rules
         self.objective = programs.objective
+        # A rollout correction (TIS/MIS, the mismatch gate) weighs π_old / π_rollout: π_old is
+        # recomputed every step and the batch's cached log-probs become π_rollout.
+        self._needs_rollout_logprobs = self.objective.needs_rollout_logprobs
+        if self._needs_rollout_logprobs and config.trainer.behaviour_logprobs == "cached":
+            raise ConfigError(
+                rollout_correction_conflict(config.trainer.algorithm),
+                field="trainer.behaviour_logprobs",
+            )
         self.policy = StalenessPolicy.from_config(config.staleness)
         self.param_server = param_server
         self._unpublished: int | None = None  # a version whose publish failed
@@ -371,6 +380,7 @@ class Trainer:
         rows, seq = np.shape(batch.tokens)
         self.levels.check(rows, seq, self.config.trainer.max_seq_len)
         self._check_staleness(step, batch.versions, batch.group_ids)
+        self._check_inputs(batch)
         batch = jax.tree.map(self._place_rows, batch)
         first = self._first_of_shape("train step", rows, seq)
         start = time.perf_counter()
@@ -387,6 +397,9 @@ class Trainer:
                 extra = self._mismatch(recomputed, cached, batch.response_mask)
             if self.config.trainer.behaviour_logprobs == "recomputed":
                 batch = batch.replace(behaviour_logprobs=recomputed)
+            # π_rollout: the inference workers' log-probs as sent, when the objective reads
+            # them (its rollout correction); else none, whatever the caller put there.
+            batch = batch.replace(rollout_logprobs=cached if self._needs_rollout_logprobs else None)
             if needs_values:
                 batch = batch.replace(values=old_values)
             if self.objective.needs_reference_logprobs:
@@ -412,12 +425,29 @@ class Trainer:
 
     def _recompute_due(self, step: int) -> bool:
         """Whether train step `step` recomputes π_old: when the objective reads it (recomputed
-        behaviour log-probs, GAE's V_old), else every trainer.recompute_every steps for the
-        mismatch metrics."""
+        behaviour log-probs, GAE's V_old, a rollout correction's π_old / π_rollout), else
+        every trainer.recompute_every steps for the mismatch metrics."""
         trainer = self.config.trainer
-        if trainer.behaviour_logprobs == "recomputed" or self.objective.needs_rollout_values:
+        if (
+            trainer.behaviour_logprobs == "recomputed"
+            or self.objective.needs_rollout_values
+            or self._needs_rollout_logprobs
+        ):
             return True
         return bool(trainer.recompute_every) and step % trainer.recompute_every == 0
+
+    def _check_inputs(self, batch: RolloutBatch) -> None:
+        """BatchFormatError naming the first optional field the objective reads that only the
+        sender can supply (dense rewards, given advantages or returns, baselines) and
+        `batch` lacks; nothing was trained."""
+        for name in SENT_FIELDS:
+            if name in self.programs.inputs and getattr(batch, name) is None:
+                raise BatchFormatError(
+                    f"batch.{name}",
+                    f"is missing: trainer.algorithm {self.config.trainer.algorithm.name!r} "
+                    f"reads it ({self.objective!r}); the sender must fill it. Nothing was "
+                    "trained",
+                )
 
     def _check_staleness(self, step: int, versions: Any, group_ids: Any) -> None:
         """StaleRolloutError unless every row's version v satisfies 0 <= step - v <= N."""

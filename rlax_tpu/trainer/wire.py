@@ -54,16 +54,23 @@ class StepResult:
 
 
 # What a batch's digest covers: what was trained on (the log-probs follow from the tokens
-# and versions, and the recomputed ones from the weights).
+# and versions, and the recomputed ones from the weights) ...
 DIGESTED_FIELDS = ("tokens", "response_mask", "group_ids", "rewards", "versions")
+# ... and, each where the batch carries it, what the sender computed beside the rewards.
+DIGESTED_OPTIONAL_FIELDS = ("token_rewards", "token_advantages", "returns", "baseline_rewards")
 
 
 def batch_digest(batch: Any) -> str:
-    """A digest of `batch`'s DIGESTED_FIELDS (host or device arrays; shapes and dtypes
-    included), the same for the same rollouts on any host."""
+    """A digest of `batch`'s DIGESTED_FIELDS and of those of DIGESTED_OPTIONAL_FIELDS it
+    carries (host or device arrays; shapes and dtypes included), the same for the same
+    rollouts on any host. A batch without the optional fields has the digest it had before
+    they existed."""
     h = hashlib.blake2b(digest_size=16)
-    for name in DIGESTED_FIELDS:
-        a = np.ascontiguousarray(np.asarray(getattr(batch, name)))
+    for name in DIGESTED_FIELDS + DIGESTED_OPTIONAL_FIELDS:
+        value = getattr(batch, name, None)
+        if value is None:  # only optional fields may be absent
+            continue
+        a = np.ascontiguousarray(np.asarray(value))
         h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
         h.update(a)  # the contiguous buffer itself: no copy
     return h.hexdigest()
@@ -76,9 +83,13 @@ class RolloutArrays:
     which the trainer builds from it on its side.
 
     tokens: int32[batch, seq]; response_mask: bool[batch, seq]; group_ids: int32[batch];
-    rewards: float32[batch]; behaviour_logprobs: float32[batch, seq]; versions: int32[batch]
-    (the version that generated each row, checked against the staleness bound by the
-    trainer); reference_logprobs, values: float32[batch, seq] or None.
+    rewards: float32[batch]; behaviour_logprobs: float32[batch, seq] (the inference workers'
+    log-probs; the trainer's π_rollout when it recomputes π_old for a rollout correction);
+    versions: int32[batch] (the version that generated each row, checked against the
+    staleness bound by the trainer); reference_logprobs, values: float32[batch, seq] or None.
+    What only the sender knows, None when absent (not sent): token_rewards,
+    token_advantages, returns: float32[batch, seq], aligned like behaviour_logprobs;
+    baseline_rewards: float32[batch].
     """
 
     tokens: np.ndarray
@@ -89,6 +100,10 @@ class RolloutArrays:
     versions: np.ndarray
     reference_logprobs: np.ndarray | None = None
     values: np.ndarray | None = None
+    token_rewards: np.ndarray | None = None
+    token_advantages: np.ndarray | None = None
+    returns: np.ndarray | None = None
+    baseline_rewards: np.ndarray | None = None
 
 
 # -- what a stream carries ---------------------------------------------------------------------
@@ -132,7 +147,14 @@ TRAIN_STEP = StreamSchema(
         Field("behaviour_logprobs", 2, "float"),
         Field("versions", 1, "int"),
     ),
-    (Field("reference_logprobs", 2, "float"), Field("values", 2, "float")),
+    (
+        Field("reference_logprobs", 2, "float"),
+        Field("values", 2, "float"),
+        Field("token_rewards", 2, "float"),
+        Field("token_advantages", 2, "float"),
+        Field("returns", 2, "float"),
+        Field("baseline_rewards", 1, "float"),
+    ),
 )
 SFT_STEP = StreamSchema(
     "SftStep",

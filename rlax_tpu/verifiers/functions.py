@@ -16,35 +16,41 @@ loads it). The function is called with keyword arguments:
     reference: str, the row's reference answer ("" if it has none)
     metadata:  dict, the row's other fields
 
+and, when its signature names it (or takes **kwargs),
+
+    response_tokens: list[int], the response's token ids as the model generated them (the
+               stop token included when it emitted one)
+
 and returns a score (a finite number: verdict "accepted" if > 0, else "wrong_answer"), a
-(score, verdict) tuple, or a dict {"reward": score, "verdict": ..., "reason": ...} (verdict
-and reason optional). A verdict is a Verdict value ("accepted", "wrong_answer",
-"no_answer", ...).
+(score, verdict) tuple, or a dict {"reward": score, "verdict": ..., "reason": ...,
+"token_rewards": [...]} (verdict, reason and token_rewards optional). A verdict is a
+Verdict value ("accepted", "wrong_answer", "no_answer", ...). token_rewards are dense
+per-token rewards, one finite number per token of response_tokens (whether or not the
+function took them), added by the trainer to the sequence's reward (which arrives at its
+last token) where the objective reads dense rewards.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import numbers
 import reprlib
-import sys
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
+from rlax_tpu.user_modules import describe_exception, import_user_module
 from rlax_tpu.verifiers.types import Verdict, VerificationResult
 
-# The keyword arguments every reward function is called with.
+# The keyword arguments every reward function is called with ...
 ARGUMENTS = ("prompt", "response", "reference", "metadata")
+# ... and the one it gets when its signature names it (or takes **kwargs).
+TOKENS_ARGUMENT = "response_tokens"
 # A reason longer than this is cut (it goes into the rollout log with every sample).
 MAX_REASON_CHARS = 2000
-_RESULT_KEYS = ("reward", "verdict", "reason")
+_RESULT_KEYS = ("reward", "verdict", "reason", "token_rewards")
 _VERDICTS = tuple(v.value for v in Verdict)
 
 # This process's loaded functions by spec (in a pool worker: for the worker's lifetime),
@@ -69,72 +75,14 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return module, name
 
 
-def _is_file_spec(module: str) -> bool:
-    return module.endswith(".py") or "/" in module
-
-
-def _import_file(path_text: str, spec: str) -> Any:
-    path = Path(path_text).resolve()  # a relative path is relative to the working directory
-    if not path.is_file():
-        raise RewardFunctionError(
-            f"reward function {spec!r}: no file {str(path)!r} (paths are relative to the "
-            f"working directory, {str(Path.cwd())!r})"
-        )
-    # One module per file, under a private name: the file is executed once per process.
-    name = "_rlax_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(f"reward function {spec!r}: {str(path)!r} is not a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as exc:
-        sys.modules.pop(name, None)
-        if isinstance(exc, MemoryError | KeyboardInterrupt):
-            raise
-        raise RewardFunctionError(
-            f"reward function {spec!r}: importing {str(path)!r} raised {_describe(exc)}"
-        ) from exc
-    return module
-
-
-def _import_module(name: str, spec: str) -> Any:
-    if not all(part.isidentifier() for part in name.split(".")):
-        raise RewardFunctionError(
-            f"reward function {spec!r}: {name!r} is neither a module name "
-            "('package.module') nor a path to a .py file"
-        )
-    try:
-        return importlib.import_module(name)
-    except BaseException as exc:
-        if isinstance(exc, MemoryError | KeyboardInterrupt):
-            raise
-        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
-        if missing and (name == missing or name.startswith(missing + ".")):
-            raise RewardFunctionError(
-                f"reward function {spec!r}: no module named {missing!r} (install it, put its "
-                "directory on PYTHONPATH of the verifier service, or name the file: "
-                "'path/to/file.py:function')"
-            ) from exc
-        raise RewardFunctionError(
-            f"reward function {spec!r}: importing {name!r} raised {_describe(exc)}"
-        ) from exc
-
-
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """The function `spec` names, imported into this process (a file is executed once per
     process; a module through the import system). Raises RewardFunctionError naming the
     spec when the module does not import, has no such attribute, the attribute is not
     callable, or its signature cannot take the keyword arguments prompt, response,
-    reference and metadata."""
+    reference and metadata (and response_tokens, when it names them)."""
     module_name, name = parse_spec(spec)
-    if _is_file_spec(module_name):
-        module = _import_file(module_name, spec)
-    else:
-        module = _import_module(module_name, spec)
+    module = import_user_module(module_name, f"reward function {spec!r}", RewardFunctionError)
     if not hasattr(module, name):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise RewardFunctionError(
@@ -151,8 +99,9 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none: calls will tell
         return fn
+    arguments = (*ARGUMENTS, TOKENS_ARGUMENT) if takes_response_tokens(fn) else ARGUMENTS
     try:
-        signature.bind(**{a: None for a in ARGUMENTS})
+        signature.bind(**{a: None for a in arguments})
     except TypeError as exc:
         raise RewardFunctionError(
             f"reward function {spec!r}: its signature {name}{signature} cannot take the "
@@ -222,30 +171,59 @@ def loading_errors(specs: Sequence[str]) -> list[str]:
     return errors
 
 
+def takes_response_tokens(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is called with `response_tokens`: its signature names that keyword (or
+    takes **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature (some builtins): the four arguments only
+        return False
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return any(
+        p.kind == inspect.Parameter.VAR_KEYWORD or (p.name == TOKENS_ARGUMENT and p.kind in keyword)
+        for p in parameters
+    )
+
+
 def judge(
-    spec: str, prompt: str | list[Any], response: str, reference: str, metadata: dict[str, Any]
+    spec: str,
+    prompt: str | list[Any],
+    response: str,
+    reference: str,
+    metadata: dict[str, Any],
+    response_tokens: Sequence[int] | None = None,
 ) -> VerificationResult:
     """Calls the function `spec` names and checks what it returns (runs in a pool worker,
-    under the pool's deadline). A function that does not load, raises or returns something
-    that is not a reward gives VERIFIER_ERROR with the reason; MemoryError goes to the pool
-    (MEMORY_LIMIT)."""
+    under the pool's deadline). `response_tokens` (None: the request carries none) go to a
+    function that takes them, and size its token rewards. A function that does not load,
+    raises or returns something that is not a reward gives VERIFIER_ERROR with the reason;
+    MemoryError goes to the pool (MEMORY_LIMIT)."""
     try:
         fn = _cached(spec)
     except RewardFunctionError as exc:
         return _error(str(exc))
+    kwargs = {"prompt": prompt, "response": response, "reference": reference, "metadata": metadata}
+    if response_tokens is not None and takes_response_tokens(fn):
+        kwargs[TOKENS_ARGUMENT] = [int(t) for t in response_tokens]
     try:
-        value = fn(prompt=prompt, response=response, reference=reference, metadata=metadata)
+        value = fn(**kwargs)
     except MemoryError:
         raise
     except BaseException as exc:  # noqa: BLE001 - the user's bug is this request's verdict
-        return _error(f"reward function {spec!r} raised {_describe(exc)}{_where(exc)}")
-    return result_from_return(spec, value)
+        return _error(f"reward function {spec!r} raised {describe_exception(exc)}{_where(exc)}")
+    num_tokens = None if response_tokens is None else len(response_tokens)
+    return result_from_return(spec, value, num_tokens=num_tokens)
 
 
-def result_from_return(spec: str, value: Any) -> VerificationResult:
+def result_from_return(
+    spec: str, value: Any, *, num_tokens: int | None = None
+) -> VerificationResult:
     """The VerificationResult of what the function `spec` returned (VERIFIER_ERROR naming
-    the function and the value when it is not a reward)."""
+    the function and the value when it is not a reward). `num_tokens`: the response's
+    token count, which token rewards must match (None: the request carried no tokens, so
+    token rewards cannot be placed and are refused)."""
     shown = reprlib.repr(value)
+    token_rewards = None
     if isinstance(value, tuple):
         if len(value) != 2:
             return _bad_return(
@@ -257,10 +235,17 @@ def result_from_return(spec: str, value: Any) -> VerificationResult:
         unknown = sorted(str(k) for k in value if k not in _RESULT_KEYS)
         if unknown or "reward" not in value:
             what = f"unknown keys {unknown}" if unknown else "no 'reward' key"
-            return _bad_return(spec, shown, f"a dict takes 'reward', 'verdict', 'reason': {what}")
+            return _bad_return(
+                spec, shown, f"a dict takes 'reward', 'verdict', 'reason', 'token_rewards': {what}"
+            )
         score, verdict, reason = value["reward"], value.get("verdict"), value.get("reason")
+        token_rewards = value.get("token_rewards")
     else:
         score, verdict, reason = value, None, None
+    if token_rewards is not None:
+        token_rewards, problem = _token_rewards(token_rewards, num_tokens)
+        if problem:
+            return _bad_return(spec, shown, problem)
     if not isinstance(score, numbers.Real):  # int, float, bool, numpy scalars
         return _bad_return(spec, shown, f"the score {reprlib.repr(score)} is not a number")
     score = float(score)
@@ -282,13 +267,37 @@ def result_from_return(spec: str, value: Any) -> VerificationResult:
         reason = (
             reason[:MAX_REASON_CHARS] + f"... ({len(reason) - MAX_REASON_CHARS} more characters)"
         )
-    return VerificationResult(reward=score, verdict=Verdict(verdict), reason=reason)
+    return VerificationResult(
+        reward=score, verdict=Verdict(verdict), reason=reason, token_rewards=token_rewards
+    )
+
+
+def _token_rewards(value: Any, num_tokens: int | None) -> tuple[tuple[float, ...] | None, str]:
+    """(the token rewards as floats, "") or (None, what is wrong with `value`)."""
+    if num_tokens is None:
+        return None, (
+            "token_rewards need the response's tokens, and this request carries none (the "
+            "controller sends them with every 'function' request)"
+        )
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        return None, f"token_rewards must be a list of numbers, got {type(value).__name__}"
+    values = list(value)
+    for i, v in enumerate(values):
+        if not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+            return None, f"token_rewards[{i}] = {reprlib.repr(v)} is not a finite number"
+    if len(values) != num_tokens:
+        return None, (
+            f"token_rewards has {len(values)} entries for a response of {num_tokens} tokens "
+            "(one per token of response_tokens, the stop token included)"
+        )
+    return tuple(float(v) for v in values), ""
 
 
 def _bad_return(spec: str, shown: str, problem: str) -> VerificationResult:
     return _error(
         f"reward function {spec!r} returned {shown}: {problem}; return a finite score, a "
-        "(score, verdict) tuple or a dict {'reward': ..., 'verdict': ..., 'reason': ...}"
+        "(score, verdict) tuple or a dict {'reward': ..., 'verdict': ..., 'reason': ..., "
+        "'token_rewards': [...]}"
     )
 
 
@@ -298,11 +307,6 @@ def _error(reason: str) -> VerificationResult:
 
 def _article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _where(exc: BaseException) -> str:

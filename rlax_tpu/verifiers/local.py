@@ -166,6 +166,7 @@ class LocalVerifier:
             response,
             request.reference,
             metadata,
+            request.response_tokens or None,  # () = not sent
             timeout_s=self.config.reward_timeout_s,
             what=f"reward function {spec!r}",
         )

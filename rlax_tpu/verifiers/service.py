@@ -85,6 +85,9 @@ def _fingerprint(request: VerificationRequest) -> str:
     for part in parts:
         data = part.encode(errors="surrogatepass")
         h.update(len(data).to_bytes(8, "little") + data)
+    if request.response_tokens:  # absent: the fingerprint requests had before they existed
+        data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in request.response_tokens)
+        h.update(b"tokens" + len(data).to_bytes(8, "little") + data)
     return h.hexdigest()
 
 
@@ -352,6 +355,7 @@ def request_to_proto(request: VerificationRequest) -> pb.VerificationRequestMess
         prompt=request.prompt,
         chat=request.chat,
         metadata=request.metadata,
+        response_tokens=request.response_tokens,
     )
 
 
@@ -375,6 +379,7 @@ def request_from_proto(message: pb.VerificationRequestMessage, index: int) -> Ve
         prompt=message.prompt,
         chat=message.chat,
         metadata=message.metadata,
+        response_tokens=tuple(message.response_tokens),
         request_id=message.request_id,
     )
 
@@ -394,6 +399,9 @@ def result_to_proto(
             for t in result.tests
         ],
         cached=cached,
+        token_rewards=(
+            None if result.token_rewards is None else pb.TokenRewards(values=result.token_rewards)
+        ),
     )
 
 
@@ -407,6 +415,9 @@ def result_from_proto(message: pb.VerificationResultMessage) -> VerificationResu
                 name=t.name, verdict=Verdict(t.verdict), time_s=t.time_s, reason=t.reason
             )
             for t in message.tests
+        ),
+        token_rewards=(
+            tuple(message.token_rewards.values) if message.HasField("token_rewards") else None
         ),
     )
 

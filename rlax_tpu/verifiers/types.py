@@ -43,10 +43,15 @@ class TestCaseResult:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerificationResult:
+    """reward: the sequence's reward; token_rewards: dense per-token rewards, one per token
+    of the request's `response_tokens` (a reward function of the user's may give them;
+    docs/datasets.md), or None."""
+
     reward: float
     verdict: Verdict
     reason: str
     tests: tuple[TestCaseResult, ...] = ()
+    token_rewards: tuple[float, ...] | None = None
 
 
 VerifierKind = Literal["math", "code", "arithmetic", "reasoning_gym", "function"]
@@ -70,6 +75,9 @@ class VerificationRequest:
                ([{"role": ..., "content": ...}, ...]).
     chat:      function: `prompt` holds chat messages (JSON), not text.
     metadata:  function: the dataset row's other fields as a JSON object ("" = {}).
+    response_tokens: function: the response's token ids as the model generated them (the
+               stop token included when it emitted one); a function may take them, and
+               per-token rewards have one entry per token. () = not sent.
     request_id: idempotency key for the service; the controller derives it from
                (step, prompt id, sample index) so a retried request is not judged twice.
     """
@@ -83,4 +91,5 @@ class VerificationRequest:
     prompt: str = ""
     chat: bool = False
     metadata: str = ""
+    response_tokens: tuple[int, ...] = ()
     request_id: str = ""
