@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""How robust is each RL objective to stale rollouts? The demo task at N ∈ {0, 1, 4, 16}.
+"""How robust is each RL objective to stale rollouts? The demo task at N ∈ {0, 4, 16}.
 
     python tools/staleness_sweep.py [--quick] [--json OUT] [--plot OUT.png] [--steps N]
-        [--work-dir DIR] [--algorithms a,b] [--staleness 0,4] [--set key=value ...]
+        [--work-dir DIR] [--algorithms a,b] [--staleness 0,4] [--seeds 0,1,2]
+        [--set key=value ...]
 
 The demo (configs/tiny_cpu.py, arithmetic with a character-level model) is warm-started by
 SFT once; then, from those weights, with the same seed and prompt order, the whole job
 (`rlax_tpu.controller.job.run`: launcher, parameter server, trainer, inference worker,
 verifiers, controller) runs a short RL phase for each algorithm preset (GRPO, Dr. GRPO,
-AIPO, trajectory balance, online DPO; as published, see docs/algorithms.md) and each
-acceptance staleness N (η = 1, deterministic schedule: batch b is generated with version
-max(0, b − N)). Importance weights are taken against the workers' behaviour log-probs
-(`trainer.behaviour_logprobs=cached`, see SWEEP). For each run it records
+AIPO, trajectory balance, online DPO; as published, see docs/algorithms.md), two GRPO
+variants (dual clip, c = 3; TIS: the truncated importance weight min(π_old/π_rollout, 2) on
+top of GRPO, with π_old recomputed by the trainer) and each acceptance staleness N (η = 1,
+deterministic schedule: batch b is generated with version max(0, b − N)), once per seed
+(each seed its own warm start, prompt order and sampling). Importance weights are taken
+against the workers' behaviour log-probs (`trainer.behaviour_logprobs=cached`, see SWEEP;
+the TIS variant is the exception: its ratio is to the recomputed π_old, and its TIS weight
+corrects π_old against the workers' π_rollout). For each run it records
 
 * final held-out greedy accuracy (the controller's evaluation at the last step) and the SFT
   model's (step 0, the same for every run);
@@ -24,11 +29,11 @@ max(0, b − N)). Importance weights are taken against the workers' behaviour lo
 * the trainer's own `kl` metric (k3 per token on the rollouts it trained on, averaged over
   the last steps) where the objective reports one.
 
-It writes a markdown table (stdout, and into --json with every figure) and a PNG of final
-accuracy and KL against N (--plot; needs matplotlib: `pip install -e .[plots]`). Runs are
-kept under --work-dir and reused when their config is unchanged, so an interrupted sweep
-continues. `--quick` is a smoke test: 2 objectives x 2 values of N, a short warm start and
-a few steps.
+It writes a markdown table of the mean over seeds with the min–max range (stdout, and into
+--json with every run's figures) and a PNG of final accuracy and KL against N (--plot;
+needs matplotlib: `pip install -e .[plots]`). Runs are kept under --work-dir and reused
+when their config is unchanged, so an interrupted sweep continues. `--quick` is a smoke
+test: 2 objectives x 2 values of N, one seed, a short warm start and a few steps.
 """
 
 from __future__ import annotations
@@ -53,17 +58,33 @@ sys.path.insert(0, str(ROOT))
 from rlax_tpu.config import AlgorithmConfig, RunConfig, StalenessConfig, load_config  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
-ALGORITHMS = ("grpo", "dr_grpo", "aipo", "trajectory_balance", "online_dpo")
+ALGORITHMS = (
+    "grpo",
+    "dr_grpo",
+    "aipo",
+    "trajectory_balance",
+    "online_dpo",
+    "grpo_dual_clip",
+    "grpo_tis",
+)
 LABELS = {
     "grpo": "GRPO",
     "dr_grpo": "Dr. GRPO",
     "aipo": "AIPO",
     "trajectory_balance": "TB",
     "online_dpo": "online DPO",
+    "grpo_dual_clip": "GRPO + dual clip",
+    "grpo_tis": "GRPO + TIS",
 }
-STALENESS = (0, 1, 4, 16)
+# Variants that are not presets as published: (preset, its overrides, trainer overrides).
+VARIANTS = {
+    "grpo_tis": ("grpo", {"rollout_correction": "token_tis"}, {"behaviour_logprobs": "recomputed"}),
+}
+STALENESS = (0, 4, 16)
+SEEDS = (0, 1, 2)
 QUICK_ALGORITHMS = ("grpo", "online_dpo")
 QUICK_STALENESS = (0, 4)
+QUICK_SEEDS = (0,)
 # The seed papers' reading (docs/algorithms.md, "Which presets tolerate stale data").
 MOST_ROBUST = ("trajectory_balance", "online_dpo")
 PPO_STYLE = ("grpo", "dr_grpo")
@@ -103,18 +124,25 @@ def sweep_config(quick: bool, steps: int | None, extra: Sequence[str]) -> RunCon
 
 
 def algorithm_config(name: str, config: RunConfig) -> AlgorithmConfig:
-    """The preset as published; Dr. GRPO's L is the generation budget (docs/algorithms.md)."""
+    """The preset as published (or a VARIANT of one); Dr. GRPO's L is the generation budget
+    (docs/algorithms.md)."""
     if name == "dr_grpo":
         return AlgorithmConfig(name=name, max_response_len=config.inference.max_new_tokens)
+    if name in VARIANTS:
+        preset, overrides, _ = VARIANTS[name]
+        return AlgorithmConfig(name=preset, **overrides)
     return AlgorithmConfig(name=name)
 
 
 def run_config(base: RunConfig, algorithm: str, n: int, run_dir: Path) -> RunConfig:
+    trainer_overrides = VARIANTS[algorithm][2] if algorithm in VARIANTS else {}
     return dataclasses.replace(
         base,
         name=f"staleness_{algorithm}_n{n}",
         staleness=StalenessConfig(reload_every=1, max_staleness=n),
-        trainer=dataclasses.replace(base.trainer, algorithm=algorithm_config(algorithm, base)),
+        trainer=dataclasses.replace(
+            base.trainer, algorithm=algorithm_config(algorithm, base), **trainer_overrides
+        ),
         storage=dataclasses.replace(base.storage, run_dir=str(run_dir)),
     )
 
@@ -226,8 +254,9 @@ def sequence_kl(
     }
 
 
-def kl_to_reference(run_dir: Path, config: RunConfig) -> dict[str, float]:
-    """sequence_kl of the run's final version against its SFT export, on its held-out prompts."""
+def kl_to_reference(run_dir: Path, reference_dir: str) -> dict[str, float]:
+    """sequence_kl of the run's final version against the SFT export in `reference_dir` (the
+    warm start's sft_model/), on the run's held-out prompts."""
     from flax import nnx
 
     from rlax_tpu.config import DatasetConfig
@@ -237,7 +266,6 @@ def kl_to_reference(run_dir: Path, config: RunConfig) -> dict[str, float]:
     from rlax_tpu.models.tokenizer import Tokenizer
 
     effective = RunConfig.from_dict(json.loads((run_dir / job.EFFECTIVE_CONFIG).read_text()))
-    reference_dir = effective.model.hf_checkpoint
     model_config = load_hf_config(reference_dir)
     reference_params = load_hf_params(reference_dir, model_config)
     version, policy_params = final_params(run_dir, reference_params)
@@ -266,7 +294,7 @@ def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> 
     finished run of the same config)."""
     from rlax_tpu.controller import job
 
-    run_dir = work / f"{algorithm}_n{n}"
+    run_dir = work / f"{algorithm}_n{n}_s{base.seed}"
     config = run_config(base, algorithm, n, run_dir)
     digest = config.digest()
     result_path = run_dir / "sweep_result.json"
@@ -279,17 +307,19 @@ def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> 
     for item in WARM_START_FILES:
         shutil.copytree(warm / item, run_dir / item)
     t0 = time.perf_counter()
-    with open(work / f"{algorithm}_n{n}.log", "w") as out, contextlib.redirect_stdout(out):
+    log = work / f"{algorithm}_n{n}_s{base.seed}.log"
+    with open(log, "w") as out, contextlib.redirect_stdout(out):
         summary = job.run(config)
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "reward_mean" in r]
     train_kl = [r["train/kl"] for r in trained[-LAST_STEPS:] if "train/kl" in r]
     evals = {int(s): a for s, a in summary["evals"].items()}
-    kl = kl_to_reference(run_dir, config)
+    kl = kl_to_reference(run_dir, str(warm / "sft_model"))
     result = {
         "algorithm": algorithm,
         "max_staleness": n,
+        "seed": base.seed,
         "config_digest": digest,
         "steps": summary["end_step"],
         "initial_accuracy": evals.get(0),
@@ -312,9 +342,43 @@ def _cell(value: float | None, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def _by_seed(results: list[dict], key: str) -> dict[tuple[str, int], list[float]]:
+    """{(algorithm, N): [results[key] of each seed, in seed order]} (None values left out)."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in sorted(results, key=lambda r: r.get("seed", 0)):
+        if r.get(key) is not None:
+            out.setdefault((r["algorithm"], r["max_staleness"]), []).append(r[key])
+    return out
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """ "mean" of one value, "mean [min–max]" of several, "–" of none."""
+    if not values:
+        return "–"
+    mean = fmt.format(statistics.mean(values))
+    if len(values) == 1:
+        return mean
+    return f"{mean} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def accuracy_changes(results: list[dict], algorithm: str, ns: Sequence[int]) -> list[float]:
+    """Per seed: final accuracy at N = max(ns) minus at N = min(ns) (seeds with both)."""
+    by = {
+        (r["max_staleness"], r.get("seed", 0)): r["final_accuracy"]
+        for r in results
+        if r["algorithm"] == algorithm
+    }
+    seeds = sorted({seed for (_, seed) in by})
+    return [
+        by[(ns[-1], s)] - by[(ns[0], s)] for s in seeds if (ns[0], s) in by and (ns[-1], s) in by
+    ]
+
+
 def markdown_table(results: list[dict], algorithms: Sequence[str], ns: Sequence[int]) -> str:
-    """Final held-out accuracy and KL to the reference, one row per objective, by N."""
-    by = {(r["algorithm"], r["max_staleness"]): r for r in results}
+    """Final held-out accuracy and KL to the reference, one row per objective, by N: the mean
+    over seeds and, with several, [min–max]; Δacc is the mean over seeds of each seed's
+    change from N = min to N = max."""
+    acc, kl = _by_seed(results, "final_accuracy"), _by_seed(results, "kl_to_reference")
     header = (
         "| objective | "
         + " | ".join(f"acc N={n}" for n in ns)
@@ -324,14 +388,11 @@ def markdown_table(results: list[dict], algorithms: Sequence[str], ns: Sequence[
     )
     lines = [header, "|" + "---|" * (2 * len(ns) + 2)]
     for a in algorithms:
-        acc = [by.get((a, n), {}).get("final_accuracy") for n in ns]
-        kl = [by.get((a, n), {}).get("kl_to_reference") for n in ns]
-        delta = None if acc[0] is None or acc[-1] is None else acc[-1] - acc[0]
         lines.append(
             f"| {LABELS[a]} | "
-            + " | ".join(_cell(x, "{:.3f}") for x in acc)
-            + f" | {_cell(delta, '{:+.3f}')} | "
-            + " | ".join(_cell(x, "{:.3f}") for x in kl)
+            + " | ".join(_spread(acc.get((a, n), []), "{:.3f}") for n in ns)
+            + f" | {_spread(accuracy_changes(results, a, ns), '{:+.3f}')} | "
+            + " | ".join(_spread(kl.get((a, n), []), "{:.3f}") for n in ns)
             + " |"
         )
     return "\n".join(lines)
@@ -339,25 +400,30 @@ def markdown_table(results: list[dict], algorithms: Sequence[str], ns: Sequence[
 
 def reading(results: list[dict], algorithms: Sequence[str], ns: Sequence[int], size: int) -> str:
     """Which objectives kept their accuracy best from N = min to N = max, against the papers."""
-    by = {(r["algorithm"], r["max_staleness"]): r["final_accuracy"] for r in results}
-    change = {a: by[(a, ns[-1])] - by[(a, ns[0])] for a in algorithms}
+    changes = {a: accuracy_changes(results, a, ns) for a in algorithms}
+    change = {a: statistics.mean(c) for a, c in changes.items()}
+    seeds = min(len(c) for c in changes.values())
     order = sorted(algorithms, key=lambda a: -change[a])  # most robust first
-    # Binomial standard error of one accuracy at p ≈ the mean final accuracy, √2 for a difference.
-    p = statistics.mean(by.values())
-    noise = math.sqrt(2 * p * (1 - p) / size)
+    # Binomial standard error of one accuracy at p ≈ the mean final accuracy, √2 for a
+    # difference, / √seeds for a mean over seeds: the evaluation's noise alone.
+    p = statistics.mean(r["final_accuracy"] for r in results)
+    noise = math.sqrt(2 * p * (1 - p) / size / seeds)
     lines = [
-        f"final accuracy at N={ns[-1]} minus at N={ns[0]} (most robust first): "
-        + ", ".join(f"{LABELS[a]} {change[a]:+.3f}" for a in order),
-        f"one seed per run: a difference of two accuracies on {size} prompts has a standard "
-        f"error of about {noise:.3f} from the evaluation alone, so gaps under ~{2 * noise:.2f} "
-        "are not resolved (the RL runs' own sampling noise comes on top).",
+        f"final accuracy at N={ns[-1]} minus at N={ns[0]}, mean over {seeds} seed(s) (most "
+        "robust first): "
+        + ", ".join(f"{LABELS[a]} {_spread(changes[a], '{:+.3f}')}" for a in order),
+        f"a mean over {seeds} seed(s) of differences of two accuracies on {size} prompts has a "
+        f"standard error of about {noise:.3f} from the evaluation alone, so gaps under "
+        f"~{2 * noise:.2f} are not resolved (the RL runs' own sampling noise comes on top: "
+        "the [min–max] over seeds shows it).",
     ]
     robust = [a for a in MOST_ROBUST if a in algorithms]
     ppo = [a for a in PPO_STYLE if a in algorithms]
     if robust and ppo:
-        best, worst = order[: len(robust)], order[-len(ppo) :]
+        ranked = [a for a in order if a in robust + ppo]
+        best, worst = ranked[: len(robust)], ranked[-len(ppo) :]
         agree = set(best) == set(robust) and set(worst) == set(ppo)
-        spread = max(change.values()) - min(change.values())
+        spread = max(change[a] for a in ranked) - min(change[a] for a in ranked)
         lines.append(
             "seed papers: online DPO and trajectory balance the most robust to stale data, "
             f"PPO-style losses (GRPO, Dr. GRPO) the least. The order of these runs "
@@ -375,14 +441,23 @@ def reading(results: list[dict], algorithms: Sequence[str], ns: Sequence[int], s
 def plot(
     results: list[dict], algorithms: Sequence[str], ns: Sequence[int], size: int, path: Path
 ) -> None:
-    """Final accuracy (± its binomial standard error on `size` prompts) and KL (± its
-    standard error over prompts) against N, one line per objective."""
+    """Final accuracy and KL against N, one line per objective: the mean over seeds with the
+    min–max band of the seeds (one seed: ± the binomial standard error on `size` prompts,
+    and the KL's standard error over prompts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by = {(r["algorithm"], r["max_staleness"]): r for r in results}
+    acc, kl = _by_seed(results, "final_accuracy"), _by_seed(results, "kl_to_reference")
+    kl_err = _by_seed(results, "kl_to_reference_stderr")
+
+    def band(values: list[float], one_seed_error: float) -> tuple[float, list[float]]:
+        mean = statistics.mean(values)
+        if len(values) == 1:
+            return mean, [one_seed_error, one_seed_error]
+        return mean, [mean - min(values), max(values) - mean]
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     x = list(range(len(ns)))
     # Distinct markers and dashes: objectives with equal results would hide each other.
@@ -392,29 +467,27 @@ def plot(
         "aipo": ("D", ":"),
         "trajectory_balance": ("^", "-."),
         "online_dpo": ("v", "-"),
+        "grpo_dual_clip": ("P", "--"),
+        "grpo_tis": ("X", ":"),
     }
     for a in algorithms:
-        runs = [by[(a, n)] for n in ns]
         marker, dashes = styles[a]
-        accuracy = [r["final_accuracy"] for r in runs]
-        left.errorbar(
-            x,
-            accuracy,
-            yerr=[math.sqrt(a * (1 - a) / size) for a in accuracy],
-            marker=marker,
-            linestyle=dashes,
-            capsize=3,
-            label=LABELS[a],
-        )
-        right.errorbar(
-            x,
-            [r["kl_to_reference"] for r in runs],
-            yerr=[r["kl_to_reference_stderr"] for r in runs],
-            marker=marker,
-            linestyle=dashes,
-            capsize=3,
-            label=LABELS[a],
-        )
+        accuracy = [
+            band(acc[(a, n)], math.sqrt(m * (1 - m) / size))
+            for n in ns
+            for m in [statistics.mean(acc[(a, n)])]
+        ]
+        kls = [band(kl[(a, n)], statistics.mean(kl_err[(a, n)])) for n in ns]
+        for ax, points in ((left, accuracy), (right, kls)):
+            ax.errorbar(
+                x,
+                [mean for mean, _ in points],
+                yerr=list(zip(*(err for _, err in points), strict=True)),
+                marker=marker,
+                linestyle=dashes,
+                capsize=3,
+                label=LABELS[a],
+            )
     initial = next(r["initial_accuracy"] for r in results if r["initial_accuracy"] is not None)
     left.axhline(initial, color="grey", linestyle="--", linewidth=1, label="SFT start")
     left.set_ylabel("final held-out greedy accuracy")
@@ -425,7 +498,11 @@ def plot(
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     steps = results[0]["steps"]
-    fig.suptitle(f"Staleness robustness on the demo task ({steps} RL steps, one seed)")
+    seeds = len({r.get("seed", 0) for r in results})
+    fig.suptitle(
+        f"Staleness robustness on the demo task ({steps} RL steps, {seeds} seed(s): mean and "
+        "min–max)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -440,6 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="default runs/staleness_sweep[_quick]")
     parser.add_argument("--algorithms", help=f"comma-separated, from {','.join(ALGORITHMS)}")
     parser.add_argument("--staleness", help="comma-separated values of N")
+    parser.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; quick 0)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="config override key=value"
     )
@@ -457,6 +535,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.staleness
         else (QUICK_STALENESS if args.quick else STALENESS)
     )
+    seeds = (
+        tuple(int(s) for s in args.seeds.split(","))
+        if args.seeds
+        else (QUICK_SEEDS if args.quick else SEEDS)
+    )
     base = sweep_config(args.quick, args.steps, args.overrides)
     configure_jax(base)  # before JAX starts: the SFT trainer's mesh needs cpu_devices
     work = args.work_dir or ROOT / "runs" / (
@@ -465,28 +548,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    print(f"work dir {work}; SFT warm start ({base.controller.sft_steps} steps)", flush=True)
-    warm = warm_start(base, work)
-    print(f"warm start ready in {time.perf_counter() - t0:.0f}s: {warm}", flush=True)
     results = []
-    for algorithm in algorithms:
-        for n in ns:
-            result = run_one(base, algorithm, n, warm, work)
-            results.append(result)
-            print(
-                f"{LABELS[algorithm]:<11} N={n:<3} final acc {result['final_accuracy']:.3f} "
-                f"(start {result['initial_accuracy']:.3f})  KL {result['kl_to_reference']:.3f} "
-                f"± {result['kl_to_reference_stderr']:.3f}  "
-                + ("(reused)" if result["reused"] else f"{result['wall_s']:.0f}s"),
-                flush=True,
-            )
+    for seed in seeds:
+        seeded = dataclasses.replace(base, seed=seed)
+        print(f"work dir {work}; seed {seed}: SFT warm start ({base.controller.sft_steps} steps)")
+        warm = warm_start(seeded, work)
+        print(f"warm start ready in {time.perf_counter() - t0:.0f}s: {warm}", flush=True)
+        for algorithm in algorithms:
+            for n in ns:
+                result = run_one(seeded, algorithm, n, warm, work)
+                results.append(result)
+                print(
+                    f"{LABELS[algorithm]:<16} N={n:<3} seed {seed} final acc "
+                    f"{result['final_accuracy']:.3f} "
+                    f"(start {result['initial_accuracy']:.3f})  KL "
+                    f"{result['kl_to_reference']:.3f} ± {result['kl_to_reference_stderr']:.3f}  "
+                    + ("(reused)" if result["reused"] else f"{result['wall_s']:.0f}s"),
+                    flush=True,
+                )
     table = markdown_table(results, algorithms, ns)
     text = reading(results, algorithms, ns, base.controller.eval_size)
     print()
     print(
         f"demo task, {base.controller.num_steps} RL steps of {base.controller.prompts_per_batch}"
-        f"x{base.controller.samples_per_prompt}, η=1, seed {base.seed}, importance weights "
-        f"against the {base.trainer.behaviour_logprobs} behaviour log-probs; final held-out greedy "
+        f"x{base.controller.samples_per_prompt}, η=1, seeds {list(seeds)} (mean [min–max]), "
+        f"importance weights against the {base.trainer.behaviour_logprobs} behaviour log-probs "
+        "(GRPO + TIS: recomputed π_old, TIS against the workers'); final held-out greedy "
         f"accuracy on {base.controller.eval_size} prompts and KL(π_θ‖π_SFT) in nats per response"
     )
     print(table)
@@ -499,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_staleness": list(ns),
         "steps": base.controller.num_steps,
         "eval_size": base.controller.eval_size,
-        "seed": base.seed,
+        "seeds": list(seeds),
         "behaviour_logprobs": base.trainer.behaviour_logprobs,
         "overrides": [
             *(QUICK if args.quick else SWEEP),
