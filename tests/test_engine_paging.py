@@ -69,6 +69,7 @@ def test_a_small_pool_swaps_and_gives_bitwise_the_large_pools_rollouts(sampling)
     assert_clean(small_engine)
 
 
+@pytest.mark.slow  # ~17 s; the float32 swap tests stay in the default suite
 def test_swapping_holds_with_several_decode_steps_per_call_and_bfloat16():
     config = dataclasses.replace(LLAMA, dtype="bfloat16", publish_dtype="bfloat16")
     small = dataclasses.replace(SMALL, kv_cache_bytes=13 * BYTES_PER_PAGE // 2)  # bf16 pages
@@ -172,6 +173,7 @@ def test_a_rows_numbers_do_not_depend_on_the_decode_bucket():
         assert together[0] == alone
 
 
+@pytest.mark.slow  # ~30 s interpreted; the kernels alone: tests/test_paged_attention.py
 def test_whole_generations_through_the_pallas_kernels_match_the_jax_path():
     """attention_backend="pallas" on the engine path, prefill (splash over the prompt) and
     decode (the paged-attention kernel), interpreted on CPU, with a pool small enough to

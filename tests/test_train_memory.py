@@ -138,6 +138,7 @@ def _tpu_devices(monkeypatch, topology: str):
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
 
 
+@pytest.mark.slow  # ~24 s; TPU compiles of the tiny model stay in tests/test_compile.py
 def test_tpu_compile_of_scanned_remat_splash_training_fits_in_less(monkeypatch):
     """A small model's gradient compiled by libtpu for v5p:2x2x1 with scanned layers and
     splash attention: temporaries with remat "full" are well below those without."""

@@ -240,6 +240,7 @@ OTHER_KERNELS = (
 )
 
 
+@pytest.mark.slow  # ~18 s; the default kernels' one-ulp test stays in the default suite
 def test_recompute_matches_the_inference_engine_to_one_ulp_with_other_xla_kernels():
     """The tolerance holds whatever kernels XLA:CPU picks; bitwise equality does not: which
     tokens match exactly depends on the machine's ISA, its Eigen threading and the YNNPACK
