@@ -18,14 +18,14 @@ PLUGIN = textwrap.dedent(
     """
     import jax.numpy as jnp
     from rlax_tpu.algorithms import register_part, register_preset
-    from rlax_tpu.algorithms.parts import _per_token
+    from rlax_tpu.algorithms.parts import per_token
 
     @register_part("advantage", "best_of_group", formula="A_i = r_i − max_g r",
                    source="a test plugin")
     def best_of_group(p, c):
         best = jnp.full_like(p.rewards, -jnp.inf).at[p.group_ids].max(
             jnp.where(p.valid, p.rewards, -jnp.inf))
-        return _per_token(jnp.where(p.valid, p.rewards - best[p.group_ids], 0.0), p.mask)
+        return per_token(jnp.where(p.valid, p.rewards - best[p.group_ids], 0.0), p.mask)
 
     @register_part("kl_estimator", "k_quartic", formula="d⁴", source="a test plugin")
     def k_quartic(d):

@@ -71,7 +71,7 @@ def _registry(*parts: Part) -> dict[str, Part]:
     return {p.name: p for p in parts}
 
 
-def _per_token(x: jax.Array, mask: jax.Array) -> jax.Array:
+def per_token(x: jax.Array, mask: jax.Array) -> jax.Array:
     """A per-sequence float[batch] broadcast to float[batch, seq], zero off the response."""
     return x[:, None] * mask
 
@@ -169,7 +169,7 @@ def sequence_log_ratio(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
 def _level_ratio(p: PartInputs, c: AlgorithmConfig, level: str) -> jax.Array:
     if level == "token":
         return jnp.exp(token_log_ratio(p)) * p.mask
-    return _per_token(jnp.exp(sequence_log_ratio(p, c)), p.mask)
+    return per_token(jnp.exp(sequence_log_ratio(p, c)), p.mask)
 
 
 def _weight(level: str, transform: str) -> Callable:
@@ -290,7 +290,7 @@ def fold_kl_into_rewards(
 def _group_baselined(p: PartInputs, r: jax.Array, adv: jax.Array) -> jax.Array:
     """A group whose rewards r are all equal carries no signal: exactly 0, not rounding noise."""
     equal = groups.group_all_equal(r, p.group_ids, p.valid)
-    return _per_token(jnp.where(equal | ~p.valid, 0.0, adv), p.mask)
+    return per_token(jnp.where(equal | ~p.valid, 0.0, adv), p.mask)
 
 
 def _group_mean_std(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
@@ -323,7 +323,7 @@ def _batch_std(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _batch_norm(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
     r = sequence_rewards(p)
     mean, std = _batch_std(r, p.valid)
-    return _per_token(jnp.where(p.valid, (r - mean) / (std + STD_EPS), 0.0), p.mask)
+    return per_token(jnp.where(p.valid, (r - mean) / (std + STD_EPS), 0.0), p.mask)
 
 
 def _group_mean_batch_norm(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
@@ -331,7 +331,7 @@ def _group_mean_batch_norm(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
     centred = r - groups.group_mean(r, p.group_ids, p.valid)
     centred = jnp.where(groups.group_all_equal(r, p.group_ids, p.valid), 0.0, centred)
     _, std = _batch_std(centred, p.valid)
-    return _per_token(jnp.where(p.valid, centred / (std + STD_EPS), 0.0), p.mask)
+    return per_token(jnp.where(p.valid, centred / (std + STD_EPS), 0.0), p.mask)
 
 
 def gae(
@@ -371,7 +371,7 @@ def _gae(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
 
 
 def _reward(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
-    return _per_token(jnp.where(p.valid, sequence_rewards(p), 0.0), p.mask)
+    return per_token(jnp.where(p.valid, sequence_rewards(p), 0.0), p.mask)
 
 
 def _given(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
@@ -395,7 +395,7 @@ def _remax(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
             "greedy response, float[batch]"
         )
     g = returns.returns_to_go(token_level_rewards(p), p.mask, 1.0)
-    return g - _per_token(p.baseline_rewards, p.mask)
+    return g - per_token(p.baseline_rewards, p.mask)
 
 
 def _opo(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
@@ -417,7 +417,7 @@ def _gpg(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
 def _pass_at_k(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
     correct = (sequence_rewards(p) > 0.5).astype(p.mask.dtype)
     adv = returns.pass_at_k_advantages(correct, p.group_ids, p.valid, c.pass_at_k)
-    return _per_token(adv, p.mask)
+    return per_token(adv, p.mask)
 
 
 ADVANTAGES = _registry(
@@ -579,7 +579,7 @@ def geometric_mean_clip(
     length = jnp.maximum(p.lengths, 1)
     raw = jnp.exp(jnp.sum(log_r, axis=1) / length)
     weight = jnp.exp(jnp.sum(clipped * p.mask, axis=1) / length)
-    return Ratio(_per_token(raw, p.mask), _per_token(weight, p.mask)), keep
+    return Ratio(per_token(raw, p.mask), per_token(weight, p.mask)), keep
 
 
 GRADIENT_MASKS = _registry(

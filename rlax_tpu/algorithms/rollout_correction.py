@@ -32,16 +32,13 @@ class Correction(NamedTuple):
 
 def needs_rollout_logprobs(c: AlgorithmConfig) -> bool:
     """Whether the resolved config `c` reads batch.rollout_logprobs."""
-    return c.rollout_correction != "none" or bool(c.rollout_gate_threshold)
+    return bool(c.rollout_correction_fields())
 
 
 def check_inputs(c: AlgorithmConfig, p: PartInputs) -> None:
     """MissingInputError naming what to pass when `c` needs π_rollout and `p` has none."""
-    if needs_rollout_logprobs(c) and p.rollout_logprobs is None:
-        users = [f"rollout_correction={c.rollout_correction!r}"] * (c.rollout_correction != "none")
-        users += [f"rollout_gate_threshold={c.rollout_gate_threshold}"] * bool(
-            c.rollout_gate_threshold
-        )
+    users = c.rollout_correction_fields()
+    if users and p.rollout_logprobs is None:
         raise MissingInputError(
             f"{' and '.join(users)} ({c.name}) need batch.rollout_logprobs: the inference "
             "workers' own log π_rollout(targets), float[batch, seq], next to "

@@ -479,6 +479,21 @@ class AlgorithmConfig(ConfigBase):
         inherited = self._inherited()
         return dataclasses.replace(self, **inherited) if inherited else self
 
+    def rollout_correction_fields(self) -> list[str]:
+        """The resolved settings that turn a rollout correction on, as "field=value": TIS/MIS
+        (`rollout_correction` other than "none") and the mismatch gate
+        (`rollout_gate_threshold`). Non-empty exactly when the objective reads the
+        inference workers' own log-probs π_rollout next to the trainer's π_old."""
+        c = self.resolved()
+        if not c.is_policy_gradient:
+            return []
+        fields = []
+        if c.rollout_correction != "none":
+            fields.append(f"rollout_correction={c.rollout_correction!r}")
+        if c.rollout_gate_threshold:
+            fields.append(f"rollout_gate_threshold={c.rollout_gate_threshold}")
+        return fields
+
     @property
     def is_policy_gradient(self) -> bool:
         """Whether this is the modular J above (not trajectory balance or online DPO)."""

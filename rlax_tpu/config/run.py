@@ -48,27 +48,12 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _rollout_correction_fields(algorithm: AlgorithmConfig) -> list[str]:
-    """The fields of `algorithm` (resolved) that turn a rollout correction on: TIS/MIS
-    (`rollout_correction` other than "none") and the mismatch gate (a
-    `rollout_gate_threshold`). The JAX side's rule is
-    rlax_tpu.algorithms.rollout_correction.needs_rollout_logprobs."""
-    c = algorithm.resolved()
-    if not c.is_policy_gradient:
-        return []
-    fields = []
-    if c.rollout_correction not in ("none", ""):
-        fields.append(f"trainer.algorithm.rollout_correction={c.rollout_correction!r}")
-    if c.rollout_gate_threshold:
-        fields.append(f"trainer.algorithm.rollout_gate_threshold={c.rollout_gate_threshold}")
-    return fields
-
-
 def needs_rollout_logprobs(algorithm: AlgorithmConfig) -> bool:
     """Whether `algorithm` has a rollout correction (TIS/MIS, the mismatch gate): it reads the
     inference workers' own log-probs π_rollout next to the trainer's π_old. The JAX-free
-    twin of `Objective.needs_rollout_logprobs`."""
-    return bool(_rollout_correction_fields(algorithm))
+    twin of `Objective.needs_rollout_logprobs` (both read
+    `AlgorithmConfig.rollout_correction_fields`)."""
+    return bool(algorithm.rollout_correction_fields())
 
 
 def greedy_baseline(algorithm: AlgorithmConfig) -> bool:
@@ -82,7 +67,10 @@ def greedy_baseline(algorithm: AlgorithmConfig) -> bool:
 def rollout_correction_conflict(algorithm: AlgorithmConfig) -> str:
     """Why trainer.behaviour_logprobs="cached" cannot go with `algorithm`'s rollout
     correction, and the fix (the message of RunConfig's check and of the trainer's)."""
-    fields = " and ".join(_rollout_correction_fields(algorithm)) or "a rollout correction"
+    fields = (
+        " and ".join(f"trainer.algorithm.{f}" for f in algorithm.rollout_correction_fields())
+        or "a rollout correction"
+    )
     return (
         f"is 'cached', but trainer.algorithm {algorithm.name!r} has {fields}, which weighs "
         "π_old / π_rollout; with cached behaviour log-probs π_old would be the inference "
