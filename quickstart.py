@@ -7,6 +7,11 @@
 Creates a virtual environment in .venv (or $RLAX_TPU_VENV), installs the package
 into it (with the `test` extra for `test`) and re-installs only when pyproject.toml,
 setup.py or protos/ change. Arguments after the command go to `rlax-tpu run` or pytest.
+
+`test` runs pytest on min(4, CPUs) worker processes (pytest-xdist, work stealing): the
+suite is mostly single-threaded compilation and short-lived component processes, so one
+process keeps about one core busy. $RLAX_TPU_TEST_WORKERS sets the number (0: one
+process); a `-n`/`--numprocesses` or `-p no:xdist` argument is left as given.
 """
 
 from __future__ import annotations
@@ -96,6 +101,21 @@ def create_venv() -> None:
         )
 
 
+def _workers(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist arguments for the test command, unless the caller chose."""
+    chosen = any(
+        a in ("-n", "--numprocesses", "no:xdist", "-pno:xdist")
+        or a.startswith("--numprocesses=")
+        or (a.startswith("-n") and a[2:].lstrip("=") in ("auto", "logical"))
+        or (a.startswith("-n") and a[2:].lstrip("=").isdigit())
+        for a in pytest_args
+    )
+    if chosen:
+        return []
+    workers = int(os.environ.get("RLAX_TPU_TEST_WORKERS", min(4, os.cpu_count() or 1)))
+    return ["-n", str(workers), "--dist", "worksteal"] if workers > 1 else []
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("run", "test"):
         print(__doc__)
@@ -106,7 +126,7 @@ def main(argv: list[str]) -> int:
         args = [str(_bin("rlax-tpu")), "run", str(ROOT / "configs" / "tiny_cpu.py"), *rest]
     else:
         ensure_installed("test")
-        args = [str(_bin("python")), "-m", "pytest", *rest]
+        args = [str(_bin("python")), "-m", "pytest", *_workers(rest), *rest]
     return subprocess.call(args, cwd=ROOT)
 
 
