@@ -425,3 +425,25 @@ def test_learning_rate_schedule_counts_train_steps(kind, expected):
     # Every one of a step's 3 optimizer updates uses that step's rate.
     got = [float(schedule(step * 3 + update)) for step in range(6) for update in range(3)]
     np.testing.assert_allclose(got, np.repeat(expected, 3), rtol=1e-6, atol=1e-7)
+
+
+def test_log_reference_kl_reports_the_kl_to_the_reference_without_training_on_it(tmp_path):
+    """β = 0 with `log_reference_kl`: the trainer keeps the SFT reference and reports `kl`
+    (zero at the first step, where π_θ is the reference; positive after an update), and
+    trains exactly as without the flag, which reports no `kl`."""
+    results, params = {}, {}
+    for log in (False, True):
+        algorithm = AlgorithmConfig(name="grpo", kl_beta=0.0, log_reference_kl=log)
+        # One update per step (mini-batch = the batch): the first step's π_θ is the reference.
+        config = run_config(str(tmp_path / str(log)), mini=8, adam_eps=1e-4, algorithm=algorithm)
+        trainer = Trainer(config, mesh=_one_device_mesh())
+        trainer.initialize()
+        results[log] = [trainer.train_step(s, rollout_batch(s)) for s in range(2)]
+        params[log] = trainer.params()
+        trainer.close()
+    assert all("kl" not in r.metrics for r in results[False])
+    first, second = (r.metrics["kl"] for r in results[True])
+    assert 0 <= first <= 1e-9 and second > 1e-6, (first, second)
+    for with_kl, without in zip(results[True], results[False], strict=True):
+        assert with_kl.metrics["loss"] == pytest.approx(without.metrics["loss"], rel=1e-5)
+    assert_trees_close(params[True], params[False])

@@ -278,7 +278,8 @@ class Objective:
     The `needs_*` flags tell the trainer which inputs to compute (e.g. skip the
     reference forward pass when no reference is read):
 
-    needs_reference_logprobs: the batch must carry `reference_logprobs` (log π_ref);
+    needs_reference_logprobs: the batch must carry `reference_logprobs` (log π_ref): for a
+        KL term, or only for the `kl` metric (`log_reference_kl`);
     needs_rollout_values: the batch must carry `values`, V_old float[batch, seq]: the
         value head's outputs on the rollout tokens with the weights before the update
         (GAE's baseline and the value clip's centre), e.g. from the recompute pass that
@@ -295,7 +296,7 @@ class Objective:
         c = self.config
         self.kind = c.name if not c.is_policy_gradient else "policy_gradient"
         if c.is_policy_gradient:
-            self.needs_reference_logprobs = kl_may_be_nonzero(c)
+            self.needs_reference_logprobs = kl_may_be_nonzero(c) or c.log_reference_kl
             self.needs_values = c.value_loss_coef > 0
             self.needs_rollout_values = needs_rollout_values(c)
             self.needs_entropy = c.entropy_coef > 0

@@ -113,6 +113,10 @@ class AlgorithmConfig(ConfigBase):
     # L in max-length normalisation w = 1/(B·L): the generation budget; 0 = the batch's
     # padded sequence length.
     max_response_len: int = 0
+    # Report `kl`, the k3 estimate of KL(π_θ‖π_ref) per response token to the reference
+    # (the SFT model, or the last reference reset), even when β = 0 and nothing trains on
+    # it: the trainer keeps the reference and runs one more forward pass per step.
+    log_reference_kl: bool = False
     # Modules of the user's that register parts and presets (rlax_tpu.algorithms.registry):
     # dotted names or paths to .py files, imported when this config is validated.
     plugins: tuple[str, ...] = ()
