@@ -162,9 +162,13 @@ def test_eval_scores_a_models_greedy_answers_with_the_verifiers(tmp_path, capsys
     out_json = tmp_path / "eval.json"
     args = ["eval", TINY, *_sets(*overrides), "--model", seven, "--json", str(out_json)]
     assert main(args) == 0
-    assert "held-out greedy accuracy: 0.500 (2/4 problems of" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out greedy accuracy: 0.500 (2/4 problems of" in out
+    # 2 of 4: the Wilson interval (0.5 ± 1.96·√(1/16 + 1.96²/64)) / (1 + 1.96²/4).
+    assert "95 % interval 0.150–0.850)" in out
     result = json.loads(out_json.read_text())
     assert result["accuracy"] == 0.5
+    assert result["accuracy_interval95"] == pytest.approx([0.1500, 0.8500], abs=5e-4)
     assert result["num_problems"] == len(HELD_OUT)
     assert [p["response"] for p in result["problems"]] == ["7"] * 4
     assert [p["reward"] for p in result["problems"]] == [1.0, 1.0, 0.0, 0.0]

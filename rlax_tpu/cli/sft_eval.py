@@ -55,11 +55,18 @@ class EvalResult:
     def num_problems(self) -> int:
         return len(self.problems)
 
+    @property
+    def interval95(self) -> tuple[float, float]:
+        from rlax_tpu.controller.evaluation import wilson_interval
+
+        return wilson_interval(self.accuracy, self.num_problems)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "eval_dataset": self.dataset,
             "accuracy": self.accuracy,
+            "accuracy_interval95": list(self.interval95),
             "num_correct": self.num_correct,
             "num_problems": self.num_problems,
             "problems": self.problems,
@@ -163,7 +170,8 @@ def _print_result(result: EvalResult) -> None:
     print(f"model: {result.model}")
     print(
         f"held-out greedy accuracy: {result.accuracy:.3f} ({result.num_correct}/"
-        f"{result.num_problems} problems of {result.dataset})",
+        f"{result.num_problems} problems of {result.dataset}; 95 % interval "
+        f"{result.interval95[0]:.3f}–{result.interval95[1]:.3f})",
         flush=True,
     )
 

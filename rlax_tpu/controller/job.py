@@ -126,9 +126,17 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
 
 
 # -- the run -----------------------------------------------------------------------------------
+def _held_out(row: dict[str, Any]) -> str:
+    """ "0.812 [0.776–0.844]": the held-out accuracy and its 95 % interval."""
+    text = f"{row['eval_accuracy']:.3f}"
+    if "eval_accuracy_low" in row:
+        text += f" [{row['eval_accuracy_low']:.3f}–{row['eval_accuracy_high']:.3f}]"
+    return text
+
+
 def _progress(row: dict[str, Any], num_steps: int) -> None:
     if "reward_mean" not in row:  # the evaluation before the first step
-        print(f"step {row['step']:>4}/{num_steps}  held-out {row['eval_accuracy']:.3f}", flush=True)
+        print(f"step {row['step']:>4}/{num_steps}  held-out {_held_out(row)}", flush=True)
         return
     tokens_per_s = row["response_tokens"] / max(row.get("train/time/step_s", 0) or 1e-9, 1e-9)
     line = (
@@ -137,7 +145,7 @@ def _progress(row: dict[str, Any], num_steps: int) -> None:
         f"train tok/s {tokens_per_s:,.0f}  {row['elapsed_s']:.0f}s"
     )
     if "eval_accuracy" in row:
-        line += f"  held-out {row['eval_accuracy']:.3f}"
+        line += f"  held-out {_held_out(row)}"
     print(line, flush=True)
 
 
