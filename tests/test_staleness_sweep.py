@@ -71,3 +71,30 @@ def test_the_variants_are_grpo_with_dual_clip_and_with_tis_on_a_recomputed_pi_ol
     assert tis.algorithm.resolved().rollout_correction == "token_tis"
     assert tis.algorithm.resolved().name == "grpo"
     assert tis.behaviour_logprobs == "recomputed"
+
+
+def test_the_paper_condition_variants_validate_and_keep_the_global_batch(tmp_path):
+    """TBA's reference reset (on TB, and in TBA-PRIME with its min(λ, 8) weight and the k1
+    KL folded into a group-mean advantage) and online DPO with 4 and 2 samples per prompt:
+    each is a valid config whose warm start is the sweep's (same global batch)."""
+    base = sweep.sweep_config(quick=False, steps=None, extra=[])
+    tb = sweep.run_config(base, "tb_reset", 16, tmp_path)
+    tb.validate()
+    sweep.run_config(base, "tba_prime", 16, tmp_path).validate()
+    assert tb.trainer.algorithm.resolved().reference_reset_every == sweep.TBA_RESET_EVERY
+    prime = sweep.run_config(base, "tba_prime", 16, tmp_path).trainer.algorithm.resolved()
+    assert (prime.importance_weight, prime.rho_max, prime.advantage) == (
+        "token_truncated",
+        8.0,
+        "group_mean",
+    )
+    assert prime.gradient_mask == "keep_all" and prime.aggregation == "sequence_sum"
+    assert prime.kl_in_reward and prime.kl_estimator == "k1" and prime.kl_beta == 0.005
+    assert prime.reference_reset_every == sweep.TBA_RESET_EVERY
+    for name, k in (("online_dpo_k4", 4), ("online_dpo_k2", 2)):
+        config = sweep.run_config(base, name, 16, tmp_path)
+        config.validate()
+        assert config.controller.samples_per_prompt == k
+        assert config.controller.global_batch_size == base.controller.global_batch_size
+        assert sweep.warm_start_key(config) == sweep.warm_start_key(base)
+        assert config.trainer.algorithm.resolved().kl_beta == 0.1

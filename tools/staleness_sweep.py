@@ -66,6 +66,10 @@ ALGORITHMS = (
     "online_dpo",
     "grpo_dual_clip",
     "grpo_tis",
+    "tb_reset",
+    "tba_prime",
+    "online_dpo_k4",
+    "online_dpo_k2",
 )
 LABELS = {
     "grpo": "GRPO",
@@ -75,10 +79,48 @@ LABELS = {
     "online_dpo": "online DPO",
     "grpo_dual_clip": "GRPO + dual clip",
     "grpo_tis": "GRPO + TIS",
+    "tb_reset": "TB + ref. reset",
+    "tba_prime": "TBA-PRIME",
+    "online_dpo_k4": "online DPO, K=4",
+    "online_dpo_k2": "online DPO, K=2",
 }
-# Variants that are not presets as published: (preset, its overrides, trainer overrides).
+# The reference reset period ρ of the TBA variants: TBA-PRIME resets every 50 steps of runs
+# many times longer than the sweep's 40; every 10 gives the sweep's runs several resets.
+TBA_RESET_EVERY = 10
+# Variants that are not presets as published: (preset, its overrides, trainer overrides,
+# controller overrides).
 VARIANTS = {
-    "grpo_tis": ("grpo", {"rollout_correction": "token_tis"}, {"behaviour_logprobs": "recomputed"}),
+    "grpo_tis": (
+        "grpo",
+        {"rollout_correction": "token_tis"},
+        {"behaviour_logprobs": "recomputed"},
+        {},
+    ),
+    # The conditions of the seed papers that the published presets lack (docs/data.md):
+    # TBA's reference reset π_ref ← π_θ every ρ steps, on trajectory balance ...
+    "tb_reset": ("trajectory_balance", {"reference_reset_every": TBA_RESET_EVERY}, {}, {}),
+    # ... and TBA-PRIME (TBA Eq. 16): Σ_t sg(min(λ_t, 8)·(r − r̄ − β(log Λ − mean log Λ)))
+    # ·∇log π_θ(y_t), λ_t = π_θ/μ per token, log Λ = Σ_t log π/π_ref, β = 0.005, the reference
+    # reset every ρ steps. In parts: AIPO's truncated token weight at 8 (sequence sum, keep
+    # all) on the group-mean advantage of a reward with the k1 KL folded in (which reads
+    # π_old, here the behaviour policy, where TBA reads π_θ).
+    "tba_prime": (
+        "aipo",
+        {
+            "rho_max": 8.0,
+            "kl_in_reward": True,
+            "kl_estimator": "k1",
+            "kl_beta": 0.005,
+            "kl_beta_final": 0.005,
+            "reference_reset_every": TBA_RESET_EVERY,
+        },
+        {},
+        {},
+    ),
+    # Noukhovitch et al.'s online DPO draws 2 samples per prompt (TL;DR), or takes the best
+    # and worst of 4 (GSM8K); the preset's β = 0.1 is theirs. The global batch stays 64.
+    "online_dpo_k4": ("online_dpo", {}, {}, {"prompts_per_batch": 16, "samples_per_prompt": 4}),
+    "online_dpo_k2": ("online_dpo", {}, {}, {"prompts_per_batch": 32, "samples_per_prompt": 2}),
 }
 STALENESS = (0, 4, 16)
 SEEDS = (0, 1, 2)
@@ -129,13 +171,13 @@ def algorithm_config(name: str, config: RunConfig) -> AlgorithmConfig:
     if name == "dr_grpo":
         return AlgorithmConfig(name=name, max_response_len=config.inference.max_new_tokens)
     if name in VARIANTS:
-        preset, overrides, _ = VARIANTS[name]
+        preset, overrides, _, _ = VARIANTS[name]
         return AlgorithmConfig(name=preset, **overrides)
     return AlgorithmConfig(name=name)
 
 
 def run_config(base: RunConfig, algorithm: str, n: int, run_dir: Path) -> RunConfig:
-    trainer_overrides = VARIANTS[algorithm][2] if algorithm in VARIANTS else {}
+    _, _, trainer_overrides, controller_overrides = VARIANTS.get(algorithm, ("", {}, {}, {}))
     return dataclasses.replace(
         base,
         name=f"staleness_{algorithm}_n{n}",
@@ -143,6 +185,7 @@ def run_config(base: RunConfig, algorithm: str, n: int, run_dir: Path) -> RunCon
         trainer=dataclasses.replace(
             base.trainer, algorithm=algorithm_config(algorithm, base), **trainer_overrides
         ),
+        controller=dataclasses.replace(base.controller, **controller_overrides),
         storage=dataclasses.replace(base.storage, run_dir=str(run_dir)),
     )
 
@@ -160,7 +203,7 @@ def warm_start_key(config: RunConfig) -> str:
         "trainer": trainer,
         "datasets": [d.to_dict() for d in c.datasets],
         "eval_dataset": c.eval_dataset,
-        "sft": [c.sft_steps, c.sft_learning_rate, c.prompts_per_batch],
+        "sft": [c.sft_steps, c.sft_learning_rate, c.global_batch_size],  # its batch: all rows
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
