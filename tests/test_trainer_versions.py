@@ -128,6 +128,10 @@ def test_a_version_whose_publish_failed_is_published_before_the_next_answer(tmp_
             trainer.train_step(0, rollout_batch(0))
         assert trainer.step == 1
         group.start_param_server(None, token=TOKEN, args=["--port", port])
+        # The restarted server gets a run's usual wait: on a loaded host the channel's
+        # reconnect backoff (up to 2 s) alone can outlast the 2 s that made the first
+        # publish fail fast (seen in the xdist suite on 2 busy cores).
+        client.reconnect_s = 60.0
         assert trainer.train_step(0, rollout_batch(0)).already_done
         assert client.versions() == [1]  # version 0 went with the memory-only server
         assert_trees_close(client.pull(1, trainer.params()), trainer.params(), rtol=0, atol=0)

@@ -146,6 +146,9 @@ KL_SEED = 20250101
 # has ratio 1 whatever its staleness: no clip, truncation or IS weight ever acts.
 SWEEP = [
     "trainer.behaviour_logprobs=cached",
+    # The demo's learning rate until 2026-11-28 (5e-5 since, docs/learning.md): every sweep
+    # in docs/data.md ran with it.
+    "trainer.learning_rate=1e-4",
     "model.hidden_size=64",
     "model.intermediate_size=256",
     "model.num_layers=2",
