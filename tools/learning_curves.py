@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import shutil
 import statistics
 import sys
 import time
@@ -54,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from staleness_sweep import WARM_START_FILES, kl_to_reference, warm_start  # noqa: E402
+from staleness_sweep import kl_to_reference, start_from_warm_start, warm_start  # noqa: E402
 
 from rlax_tpu.config import RunConfig, StalenessConfig, load_config  # noqa: E402
 from rlax_tpu.controller.evaluation import wilson_interval  # noqa: E402
@@ -150,10 +149,7 @@ def run_one(base: RunConfig, mode: str, warm: Path, work: Path) -> dict[str, Any
                 result.update(final_kl(run_dir, warm))
                 result_path.write_text(json.dumps(result, indent=2))
             return {**result, "reused": True}
-    shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run dir would resume or refuse
-    run_dir.mkdir(parents=True)
-    for item in WARM_START_FILES:
-        shutil.copytree(warm / item, run_dir / item)
+    start_from_warm_start(run_dir, warm)
     t0 = time.perf_counter()
     with open(work / f"{mode}_s{base.seed}.log", "w") as out, contextlib.redirect_stdout(out):
         job.run(config)

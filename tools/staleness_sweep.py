@@ -227,6 +227,15 @@ def warm_start(config: RunConfig, work: Path) -> Path:
     return directory
 
 
+def start_from_warm_start(run_dir: Path, warm: Path) -> None:
+    """A fresh `run_dir` holding the warm start's trainer checkpoint, tokenizer and data, so
+    the job starts RL from its version 0 (a left-over run dir would resume or refuse)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    for item in WARM_START_FILES:
+        shutil.copytree(warm / item, run_dir / item)
+
+
 # -- KL of the final policy to the reference -----------------------------------------------------
 def final_params(run_dir: Path, like: Any) -> tuple[int, Any]:
     """(version, params) of the newest version the run's parameter server persisted."""
@@ -348,10 +357,7 @@ def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> 
         result = json.loads(result_path.read_text())
         if result.get("config_digest") == digest:
             return {**result, "reused": True}
-    shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run dir would resume or refuse
-    run_dir.mkdir(parents=True)
-    for item in WARM_START_FILES:
-        shutil.copytree(warm / item, run_dir / item)
+    start_from_warm_start(run_dir, warm)
     t0 = time.perf_counter()
     log = work / f"{algorithm}_n{n}_s{base.seed}.log"
     with open(log, "w") as out, contextlib.redirect_stdout(out):
