@@ -593,8 +593,6 @@ EXITS_IN_CALL = {
     "exit_on_second_call": FAKE_REPORTS
     + "import os\ncalls = []\ndef add(a, b):\n    calls.append(1)\n"
     "    if len(calls) == 2:\n        os._exit(0)\n    return a + b\n",
-    "kill_parent": "import os, signal\ndef add(a, b):\n"
-    "    os.kill(os.getppid(), signal.SIGINT)\n    return a + b\n",
 }
 
 

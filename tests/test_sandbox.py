@@ -47,9 +47,11 @@ def run_py(sandbox, workdir, code: str, limits: RunLimits = LIMITS, stdin: bytes
 
 
 def test_bwrap_command_isolates_namespaces_and_environment():
-    argv = bwrap_argv("bwrap", "/some/work")
+    argv = bwrap_argv("bwrap", "/some/work", seccomp_fd=7)
     for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"):
         assert flag in argv
+    # The command is PID 1 (no init of bwrap's that the program could read), under the filter.
+    assert "--as-pid-1" in argv and argv[argv.index("--seccomp") + 1] == "7"
     assert "--clearenv" in argv and "--share-net" not in argv
     assert argv[argv.index("--uid") + 1] == str(NOBODY_UID)
     i = argv.index("/some/work")

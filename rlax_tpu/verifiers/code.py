@@ -465,8 +465,13 @@ class CodeVerifier:
     ) -> TestCaseResult:
         token = secrets.token_hex(16)
         stdin = f"{token}\n{json.dumps(spec)}".encode()
+        # The harness is the sandbox's PID 1: no other process there ever holds its stdin.
         outcome = self.sandbox.run(
-            ["python3", "-I", "-B", HARNESS_FILE, name], workdir=work, limits=limits, stdin=stdin
+            ["python3", "-I", "-B", HARNESS_FILE, name],
+            workdir=work,
+            limits=limits,
+            stdin=stdin,
+            as_pid_1=True,
         )
 
         def done(verdict: Verdict, reason: str) -> TestCaseResult:
@@ -487,6 +492,13 @@ class CodeVerifier:
             )
         verdict = _HARNESS_VERDICTS[report["verdict"]]
         reason = report["reason"]
+        if outcome.oom_kills and verdict not in (Verdict.ACCEPTED, Verdict.VERIFIER_ERROR):
+            # The kernel killed the candidate's process for the run's memory; the harness saw
+            # only a SIGKILL.
+            return done(
+                Verdict.MEMORY_LIMIT,
+                f"memory limit exceeded (limit {limits.memory_bytes // 2**20} MiB): {reason}",
+            )
         if verdict == Verdict.VERIFIER_ERROR:
             reason = f"bad problem or harness: {reason}"
         elif verdict != Verdict.ACCEPTED:

@@ -2,11 +2,14 @@
 against a candidate's Python functions, judged by code the candidate never runs.
 
 The code verifier runs it in the sandbox as `python3 -I -B function_harness.py <test>`,
-with stdin = "<token>\\n<spec JSON>" (docs/verifiers.md, "Function-call tests"). It is two
-processes. This one, the parent, keeps the token and the test code to itself, makes itself
-non-dumpable (so a process of the same uid can neither ptrace it nor read its memory or
-file descriptors), starts the candidate's program in a child process, and runs the test
-code with each entry point bound to a proxy that calls into the child over two pipes.
+the sandbox's PID 1 (no other process there ever holds its stdin), with stdin =
+"<token>\\n<spec JSON>" (docs/verifiers.md, "Function-call tests"). It is two processes.
+This one, the parent, reads stdin and closes it before the candidate exists, keeps the token
+and the test code to itself, makes itself non-dumpable (so a process of the same uid can
+neither ptrace it nor read its memory or file descriptors; the sandbox's seccomp filter
+denies ptrace, pidfd_getfd and process_vm_readv besides), starts the candidate's program in a
+child process, and runs the test code with each entry point bound to a proxy that calls into
+the child over two pipes.
 Only values cross back, through a tagged JSON codec of plain builtins; assertions are
 evaluated here. It ends by writing one line on stdout, "<token> <outcome JSON>"; a run
 without that line is the candidate's failure. Standalone on purpose: it runs under the
@@ -258,8 +261,6 @@ def child_main(request_fd: int, response_fd: int) -> NoReturn:
 
 PR_GET_DUMPABLE = 3
 PR_SET_DUMPABLE = 4
-PTRACE_SEIZE = 0x4206
-PTRACE_INTERRUPT = 0x4207
 STDERR_TAIL_BYTES = 4096
 _STOP_WAIT_S = 1.0
 
@@ -637,38 +638,9 @@ def _make_undumpable() -> str:
     return ""
 
 
-def _is_sandbox_init_child() -> bool:
-    """Whether this process is the sandbox's first (PID 1, or PID 2 under bwrap's init) in a
-    PID namespace of its own. On a host, PIDs 1 and 2 are init and kthreadd, never us; so
-    with the verifier's word that the run is sandboxed, it is safe to freeze PID 1 and to
-    signal every process we can see."""
-    return os.getpid() == 1 or (os.getpid() == 2 and os.getppid() == 1)
-
-
-def _freeze_init() -> str:
-    """Trace and stop the sandbox's PID 1 (bwrap's init) for the rest of the run.
-
-    It runs with our uid, is dumpable, and holds the run's stdin and stdout, so a candidate
-    could ptrace it, make it read the token back from stdin and write to stdout. Traced by
-    us, nobody else can attach to it, and stopped, it runs nothing (not even code written
-    into its memory) until we exit and the kernel detaches it. '' on success, else why not
-    (then: the sandbox is set up differently, or ptrace is denied to the candidate too)."""
-    if os.getpid() == 1:
-        return ""  # we are the init ourselves: nothing to freeze
-    try:
-        libc = _libc()
-        if libc.ptrace(PTRACE_SEIZE, 1, 0, 0) != 0:
-            return f"PTRACE_SEIZE of PID 1 failed with errno {_errno()}"
-        if libc.ptrace(PTRACE_INTERRUPT, 1, 0, 0) != 0:
-            return f"PTRACE_INTERRUPT of PID 1 failed with errno {_errno()}"
-    except (OSError, AttributeError) as e:
-        return f"cannot call ptrace: {e}"
-    return ""
-
-
 def _kill_everyone_else() -> None:
-    """SIGKILL every process of the sandbox but PID 1 and us (kill(-1) spares both): no
-    process of the candidate is left to read or write stdout around the report."""
+    """SIGKILL every process of the sandbox but us, its PID 1 (kill(-1) spares the caller):
+    no process of the candidate is left to write to the sandbox's stdout or stderr."""
     for _ in range(2):
         try:
             os.kill(-1, signal.SIGKILL)
@@ -694,11 +666,12 @@ def _check_spec(spec: object, test_name: str) -> dict:
 
 
 def parent_main(test_name: str) -> NoReturn:
-    # The candidate can signal us (same uid): SIGINT would raise KeyboardInterrupt inside the
-    # test code, where a bare `except:` could swallow it. Killed instead, we report nothing.
+    # As the sandbox's PID 1 we receive no signal from inside it that we have no handler
+    # for; Python's SIGINT handler would raise KeyboardInterrupt inside the test code, where
+    # a bare `except:` could swallow it. (Not sandboxed, SIGINT kills us: we report nothing.)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    # Before anything else, while no other process of the run exists but the sandbox's init:
-    # from here on no process of our uid can read our memory or open our descriptors.
+    # Before anything else, while no other process of the run exists: from here on no
+    # process of our uid can read our memory or open our descriptors.
     unprotected = _make_undumpable()
     data = sys.stdin.buffer.read()
     token_line, _, spec_text = data.partition(b"\n")
@@ -729,11 +702,16 @@ def parent_main(test_name: str) -> NoReturn:
             spec = _check_spec(json.loads(spec_text), test_name)
         except ValueError as e:
             outcome = _outcome("harness_error", f"bad spec on stdin: {e}")
-    isolated = spec.get("sandboxed") is True and _is_sandbox_init_child()
-    if spec:
-        frozen = _freeze_init() if isolated else "not sandboxed"
+    # In the sandbox the harness is PID 1; a PID 1 of the host (init) is never us.
+    isolated = spec.get("sandboxed") is True and os.getpid() == 1
+    if spec.get("sandboxed") is True and not isolated:
+        outcome = _outcome(
+            "harness_error",
+            f"the harness runs as PID {os.getpid()}, not as the sandbox's PID 1 (bwrap "
+            "--as-pid-1): another process of the sandbox could hold its stdin",
+        )
+    elif spec:
         outcome = run_test(spec, os.path.abspath(__file__))
-        outcome["init_frozen"] = frozen or True
     if isolated:
         _kill_everyone_else()
     outcome["test"] = test_name

@@ -6,7 +6,8 @@ Every run, and the self-test that decides how runs are made, goes through one la
 process (sandbox_launcher.py): the verifier never forks a child that switches uid. A
 verifier running as root runs bwrap as uid 65534 or not at all: without a working bwrap
 (or one that cannot start as 65534) it refuses to run anything unless told
-`allow_unsandboxed`. Each run also gets its own cgroup (cgroups.py) where the host allows.
+`allow_unsandboxed`. Each run also gets its own cgroup (cgroups.py) where the host allows,
+and starts under a seccomp filter (seccomp.py) that denies calls reaching other processes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlax_tpu.verifiers import cgroups
+from rlax_tpu.verifiers import cgroups, seccomp
 
 # Inside the sandbox the run's work directory is mounted here and is the cwd.
 SANDBOX_WORKDIR = "/box"
@@ -45,12 +46,17 @@ _SANDBOX_TASKS = 2
 _SANDBOX_MEMORY_BYTES = 64 * 2**20
 # The launcher between the verifier and each run (a file of this package, run by path).
 LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+# The sandbox's PID 1 (sandbox_init.py), run by the sandbox's python3 from its source.
+_INIT_ARGV = ["python3", "-I", "-S", "-c", Path(__file__).with_name("sandbox_init.py").read_text()]
 
 _STDERR_TAIL_BYTES = 8192
 _READ_CHUNK = 65536
 # After the program exits (or is killed), how long to wait for its pipes and pid namespace
 # to drain before giving up on them.
 _DRAIN_S = 2.0
+# The launcher kills the run itself this long after the wall clock, should the verifier not
+# (it is gone, or stuck).
+_LAUNCHER_GRACE_S = 1.0
 
 # Text a program prints when an allocation failed: Python, libstdc++, glibc/prlimit exec.
 _OUT_OF_MEMORY_MARKERS = (
@@ -140,6 +146,7 @@ class RunOutcome:
     uid: int = -1  # the host uid the program ran as (-1: this process's own)
     cgroup: bool = False  # the run had its own cgroup
     peak_processes: int | None = None  # most tasks of the run at once (cgroup pids.peak)
+    oom_kills: int = 0  # processes of the run the kernel killed for its cgroup's memory
 
     @property
     def ok(self) -> bool:
@@ -204,10 +211,11 @@ class Sandbox:
     The sandbox sees: /usr (read-only; /bin, /lib, /lib64 as links into it), the dynamic
     loader cache, a new /proc and minimal /dev, a size-capped tmpfs at /tmp, and the run's
     work directory at /box (read-only unless `writable`). It has its own user, PID, network,
-    IPC, UTS and cgroup namespaces, no environment but `SANDBOX_ENV`, and runs as uid/gid
-    65534. When the verifier runs as root, bwrap itself is started as 65534 (by the
-    launcher), so that the program is unprivileged on the host too and RLIMIT_NPROC
-    applies; if that does not work the sandbox is unavailable (never root).
+    IPC, UTS and cgroup namespaces, no environment but `SANDBOX_ENV`, runs as uid/gid
+    65534, and under the seccomp filter of seccomp.py (no ptrace, pidfd_getfd,
+    process_vm_readv, namespaces, bpf, ...). When the verifier runs as root, bwrap itself is
+    started as 65534 (by the launcher), so that the program is unprivileged on the host too
+    and RLIMIT_NPROC applies; if that does not work the sandbox is unavailable (never root).
 
     bwrap:             the bwrap binary (a path or a name on PATH).
     allow_unsandboxed: without a working bwrap, run with rlimits only instead of refusing.
@@ -313,8 +321,13 @@ class Sandbox:
         limits: RunLimits,
         stdin: bytes = b"",
         writable: bool = False,
+        as_pid_1: bool = False,
     ) -> RunOutcome:
         """Run argv (relative paths resolve in `workdir`) with `stdin` and `limits`.
+
+        The sandbox's PID 1 is sandbox_init.py, which no process of the sandbox can read;
+        `as_pid_1`: the program is PID 1 itself, for a trusted program that protects itself
+        the same way (the function harness), so that no other process ever holds its stdin.
 
         Raises `SandboxUnavailable` when there is no sandbox and unsandboxed runs are not
         allowed. Every process the run started is gone when this returns."""
@@ -324,22 +337,32 @@ class Sandbox:
             self.check()  # raises unless allowed
         workdir = Path(workdir)
         inner = [*self._prlimit_argv(limits, sandboxed=mode is not None), "--", *argv]
-        if mode is not None:
-            bwrap = bwrap_argv(probe.path, workdir, writable=writable, tmp_bytes=limits.tmp_bytes)
-            cmd, cwd, env = [*bwrap, *inner], "/", {"PATH": SANDBOX_PATH}
-        else:
-            cmd, cwd, env = inner, str(workdir), dict(SANDBOX_ENV)
+        if mode is not None and not as_pid_1:
+            inner = [*_INIT_ARGV, *inner]
         uid = NOBODY_UID if self._drops_privileges() else -1
-        return _launch(
-            cmd,
-            cwd=cwd,
-            env=env,
-            uid=uid,
-            limits=limits,
-            stdin=stdin,
-            sandboxed=mode is not None,
-            cgroups=probe.cgroups,
-        )
+        with _seccomp_filter(required=mode is not None) as filter_fd:
+            if mode is not None:
+                bwrap = bwrap_argv(
+                    probe.path,
+                    workdir,
+                    writable=writable,
+                    tmp_bytes=limits.tmp_bytes,
+                    seccomp_fd=filter_fd,
+                )
+                cmd, cwd, env = [*bwrap, *inner], "/", {"PATH": SANDBOX_PATH}
+            else:
+                cmd, cwd, env = inner, str(workdir), dict(SANDBOX_ENV)
+            return _launch(
+                cmd,
+                cwd=cwd,
+                env=env,
+                uid=uid,
+                limits=limits,
+                stdin=stdin,
+                sandboxed=mode is not None,
+                cgroups=probe.cgroups,
+                seccomp_fd=filter_fd,
+            )
 
     # --- command lines --------------------------------------------------------------------
 
@@ -373,8 +396,12 @@ def bwrap_argv(
     *,
     writable: bool = False,
     tmp_bytes: int = 64 * 2**20,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
-    """The bwrap command line (up to and including "--") that isolates one run."""
+    """The bwrap command line (up to and including "--") that isolates one run. The command
+    is the sandbox's PID 1 (bwrap's own init would be readable by the program).
+
+    seccomp_fd: a descriptor bwrap reads the seccomp filter from (to its end, once)."""
     argv = [
         bwrap,
         "--unshare-all",  # user, ipc, pid, net, uts, cgroup namespaces
@@ -386,6 +413,7 @@ def bwrap_argv(
         str(NOBODY_GID),
         "--hostname",
         "sandbox",
+        "--as-pid-1",
         "--die-with-parent",
         "--new-session",
         "--clearenv",
@@ -435,8 +463,34 @@ def bwrap_argv(
         "--remount-ro",
         "/",
     ]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv.append("--")
     return argv
+
+
+@contextmanager
+def _seccomp_filter(*, required: bool) -> Iterator[int | None]:
+    """The read end of a pipe holding the seccomp filter, for one run: bwrap (or, without
+    bwrap, the launcher) reads it to its end. None when there is no filter for this machine
+    and none is `required` (an unsandboxed run: rlimits only); SandboxUnavailable when one
+    is."""
+    try:
+        program = seccomp.program()
+    except seccomp.SeccompUnavailable as e:
+        if required:
+            raise SandboxUnavailable(str(e)) from None
+        yield None
+        return
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, program)  # ~1 KiB: far below a pipe's capacity
+    finally:
+        os.close(write_fd)
+    try:
+        yield read_fd
+    finally:
+        os.close(read_fd)
 
 
 # --- the self-test ----------------------------------------------------------------------
@@ -453,6 +507,8 @@ class _Probe:
 
 _probe_lock = threading.Lock()
 _SELF_TEST_LIMITS = RunLimits(cpu_time_s=5.0, wall_time_s=20.0, max_processes=4)
+# A line of /proc/self/status under a seccomp filter (mode 2 = SECCOMP_MODE_FILTER).
+_SECCOMP_IN_FORCE = "^Seccomp:[[:space:]]*2$"
 
 
 @functools.cache
@@ -496,26 +552,41 @@ def _probe(bwrap: str, cgroup: str = "auto") -> _Probe:
 
 
 def _self_test(bwrap_path: str, *, mode: str, cgroups_: cgroups.Cgroups | None) -> str | None:
-    """None when a sandboxed `prlimit ... true` runs the way runs will (through the
-    launcher, as 65534 when `mode` is "nobody", in a cgroup when given), else the error."""
+    """None when a sandboxed program runs the way runs will (through the launcher, as 65534
+    when `mode` is "nobody", in a cgroup when given, under the seccomp filter, which it
+    checks is in force), else the error."""
     with tempfile.TemporaryDirectory(prefix="rlax-sandbox-probe-") as tmp:
         os.chmod(tmp, 0o755)
-        cmd = [*bwrap_argv(bwrap_path, tmp), "prlimit", "--nproc=4", "--", "true"]
         try:
-            outcome = _launch(
-                cmd,
-                cwd="/",
-                env={"PATH": SANDBOX_PATH},
-                uid=NOBODY_UID if mode == "nobody" else -1,
-                limits=_SELF_TEST_LIMITS,
-                stdin=b"",
-                sandboxed=True,
-                cgroups=cgroups_,
-            )
+            with _seccomp_filter(required=True) as filter_fd:
+                cmd = [
+                    *bwrap_argv(bwrap_path, tmp, seccomp_fd=filter_fd),
+                    *_INIT_ARGV,
+                    *("prlimit", "--nproc=4", "--"),
+                    *("grep", "-q", _SECCOMP_IN_FORCE, "/proc/self/status"),
+                ]
+                outcome = _launch(
+                    cmd,
+                    cwd="/",
+                    env={"PATH": SANDBOX_PATH},
+                    uid=NOBODY_UID if mode == "nobody" else -1,
+                    limits=_SELF_TEST_LIMITS,
+                    stdin=b"",
+                    sandboxed=True,
+                    cgroups=cgroups_,
+                    seccomp_fd=filter_fd,
+                )
         except (OSError, SandboxUnavailable) as e:
             return str(e)
+        if outcome.exit_code == 1:
+            return "the program runs without the seccomp filter (bwrap ignored --seccomp)"
         if not outcome.ok:
             detail = outcome.stderr_tail.decode(errors="replace").strip()
+            if "python3" in detail:  # bwrap could not execute the init
+                detail += (
+                    "; the sandbox's PID 1 (sandbox_init.py) and the function harness run on "
+                    "a python3 under /usr: install one (apt-get install python3)"
+                )
             return (detail or outcome.describe())[-300:]
     return None
 
@@ -565,10 +636,13 @@ def _launch(
     stdin: bytes,
     sandboxed: bool,
     cgroups: cgroups.Cgroups | None,
+    seccomp_fd: int | None,
 ) -> RunOutcome:
     """Run `cmd` through the launcher (sandbox_launcher.py): as `uid` when >= 0, in a fresh
-    cgroup leaf when `cgroups` is given, `stdin` readable (only) on its stdin; supervise it
-    and remove the leaf. Every process of the run is gone when this returns."""
+    cgroup leaf when `cgroups` is given, `stdin` readable (only) on its stdin, with the
+    seccomp filter on `seccomp_fd` passed to bwrap (`cmd` names it when `sandboxed`) or
+    installed by the launcher; supervise it and remove the leaf. Every process of the run is
+    gone when this returns; should this process die first, the launcher ends the run."""
     leaf = cgroups.create(limits.cgroup_limits()) if cgroups is not None else None
     procs = ":".join(leaf.procs_files) if leaf is not None else "-"
     report_r, report_w = os.pipe()
@@ -592,6 +666,9 @@ def _launch(
                             str(uid),
                             str(NOBODY_GID),
                             procs,
+                            str(os.getpid()),
+                            f"{limits.wall_s + _DRAIN_S + _LAUNCHER_GRACE_S:.3f}",
+                            "-" if sandboxed or seccomp_fd is None else str(seccomp_fd),
                             *cmd,
                         ],
                         stdin=readonly,
@@ -601,7 +678,7 @@ def _launch(
                         env=env,
                         start_new_session=True,
                         close_fds=True,
-                        pass_fds=(report_w,),
+                        pass_fds=(report_w,) if seccomp_fd is None else (report_w, seccomp_fd),
                     )
                 finally:
                     os.close(report_w)
@@ -613,13 +690,17 @@ def _launch(
             leaf.close()
     if stats is None:
         return dataclasses.replace(outcome, uid=uid)
+    # An OOM kill in the run's cgroup is what ended a run that failed, even when a process
+    # left waiting for the killed one then ran into the wall clock.
+    oom = stats.oom_kills > 0 and not outcome.ok and not outcome.output_limit_exceeded
     return dataclasses.replace(
         outcome,
         uid=uid,
         cgroup=True,
         peak_processes=stats.peak_pids,
-        memory_limit_exceeded=outcome.memory_limit_exceeded
-        or (stats.oom_kills > 0 and not outcome.time_limit_exceeded and not outcome.ok),
+        oom_kills=stats.oom_kills,
+        memory_limit_exceeded=outcome.memory_limit_exceeded or oom,
+        time_limit_exceeded=outcome.time_limit_exceeded and not oom,
     )
 
 
