@@ -4,6 +4,7 @@ time limit that protects the caller from sympy."""
 from __future__ import annotations
 
 import time
+from decimal import Decimal
 
 import pytest
 from hypothesis import given
@@ -126,6 +127,15 @@ def test_reference_may_be_a_whole_solution(reference, answer):
         ("5 or 6", "5 or 6"),  # "or 6" is no unit: the alternatives stay to be seen
         ("5 and 6", "5 and 6"),
         ("5 million", "5 million"),  # a scale word is not a unit
+        ("5 dozen", "5 dozen"),
+        (r"5 \text{ squared}", "5 squared"),
+        ("5 apples", "5"),  # a plural noun counts things
+        ("1 apple", "1"),  # after 1, a singular one does
+        ("5 people", "5"),
+        ("5 red apples", "5 red apples"),  # an adjective is not a unit: compared as written
+        ("60 miles per hour", "60"),
+        ("5 meters squared", "5"),
+        ("5 apples left", "5"),
     ],
 )
 def test_normalisation(raw, normal):
@@ -467,6 +477,164 @@ def test_a_parse_failure_says_what_could_not_be_read_and_why(candidate, words):
     assert "Error" not in how and "<unknown>" not in how
 
 
+# An exact reference (an integer, or a fraction with a finite decimal expansion) is matched
+# exactly, however the answer is written: 1e-6 of a large integer is more than 1.
+_CLOSE_DECIMALS_OF_EXACT_REFERENCES = [
+    (r"\boxed{1234568.0}", "1234567"),
+    ("#### 1234568.0", "1234567"),
+    ("The answer is 2000001.5", "2000000"),
+    (r"\boxed{1.234568e6}", "1234567"),
+    (r"\boxed{-1234568.0}", "-1234567"),
+    (r"\boxed{1234568.0}", "#### 1,234,567"),
+    (r"\boxed{3.0000001}", "3"),
+    (r"\boxed{0.5000001}", "1/2"),  # 1/2 is a finite decimal: 0.5 is it, nothing near is
+    (r"\boxed{0.1250001}", r"\frac{1}{8}"),
+    (r"\boxed{2.0000001}", r"\sqrt{4}"),
+    (r"\boxed{1.0000001e-13}", "10^{-13}"),
+]
+
+
+@pytest.mark.parametrize("response, reference", _CLOSE_DECIMALS_OF_EXACT_REFERENCES)
+def test_a_close_decimal_is_not_an_exact_reference(response, reference):
+    result = verify_math(response, reference)
+    assert (result.reward, result.verdict) == (0.0, Verdict.WRONG_ANSWER), result.reason
+    assert "exactly" in result.reason
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("18.00", "18"),
+        ("1.8e1", "18"),
+        ("18.", "18"),
+        ("1234567.0", "1234567"),
+        ("1.234567e6", "1234567"),
+        ("1,234,567.00", "1234567"),
+        ("-7.0", "-7"),
+        ("0.5", r"\frac{1}{2}"),
+        ("0.125", "1/8"),
+        ("2.5E-3", "1/400"),
+        ("50.0%", "0.5"),
+    ],
+)
+def test_a_decimal_equal_to_an_exact_reference_is_accepted(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("0.333333", "1/3"),  # 1/3 has no finite decimal expansion: a decimal rounds it
+        ("0.3333333", r"\frac{1}{3}"),
+        ("0.142857", r"\frac{1}{7}"),
+        ("3.14159", r"\pi"),
+        ("3.141592", r"\pi"),  # cut short rather than rounded: within the tolerance
+        ("1.41421356", r"\sqrt{2}"),
+        ("33.3333%", "1/3"),
+    ],
+)
+def test_a_decimal_answer_may_round_a_reference_without_a_finite_decimal(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how
+
+
+@pytest.mark.parametrize(
+    "candidate, reference, accepted",
+    [
+        (r"\pi", "3.141592", True),  # a cut-short reference is one last digit from the value
+        ("2.0000001", "2.0", True),  # within 1e-6 and within 0.1
+        ("1234568", "1234567.5", False),  # within 1e-6, but 0.5 is more than the last digit 0.1
+        ("1234568", "1,234,567.00", False),
+        ("1234567.501", "1234567.5", True),
+        ("1234567.6", "1234567.5", True),  # one unit in the last digit
+        ("1234567.61", "1234567.5", False),
+    ],
+)
+def test_a_decimal_reference_forgives_no_more_than_its_last_digit(candidate, reference, accepted):
+    equal, how = compare_answers(candidate, reference)
+    assert equal == accepted, how
+
+
+@given(st.integers(-(10**12), 10**12), st.sampled_from(["1", "-1", "0.5", "-0.5", "0.1"]))
+def test_a_decimal_near_an_integer_reference_is_rejected_and_the_integer_accepted(value, offset):
+    near = Decimal(value) + Decimal(offset)
+    assert verify_math(f"\\boxed{{{near:.1f}}}", str(value)).reward == 0.0
+    assert verify_math(f"\\boxed{{{value}.00}}", f"{value:,}").reward == 1.0
+
+
+# --- units --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "response, reference",
+    [
+        ("#### 18", "18"),
+        ("The answer is $18.", "18"),
+        (r"\boxed{18 \text{ dollars}}", "18"),
+        (r"\boxed{\$18}", "#### 18"),
+        ("The answer is 18 dollars.", "18"),
+        ("The answer is 5 apples.", "5"),
+        (r"\boxed{5 \text{ apples}}", "5"),
+        ("The answer is 3 hours.", "3"),
+        (r"\boxed{12 \text{ cm}}", "12"),
+        (r"\boxed{12\,\text{cm}^2}", "12"),
+        ("The answer is $1,000.", "#### 1,000"),
+        (r"\boxed{18.00}", "18"),
+        ("#### 18.00", "18"),
+        (r"\boxed{60 \text{ miles per hour}}", "60"),
+        (r"\boxed{25 \text{ km/h}}", "25"),
+        (r"\boxed{5 \text{ square feet}}", "5"),
+        (r"\boxed{30^\circ}", "30"),
+        ("The answer is 30 degrees Celsius.", "30"),
+        ("The answer is 1 apple.", "1"),
+        ("The answer is 7 people.", "7"),
+        ("The answer is 4 children.", "4"),
+        (r"\boxed{40 \text{ minutes}}", "40"),
+        (r"\boxed{2.5 \text{ kg}}", "2.5"),
+        ("The answer is 12 cookies in total.", "12"),
+    ],
+)
+def test_a_unit_or_a_counted_noun_after_the_number_is_dropped(response, reference):
+    result = verify_math(response, reference)
+    assert result.verdict == Verdict.ACCEPTED, result.reason
+
+
+@pytest.mark.parametrize(
+    "response, reference, word",
+    [
+        (r"\boxed{5 \text{ dozen}}", "5", "dozen"),
+        (r"\boxed{5 \text{ squared}}", "5", "squared"),
+        (r"\boxed{5 \text{ negative}}", "5", "negative"),
+        (r"\boxed{5 \text{ below zero}}", "5", "below"),
+        ("The answer is 5 dozen.", "5", "dozen"),
+        ("The answer is 5 dozen eggs.", "5", "dozen"),
+        ("The answer is 5 hundred.", "5", "hundred"),
+        ("The answer is 5 thousand dollars.", "5", "thousand"),
+        ("The answer is 5 halves.", "5", "halves"),
+        ("The answer is 5 quarters.", "5", "quarters"),
+        ("The answer is 5 times.", "5", "times"),
+        ("The answer is 5 pairs.", "5", "pairs"),
+        ("The answer is 5 cubed.", "5", "cubed"),
+        ("The answer is 5 degrees below zero.", "5", "below"),
+        ("The answer is 1 half.", "1", "half"),
+        ("The answer is 1 dozen.", "1", "dozen"),
+        (r"\boxed{5 \text{ percent of}}", "5", "of"),
+    ],
+)
+def test_a_word_that_changes_the_value_is_not_dropped_as_a_unit(response, reference, word):
+    result = verify_math(response, reference)
+    assert (result.reward, result.verdict) == (0.0, Verdict.WRONG_ANSWER), result.reason
+    assert f"{word!r} in" in result.reason and "changes the number's value" in result.reason
+
+
+@pytest.mark.parametrize(
+    "response", ["The answer is 5 k.", r"\boxed{5\text{k}}", r"\boxed{5\text{K}}"]
+)
+def test_a_thousands_suffix_is_not_a_unit(response):
+    assert verify_math(response, "5").verdict == Verdict.WRONG_ANSWER
+
+
 # --- verify_math --------------------------------------------------------------------------
 
 
@@ -570,3 +738,42 @@ def test_a_30_mb_response_is_judged_within_the_time_limit(math_pool):
     response = chunk * (30_000_000 // len(chunk)) + r"Finally, \boxed{42}."
     result = verify_math_in_pool(math_pool, response, "42", timeout_s=5.0)
     assert result.verdict == Verdict.ACCEPTED, result.reason
+
+
+# Power towers: each exponent is allowed (at most 1000) but the value is far too large; they
+# are refused before sympy builds them, so the verdict comes well within the time limit.
+_POWER_TOWERS = [
+    (r"\boxed{{{{2^1000}^1000}^1000}^1000}", "1"),
+    (r"\boxed{{{2^1000}^1000}^1000}", "1"),
+    (r"\boxed{2^{2^{2^{2^{20}}}}}", "1"),
+    (r"\boxed{10^{10^{10^{10}}}}", "1"),
+    (r"\boxed{{{{2^1000}^1000}^1000}^1000}", "{{{2^1000}^1000}^1000}^999"),  # both towers
+    (r"\boxed{2}", "{{{2^1000}^1000}^1000}^1000"),  # the reference a tower
+    (r"\boxed{(((3!)!)!)!}", "1"),
+    (r"\boxed{{10000!}^{1000}}", "1"),
+    (r"\boxed{{{{x^{1000}}^{1000}}^{1000}}^{1000}}", "x"),  # too large where it is evaluated
+    (r"\boxed{x^{y^{1000}}}", "1"),
+    (r"\boxed{2^{-x^{1000}}}", "1"),
+]
+
+
+@pytest.mark.parametrize("response, reference", _POWER_TOWERS)
+def test_a_power_tower_is_refused_within_the_time_limit(math_pool, response, reference):
+    result = verify_math_in_pool(math_pool, response, reference, timeout_s=5.0)
+    assert (result.reward, result.verdict) == (0.0, Verdict.WRONG_ANSWER), result.reason
+    assert "too large" in result.reason
+
+
+@pytest.mark.parametrize(
+    "candidate, reference",
+    [
+        ("{{2^{10}}^{10}}^{10}", "2^{1000}"),
+        ("(x^{10})^{10}", "x^{100}"),
+        ("1000^{1000}", r"10^{1000} \cdot 100^{1000}"),
+        (r"e^{-x^2/(2\sigma^2)}", r"\exp(-\frac{x^2}{2\sigma^2})"),
+        ("2^{2^{n}}", "4^{2^{n - 1}}"),
+    ],
+)
+def test_a_large_power_within_the_size_limit_is_compared(candidate, reference):
+    equal, how = compare_answers(candidate, reference)
+    assert equal, how

@@ -26,10 +26,18 @@ if TYPE_CHECKING:
 
 EXTRACTION_METHODS = ("boxed", "hash", "the_answer_is", "last_number")
 DEFAULT_EXTRACTION = EXTRACTION_METHODS
-# A decimal ("0.333333", "3.14159", "1.5e3") may be a rounding: when the answer or the reference
-# is written as one, they are equal within this relative tolerance ("1/3" is "0.333333", "\pi"
-# is "3.14159"). Two values written exactly ("1/3", "10^{-13}", "2^{100} + 1") are compared
-# exactly. The tolerance is relative only, so nothing but zero equals zero.
+# A decimal ("0.333333", "3.14159", "1.5e3") may be a rounding, so two values are equal within
+# this relative tolerance when
+#   * the reference is written as a decimal ("\pi" is "3.14159", "1/3" is "0.333333"), though
+#     never further from it than one unit in its last written digit (1234568 is not
+#     "1234567.5": 0.1 at most), or
+#   * the answer is written as a decimal and the reference's value has no finite decimal
+#     expansion: irrational ("3.14159" is "\pi") or a fraction whose denominator has a prime
+#     factor other than 2 and 5 ("0.333333" is "1/3").
+# Otherwise they are compared exactly: a decimal is never a rounding of an integer or of a
+# finite decimal ("18.00", "1.8e1" and "18." are 18, "1234568.0" is not 1234567, "0.5" is
+# "1/2" and "0.5000001" is not), and two values written exactly ("1/3", "10^{-13}",
+# "2^{100} + 1") get no tolerance. The tolerance is relative only: nothing but zero equals zero.
 DEFAULT_REL_TOL = 1e-6
 # Exact values compared through floats (an irrational side) may differ by this much, relative:
 # only the noise of a 30-digit evaluation rounded to a double.
@@ -42,6 +50,12 @@ MAX_ANSWER_CHARS = 10_000
 MAX_SYMPY_CHARS = 400
 # A numeric exponent larger than this (|e|) makes the expression too big to compare.
 MAX_EXPONENT = 1000
+# A power whose exact value would have more digits than this (numerator or denominator; with
+# variables, at the points where the expression is evaluated) is refused: each exponent of
+# {{{2^{1000}}^{1000}}^{1000}}^{1000} is allowed, but its value has 3 * 10^{11} digits and
+# sympy computed it for over a minute; {x^{1000}}^{1000} took 8 s at the points. Exact
+# arithmetic on 10,000 digits takes milliseconds.
+MAX_POWER_DIGITS = 10_000
 # sympy computes factorials and binomial coefficients eagerly (10^6! takes seconds): larger
 # numeric arguments (for a binomial, the smaller of k and n - k) are refused.
 MAX_FACTORIAL = 10_000
@@ -252,10 +266,67 @@ _DROP = re.compile(
     r"|\\displaystyle|\\[,;:! ]|\\q?quad(?![A-Za-z])|~"
 )
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°")
-# Words that join or scale numbers, never units: "5 or 6" lists two answers, "5 million" is not 5.
-_NOT_UNITS = frozenset(
-    "or and nor but not then to vs versus plus minus either else otherwise "
-    "hundred thousand million billion trillion".split()
+# Units a number may be followed by, and dropped with ("5 cm", "3 \text{ hours}", "$18 USD").
+# Only measures: never a word that scales, negates or combines the number (see _VALUE_WORDS).
+_UNITS = frozenset(
+    # currency
+    "dollar dollars usd buck bucks cent cents euro euros eur pound pounds gbp yen jpy yuan rmb "
+    "rupee rupees inr peso pesos franc francs "
+    # length
+    "mm cm dm m km in inch inches ft foot feet yd yard yards mi mile miles nm micron microns "
+    "meter meters metre metres millimeter millimeters millimetre millimetres centimeter "
+    "centimeters centimetre centimetres kilometer kilometers kilometre kilometres "
+    # area and volume
+    "acre acres hectare hectares ha l liter liters litre litres ml milliliter milliliters "
+    "millilitre millilitres cc gal gallon gallons qt quart quarts pt pint pints cup cups oz "
+    "ounce ounces floz tbsp tablespoon tablespoons tsp teaspoon teaspoons bushel bushels "
+    # time
+    "s sec secs second seconds min mins minute minutes h hr hrs hour hours day days wk wks week "
+    "weeks month months yr yrs year years decade decades century centuries ms millisecond "
+    "milliseconds am pm "
+    # mass
+    "mg g kg kgs gram grams kilogram kilograms milligram milligrams lb lbs ton tons tonne tonnes "
+    # temperature and angle
+    "degree degrees deg celsius fahrenheit kelvin c f radian radians rad rads "
+    # speed, energy, data
+    "mph kph kmh kmph mps fps watt watts kw kwh volt volts joule joules cal kcal calorie "
+    "calories byte bytes kb mb gb tb".split()
+)
+# Words that go with a unit: "square feet", "fluid ounces", "meters squared", "miles per hour".
+_BEFORE_UNIT = frozenset("square sq cubic fluid fl".split())
+_AFTER_UNIT = frozenset("squared cubed".split())
+# Words after a unit or a count noun that state no value: "5 apples left", "3 hours in total".
+_AFTER_COUNT = frozenset("left remaining total altogether overall".split())
+# Words that scale, negate, combine or hedge a number: never a unit or a count noun, so the
+# answer keeps them and is compared as written ("5 dozen" is not 5, nor is "5 squared", "5 or
+# 6", "5 below zero", "5 halves", "5 times").
+_VALUE_WORDS = frozenset(
+    # joining and hedging
+    "or and nor but not then to vs versus plus minus either else otherwise of than by from "
+    "approx approximately about roughly nearly almost around max maximum least most "
+    # scale
+    "dozen dozens score scores gross grand hundred hundreds thousand thousands million millions "
+    "billion billions trillion trillions lakh lakhs crore crores mil bn mn thou "
+    "pair pairs couple couples fold "
+    # fractions and percentages
+    "half halves third thirds quarter quarters fourth fourths fifth fifths sixth sixths "
+    "seventh sevenths eighth eighths ninth ninths tenth tenths hundredth hundredths "
+    "thousandth thousandths millionth millionths percent percents percentage percentages "
+    "permille repeating recurring "
+    # operations
+    "times squared cubed square cube power root factorial inverse reciprocal "
+    "twice thrice double doubled triple tripled halved over divided "
+    # sign and comparison
+    "negative positive below above under beneath less more fewer greater smaller higher lower "
+    "short off deficit debt loss down up "
+    # numbers written as words
+    "zero zeros zeroes one ones two twos three threes four fours five fives six sixes seven "
+    "sevens eight eights nine nines ten tens eleven elevens twelve twelves teens twenties "
+    "thirties forties fifties sixties seventies eighties nineties".split()
+)
+# Nouns whose plural does not end in "s".
+_IRREGULAR_PLURALS = frozenset(
+    "people children men women feet teeth geese mice sheep fish goldfish deer oxen".split()
 )
 # A unit: a word of two or more letters, then more words; a word starts with a letter, so
 # "or 6" is no unit. Words hold letters, digits, / ^ . (no nested repetition: linear time).
@@ -267,8 +338,8 @@ _TEXT_UNIT = re.compile(
     r"(?<=[\d})])\s*\\(?:text|textrm|mathrm|mbox)\s*\{\s*([A-Za-z][A-Za-z/^0-9²³. ]*?)\s*\}"
     r"(?:\^\s*\{?\s*[23]\s*\}?)?\s*$"
 )
-# What \mathrm or \text may hold after a number without being a unit.
-_TEXT_NOT_UNITS = _NOT_UNITS | {"e", "i", "percent"}
+# A unit's power: "cm^2", "m²", "cm2".
+_UNIT_POWER = re.compile(r"(?:\^?[23]|[²³])$")
 _THOUSANDS = re.compile(r"^([-+]?)(\d{1,3}(?:,\d{3})+)((?:\.\d+)?%?)$")
 _LATEX_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:\{,\}\d{3})+(?!\d)")  # 1{,}000
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*(?:=|:=)\s*(?=\S)")
@@ -298,16 +369,53 @@ def _unwrap(text: str, command: str) -> str:
         text = f"{text[: match.start()]}{group[0]}{text[group[1] :]}"
 
 
-def _is_unit(phrase: str) -> bool:
-    words = phrase.lower().split()
-    return bool(words) and not any(word in _NOT_UNITS for word in words)
+def _is_count_noun(word: str, one: bool) -> bool:
+    """Whether `word` (lower case) counts things: a plural noun ("apples", "people"), or after
+    the number one any noun ("1 apple"); never a value word or a name sympy knows."""
+    if word in _VALUE_WORDS or word in _NAMES or word in _GREEK_NAMES or not word.isalpha():
+        return False
+    if word in _IRREGULAR_PLURALS or one:
+        return len(word) > 1
+    # "apples", "bananas", "boxes"; not "less", "minus", "this" (no plural ends so).
+    return len(word) > 2 and word.endswith("s") and not word.endswith(("ss", "us", "is"))
+
+
+def _is_measure_unit(word: str) -> bool:
+    """Whether `word` (lower case) is a unit from _UNITS, with a power or per-slashes ("cm^2",
+    "km/h", "m/s²")."""
+    return all(_UNIT_POWER.sub("", part) in _UNITS for part in word.split("/"))
+
+
+def _is_unit(phrase: str, number: str) -> bool:
+    """Whether `phrase`, after the number written `number`, only says what is counted or
+    measured: every word a unit or a count noun, joined as units are ("square feet", "miles per
+    hour", "meters squared", "5 apples left"). Anything else (a value word, an adjective, a
+    name) makes the phrase part of the answer."""
+    words = [word.rstrip(".") for word in phrase.lower().split()]
+    one = number.lstrip("+-") == "1"
+
+    def measure(k: int) -> bool:
+        return 0 <= k < len(words) and (_is_measure_unit(words[k]) or _is_count_noun(words[k], one))
+
+    for k, word in enumerate(words):
+        if word in _BEFORE_UNIT:
+            ok = measure(k + 1)
+        elif word in _AFTER_UNIT or word in _AFTER_COUNT:
+            ok = measure(k - 1) or (k > 0 and words[k - 1] in _AFTER_COUNT)
+        elif word == "per":
+            ok = measure(k - 1) and k + 1 < len(words)
+        else:
+            ok = measure(k)
+        if not ok:
+            return False
+    return bool(words)
 
 
 def _drop_text_unit(text: str) -> str:
     """`text` without a unit set as \\text{...} / \\mathrm{...} at its end, whatever the unit's
     length ("3 \\text{ m}" is 3; a bare "3 m" stays a product with the symbol m)."""
     match = _TEXT_UNIT.search(text)
-    if match and _is_unit(match.group(1)) and match.group(1).lower() not in _TEXT_NOT_UNITS:
+    if match and _is_unit(match.group(1), text[: match.start()].strip()):
         return text[: match.start()]
     return text
 
@@ -335,11 +443,7 @@ def normalize_answer(text: str) -> str:
     if s.count("=") == 1:
         s = _ASSIGNMENT.sub("", s)
     match = _WITH_UNITS.match(s)
-    if (
-        match
-        and _is_unit(match.group(3))
-        and match.group(3).split()[0] not in _NAMES | _GREEK_NAMES
-    ):
+    if match and _is_unit(match.group(3), match.group(1)):
         s = match.group(1) + match.group(2)
     s = re.sub(r"\s+%", "%", s)
     match = _THOUSANDS.match(s)
@@ -547,26 +651,78 @@ def _numeric_value(node: Any) -> complex:
         raise UnparseableAnswer(f"{node} has no value ({exc})") from None
 
 
+def _refuse_power(node: Any, size: float) -> None:
+    where = " where it is evaluated" if node.free_symbols else ""
+    if size < 1e12:
+        count = f"about {size:,.0f}"
+    else:
+        count = f"about {size:.1e}" if size < math.inf else "more than 1e300"
+    raise UnparseableAnswer(
+        f"the power {_short(str(node))} is too large to compare: {count} digits{where} "
+        f"(over {MAX_POWER_DIGITS:,})"
+    )
+
+
 def _check_size(expr: Any) -> None:
     """UnparseableAnswer if a power has a numeric exponent beyond MAX_EXPONENT (2^{10^{9}} would
-    take sympy all memory to evaluate) or a factorial or binomial coefficient a numeric
-    argument beyond MAX_FACTORIAL. `expr` is unevaluated; nodes are checked innermost first, so
-    evaluating one numerically is cheap."""
+    take sympy all memory to evaluate) or a value of more than MAX_POWER_DIGITS digits (a tower
+    such as {{2^{1000}}^{1000}}^{1000}, each exponent allowed; x^{y^{1000}}), or a factorial or
+    binomial coefficient a numeric argument beyond MAX_FACTORIAL. `expr` is unevaluated; nodes
+    are checked innermost first, so evaluating one numerically is cheap."""
     sympy = _sympy()
-    combinatorial = (sympy.factorial, sympy.factorial2, sympy.binomial)
+    # About how many digits each node's exact value has (its numerator or denominator, the
+    # longer), an upper bound for sums, products and powers, with a variable worth
+    # _VARIABLE_DIGITS; and for a variable exponent, an upper bound on log10 of its size
+    # (None where none is kept: a quotient or a function can be large anywhere).
+    digits: dict[Any, float] = {}
+    magnitude: dict[Any, float | None] = {}
     for node in sympy.postorder_traversal(expr):
-        if isinstance(node, sympy.Pow) and not node.exp.free_symbols:
-            if not abs(_numeric_value(node.exp)) <= MAX_EXPONENT:
+        size, scale = sum(digits[arg] for arg in node.args), None
+        if node.is_Rational:
+            p, q = abs(int(node.p)), int(node.q)
+            size = max(p, q).bit_length() * math.log10(2)
+            scale = max(math.log10(p) - math.log10(q), 0.0) if p else 0.0
+        elif node.is_Symbol:
+            size, scale = _VARIABLE_DIGITS, _VARIABLE_MAGNITUDE
+        elif not node.args:
+            size = 1.0  # pi, e, i, infinity: evaluated as floats, never as exact digits
+        elif isinstance(node, sympy.Pow) and not node.exp.free_symbols:
+            exponent = _numeric_value(node.exp)
+            if not abs(exponent) <= MAX_EXPONENT:
                 raise UnparseableAnswer(f"the exponent {node.exp} is too large to compare")
-        elif isinstance(node, combinatorial) and not node.free_symbols:
-            values = [_numeric_value(arg) for arg in node.args]
+            size = abs(exponent) * digits[node.base]
+            if abs(exponent) > 1 and not size <= MAX_POWER_DIGITS:
+                _refuse_power(node, size)
+            if exponent.imag == 0 and exponent.real >= 0 and magnitude[node.base] is not None:
+                scale = exponent.real * magnitude[node.base]
+        elif isinstance(node, sympy.Pow) and magnitude[node.exp] is not None:
+            # |e| is at most 10^magnitude, and b^e has at most |e| times b's digits.
             size = (
-                min(abs(values[1]), abs(values[0] - values[1]))
-                if len(values) == 2
-                else abs(values[0])
+                10.0 ** magnitude[node.exp] * digits[node.base]
+                if magnitude[node.exp] < 300
+                else math.inf
             )
-            if not size <= MAX_FACTORIAL:
+            if not size <= MAX_POWER_DIGITS:
+                _refuse_power(node, size)
+        elif isinstance(node, (sympy.factorial, sympy.factorial2)) and not node.free_symbols:
+            n = abs(_numeric_value(node.args[0]))
+            if not n <= MAX_FACTORIAL:
                 raise UnparseableAnswer(f"{node} is too large to compute")
+            size = math.lgamma(n + 1) / math.log(10)
+        elif isinstance(node, sympy.binomial) and not node.free_symbols:
+            n, k = (_numeric_value(arg) for arg in node.args)
+            smaller = min(abs(k), abs(n - k))
+            if not smaller <= MAX_FACTORIAL:
+                raise UnparseableAnswer(f"{node} is too large to compute")
+            size = smaller * math.log10(abs(n) + 1)
+        elif isinstance(node, (sympy.Add, sympy.Mul)):
+            # A sum of n fractions has at most the digits of their product, times n.
+            size += math.log10(len(node.args))
+            scales = [magnitude[arg] for arg in node.args]
+            if None not in scales:
+                add = isinstance(node, sympy.Add)
+                scale = max(scales) + math.log10(len(scales)) if add else sum(scales)
+        digits[node], magnitude[node] = size, scale
 
 
 # 1.5e3, 2.5E-3: digits, e or E, then the exponent, with nothing between. "2e-3" is scientific
@@ -692,18 +848,82 @@ def _bare_exponent_reason(text: str) -> str | None:
 
 
 def _numbers_equal(
-    a: complex | Fraction, b: complex | Fraction, rel_tol: float, abs_tol: float = 0.0
+    a: complex | Fraction,
+    b: complex | Fraction,
+    rel_tol: float,
+    abs_tol: float = 0.0,
+    most: Fraction | None = None,
 ) -> bool:
-    """a == b within `rel_tol` (relative, so nothing but 0 equals 0) or `abs_tol`; with
-    rel_tol 0, exactly, apart from float noise when a value had to be evaluated."""
+    """a == b within `rel_tol` (relative, so nothing but 0 equals 0) or `abs_tol`, and never
+    more than `most` apart; with rel_tol 0, exactly, apart from float noise when a value had
+    to be evaluated."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         # Fraction("1e-06") is the decimal meant; Fraction(1e-06), the float, is a bit smaller
         # and would refuse 1/3 against 0.333333, which sits exactly at the tolerance.
         rel, tol_abs = Fraction(repr(rel_tol)), Fraction(repr(abs_tol))
-        return abs(a - b) <= max(rel * max(abs(a), abs(b)), tol_abs)
+        tol = max(rel * max(abs(a), abs(b)), tol_abs)
+        return abs(a - b) <= (tol if most is None else min(tol, most))
     a, b = complex(a), complex(b)
-    tol = max(rel_tol, _FLOAT_NOISE_REL)
-    return abs(a - b) <= max(tol * max(abs(a), abs(b)), abs_tol)
+    scale = max(abs(a), abs(b))
+    if not abs(a - b) <= max(max(rel_tol, _FLOAT_NOISE_REL) * scale, abs_tol):
+        return False
+    # As fractions: `most` may be beyond a float's range (a reference written 1.5e400).
+    return most is None or Fraction(abs(a - b)) <= max(most, Fraction(_FLOAT_NOISE_REL * scale))
+
+
+def _is_exact_decimal(value: Any) -> bool:
+    """Whether `value` (a Fraction or a sympy expression) is a rational with a finite decimal
+    expansion (5, 1/2, 3/8, 10^{-13}): its denominator divides a power of ten."""
+    if isinstance(value, Fraction):
+        denominator = value.denominator
+    elif getattr(value, "is_Rational", False):
+        denominator = int(value.q)
+    else:
+        return False  # irrational (\pi, \sqrt{2}), or not a number
+    return pow(10, denominator.bit_length(), denominator) == 0
+
+
+_DECIMAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _last_digit(text: str) -> Fraction | None:
+    """One unit in the last written digit of a number written as a decimal ("0.25": 1/100,
+    "1234567.0": 1/10, "1.5e3": 100); None for anything else."""
+    if not _DECIMAL.fullmatch(text) or _plain_number(text) is None:
+        return None
+    return Fraction(10) ** Decimal(text).as_tuple().exponent
+
+
+def _tolerance(c_text: str, r_text: str, r_value: Any, rel_tol: float) -> float:
+    """The relative tolerance between an answer and a reference (texts without "%", the
+    reference's value as a Fraction or a sympy expression); see DEFAULT_REL_TOL."""
+    if _written_inexactly(r_text):
+        return rel_tol
+    if _written_inexactly(c_text) and not _is_exact_decimal(r_value):
+        return rel_tol
+    return 0.0
+
+
+def _reference_readings(
+    value: Any, percent: bool, last_digit: Fraction | None
+) -> list[tuple[Any, Fraction | None]]:
+    """The readings of a reference (see _readings), each with how far an answer may be from it
+    at most: one unit in the last digit of a decimal reference (None: no such bound)."""
+    if last_digit is None:
+        return [(reading, None) for reading in _readings(value, percent)]
+    return list(zip(_readings(value, percent), _readings(last_digit, percent), strict=True))
+
+
+def _how_compared(rel_tol: float, most: Fraction | None) -> str:
+    if rel_tol == 0:
+        return "exactly"
+    if most is None:
+        return f"within relative tolerance {rel_tol:g}"
+    # `most` is a power of ten: 1/10 shows as 0.1, 10^400 as 1e+400.
+    digit = Decimal(1).scaleb(round(math.log10(most.numerator) - math.log10(most.denominator)))
+    return (
+        f"within relative tolerance {rel_tol:g}, and at most {digit:g} (the reference's last digit)"
+    )
 
 
 def _readings(value: Any, percent: bool) -> list[Any]:
@@ -716,6 +936,13 @@ def _split_percent(text: str) -> tuple[str, bool]:
 
 
 _TEST_POINTS = ("7/10", "13/10", "19/7", "-5/11", "23/9")
+# A variable counts as this many digits when sizes are checked (_check_size): the longest
+# numerator or denominator of the points where expressions are evaluated exactly (23).
+_VARIABLE_DIGITS = max(
+    math.log10(max(abs(p.numerator), p.denominator)) for p in map(Fraction, _TEST_POINTS)
+)
+# And its size at most this, log10: the largest point (23/9).
+_VARIABLE_MAGNITUDE = max(math.log10(abs(Fraction(p))) for p in _TEST_POINTS)
 
 
 def _evaluate(expr: Any, values: dict[Any, Any]) -> complex | None:
@@ -726,30 +953,46 @@ def _evaluate(expr: Any, values: dict[Any, Any]) -> complex | None:
     return value if all(map(math.isfinite, (value.real, value.imag))) else None
 
 
-def _compare_constants(c: Any, r: Any, rel_tol: float) -> tuple[bool, str]:
+def _shown(value: Any) -> str:
+    """`value` as a reason quotes it: shortened, or said to be too long when it has too many
+    digits to print (Python refuses to print an integer of more than 4300 digits)."""
+    try:
+        return _short(str(value))
+    except ValueError:
+        return "a number too long to print"
+
+
+def _compare_constants(
+    c: Any, r: Any, rel_tol: float, most: Fraction | None = None
+) -> tuple[bool, str]:
     sympy = _sympy()
-    if rel_tol == 0 and c.is_Rational and r.is_Rational:
-        same = c == r  # 10^{-13} is not 0, 2^{100} + 1 is not 2^{100}
+    if c.is_Rational and r.is_Rational:
+        # As fractions: 10^{-13} is not 0, 2^{100} + 1 is not 2^{100}.
+        a, b = Fraction(int(c.p), int(c.q)), Fraction(int(r.p), int(r.q))
+        same = _numbers_equal(a, b, rel_tol, most=most)
         how = "equal" if same else "different"
-        return same, f"exactly {how} ({_short(str(c))} vs {_short(str(r))})"
+        compared = "exactly" if rel_tol == 0 else "numerically"
+        return same, f"{compared} {how} ({_shown(c)} vs {_shown(r)})"
     cv, rv = _evaluate(c, {}), _evaluate(r, {})
     if cv is None or rv is None:
         same = sympy.simplify(c - r) == 0
         return same, f"symbolically {'equal' if same else 'different'} (simplify)"
-    same = _numbers_equal(cv, rv, rel_tol)
+    same = _numbers_equal(cv, rv, rel_tol, most=most)
     if not same and 0 in (cv, rv) and abs(cv - rv) < _FLOAT_NOISE_ABS:
         # Tiny against zero: float noise of an exact zero, or a tiny number (e^{-50}).
         same = sympy.simplify(c - r) == 0
         return same, f"symbolically {'equal' if same else 'different'} (simplify)"
     how = "equal" if same else "different"
-    return same, f"numerically {how} ({_short(str(c))} vs {_short(str(r))})"
+    return same, f"numerically {how} ({_shown(c)} vs {_shown(r)})"
 
 
-def _compare_expressions(c: Any, r: Any, rel_tol: float) -> tuple[bool, str]:
+def _compare_expressions(
+    c: Any, r: Any, rel_tol: float, most: Fraction | None = None
+) -> tuple[bool, str]:
     sympy = _sympy()
     symbols = sorted(c.free_symbols | r.free_symbols, key=str)
     if not symbols:
-        return _compare_constants(c, r, rel_tol)
+        return _compare_constants(c, r, rel_tol, most)
     # Cheap rejection first: different expressions differ at some rational point.
     for k in range(3):
         point = {s: sympy.Rational(_TEST_POINTS[(k + j) % 5]) for j, s in enumerate(symbols)}
@@ -762,25 +1005,41 @@ def _compare_expressions(c: Any, r: Any, rel_tol: float) -> tuple[bool, str]:
     return False, "symbolically different (simplify(answer - reference) != 0)"
 
 
+def _value_words_reason(text: str) -> str | None:
+    """Why a number followed by words that change its value ("5 dozen", "5 below zero") is
+    not that number; None when `text` is no such thing."""
+    match = _WITH_UNITS.match(text)
+    if match is None:
+        return None
+    found = [word for word in match.group(3).lower().split() if word in _VALUE_WORDS]
+    if not found:
+        return None
+    return (
+        f"{found[0]!r} in {_short(text)!r} changes the number's value: only units and counted "
+        "things are dropped after a number"
+    )
+
+
 def _compare_single(candidate: str, reference: str, rel_tol: float) -> tuple[bool, str]:
     """Two normalised single values (not identical as text: callers check that first)."""
     # Only the answer: a trusted reference's "2e" is 2 times e, and an answer written the same
     # way was accepted as identical text before this.
     if bare := _bare_exponent_reason(candidate):
         return False, bare
+    if value_words := _value_words_reason(candidate):
+        return False, value_words
     c_text, c_percent = _split_percent(candidate)
     r_text, r_percent = _split_percent(reference)
-    # The tolerance forgives a decimal's rounding, on either side; two exact values are
-    # compared exactly: 2^{100} + 1 is not 2^{100} (see DEFAULT_REL_TOL).
-    if not (_written_inexactly(c_text) or _written_inexactly(r_text)):
-        rel_tol = 0.0
+    # A decimal reference may be a rounding, but by no more than its last written digit.
+    last_digit = _last_digit(r_text) if _written_inexactly(r_text) else None
     cn, rn = _plain_number(c_text), _plain_number(r_text)
     if cn is not None and rn is not None:
+        tol = _tolerance(c_text, r_text, rn, rel_tol)
         for cv in _readings(cn, c_percent):
-            for rv in _readings(rn, r_percent):
-                if _numbers_equal(cv, rv, rel_tol):
-                    return True, "numerically equal"
-        return False, "numbers differ"
+            for rv, most in _reference_readings(rn, r_percent, last_digit):
+                if _numbers_equal(cv, rv, tol, most=most):
+                    return True, f"numerically equal ({_how_compared(tol, most)})"
+        return False, f"numbers differ (compared {_how_compared(tol, last_digit)})"
     try:
         c_eq, r_eq = c_text.count("=") == 1, r_text.count("=") == 1
         if c_eq != r_eq:
@@ -788,17 +1047,19 @@ def _compare_single(candidate: str, reference: str, rel_tol: float) -> tuple[boo
         if c_eq:  # compare lhs - rhs, in either orientation
             cl, cr = (to_sympy(side) for side in c_text.split("="))
             rl, rr = (to_sympy(side) for side in r_text.split("="))
-            same, how = _compare_expressions(cl - cr, rl - rr, rel_tol)
+            tol = _tolerance(c_text, r_text, rl - rr, rel_tol)
+            same, how = _compare_expressions(cl - cr, rl - rr, tol)
             if not same:
-                same, how = _compare_expressions(cl - cr, rr - rl, rel_tol)
+                same, how = _compare_expressions(cl - cr, rr - rl, tol)
             return same, f"equations {how}"
         c_expr, r_expr = to_sympy(c_text), to_sympy(r_text)
     except UnparseableAnswer as exc:
         return False, f"the texts differ and {exc}"
+    tol = _tolerance(c_text, r_text, r_expr, rel_tol)
     how = ""
     for cv in _readings(c_expr, c_percent):
-        for rv in _readings(r_expr, r_percent):
-            same, how = _compare_expressions(cv, rv, rel_tol)
+        for rv, most in _reference_readings(r_expr, r_percent, last_digit):
+            same, how = _compare_expressions(cv, rv, tol, most)
             if same:
                 return True, how
     return False, how
