@@ -5,7 +5,8 @@ trainer and one inference worker share the GPU, each with its memory share
   pip install -e ".[cuda]"
   rlax-tpu compile configs/qwen2_5_0_5b_gsm8k_gpu.py             # does it fit? (any host)
   rlax-tpu run configs/qwen2_5_0_5b_gsm8k_gpu.py \
-      --set model.hf_checkpoint=/data/Qwen2.5-0.5B-Instruct --set data.path=gsm8k_train.jsonl
+      --set model.hf_checkpoint=/data/Qwen2.5-0.5B-Instruct --set data.path=gsm8k_train.jsonl \
+      --set controller.eval_dataset=gsm8k_test.jsonl
 
 The model section spells out no architecture: model.hf_checkpoint names it, and the config's
 loading (rlax_tpu/config/checkpoint.py) fills it in from that directory's config.json, by
@@ -132,6 +133,11 @@ def get_config() -> RunConfig:
             num_steps=233,
             prompts_per_batch=32,
             samples_per_prompt=8,
+            # Held out means held out: GSM8K's own test split (1,319 problems; the run stops
+            # if any is a training prompt, controller.max_eval_overlap), greedy, at the
+            # start and the end (docs/datasets.md makes the file).
+            eval_dataset="gsm8k/test.jsonl",
+            eval_size=1319,
         ),
         data=gsm8k(),
         storage=StorageConfig(run_dir="runs/qwen2_5_0_5b_gsm8k_gpu"),

@@ -6,6 +6,7 @@ off-policy so generation overlaps training (docs/gpu_tpu_recipes.md).
   rlax-tpu deploy gke configs/qwen2_5_0_5b_gsm8k_tpu.py \
       --set model.hf_checkpoint=gs://BUCKET/Qwen2.5-0.5B-Instruct \
       --set data.path=gs://BUCKET/gsm8k/train.jsonl \
+      --set controller.eval_dataset=gs://BUCKET/gsm8k/test.jsonl \
       --set storage.run_dir=gs://BUCKET/runs/qwen2_5_0_5b_gsm8k \
       --set deploy.image=REGISTRY/rlax-tpu:TAG --out manifests/
 
@@ -63,6 +64,7 @@ def get_config() -> RunConfig:
         # K = N + η + 1 = 3 bf16 versions of 1 GB: one small replica.
         param_server=ParamServerConfig(num_replicas=1),
         data=replace(base.data, path="gs://rlax-tpu-data/gsm8k/train.jsonl"),
+        controller=replace(base.controller, eval_dataset="gs://rlax-tpu-data/gsm8k/test.jsonl"),
         storage=StorageConfig(run_dir="gs://rlax-tpu-runs/qwen2_5_0_5b_gsm8k"),
         deploy=DeployConfig(
             image="us-docker.pkg.dev/rlax-tpu/images/rlax-tpu:0.1.0",

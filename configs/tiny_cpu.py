@@ -1,9 +1,9 @@
 """The Quickstart demo: learn arithmetic with RL on the CPU, everything on this machine.
 
 A tiny Llama-style model with a character tokenizer is warm-started by SFT on generated
-arithmetic problems ("What is 17 + 5? Answer with just the number."), then trained with
-GRPO against the exact-answer verifier, on-policy. Held-out greedy accuracy is printed
-before RL and at the end.
+arithmetic problems ("What is 57 + 38? Answer with just the number."), then trained with
+GRPO against the exact-answer verifier, on-policy. Held-out greedy accuracy (on problems of
+the task's test side, which no training row holds) is printed before RL and at the end.
 
 Run: rlax-tpu run configs/tiny_cpu.py   (or: python3 quickstart.py run)
 """
@@ -75,7 +75,10 @@ def get_config() -> RunConfig:
             # the changes between two evaluations; docs/learning.md).
             eval_size=512,
             eval_every=20,
-            sft_steps=800,
+            # Sums and differences of numbers up to 99, held out by construction: 1200 steps
+            # (about 6 minutes here) give about 36 % on problems the model never saw, 800
+            # about 10 % (docs/learning.md).
+            sft_steps=1200,
             sft_learning_rate=1e-3,
         ),
         storage=StorageConfig(run_dir="runs/tiny_cpu"),

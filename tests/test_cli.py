@@ -90,7 +90,7 @@ def test_sft_writes_a_hugging_face_model_that_eval_picks_up(tmp_path, capsys):
     assert f"SFT model: {model_dir}\n" in out
     assert "sft step 3/3: loss" in out
     sft_line = next(line for line in out.splitlines() if line.startswith("held-out greedy"))
-    assert "/8 problems of" in sft_line
+    assert "/8 prompts, 8 distinct problems, of" in sft_line
 
     # A Hugging Face checkpoint of the config's architecture, as `rlax-tpu run` starts from.
     config = load_config(TINY, list(overrides))
@@ -116,7 +116,9 @@ def test_sft_with_no_steps_says_what_to_set(tmp_path, capsys):
 
 
 # Problems whose answer is 7 and problems whose answer is not.
-HELD_OUT = [("3 + 4", "7"), ("9 - 2", "7"), ("1 + 2", "3"), ("5 + 7", "12")]
+# Problems of the test side of the arithmetic task (tasks.arithmetic_split_of): held out from
+# the tiny config's training data by construction.
+HELD_OUT = [("3 + 4", "7"), ("1 + 6", "7"), ("1 + 2", "3"), ("5 + 3", "8")]
 
 
 def _held_out_file(path: Path) -> str:
@@ -163,7 +165,7 @@ def test_eval_scores_a_models_greedy_answers_with_the_verifiers(tmp_path, capsys
     args = ["eval", TINY, *_sets(*overrides), "--model", seven, "--json", str(out_json)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "held-out greedy accuracy: 0.500 (2/4 problems of" in out
+    assert "held-out greedy accuracy: 0.500 (2/4 prompts, 4 distinct problems, of" in out
     # 2 of 4: the Wilson interval (0.5 ± 1.96·√(1/16 + 1.96²/64)) / (1 + 1.96²/4).
     assert "95 % interval 0.150–0.850)" in out
     result = json.loads(out_json.read_text())

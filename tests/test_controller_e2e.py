@@ -438,6 +438,8 @@ def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(wor
             eval_dataset=str(data),
             eval_size=8,
             eval_every=20,
+            # The held-out set is the training file: a run refuses it unless told to accept.
+            max_eval_overlap=1.0,
         ),
     )
     run_dir.mkdir()
@@ -454,6 +456,8 @@ def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(wor
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = {m["step"]: m["eval_version"] for m in metrics if "eval_version" in m}
     assert evals == {0: 0, 20: 16, 24: 16}
+    # It ran with the knob raised, and said how much of the held-out set it trains on.
+    assert {m["dataset/eval_overlap"] for m in metrics if "reward_mean" in m} == {1.0}
 
 
 def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, reference):

@@ -29,6 +29,10 @@ ROWS = [
     }
     for a, b in [(2, 3), (4, 1), (5, 5), (7, 2), (1, 8), (3, 3), (6, 0), (9, 1)]
 ]
+TEST_ROWS = [
+    {"question": f"Ann has {a} pears and eats {b}. How many pears?", "answer": f"#### {a - b}"}
+    for a, b in [(9, 2), (7, 7)]
+]
 # Sizes a 2-core CPU runs in seconds, in an order every prefix of which validates.
 CPU_SIZES = [
     "inference.max_new_tokens=8",
@@ -65,8 +69,17 @@ def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(t
     # One row no prompt limit here holds: left out by the run's choice, and counted.
     overlong = {"question": "How many apples? " * 60, "answer": "#### 1"}
     data.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS, overlong]))
+    # The recipe evaluates on GSM8K's own test split: problems the run never trains on.
+    test = tmp_path / "gsm8k_test.jsonl"
+    test.write_text("".join(json.dumps(r) + "\n" for r in TEST_ROWS))
     run_dir = tmp_path / "run"
-    sets = [f"model.hf_checkpoint={checkpoint}", f"data.path={data}", *CPU_SIZES]
+    sets = [
+        f"model.hf_checkpoint={checkpoint}",
+        f"data.path={data}",
+        f"controller.eval_dataset={test}",
+        f"controller.eval_size={len(TEST_ROWS)}",
+        *CPU_SIZES,
+    ]
     sets += [f"storage.run_dir={run_dir}", "controller.overlong_prompts=drop"]
     args = ["run", str(RECIPE), *[x for s in sets for x in ("--set", s)]]
 
@@ -83,6 +96,8 @@ def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(t
     scan = json.loads((run_dir / "dataset_scan.json").read_text())
     assert scan["gsm8k_train"]["rows"] == 9 and scan["gsm8k_train"]["dropped"] == 1
     assert [row_id for row_id, _ in scan["gsm8k_train"]["overlong"]] == ["gsm8k_train:8"]
+    held_out = scan["held_out"]
+    assert (held_out["prompts"], held_out["normalised"], held_out["exact"]) == (2, 0, 0)
     bare = transformers.AutoTokenizer.from_pretrained(checkpoint)(ROWS[0]["question"])
     assert scan["gsm8k_train"]["median_prompt"] > len(bare["input_ids"]) + 20
 

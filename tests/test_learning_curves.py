@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlax_tpu.controller.evaluation import EvalResult, wilson_interval
+from rlax_tpu.controller.datasets import PromptRecord
+from rlax_tpu.controller.evaluation import EvalResult, accuracy_over_problems, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -135,13 +136,27 @@ def test_more_prompts_give_a_narrower_interval_and_none_gives_nan():
     assert all(math.isnan(x) for x in wilson_interval(float("nan"), 10))
 
 
-def test_an_evaluation_reports_its_interval_over_the_judged_prompts():
-    result = EvalResult(step=20, version=20, accuracy=0.75, unjudged=4, judged=60)
+def test_an_evaluation_reports_its_interval_over_the_distinct_problems_judged():
+    result = EvalResult(step=20, version=20, accuracy=0.75, unjudged=4, judged=60, distinct=40)
     metrics = result.metrics()
     assert (metrics["eval_accuracy_low"], metrics["eval_accuracy_high"]) == wilson_interval(
-        0.75, 60
+        0.75, 40
     )
     assert metrics["eval_accuracy_low"] < 0.75 < metrics["eval_accuracy_high"]
+    assert metrics["eval_distinct"] == 40
+
+
+def test_a_problem_asked_twice_counts_once_by_its_mean():
+    def record(i: int, prompt: str) -> PromptRecord:
+        return PromptRecord(dataset="d", id=str(i), prompt=prompt, verifier="none")
+
+    records = [record(0, "What is 1 + 1?"), record(1, "what is  1 + 1?"), record(2, "2 + 2")]
+    # The first problem passed once of twice, the second passed; one unjudged prompt of a
+    # fourth problem is left out.
+    accuracy, distinct = accuracy_over_problems(
+        [*records, record(3, "3 + 3")], [1.0, 0.0, 1.0, None]
+    )
+    assert distinct == 2 and accuracy == (0.5 + 1.0) / 2
 
 
 def test_quick_runs_the_job_per_seed_and_mode_and_writes_the_curves(tmp_path):

@@ -176,3 +176,24 @@ def test_a_prompt_with_an_unjudged_sample_gets_no_pass_rate():
     assert rates[0] == {"id": "a", "pass_rate": 0.5, "k": 2}
     assert rates[1]["pass_rate"] is None and rates[1]["k"] == 0
     assert rates[1]["error"] == "1 of 2 samples unjudged by the verifier"
+
+
+def test_a_dataset_that_holds_the_held_out_problems_is_refused_before_anything_starts(
+    workspace, tmp_path
+):
+    """Rows pre-filtered here are for training: held out means held out for them too."""
+    from rlax_tpu.controller.datasets import DatasetError
+    from rlax_tpu.controller.prefilter import Band, prefilter
+
+    config = prefilter_config(tmp_path / "unused", workspace / "sums.jsonl")
+    config = config.override("controller.eval_dataset", str(workspace / "sums.jsonl"))
+    with pytest.raises(DatasetError, match=r"is not held out: 12 of its 12 prompts"):
+        prefilter(
+            config,
+            dataset=str(workspace / "sums.jsonl"),
+            checkpoint=str(workspace / "model"),
+            samples=2,
+            band=Band(0.0, 1.0),
+            out=str(tmp_path / "out"),
+        )
+    assert not (tmp_path / "out").exists()

@@ -3,10 +3,13 @@ runs minutes per run: docs/data.md has its figures), and its variants' configs."
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from rlax_tpu.verifiers.functions import load_reward_function
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -40,26 +43,85 @@ RESULTS = [
 
 def test_the_table_gives_the_mean_and_range_over_seeds_and_the_mean_change():
     table = sweep.markdown_table(RESULTS, ["grpo", "online_dpo"], [0, 16]).splitlines()
+    interval = sweep.bootstrap_interval([-0.1, -0.2])
     assert table[2] == (
-        "| GRPO | 0.850 [0.800–0.900] | 0.700 [0.700–0.700] | -0.150 [-0.200–-0.100] "
+        "| GRPO | 2 | 0.850 [0.800–0.900] | 0.700 [0.700–0.700] | -0.150 [-0.200–-0.100] "
+        f"| [{interval[0]:+.3f}, {interval[1]:+.3f}] | – | – "
         "| 0.500 [0.500–0.500] | 0.500 [0.500–0.500] |"
     )
-    assert table[3].startswith("| online DPO | 0.620 [0.600–0.640] | 0.610 [0.600–0.620] | -0.010")
+    assert table[3].startswith("| online DPO | 2 | 0.620 [0.600–0.640] | 0.610 [0.600–0.620]")
     assert table[3].endswith("| 1.500 [1.000–2.000] | 3.500 [3.000–4.000] |")
 
 
-def test_one_seed_gives_plain_figures():
+def test_one_seed_gives_plain_figures_and_no_interval():
     one = [r for r in RESULTS if r["seed"] == 0]
     row = sweep.markdown_table(one, ["grpo"], [0, 16]).splitlines()[2]
-    assert row == "| GRPO | 0.800 | 0.700 | -0.100 | 0.500 | 0.500 |"
+    assert row == "| GRPO | 1 | 0.800 | 0.700 | -0.100 | – | – | – | 0.500 | 0.500 |"
 
 
-def test_the_reading_orders_by_the_mean_change_and_scales_the_noise_by_the_seeds():
-    text = sweep.reading(RESULTS, ["grpo", "online_dpo"], [0, 16], size=512)
-    assert "(most robust first): online DPO -0.010 [-0.040–+0.020], GRPO -0.150" in text
-    p = sum(r["final_accuracy"] for r in RESULTS) / len(RESULTS)
-    noise = float(text.split("standard error of about ")[1].split(" ")[0])
-    assert noise == pytest.approx((2 * p * (1 - p) / 512 / 2) ** 0.5, abs=0.0005)
+def test_the_bootstrap_interval_is_of_the_mean_and_reproducible():
+    values = [-0.05, -0.02, -0.08, 0.01, -0.04, -0.06, -0.03, -0.07, 0.0, -0.05]
+    low, high = sweep.bootstrap_interval(values)
+    mean = sum(values) / len(values)
+    assert low < mean < high and high < 0  # every resample's mean is negative here
+    assert sweep.bootstrap_interval(values) == [low, high]
+    # About mean ± 1.96 standard errors for ten roughly normal values.
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    assert high - low == pytest.approx(2 * 1.96 * sd / len(values) ** 0.5, rel=0.25)
+    assert sweep.bootstrap_interval([0.1]) is None
+
+
+def seeds_of(algorithm: str, changes: list[float], start: float = 0.8) -> list[dict]:
+    return [
+        r
+        for seed, change in enumerate(changes)
+        for r in (
+            result(algorithm, 0, seed, start) | {"drift": 0.01},
+            result(algorithm, 16, seed, start + change) | {"drift": 0.05},
+        )
+    ]
+
+
+def test_the_reading_says_only_what_the_intervals_support():
+    losing = [-0.05, -0.04, -0.06, -0.05, -0.03, -0.07, -0.05, -0.04, -0.06, -0.05]
+    noisy = [0.05, -0.06, 0.02, -0.03, 0.04, -0.05, 0.01, -0.02, 0.03, 0.0]
+    results = seeds_of("grpo", losing) + seeds_of("online_dpo", noisy)
+    text = sweep.reading(results, ["grpo", "online_dpo"], [0, 16])
+    assert "GRPO: -0.050 [" in text and "over 10 seeds: loses accuracy" in text
+    assert "online DPO: -0.001 [" in text and text.count("not resolved") == 1
+    assert "GRPO − online DPO: -0.049 [" in text and "GRPO loses more to staleness" in text
+    found = sweep.analysis(results, ["grpo", "online_dpo"], [0, 16])
+    grpo = found["objectives"]["grpo"]
+    assert grpo["drift"] == {"0": 0.01, "16": 0.05}
+    assert grpo["per_unit_drift"] == pytest.approx(-0.05 / 0.04)
+    assert grpo["per_seed"]["3"] == pytest.approx(-0.05)
+
+
+def test_the_study_is_kept_run_by_run_and_extended(tmp_path):
+    base = sweep.sweep_config(quick=True, steps=None, extra=[])
+    path = tmp_path / "study.json"
+    store = {(r["algorithm"], r["max_staleness"], r["seed"]): r for r in RESULTS}
+    sweep._write(path, sweep.report(store, base, ["x=1"], quick=True))
+    study = json.loads(path.read_text())
+    assert study["seeds"] == [0, 1] and study["algorithms"] == ["grpo", "online_dpo"]
+    assert len(study["runs"]) == len(RESULTS)
+    assert study["analysis"]["objectives"]["grpo"]["per_seed"] == pytest.approx(
+        {"0": -0.1, "1": -0.2}
+    )
+    assert sweep.load_store(path) == store  # read back: these cells are not run again
+    assert sweep.parse_seeds("0-3,7,2") == (0, 1, 2, 3, 7)
+
+
+def test_the_graded_reward_ranks_wrong_answers_and_keeps_exact_ones_at_one():
+    graded = sweep.run_config(
+        sweep.sweep_config(quick=False, steps=None, extra=[]), "online_dpo_graded", 16, Path()
+    )
+    (dataset,) = graded.controller.datasets
+    assert dataset.verifier == "function" and dataset.reward_function == sweep.GRADED_REWARD
+    reward = load_reward_function(sweep.GRADED_REWARD)
+    score = {r: reward("", r, "100", {})["reward"] for r in ("100", "101", "110", "7", "none")}
+    assert score["100"] == 1.0 and score["none"] == 0.0
+    assert 0.5 > score["101"] > score["110"] > score["7"] >= 0.0
 
 
 def test_the_variants_are_grpo_with_dual_clip_and_with_tis_on_a_recomputed_pi_old(tmp_path):
@@ -98,3 +160,14 @@ def test_the_paper_condition_variants_validate_and_keep_the_global_batch(tmp_pat
         assert config.controller.global_batch_size == base.controller.global_batch_size
         assert sweep.warm_start_key(config) == sweep.warm_start_key(base)
         assert config.trainer.algorithm.resolved().kl_beta == 0.1
+    # TB as TBA runs it: a few nats of reward scale, the replay buffer, the reference reset.
+    tba = sweep.run_config(base, "tb_tba", 16, tmp_path)
+    tba.validate()
+    algorithm = tba.trainer.algorithm.resolved()
+    assert 1 / algorithm.kl_beta == pytest.approx(3.33, abs=0.01)
+    assert algorithm.kl_beta_final == algorithm.kl_beta
+    assert algorithm.reference_reset_every == sweep.TBA_RESET_EVERY
+    assert tba.controller.replay and tba.controller.replay_recency_prob == 0.5
+    graded = sweep.run_config(base, "online_dpo_graded", 16, tmp_path)
+    graded.validate()
+    assert sweep.warm_start_key(graded) == sweep.warm_start_key(base)  # paired

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from rlax_tpu.verifiers.tasks import (
     ReasoningGymMissing,
     arithmetic_problems,
+    arithmetic_space,
+    arithmetic_split_of,
     extract_tagged_answer,
     read_jsonl,
     reasoning_gym_problems,
@@ -173,3 +175,43 @@ def test_reasoning_gym_tasks_score_with_their_own_scorer(name):
         wrong = score_reasoning_gym("<answer>not it</answer>", p["answer"])
         assert (wrong.reward, wrong.verdict) == (0.0, Verdict.WRONG_ANSWER), wrong.reason
         assert name in wrong.reason
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    count=st.integers(0, 300),
+    max_operand=st.integers(1, 40),
+    ops=_OPS,
+)
+def test_train_and_test_sides_never_share_a_problem(seed, count, max_operand, ops):
+    space = arithmetic_space(max_operand, ops)
+    test_side = [p for p in space if arithmetic_split_of(*p[:3]) == "test"]
+    train = arithmetic_problems(seed, count, max_operand=max_operand, ops=ops, split="train")
+    test = arithmetic_problems(
+        seed, min(count, len(test_side)), max_operand=max_operand, ops=ops, split="test"
+    )
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in test}
+    assert len({p["prompt"] for p in test}) == len(test)  # distinct by construction
+    for p in train + test:
+        assert p["answer"] == str(_solve(p["prompt"]))
+    assert all(p["id"].startswith(f"arith-train-{seed}-") for p in train)
+
+
+def test_the_split_is_a_property_of_the_problem_not_of_the_seed():
+    # About one problem in eight is a test problem, the same ones for every seed.
+    space = arithmetic_space(99, ("+", "-"))
+    test_side = {p for p in space if arithmetic_split_of(*p[:3]) == "test"}
+    assert 0.11 < len(test_side) / len(space) < 0.14
+    for seed in (0, 1, 2):
+        drawn = arithmetic_problems(seed, len(test_side), max_operand=99, split="test")
+        assert {p["prompt"] for p in drawn} == {
+            f"What is {a} {op} {b}? Answer with just the number." for a, op, b, _ in test_side
+        }
+
+
+def test_asking_for_more_test_problems_than_there_are_names_the_fix():
+    with pytest.raises(ValueError, match=r"holds 76 distinct problems.*max_operand"):
+        arithmetic_problems(0, 77, max_operand=20, split="test")
+    with pytest.raises(ValueError, match="split 'dev'"):
+        arithmetic_problems(0, 1, split="dev")

@@ -163,6 +163,7 @@ def tiny_run(tmp_path_factory):
             datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
             eval_dataset=str(data),
             eval_size=2,
+            max_eval_overlap=1.0,  # the training file: held out it is not
         ),
     )
     if HAVE_WANDB:
@@ -204,7 +205,7 @@ def test_a_run_shows_compiles_weight_loads_and_evaluations_on_the_console(tiny_r
     assert has("[inference_worker-0] compiling the decode for 8 slots, 1 steps a call ...")
     assert has("[inference_worker-0] decode for 8 slots, 1 steps a call: compiled and ran in")
     assert has("evaluating version 0 on 2 held-out prompts ...")
-    assert has("held-out greedy accuracy of version 0:", "on 2 prompts", "in ")
+    assert has("held-out greedy accuracy of version 0:", "on 2 problems", "in ")
     assert "PROGRESS " not in out  # echoed, never passed through raw
     # Quiet otherwise: each component line says something once, not once per step.
     component_lines = [line for line in lines if line.startswith("[")]

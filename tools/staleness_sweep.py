@@ -1,39 +1,48 @@
 #!/usr/bin/env python3
-"""How robust is each RL objective to stale rollouts? The demo task at N ∈ {0, 4, 16}.
+"""How robust is each RL objective to stale rollouts? The demo task at N = 0 and N = 16.
 
-    python tools/staleness_sweep.py [--quick] [--json OUT] [--plot OUT.png] [--steps N]
-        [--work-dir DIR] [--algorithms a,b] [--staleness 0,4] [--seeds 0,1,2]
+    python tools/staleness_sweep.py [--quick] [--json STUDY.json] [--plot OUT.png]
+        [--steps N] [--work-dir DIR] [--algorithms a,b] [--staleness 0,16] [--seeds 0-9]
         [--set key=value ...]
 
-The demo (configs/tiny_cpu.py, arithmetic with a character-level model) is warm-started by
-SFT once; then, from those weights, with the same seed and prompt order, the whole job
+Per seed, the demo (configs/tiny_cpu.py: sums and differences of numbers to 99, judged on
+held-out problems no training row holds) is warm-started by SFT once; then, from those
+weights, with that seed's prompt order and sampling, the whole job
 (`rlax_tpu.controller.job.run`: launcher, parameter server, trainer, inference worker,
-verifiers, controller) runs a short RL phase for each algorithm preset (GRPO, Dr. GRPO,
-AIPO, trajectory balance, online DPO; as published, see docs/algorithms.md), two GRPO
-variants (dual clip, c = 3; TIS: the truncated importance weight min(π_old/π_rollout, 2) on
-top of GRPO, with π_old recomputed by the trainer) and each acceptance staleness N (η = 1,
-deterministic schedule: batch b is generated with version max(0, b − N)), once per seed
-(each seed its own warm start, prompt order and sampling). Importance weights are taken
-against the workers' behaviour log-probs (`trainer.behaviour_logprobs=cached`, see SWEEP;
-the TIS variant is the exception: its ratio is to the recomputed π_old, and its TIS weight
-corrects π_old against the workers' π_rollout). For each run it records
+verifiers, controller) runs an RL phase for each objective and each acceptance staleness N
+(η = 1, deterministic schedule: batch b is generated with version max(0, b − N)). The runs
+of a seed are paired: the same warm start and prompt order at every N, so Δacc = acc(N=16)
+− acc(N=0) is a difference within a seed, and its mean over seeds has a bootstrap 95 %
+interval (seeds resampled).
+
+Objectives: the presets GRPO, Dr. GRPO, AIPO, trajectory balance, online DPO (as
+published, docs/algorithms.md), GRPO variants (dual clip c = 3; TIS over a recomputed π_old),
+and the seed papers' conditions: TB as TBA runs it (β for a reward scale of a few nats,
+TBA's replay buffer, the reference reset), TBA-PRIME, online DPO with 4 or 2 samples per
+prompt and with a graded reward (tools/graded_arithmetic.py) so that its best and worst
+samples do not tie. Importance weights are taken against the workers' behaviour log-probs
+(`trainer.behaviour_logprobs=cached`; the TIS variant's ratio is to the recomputed π_old,
+its TIS weight corrects π_old against the workers' π_rollout). Each run records
 
 * final held-out greedy accuracy (the controller's evaluation at the last step) and the SFT
-  model's (step 0, the same for every run);
+  model's (step 0, the same for every run of a seed);
+* the drift between the policy trained and the one that generated its data: the trainer's
+  mean |log π_θ − log μ| per response token, averaged over the run's steps (it grows with
+  N; Δacc is reported against it as well as against N);
 * KL(π_θ ‖ π_ref) of the final policy to the SFT reference, measured the same way for every
-  objective (most do not compute a KL while training): on the held-out prompts, responses
-  are sampled from the final policy (temperature 1, up to `inference.max_new_tokens`
-  tokens); along each response the exact KL between the two next-token distributions (all
-  of the vocabulary) is summed over its tokens, then averaged over samples and prompts. This
-  is an unbiased estimate of the sequence-level KL, in nats per response;
-* the trainer's own `kl` metric (k3 per token on the rollouts it trained on, averaged over
-  the last steps) where the objective reports one.
+  objective: on the held-out prompts, responses are sampled from the final policy
+  (temperature 1); along each response the exact KL between the two next-token
+  distributions is summed over its tokens, then averaged: nats per response;
+* the trainer's own `kl` metric (k3 per token, last steps) where the objective reports one.
 
-It writes a markdown table of the mean over seeds with the min–max range (stdout, and into
---json with every run's figures) and a PNG of final accuracy and KL against N (--plot;
-needs matplotlib: `pip install -e .[plots]`). Runs are kept under --work-dir and reused
-when their config is unchanged, so an interrupted sweep continues. `--quick` is a smoke
-test: 2 objectives x 2 values of N, one seed, a short warm start and a few steps.
+--json is the study's record: read first (its runs, keyed by objective, N and seed with
+their config digest, are kept and not run again), rewritten after every run, so a study can
+be run in parts and extended with more seeds or objectives. It holds every run, the
+per-seed Δacc of each objective with its mean and interval, the differences between
+objectives paired by seed, a markdown table and a reading that states a difference only
+where its interval excludes zero. --plot draws accuracy and KL against N (needs
+matplotlib: `pip install -e .[plots]`). `--quick` is a smoke test: 2 objectives x 2 values
+of N, one seed, a smaller model, a short warm start and a few steps.
 """
 
 from __future__ import annotations
@@ -70,6 +79,8 @@ ALGORITHMS = (
     "tba_prime",
     "online_dpo_k4",
     "online_dpo_k2",
+    "tb_tba",
+    "online_dpo_graded",
 )
 LABELS = {
     "grpo": "GRPO",
@@ -83,7 +94,11 @@ LABELS = {
     "tba_prime": "TBA-PRIME",
     "online_dpo_k4": "online DPO, K=4",
     "online_dpo_k2": "online DPO, K=2",
+    "tb_tba": "TB as in TBA",
+    "online_dpo_graded": "online DPO, graded reward",
 }
+# The graded reward of the online DPO variant (a reward function of your own, by path).
+GRADED_REWARD = f"{ROOT / 'tools' / 'graded_arithmetic.py'}:reward"
 # The reference reset period ρ of the TBA variants: TBA-PRIME resets every 50 steps of runs
 # many times longer than the sweep's 40; every 10 gives the sweep's runs several resets.
 TBA_RESET_EVERY = 10
@@ -121,44 +136,79 @@ VARIANTS = {
     # and worst of 4 (GSM8K); the preset's β = 0.1 is theirs. The global batch stays 64.
     "online_dpo_k4": ("online_dpo", {}, {}, {"prompts_per_batch": 16, "samples_per_prompt": 4}),
     "online_dpo_k2": ("online_dpo", {}, {}, {"prompts_per_batch": 32, "samples_per_prompt": 2}),
+    # Trajectory balance as TBA runs it: β constant at 0.3, so a right answer is worth
+    # r/β ≈ 3 nats (the preset's β = 0.012 makes it 83: the squared residual is then the
+    # reward alone); TBA's replay buffer, drawing a prompt with probability m = 0.5 from the
+    # latest sync and else by reward (TBA's m for its TL;DR and red-teaming runs); and the
+    # reference reset every ρ steps.
+    "tb_tba": (
+        "trajectory_balance",
+        {
+            "kl_beta": 0.3,
+            "kl_beta_final": 0.3,
+            "kl_beta_decay_steps": 0,
+            "reference_reset_every": TBA_RESET_EVERY,
+        },
+        {},
+        {"replay": True, "replay_recency_prob": 0.5},
+    ),
+    # Online DPO with partial credit by distance to the answer (tools/graded_arithmetic.py):
+    # with the task's binary reward the best and worst of a group tie whenever all its
+    # samples are right or all wrong.
+    "online_dpo_graded": ("online_dpo", {}, {}, {"reward_function": GRADED_REWARD}),
 }
-STALENESS = (0, 4, 16)
-SEEDS = (0, 1, 2)
+STALENESS = (0, 16)
+SEEDS = tuple(range(10))
+# The comparison the docs draw, with every seed; other presets, variants and N = 4 may run
+# with fewer (docs/data.md says which).
+COMPARED = (
+    "grpo",
+    "aipo",
+    "trajectory_balance",
+    "online_dpo",
+    "tb_tba",
+    "online_dpo_graded",
+)
 QUICK_ALGORITHMS = ("grpo", "online_dpo")
 QUICK_STALENESS = (0, 4)
 QUICK_SEEDS = (0,)
-# The seed papers' reading (docs/algorithms.md, "Which presets tolerate stale data").
-MOST_ROBUST = ("trajectory_balance", "online_dpo")
-PPO_STYLE = ("grpo", "dr_grpo")
 # The warm start's trainer checkpoint: a run directory holding it starts RL from its version 0
 # (the trainer does not redo the warm start); its HF export sft_model/ is for the peers.
 WARM_START_FILES = ("tokenizer", "data", "checkpoints_warm_start")
+# The trainer's per-token |log π_θ − log μ| (metrics.jsonl), averaged over a run: its drift.
+DRIFT = "train/logprob_diff/mean"
+# Bootstrap resamples of the seeds for the 95 % intervals, from a fixed stream.
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
 # Steps whose trainer `kl` metric is averaged.
 LAST_STEPS = 5
 KL_SAMPLES = 4  # responses per held-out prompt for the KL estimate
 KL_SEED = 20250101
 
-# The demo's task and objective settings on a smaller model (as tools/bench_e2e.py --quick),
-# so that 20 runs fit in an hour on two CPU cores; no evaluation between start and end.
-# The importance weight is taken against the behaviour policy μ that generated the rollouts
-# (the workers' log-probs), as in the seed papers' staleness experiments. With the trainer's
-# default, π_old recomputed at the version being trained, a batch trained in one mini-batch
-# has ratio 1 whatever its staleness: no clip, truncation or IS weight ever acts.
+# The demo's model, warm start and learning rate (so a seed's warm start is the one
+# tools/learning_curves.py makes, shared through a common --work-dir), 80 RL steps: at N = 16
+# the first 17 batches come from the SFT model, a fifth of the run (at 40 steps it was
+# 40 %). No evaluation between start and end. The importance weight is taken against the
+# behaviour policy μ that generated the rollouts (the workers' log-probs), as in the seed
+# papers' staleness experiments; with the trainer's default, π_old recomputed at the version
+# being trained, a batch trained in one mini-batch has ratio 1 whatever its staleness.
 SWEEP = [
     "trainer.behaviour_logprobs=cached",
-    # The demo's learning rate until 2026-11-28 (5e-5 since, docs/learning.md): every sweep
-    # in docs/data.md ran with it.
-    "trainer.learning_rate=1e-4",
+    "controller.num_steps=80",
+    "controller.eval_every=0",
+    "controller.eval_size=512",
+]
+# A smoke test: a smaller model, a short warm start, a few steps.
+QUICK = [
+    *SWEEP,
     "model.hidden_size=64",
     "model.intermediate_size=256",
     "model.num_layers=2",
     "model.head_dim=16",
-    "controller.sft_steps=600",
-    "controller.num_steps=40",
-    "controller.eval_every=0",
-    "controller.eval_size=512",
+    "controller.sft_steps=200",
+    "controller.num_steps=8",
+    "controller.eval_size=128",
 ]
-QUICK = [*SWEEP, "controller.sft_steps=200", "controller.num_steps=8", "controller.eval_size=128"]
 
 
 def sweep_config(quick: bool, steps: int | None, extra: Sequence[str]) -> RunConfig:
@@ -181,6 +231,13 @@ def algorithm_config(name: str, config: RunConfig) -> AlgorithmConfig:
 
 def run_config(base: RunConfig, algorithm: str, n: int, run_dir: Path) -> RunConfig:
     _, _, trainer_overrides, controller_overrides = VARIANTS.get(algorithm, ("", {}, {}, {}))
+    controller_overrides = dict(controller_overrides)
+    reward_function = controller_overrides.pop("reward_function", "")
+    if reward_function:  # the training rows judged by it; the held-out rows stay exact
+        controller_overrides["datasets"] = tuple(
+            dataclasses.replace(d, verifier="function", reward_function=reward_function)
+            for d in base.controller.datasets
+        )
     return dataclasses.replace(
         base,
         name=f"staleness_{algorithm}_n{n}",
@@ -204,7 +261,11 @@ def warm_start_key(config: RunConfig) -> str:
         "seed": config.seed,
         "model": config.model.to_dict(),
         "trainer": trainer,
-        "datasets": [d.to_dict() for d in c.datasets],
+        # The rows, not how RL judges them (the graded variant shares the warm start).
+        "datasets": [
+            {k: v for k, v in d.to_dict().items() if k not in ("verifier", "reward_function")}
+            for d in c.datasets
+        ],
         "eval_dataset": c.eval_dataset,
         "sft": [c.sft_steps, c.sft_learning_rate, c.global_batch_size],  # its batch: all rows
     }
@@ -344,14 +405,29 @@ def kl_to_reference(run_dir: Path, reference_dir: str) -> dict[str, float]:
 
 
 # -- one run ---------------------------------------------------------------------------------------
-def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> dict[str, Any]:
-    """The whole job for (algorithm, N) from the warm start, and its figures (reused from a
-    finished run of the same config)."""
+def cell_digest(base: RunConfig, algorithm: str, n: int, work: Path) -> str:
+    """The digest of (algorithm, N)'s run config for `base`'s seed: what a stored result of
+    that cell must have been measured with to be reused."""
+    return run_config(base, algorithm, n, work / f"{algorithm}_n{n}_s{base.seed}").digest()
+
+
+def run_one(
+    base: RunConfig,
+    algorithm: str,
+    n: int,
+    warm: Path,
+    work: Path,
+    stored: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole job for (algorithm, N) from the warm start, and its figures (reused from
+    `stored`, the study's JSON, or a finished run of the same config)."""
     from rlax_tpu.controller import job
 
     run_dir = work / f"{algorithm}_n{n}_s{base.seed}"
     config = run_config(base, algorithm, n, run_dir)
     digest = config.digest()
+    if stored is not None and stored.get("config_digest") == digest:
+        return {**stored, "reused": True}
     result_path = run_dir / "sweep_result.json"
     if result_path.exists():
         result = json.loads(result_path.read_text())
@@ -366,6 +442,9 @@ def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "reward_mean" in r]
     train_kl = [r["train/kl"] for r in trained[-LAST_STEPS:] if "train/kl" in r]
+    # The drift between the policy trained and the one that generated its data: the mean
+    # |log π_θ − log μ| per response token, over the run's steps.
+    drift = [r[DRIFT] for r in trained if DRIFT in r]
     evals = {int(s): a for s, a in summary["evals"].items()}
     kl = kl_to_reference(run_dir, str(warm / "sft_model"))
     result = {
@@ -382,6 +461,7 @@ def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> 
         "response_length": kl["response_length"],
         "train_kl_k3": statistics.mean(train_kl) if train_kl else None,
         "reward_mean_last_10": statistics.mean(r["reward_mean"] for r in trained[-10:]),
+        "drift": statistics.mean(drift) if drift else None,
         "staleness_mean": summary["staleness_mean"],
         "wall_s": round(wall, 1),
     }
@@ -390,10 +470,6 @@ def run_one(base: RunConfig, algorithm: str, n: int, warm: Path, work: Path) -> 
 
 
 # -- the report ----------------------------------------------------------------------------------
-def _cell(value: float | None, fmt: str) -> str:
-    return "–" if value is None else fmt.format(value)
-
-
 def _by_seed(results: list[dict], key: str) -> dict[tuple[str, int], list[float]]:
     """{(algorithm, N): [results[key] of each seed, in seed order]} (None values left out)."""
     out: dict[tuple[str, int], list[float]] = {}
@@ -413,80 +489,150 @@ def _spread(values: Sequence[float], fmt: str) -> str:
     return f"{mean} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
-def accuracy_changes(results: list[dict], algorithm: str, ns: Sequence[int]) -> list[float]:
-    """Per seed: final accuracy at N = max(ns) minus at N = min(ns) (seeds with both)."""
+def paired_changes(results: list[dict], algorithm: str, ns: Sequence[int]) -> dict[int, float]:
+    """{seed: final accuracy at N = max(ns) minus at N = min(ns)}, for the seeds with both
+    (the two runs of a seed share its warm start and prompt order: a paired difference)."""
     by = {
         (r["max_staleness"], r.get("seed", 0)): r["final_accuracy"]
         for r in results
         if r["algorithm"] == algorithm
     }
     seeds = sorted({seed for (_, seed) in by})
-    return [
-        by[(ns[-1], s)] - by[(ns[0], s)] for s in seeds if (ns[0], s) in by and (ns[-1], s) in by
-    ]
+    return {
+        s: by[(ns[-1], s)] - by[(ns[0], s)] for s in seeds if (ns[0], s) in by and (ns[-1], s) in by
+    }
+
+
+def accuracy_changes(results: list[dict], algorithm: str, ns: Sequence[int]) -> list[float]:
+    """Per seed, in seed order: final accuracy at N = max(ns) minus at N = min(ns)."""
+    return list(paired_changes(results, algorithm, ns).values())
+
+
+def bootstrap_interval(values: Sequence[float]) -> list[float] | None:
+    """The 95 % percentile-bootstrap interval of the mean of `values` (seeds resampled with
+    replacement, BOOTSTRAP_RESAMPLES times, from a fixed stream); None under two values."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return None
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    means = x[rng.integers(0, len(x), (BOOTSTRAP_RESAMPLES, len(x)))].mean(axis=1)
+    low, high = np.quantile(means, [0.025, 0.975])
+    return [float(low), float(high)]
+
+
+def _summary(values: dict[int, float]) -> dict[str, Any]:
+    interval = bootstrap_interval(list(values.values()))
+    return {
+        "per_seed": {str(k): v for k, v in values.items()},
+        "seeds": len(values),
+        "mean": statistics.mean(values.values()) if values else None,
+        "ci95": interval,
+        # Resolved: the interval excludes zero.
+        "resolved": interval is not None and (interval[0] > 0 or interval[1] < 0),
+    }
+
+
+def analysis(results: list[dict], algorithms: Sequence[str], ns: Sequence[int]) -> dict:
+    """What the study can tell: per objective the paired Δacc (N = max − N = min) per seed
+    with its mean and bootstrap 95 % interval, the drift |log π_θ − log μ| at each N, and
+    Δacc per unit of drift; per pair of objectives the difference of their Δacc on the
+    seeds both have, with its interval."""
+    out: dict[str, Any] = {"objectives": {}, "pairs": {}}
+    changes = {a: paired_changes(results, a, ns) for a in algorithms}
+    for a in algorithms:
+        drift = {
+            n: [
+                r["drift"]
+                for r in results
+                if r["algorithm"] == a and r["max_staleness"] == n and r.get("drift") is not None
+            ]
+            for n in ns
+        }
+        mean_drift = {str(n): statistics.mean(v) if v else None for n, v in drift.items()}
+        summary = _summary(changes[a])
+        low, high = mean_drift[str(ns[0])], mean_drift[str(ns[-1])]
+        if summary["mean"] is not None and low is not None and high is not None and high > low:
+            summary["per_unit_drift"] = summary["mean"] / (high - low)
+        out["objectives"][a] = {**summary, "drift": mean_drift}
+    for i, a in enumerate(algorithms):
+        for b in algorithms[i + 1 :]:
+            both = sorted(set(changes[a]) & set(changes[b]))
+            if len(both) >= 2:
+                diff = {s: changes[a][s] - changes[b][s] for s in both}
+                out["pairs"][f"{a} - {b}"] = _summary(diff)
+    return out
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _interval(interval: list[float] | None) -> str:
+    return "–" if interval is None else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]"
 
 
 def markdown_table(results: list[dict], algorithms: Sequence[str], ns: Sequence[int]) -> str:
-    """Final held-out accuracy and KL to the reference, one row per objective, by N: the mean
-    over seeds and, with several, [min–max]; Δacc is the mean over seeds of each seed's
-    change from N = min to N = max."""
+    """Final held-out accuracy, drift and KL to the reference, one row per objective, by N:
+    the mean over seeds and, with several, [min–max]; Δacc is the mean over seeds of each
+    seed's change from N = min to N = max, with its bootstrap 95 % interval."""
     acc, kl = _by_seed(results, "final_accuracy"), _by_seed(results, "kl_to_reference")
+    drift = _by_seed(results, "drift")
     header = (
-        "| objective | "
+        "| objective | seeds | "
         + " | ".join(f"acc N={n}" for n in ns)
-        + " | Δacc | "
+        + " | Δacc | 95 % CI | "
+        + " | ".join(f"drift N={n}" for n in ns)
+        + " | "
         + " | ".join(f"KL N={n}" for n in ns)
         + " |"
     )
-    lines = [header, "|" + "---|" * (2 * len(ns) + 2)]
+    lines = [header, "|" + "---|" * (3 * len(ns) + 4)]
     for a in algorithms:
+        changes = accuracy_changes(results, a, ns)
         lines.append(
-            f"| {LABELS[a]} | "
+            f"| {LABELS[a]} | {len(changes)} | "
             + " | ".join(_spread(acc.get((a, n), []), "{:.3f}") for n in ns)
-            + f" | {_spread(accuracy_changes(results, a, ns), '{:+.3f}')} | "
+            + f" | {_spread(changes, '{:+.3f}')} | {_interval(bootstrap_interval(changes))} | "
+            + " | ".join(_spread(drift.get((a, n), []), "{:.3f}") for n in ns)
+            + " | "
             + " | ".join(_spread(kl.get((a, n), []), "{:.3f}") for n in ns)
             + " |"
         )
     return "\n".join(lines)
 
 
-def reading(results: list[dict], algorithms: Sequence[str], ns: Sequence[int], size: int) -> str:
-    """Which objectives kept their accuracy best from N = min to N = max, against the papers."""
-    changes = {a: accuracy_changes(results, a, ns) for a in algorithms}
-    change = {a: statistics.mean(c) for a, c in changes.items()}
-    seeds = min(len(c) for c in changes.values())
-    order = sorted(algorithms, key=lambda a: -change[a])  # most robust first
-    # Binomial standard error of one accuracy at p ≈ the mean final accuracy, √2 for a
-    # difference, / √seeds for a mean over seeds: the evaluation's noise alone.
-    p = statistics.mean(r["final_accuracy"] for r in results)
-    noise = math.sqrt(2 * p * (1 - p) / size / seeds)
-    lines = [
-        f"final accuracy at N={ns[-1]} minus at N={ns[0]}, mean over {seeds} seed(s) (most "
-        "robust first): "
-        + ", ".join(f"{LABELS[a]} {_spread(changes[a], '{:+.3f}')}" for a in order),
-        f"a mean over {seeds} seed(s) of differences of two accuracies on {size} prompts has a "
-        f"standard error of about {noise:.3f} from the evaluation alone, so gaps under "
-        f"~{2 * noise:.2f} are not resolved (the RL runs' own sampling noise comes on top: "
-        "the [min–max] over seeds shows it).",
-    ]
-    robust = [a for a in MOST_ROBUST if a in algorithms]
-    ppo = [a for a in PPO_STYLE if a in algorithms]
-    if robust and ppo:
-        ranked = [a for a in order if a in robust + ppo]
-        best, worst = ranked[: len(robust)], ranked[-len(ppo) :]
-        agree = set(best) == set(robust) and set(worst) == set(ppo)
-        spread = max(change[a] for a in ranked) - min(change[a] for a in ranked)
+def reading(results: list[dict], algorithms: Sequence[str], ns: Sequence[int]) -> str:
+    """What the intervals support: each objective's Δacc, and each pair's difference, said
+    only where its bootstrap 95 % interval excludes zero ("not resolved" otherwise)."""
+    found = analysis(results, algorithms, ns)
+    lines = [f"final accuracy at N={ns[-1]} minus at N={ns[0]}, paired by seed, mean [95 % CI]:"]
+    for a, o in found["objectives"].items():
+        if o["mean"] is None:
+            continue
+        if o["resolved"]:
+            verdict = "loses accuracy" if o["mean"] < 0 else "gains accuracy"
+        else:
+            verdict = "not resolved"
         lines.append(
-            "seed papers: online DPO and trajectory balance the most robust to stale data, "
-            f"PPO-style losses (GRPO, Dr. GRPO) the least. The order of these runs "
-            f"{'agrees' if agree else 'does not agree'} (most robust "
-            f"{', '.join(LABELS[a] for a in best)}; least {', '.join(LABELS[a] for a in worst)})"
-            + (
-                f", but the spread of the changes ({spread:.3f}) is within the noise."
-                if spread < 2 * noise
-                else "."
-            )
+            f"  {LABELS[a]}: {o['mean']:+.3f} {_interval(o['ci95'])} over {o['seeds']} seeds: "
+            f"{verdict}"
         )
+    pairs = [(k, v) for k, v in found["pairs"].items() if v["seeds"] >= 2]
+    if pairs:
+        lines.append("differences of Δacc between objectives (a − b), paired by seed:")
+        for key, v in pairs:
+            a, b = key.split(" - ")
+            if v["resolved"]:
+                more = LABELS[b] if v["mean"] > 0 else LABELS[a]
+                verdict = f"{more} loses more to staleness"
+            else:
+                verdict = "not resolved"
+            lines.append(
+                f"  {LABELS[a]} − {LABELS[b]}: {v['mean']:+.3f} {_interval(v['ci95'])} over "
+                f"{v['seeds']} seeds: {verdict}"
+            )
     return "\n".join(lines)
 
 
@@ -521,9 +667,11 @@ def plot(
         "online_dpo": ("v", "-"),
         "grpo_dual_clip": ("P", "--"),
         "grpo_tis": ("X", ":"),
+        "tb_tba": ("<", "--"),
+        "online_dpo_graded": (">", ":"),
     }
     for a in algorithms:
-        marker, dashes = styles[a]
+        marker, dashes = styles.get(a, ("*", "-"))
         accuracy = [
             band(acc[(a, n)], math.sqrt(m * (1 - m) / size))
             for n in ns
@@ -560,16 +708,76 @@ def plot(
     plt.close(fig)
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """ "0,1,2" or "0-9" or "0-4,7": the seeds, in order, each once."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        for seed in range(int(first), int(last or first) + 1):
+            if seed not in seeds:
+                seeds.append(seed)
+    return tuple(seeds)
+
+
+def load_store(path: Path | None) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """The runs already in the study's JSON, by (objective, N, seed)."""
+    if path is None or not path.exists():
+        return {}
+    runs = json.loads(path.read_text()).get("runs", [])
+    return {(r["algorithm"], r["max_staleness"], r["seed"]): r for r in runs}
+
+
+def report(
+    store: dict[tuple[str, int, int], dict[str, Any]],
+    base: RunConfig,
+    overrides: Sequence[str],
+    quick: bool,
+) -> dict[str, Any]:
+    """The study as it stands: every run kept, and what their seeds can tell."""
+    runs = [
+        {k: v for k, v in r.items() if k != "reused"}
+        for _, r in sorted(store.items(), key=lambda kv: (ALGORITHMS.index(kv[0][0]), *kv[0][1:]))
+    ]
+    algorithms = [a for a in ALGORITHMS if any(r["algorithm"] == a for r in runs)]
+    ns = sorted({r["max_staleness"] for r in runs})
+    return {
+        "quick": quick,
+        "seeds": sorted({r["seed"] for r in runs}),
+        "algorithms": algorithms,
+        "max_staleness": ns,
+        "steps": base.controller.num_steps,
+        "eval_size": base.controller.eval_size,
+        "behaviour_logprobs": base.trainer.behaviour_logprobs,
+        "overrides": list(overrides),
+        "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED, "level": 0.95},
+        "analysis": analysis(runs, algorithms, ns) if len(ns) > 1 else {},
+        "table_markdown": markdown_table(runs, algorithms, ns) if len(ns) > 1 else "",
+        "reading": reading(runs, algorithms, ns) if len(ns) > 1 else "",
+        "runs": runs,
+    }
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)  # a reader (or a crash) never sees half a study
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 objectives x 2 N, a few steps")
-    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="the study's record: read first (its runs are kept and not run again), "
+        "rewritten after every run",
+    )
     parser.add_argument("--plot", type=Path, help="write the PNG here")
-    parser.add_argument("--steps", type=int, help="RL steps per run (default 40; quick 8)")
+    parser.add_argument("--steps", type=int, help="RL steps per run (default: SWEEP's)")
     parser.add_argument("--work-dir", type=Path, help="default runs/staleness_sweep[_quick]")
     parser.add_argument("--algorithms", help=f"comma-separated, from {','.join(ALGORITHMS)}")
-    parser.add_argument("--staleness", help="comma-separated values of N")
-    parser.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; quick 0)")
+    parser.add_argument("--staleness", help="comma-separated values of N (default 0,16)")
+    parser.add_argument("--seeds", help="seeds: 0,1,2 or 0-9 (default 0-9; quick 0)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="config override key=value"
     )
@@ -577,7 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     algorithms = (
         tuple(args.algorithms.split(","))
         if args.algorithms
-        else (QUICK_ALGORITHMS if args.quick else ALGORITHMS)
+        else (QUICK_ALGORITHMS if args.quick else COMPARED)
     )
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
@@ -587,73 +795,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.staleness
         else (QUICK_STALENESS if args.quick else STALENESS)
     )
-    seeds = (
-        tuple(int(s) for s in args.seeds.split(","))
-        if args.seeds
-        else (QUICK_SEEDS if args.quick else SEEDS)
-    )
+    seeds = parse_seeds(args.seeds) if args.seeds else (QUICK_SEEDS if args.quick else SEEDS)
     base = sweep_config(args.quick, args.steps, args.overrides)
+    overrides = [
+        *(QUICK if args.quick else SWEEP),
+        *args.overrides,
+        *([f"controller.num_steps={args.steps}"] if args.steps is not None else []),
+    ]
     configure_jax(base)  # before JAX starts: the SFT trainer's mesh needs cpu_devices
     work = args.work_dir or ROOT / "runs" / (
         "staleness_sweep_quick" if args.quick else "staleness_sweep"
     )
     work = work.resolve()
     work.mkdir(parents=True, exist_ok=True)
+    store = load_store(args.json)
     t0 = time.perf_counter()
-    results = []
     for seed in seeds:
         seeded = dataclasses.replace(base, seed=seed)
+        cells = [(a, n) for a in algorithms for n in ns]
+        todo = [
+            (a, n)
+            for a, n in cells
+            if store.get((a, n, seed), {}).get("config_digest") != cell_digest(seeded, a, n, work)
+        ]
+        if not todo:
+            continue
         print(f"work dir {work}; seed {seed}: SFT warm start ({base.controller.sft_steps} steps)")
         warm = warm_start(seeded, work)
         print(f"warm start ready in {time.perf_counter() - t0:.0f}s: {warm}", flush=True)
-        for algorithm in algorithms:
-            for n in ns:
-                result = run_one(seeded, algorithm, n, warm, work)
-                results.append(result)
-                print(
-                    f"{LABELS[algorithm]:<16} N={n:<3} seed {seed} final acc "
-                    f"{result['final_accuracy']:.3f} "
-                    f"(start {result['initial_accuracy']:.3f})  KL "
-                    f"{result['kl_to_reference']:.3f} ± {result['kl_to_reference_stderr']:.3f}  "
-                    + ("(reused)" if result["reused"] else f"{result['wall_s']:.0f}s"),
-                    flush=True,
-                )
-    table = markdown_table(results, algorithms, ns)
-    text = reading(results, algorithms, ns, base.controller.eval_size)
+        for algorithm, n in todo:
+            result = run_one(seeded, algorithm, n, warm, work, store.get((algorithm, n, seed)))
+            store[(algorithm, n, seed)] = result
+            if args.json:
+                _write(args.json, report(store, base, overrides, args.quick))
+            print(
+                f"{LABELS[algorithm]:<16} N={n:<3} seed {seed} final acc "
+                f"{result['final_accuracy']:.3f} (start {result['initial_accuracy']:.3f})  "
+                f"drift {_cell(result.get('drift'), '{:.3f}')}  KL "
+                f"{result['kl_to_reference']:.3f} ± {result['kl_to_reference_stderr']:.3f}  "
+                + ("(reused)" if result["reused"] else f"{result['wall_s']:.0f}s"),
+                flush=True,
+            )
+    study = report(store, base, overrides, args.quick)
+    if args.json:
+        _write(args.json, study)
     print()
     print(
         f"demo task, {base.controller.num_steps} RL steps of {base.controller.prompts_per_batch}"
-        f"x{base.controller.samples_per_prompt}, η=1, seeds {list(seeds)} (mean [min–max]), "
-        f"importance weights against the {base.trainer.behaviour_logprobs} behaviour log-probs "
-        "(GRPO + TIS: recomputed π_old, TIS against the workers'); final held-out greedy "
-        f"accuracy on {base.controller.eval_size} prompts and KL(π_θ‖π_SFT) in nats per response"
+        f"x{base.controller.samples_per_prompt}, η=1, seeds {study['seeds']}, importance "
+        f"weights against the {base.trainer.behaviour_logprobs} behaviour log-probs (GRPO + "
+        "TIS: recomputed π_old, TIS against the workers'); final held-out greedy accuracy on "
+        f"{base.controller.eval_size} problems, drift |log π_θ − log μ| per token, and "
+        "KL(π_θ‖π_SFT) in nats per response"
     )
-    print(table)
+    print(study["table_markdown"])
     print()
-    print(text)
+    print(study["reading"])
     print(f"total {time.perf_counter() - t0:.0f}s")
-    report = {
-        "quick": args.quick,
-        "algorithms": list(algorithms),
-        "max_staleness": list(ns),
-        "steps": base.controller.num_steps,
-        "eval_size": base.controller.eval_size,
-        "seeds": list(seeds),
-        "behaviour_logprobs": base.trainer.behaviour_logprobs,
-        "overrides": [
-            *(QUICK if args.quick else SWEEP),
-            *args.overrides,
-            *([f"controller.num_steps={args.steps}"] if args.steps is not None else []),
-        ],
-        "runs": results,
-        "table_markdown": table,
-        "reading": text,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        plot(results, algorithms, ns, base.controller.eval_size, args.plot)
+    if args.plot and len(study["max_staleness"]) > 1:
+        plot(
+            study["runs"],
+            study["algorithms"],
+            study["max_staleness"],
+            base.controller.eval_size,
+            args.plot,
+        )
         print(f"plot: {args.plot}")
     return 0
 

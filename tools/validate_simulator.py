@@ -46,8 +46,8 @@ FIGURES = (
     "wall_s",
 )
 # The demo task, from its definition (rlax_tpu/controller/job.py: arithmetic_problems with
-# operands in [0, 20], "+" and "-"; the character tokenizer: one token per character, no
-# BOS): prompts "What is A op B? Answer with just the number." of 43-45 tokens; a response
+# operands in [0, 99], "+" and "-"; the character tokenizer: one token per character, no
+# BOS): prompts "What is A op B? Answer with just the number." of 43-47 tokens; a response
 # is the answer's digits and the end-of-sequence token. A policy sampled at temperature 1
 # does not always stop there: LENGTH_TAIL of responses are assumed to run to
 # max_new_tokens (an assumption, not a measurement: see docs/simulator.md).
@@ -56,9 +56,12 @@ SEEDS = range(8)
 
 
 def demo_settings(max_new_tokens: int, length_tail: float = LENGTH_TAIL) -> dict:
+    from rlax_tpu.controller.job import ARITHMETIC_MAX_OPERAND, ARITHMETIC_OPS
     from rlax_tpu.verifiers.tasks import arithmetic_problems
 
-    problems = arithmetic_problems(0, 1000, max_operand=20, ops=("+", "-"))
+    problems = arithmetic_problems(
+        0, 1000, max_operand=ARITHMETIC_MAX_OPERAND, ops=ARITHMETIC_OPS, split="train"
+    )
     prompts = [float(len(p["prompt"])) for p in problems]
     answers = [float(len(p["answer"]) + 1) for p in problems]
     tail = round(len(answers) * length_tail / (1 - length_tail))

@@ -47,9 +47,11 @@ class ModelSource:
 class EvalResult:
     model: str  # what was evaluated, for people
     dataset: str
-    accuracy: float  # the fraction of problems with reward >= 1
-    num_correct: int
-    problems: list[dict[str, Any]]  # per problem: id, response, reward, verdict
+    accuracy: float  # over distinct problems: the fraction with reward >= 1
+    num_correct: int  # prompts
+    problems: list[dict[str, Any]]  # per prompt: id, response, reward, verdict
+    distinct: int  # distinct problems among the prompts (a repeated one counts once)
+    overlap: dict[str, Any] | None = None  # the held-out set's overlap with the training data
 
     @property
     def num_problems(self) -> int:
@@ -59,7 +61,7 @@ class EvalResult:
     def interval95(self) -> tuple[float, float]:
         from rlax_tpu.controller.evaluation import wilson_interval
 
-        return wilson_interval(self.accuracy, self.num_problems)
+        return wilson_interval(self.accuracy, self.distinct)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +71,8 @@ class EvalResult:
             "accuracy_interval95": list(self.interval95),
             "num_correct": self.num_correct,
             "num_problems": self.num_problems,
+            "distinct_problems": self.distinct,
+            "overlap_with_training": self.overlap,
             "problems": self.problems,
         }
 
@@ -170,7 +174,8 @@ def _print_result(result: EvalResult) -> None:
     print(f"model: {result.model}")
     print(
         f"held-out greedy accuracy: {result.accuracy:.3f} ({result.num_correct}/"
-        f"{result.num_problems} problems of {result.dataset}; 95 % interval "
+        f"{result.num_problems} prompts, {result.distinct} distinct problems, of "
+        f"{result.dataset}; 95 % interval "
         f"{result.interval95[0]:.3f}–{result.interval95[1]:.3f})",
         flush=True,
     )
@@ -269,8 +274,17 @@ def held_out_records(config: RunConfig, tokenizer: Any) -> list[Any]:
 
 
 def evaluate(config: RunConfig, source: ModelSource, tokenizer: Any) -> EvalResult:
-    """Held-out greedy accuracy of `source` on `config` (materialised: dataset paths real)."""
+    """Held-out greedy accuracy of `source` on `config` (materialised: dataset paths real),
+    after checking the held-out set against the training data (DatasetError over
+    controller.max_eval_overlap)."""
+    from rlax_tpu.controller.datasets import held_out_overlap, load_prompts
+    from rlax_tpu.controller.evaluation import accuracy_over_problems
+
     records = held_out_records(config, tokenizer)
+    overlap = None
+    if config.training_datasets:
+        overlap = held_out_overlap(config, load_prompts(config, tokenizer)[0], records, tokenizer)
+        print(overlap.describe(), file=sys.stderr, flush=True)
     model_config, params, description = load_model(config, source)
     responses = greedy_responses(config, model_config, params, tokenizer, records)
     del params
@@ -286,12 +300,15 @@ def evaluate(config: RunConfig, source: ModelSource, tokenizer: Any) -> EvalResu
         for r, response, result in zip(records, responses, results, strict=True)
     ]
     correct = sum(p["reward"] >= 1.0 for p in problems)
+    accuracy, distinct = accuracy_over_problems(records, [p["reward"] for p in problems])
     return EvalResult(
         model=description,
         dataset=config.controller.eval_dataset,
-        accuracy=correct / len(problems),
+        accuracy=accuracy,
         num_correct=correct,
         problems=problems,
+        distinct=distinct,
+        overlap=None if overlap is None else overlap.to_json(),
     )
 
 

@@ -748,6 +748,10 @@ class ControllerConfig(ConfigBase):
     eval_dataset: str = ""
     eval_size: int = 64
     eval_every: int = 0
+    # The most of the held-out prompts that may also be training prompts (exactly, or after
+    # normalising whitespace and case), checked before anything runs: over it the run, eval
+    # or prefilter stops and names the datasets. 0: held out means held out.
+    max_eval_overlap: float = 0.0
     # SFT warm start before RL (the demo): steps on the training datasets' reference
     # answers at this learning rate, driven through the trainer; version 0 is the model
     # after them. 0 = start RL from the model as is.
@@ -797,6 +801,11 @@ class ControllerConfig(ConfigBase):
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
         require(self.eval_size >= 1, "eval_size", "must be >= 1")
         require(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = start and end only)")
+        require(
+            0.0 <= self.max_eval_overlap <= 1.0,
+            "max_eval_overlap",
+            f"must be a fraction in [0, 1], got {self.max_eval_overlap}",
+        )
         require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
         require(
             self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0"
@@ -973,6 +982,7 @@ RESUMABLE_FIELDS = (
     "controller.eval_every",
     "controller.eval_size",
     "controller.eval_dataset",
+    "controller.max_eval_overlap",
     "controller.keep_snapshots",
     "controller.component_wait_s",  # how long a lost component is waited for, not results
     "controller.component_restarts",

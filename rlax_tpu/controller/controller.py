@@ -86,6 +86,7 @@ class Controller:
         tokenizer: Any,
         mixture: Any,
         eval_prompts: Sequence[Any] = (),
+        eval_overlap: float | None = None,
         metrics: Any = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
         report: Callable[[str], None] | None = None,
@@ -103,6 +104,10 @@ class Controller:
             if ctl.overlong_prompts == "drop"
             else {}
         )
+        # The fraction of the held-out prompts that are training prompts (checked at start
+        # against controller.max_eval_overlap), in every row.
+        if eval_overlap is not None:
+            self._dataset_metrics["dataset/eval_overlap"] = eval_overlap
         # Dynamic sampling's extra rounds and the replacements of groups dropped as
         # unjudged draw from their own named stream, in batch order.
         self.refill = mixture.sibling(config.seed + REFILL_STREAM)

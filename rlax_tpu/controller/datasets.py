@@ -385,6 +385,113 @@ def load_eval_prompts(config: Any, tokenizer: Any) -> list[PromptRecord]:
     return kept[name][: ctl.eval_size]
 
 
+# -- held out means held out ---------------------------------------------------------------------
+def problem_text(record: PromptRecord) -> str:
+    """What a prompt asks, as a reader sees it: its text, or its chat messages' contents in
+    order (the dataset's system prompt and the template's markup left out)."""
+    if record.prompt:
+        return record.prompt
+    return "\n".join(str(m.get("content", "")) for m in record.messages)
+
+
+def normalised_problem(record: PromptRecord) -> str:
+    """`problem_text` without whitespace and case folded (digits and punctuation kept): two
+    prompts that differ only in spacing or case ask the same problem."""
+    return "".join(problem_text(record).split()).casefold()
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOverlap:
+    """How many held-out prompts are also training prompts: `exact` ones render to the same
+    prompt tokens (tokenizer and chat template), `normalised` ones ask the same problem after
+    `normalised_problem` (the exact ones among them)."""
+
+    eval_dataset: str
+    training_datasets: tuple[str, ...]
+    prompts: int  # held-out prompts checked
+    distinct: int  # distinct problems among them (normalised)
+    exact: int
+    normalised: int
+    examples: tuple[str, ...]  # ids of up to 5 held-out prompts that are training prompts
+
+    @property
+    def fraction(self) -> float:
+        return self.normalised / self.prompts if self.prompts else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "fraction": self.fraction}
+
+    def describe(self) -> str:
+        trained = ", ".join(self.training_datasets)
+        return (
+            f"held-out set {self.eval_dataset}: {self.prompts} prompts, {self.distinct} distinct "
+            f"problems; {self.normalised} ({self.fraction:.1%}) also in the training data "
+            f"({trained}; {self.exact} with the same prompt tokens)"
+        )
+
+
+def eval_overlap(
+    eval_name: str,
+    eval_records: Sequence[PromptRecord],
+    training: Mapping[str, Sequence[PromptRecord]],
+    tokenizer: Any,
+) -> EvalOverlap:
+    """The overlap of the held-out prompts with every training dataset's prompts."""
+    rendered = {prompt_tokens(tokenizer, r) for rows in training.values() for r in rows}
+    asked = {normalised_problem(r) for rows in training.values() for r in rows}
+    exact = normalised = 0
+    examples = []
+    for record in eval_records:
+        same = normalised_problem(record) in asked
+        exact += prompt_tokens(tokenizer, record) in rendered
+        normalised += same
+        if same and len(examples) < 5:
+            examples.append(record.id)
+    return EvalOverlap(
+        eval_dataset=eval_name,
+        training_datasets=tuple(training),
+        prompts=len(eval_records),
+        distinct=len({normalised_problem(r) for r in eval_records}),
+        exact=exact,
+        normalised=normalised,
+        examples=tuple(examples),
+    )
+
+
+def check_eval_overlap(overlap: EvalOverlap, max_fraction: float) -> None:
+    """DatasetError naming the datasets and the knob when more than `max_fraction` of the
+    held-out prompts are training prompts: their accuracy would measure memorisation."""
+    if overlap.fraction <= max_fraction:
+        return
+    needed = math.ceil(overlap.fraction * 1000) / 1000
+    raise DatasetError(
+        f"the held-out set {overlap.eval_dataset!r} is not held out: {overlap.normalised} of "
+        f"its {overlap.prompts} prompts ({overlap.fraction:.1%}) are also training prompts of "
+        f"{', '.join(repr(n) for n in overlap.training_datasets)} ({overlap.exact} with the "
+        f"same prompt tokens, the rest after normalising whitespace and case; e.g. "
+        f"{', '.join(overlap.examples)}), so its accuracy would measure memorisation. "
+        "Evaluate on a file disjoint from the training data (for GSM8K its test split, "
+        "docs/datasets.md), or accept the overlap with --set "
+        f"controller.max_eval_overlap={needed:g} (now {max_fraction:g})"
+    )
+
+
+def held_out_overlap(
+    config: Any,
+    training: Mapping[str, Sequence[PromptRecord]],
+    eval_records: Sequence[PromptRecord],
+    tokenizer: Any,
+) -> EvalOverlap | None:
+    """The overlap of the config's held-out set with `training`, checked against
+    controller.max_eval_overlap (DatasetError over it); None without a held-out set."""
+    if not config.controller.eval_dataset:
+        return None
+    name = dataset_name(DatasetConfig(path=config.controller.eval_dataset))
+    overlap = eval_overlap(name, eval_records, training, tokenizer)
+    check_eval_overlap(overlap, config.controller.max_eval_overlap)
+    return overlap
+
+
 class PromptMixture:
     """Prompts drawn from weighted datasets, reproducibly.
 

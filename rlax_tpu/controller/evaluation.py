@@ -4,10 +4,11 @@ run's inference workers and judged by its verifiers.
 Workers load only multiples of η, so the evaluation at step s measures the newest loadable
 version at or before s (`Schedule.eval_version`) and says which; a version already measured
 is not generated again. A prompt counts when its reward is >= 1; a prompt the verifier could
-not judge (after the retries) is left out of the accuracy and counted as unjudged. Each
-accuracy comes with its 95 % Wilson score interval over the judged prompts (about ±8
-points on 128 prompts, ±4 on 512): where the accuracy on the task's whole distribution
-lies, given these problems.
+not judge (after the retries) is left out of the accuracy and counted as unjudged. A problem
+asked more than once (the same text after normalising whitespace and case) counts once, by
+its mean: the accuracy is over distinct problems, and so is its 95 % Wilson score interval
+(about ±8 points on 128 problems, ±4 on 512): where the accuracy on the task's whole
+distribution lies, given these problems.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from rlax_tpu.controller.datasets import normalised_problem
 from rlax_tpu.controller.generation import GenerationPool, Prompt, rollout_record
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer
@@ -45,13 +47,14 @@ def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, fl
 class EvalResult:
     step: int  # the step it was asked for
     version: int  # the version measured (a multiple of η, <= step)
-    accuracy: float  # over judged prompts (nan if none was judged)
-    unjudged: int
-    judged: int
+    accuracy: float  # over judged distinct problems (nan if none was judged)
+    unjudged: int  # prompts
+    judged: int  # prompts
+    distinct: int  # distinct problems among the judged prompts
 
     @property
     def interval95(self) -> tuple[float, float]:
-        return wilson_interval(self.accuracy, self.judged)
+        return wilson_interval(self.accuracy, self.distinct)
 
     def metrics(self) -> dict[str, float]:
         low, high = self.interval95
@@ -61,7 +64,23 @@ class EvalResult:
             "eval_accuracy_high": high,
             "eval_version": self.version,
             "eval_unjudged": self.unjudged,
+            "eval_distinct": self.distinct,
         }
+
+
+def accuracy_over_problems(
+    records: Sequence[Any], rewards: Sequence[float | None]
+) -> tuple[float, int]:
+    """(accuracy, distinct problems): each distinct problem (`normalised_problem`) among the
+    judged ones (reward not None) counts once, by the fraction of its judged prompts with
+    reward >= 1. (nan, 0) when nothing was judged."""
+    passes: dict[str, list[bool]] = {}
+    for record, reward in zip(records, rewards, strict=True):
+        if reward is not None:
+            passes.setdefault(normalised_problem(record), []).append(reward >= 1.0)
+    if not passes:
+        return float("nan"), 0
+    return float(np.mean([np.mean(p) for p in passes.values()])), len(passes)
 
 
 class Evaluator:
@@ -79,23 +98,24 @@ class Evaluator:
         self.pool, self.scorer, self.schedule = pool, scorer, schedule
         self.sampling = sampling  # greedy
         self.report = report or _log.info  # a line as each measurement starts and ends
-        self._by_version: dict[int, tuple[float, int]] = {}
+        self._by_version: dict[int, tuple[float, int, int]] = {}
 
     def evaluate(self, step: int) -> EvalResult:
         """The accuracy at `step`: of its newest loadable version (measured once)."""
         version = self.schedule.eval_version(step)
         if version not in self._by_version:
             self._by_version[version] = self._measure(version)
-        accuracy, unjudged = self._by_version[version]
+        accuracy, unjudged, distinct = self._by_version[version]
         return EvalResult(
             step=step,
             version=version,
             accuracy=accuracy,
             unjudged=unjudged,
             judged=len(self.prompts) - unjudged,
+            distinct=distinct,
         )
 
-    def _measure(self, version: int) -> tuple[float, int]:
+    def _measure(self, version: int) -> tuple[float, int, int]:
         self.report(f"evaluating version {version} on {len(self.prompts)} held-out prompts ...")
         t0 = time.perf_counter()
         requests = [
@@ -114,14 +134,16 @@ class Evaluator:
             for p, q in zip(self.prompts, requests, strict=True)
         ]
         judgements = self.scorer.judge(items, what=f"evaluation of version {version}")
-        rewards = [j.reward for j in judgements if j.judged]
-        accuracy = float(np.mean(np.asarray(rewards) >= 1.0)) if rewards else float("nan")
-        unjudged = len(judgements) - len(rewards)
-        low, high = wilson_interval(accuracy, len(rewards))
+        rewards = [j.reward if j.judged else None for j in judgements]
+        accuracy, distinct = accuracy_over_problems([p.record for p in self.prompts], rewards)
+        unjudged = sum(r is None for r in rewards)
+        low, high = wilson_interval(accuracy, distinct)
+        repeats = len(rewards) - unjudged - distinct
         self.report(
             f"held-out greedy accuracy of version {version}: {accuracy:.3f} "
-            f"[95 % {low:.3f}–{high:.3f}] on {len(rewards)} prompts"
+            f"[95 % {low:.3f}–{high:.3f}] on {distinct} problems"
+            + (f" ({repeats} repeated prompts counted once)" if repeats else "")
             + (f" ({unjudged} unjudged)" if unjudged else "")
             + f", in {time.perf_counter() - t0:.1f}s"
         )
-        return accuracy, unjudged
+        return accuracy, unjudged, distinct

@@ -32,20 +32,39 @@ _log = logging.getLogger(__name__)
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_CHAR_TOKENIZER = "builtin:char"
+# The demo's task: sums and differences of operands 0-99, 15,050 distinct problems; the
+# training file draws 5,000 rows from the training side, the held-out file holds the whole
+# test side (1,850 problems, tasks.arithmetic_split_of), shuffled by the seed.
+ARITHMETIC_MAX_OPERAND = 99
+ARITHMETIC_OPS = ("+", "-")
 ARITHMETIC_TRAIN_SIZE = 5000
 EFFECTIVE_CONFIG = "effective_config.json"
 DATASET_SCAN = "dataset_scan.json"  # what the datasets scan found (datasets.DatasetScan)
+HELD_OUT = "held_out"  # its key for the held-out set's overlap with them (datasets.EvalOverlap)
 SFT_MODEL_DIR = "sft_model"
 
 
 # -- built-in inputs ---------------------------------------------------------------------------
 def arithmetic_split(seed: int, split: str) -> list[dict[str, str]]:
-    """The arithmetic task's rows: "train" and "heldout" come from distinct seed streams."""
-    from rlax_tpu.verifiers.tasks import arithmetic_problems
+    """The arithmetic task's rows: "train" from the task's training side, "heldout" every
+    problem of its test side; the two share no problem, whatever the seed."""
+    from rlax_tpu.verifiers.tasks import arithmetic_problems, arithmetic_space, arithmetic_split_of
 
-    count = ARITHMETIC_TRAIN_SIZE if split == "train" else 512
-    offset = {"train": 0, "heldout": 1_000_003}[split]
-    return arithmetic_problems(seed + offset, count, max_operand=20, ops=("+", "-"))
+    if split == "train":
+        return arithmetic_problems(
+            seed,
+            ARITHMETIC_TRAIN_SIZE,
+            max_operand=ARITHMETIC_MAX_OPERAND,
+            ops=ARITHMETIC_OPS,
+            split="train",
+        )
+    if split != "heldout":
+        raise ValueError(f"split {split!r}: train or heldout")
+    space = arithmetic_space(ARITHMETIC_MAX_OPERAND, ARITHMETIC_OPS)
+    size = sum(arithmetic_split_of(*p[:3]) == "test" for p in space)
+    return arithmetic_problems(
+        seed, size, max_operand=ARITHMETIC_MAX_OPERAND, ops=ARITHMETIC_OPS, split="test"
+    )
 
 
 def _materialise_dataset(path: str, seed: int, run_dir: str, split: str) -> str:
@@ -53,7 +72,9 @@ def _materialise_dataset(path: str, seed: int, run_dir: str, split: str) -> str:
         return path
     url = storage.join(run_dir, "data", f"arithmetic_{split}.jsonl")
     if not storage.exists(url):
-        rows = [{**r, "verifier": "arithmetic"} for r in arithmetic_split(seed, split)]
+        rows = arithmetic_split(seed, split)
+        if split == "heldout":  # judged exactly whatever the training rows' verifier is
+            rows = [{**r, "verifier": "arithmetic"} for r in rows]
         storage.write_text(url, "".join(json.dumps(r) + "\n" for r in rows))
     return url
 
@@ -154,7 +175,12 @@ def _prompt_sources(config: RunConfig, tokenizer: Any) -> tuple[Any, list[Any], 
     held-out prompts and the scans: every prompt measured under the tokenizer and chat
     template first (datasets.scan_datasets: rows over the limits stop the run here, or are
     dropped)."""
-    from rlax_tpu.controller.datasets import PromptMixture, load_eval_prompts, load_prompts
+    from rlax_tpu.controller.datasets import (
+        PromptMixture,
+        held_out_overlap,
+        load_eval_prompts,
+        load_prompts,
+    )
 
     records, weights, scans = load_prompts(config, tokenizer)
     limit = config.inference.max_prompt_len
@@ -165,9 +191,15 @@ def _prompt_sources(config: RunConfig, tokenizer: Any) -> tuple[Any, list[Any], 
             f"tokens, longest {scan.longest_prompt} (inference.max_prompt_len {limit}){dropped}",
             flush=True,
         )
-    dropped = {name: scan.dropped for name, scan in scans.items()}
+    eval_prompts = load_eval_prompts(config, tokenizer)
+    # Held out means held out: stops here (DatasetError) over controller.max_eval_overlap.
+    overlap = held_out_overlap(config, records, eval_prompts, tokenizer)
+    if overlap is not None:
+        print(overlap.describe(), flush=True)
+        scans = {**scans, HELD_OUT: overlap}
+    dropped = {name: scan.dropped for name, scan in scans.items() if name != HELD_OUT}
     mixture = PromptMixture.from_records(records, weights, seed=config.seed, dropped=dropped)
-    return mixture, load_eval_prompts(config, tokenizer), scans
+    return mixture, eval_prompts, scans
 
 
 def _write_scans(run_dir: str, scans: dict[str, Any]) -> None:
@@ -177,7 +209,9 @@ def _write_scans(run_dir: str, scans: dict[str, Any]) -> None:
     )
 
 
-def _inputs(config: RunConfig) -> tuple[RunConfig, RunConfig, Any, tuple[Any, list[Any]], dict]:
+def _inputs(
+    config: RunConfig,
+) -> tuple[RunConfig, RunConfig, Any, tuple[Any, list[Any], Any], dict]:
     """What a run reads before it touches its run directory's identity, so that a bad input
     stops it with nothing written that a corrected config would trip over: (the config with
     its checkpoint's architecture, the effective config, the tokenizer, the prompt sources,
@@ -200,13 +234,13 @@ def _inputs(config: RunConfig) -> tuple[RunConfig, RunConfig, Any, tuple[Any, li
     effective = materialise(config)
     tokenizer = Tokenizer.load(tokenizer_path(effective))
     mixture, eval_prompts, scans = _prompt_sources(effective, tokenizer)
-    return config, effective, tokenizer, (mixture, eval_prompts), scans
+    return config, effective, tokenizer, (mixture, eval_prompts, scans.get(HELD_OUT)), scans
 
 
 def _drive(
     config: RunConfig,
     components: Any,
-    sources: tuple[Any, list[Any]],
+    sources: tuple[Any, list[Any], Any],
     *,
     tokenizer: Any,
     digest: str,
@@ -218,7 +252,7 @@ def _drive(
     from rlax_tpu.controller.metrics import MetricsWriter
     from rlax_tpu.controller.wandb_logging import WandbSink
 
-    mixture, eval_prompts = sources
+    mixture, eval_prompts, overlap = sources
     num_steps = config.controller.num_steps
     sinks = [s for s in (WandbSink.open(config),) if s is not None]
     with MetricsWriter(config.storage.run_dir, sinks=sinks) as metrics:
@@ -228,6 +262,7 @@ def _drive(
             tokenizer=tokenizer,
             mixture=mixture,
             eval_prompts=eval_prompts,
+            eval_overlap=None if overlap is None else overlap.fraction,
             metrics=metrics,
             progress=lambda row: _progress(row, num_steps),
             report=lambda line: print(line, flush=True),

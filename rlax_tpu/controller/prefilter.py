@@ -121,7 +121,9 @@ def prefilter(
         DatasetError,
         dataset_name,
         encode_prompt,
+        held_out_overlap,
         load_dataset,
+        load_eval_prompts,
         stop_tokens,
     )
     from rlax_tpu.inference.types import SamplingParams
@@ -159,6 +161,17 @@ def prefilter(
     )
     effective = job.materialise(config)  # a built-in tokenizer is written into the work dir
     tokenizer = Tokenizer.load(job.tokenizer_path(effective))
+    # The rows filtered here are for training: held out means held out, for them too.
+    try:
+        overlap = held_out_overlap(
+            effective, {name: records}, load_eval_prompts(effective, tokenizer), tokenizer
+        )
+    except DatasetError:
+        if own_work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    if overlap is not None:
+        print(f"prefilter: {overlap.describe()}", file=sys.stderr, flush=True)
     config_url = str(work / job.EFFECTIVE_CONFIG)
     storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
 
@@ -221,6 +234,7 @@ def prefilter(
         "always_solved": sum(r == 1.0 for r in measured),
         "never_solved": sum(r == 0.0 for r in measured),
         "mean_pass_rate": sum(measured) / len(measured) if measured else None,
+        "eval_overlap": None if overlap is None else overlap.to_json(),
     }
     storage.write_text(storage.join(out, "summary.json"), json.dumps(summary, indent=2) + "\n")
     print(

@@ -7,6 +7,7 @@ procedural tasks are an optional extra (`pip install 'rlax_tpu[tasks]'`) scored 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -26,19 +27,20 @@ _SHOWN_CHARS = 120
 # --- arithmetic ---------------------------------------------------------------------------
 
 
-def arithmetic_problems(
-    seed: int,
-    count: int,
-    *,
-    max_operand: int = 50,
-    ops: Sequence[str] = ("+", "-"),
-) -> list[dict[str, str]]:
-    """`count` problems {"id", "prompt", "answer"}, the same for the same arguments.
+# The arithmetic task's two sides: one problem in _TEST_BUCKETS is a test problem, chosen by
+# a hash of the problem itself ("17 + 5"), so no seed, size or count puts a test problem in
+# training data: held out by construction.
+ARITHMETIC_SPLITS = ("train", "test")
+_TEST_BUCKETS = 8
 
-    Operands are integers in [0, max_operand]; "-" puts the larger operand first so answers
-    are never negative; "/" divides exactly (the dividend is divisor * quotient, divisor in
-    [1, max_operand]); "*" multiplies two operands. The id is "arith-{seed}-{index}".
-    """
+
+def arithmetic_split_of(a: int, op: str, b: int) -> str:
+    """ "test" or "train": the side of the problem `a op b` (as the prompt writes it)."""
+    digest = hashlib.sha256(f"{a} {op} {b}".encode()).digest()
+    return "test" if int.from_bytes(digest[:8], "big") % _TEST_BUCKETS == 0 else "train"
+
+
+def _check_arithmetic(ops: Sequence[str], max_operand: int, count: int, split: str | None) -> None:
     unknown = [op for op in ops if op not in ARITHMETIC_OPS]
     if unknown or not ops:
         raise ValueError(f"ops {list(ops)!r}: choose one or more of {ARITHMETIC_OPS!r}")
@@ -46,29 +48,90 @@ def arithmetic_problems(
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    rng = random.Random(f"rlax_tpu.arithmetic:{seed}")  # str seeds hash stably (not hash())
-    problems = []
-    for index in range(count):
-        op = ops[rng.randrange(len(ops))]
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        if op == "+":
-            answer = a + b
-        elif op == "-":
-            a, b = max(a, b), min(a, b)
-            answer = a - b
-        elif op == "*":
-            answer = a * b
-        else:
-            b = max(b, 1)
-            a, answer = a * b, a
-        problems.append(
-            {
-                "id": f"arith-{seed}-{index}",
-                "prompt": _PROMPT.format(a=a, op=op, b=b),
-                "answer": str(answer),
-            }
-        )
-    return problems
+    if split is not None and split not in ARITHMETIC_SPLITS:
+        raise ValueError(f"split {split!r}: choose one of {ARITHMETIC_SPLITS!r} (or None)")
+
+
+def _draw_problem(rng: random.Random, ops: Sequence[str], max_operand: int) -> tuple:
+    op = ops[rng.randrange(len(ops))]
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    if op == "+":
+        return a, op, b, a + b
+    if op == "-":
+        return max(a, b), op, min(a, b), max(a, b) - min(a, b)
+    if op == "*":
+        return a, op, b, a * b
+    b = max(b, 1)
+    return a * b, op, b, a
+
+
+def arithmetic_space(max_operand: int, ops: Sequence[str]) -> list[tuple[int, str, int, int]]:
+    """Every distinct problem (a, op, b, answer) the generator can make, in a fixed order."""
+    _check_arithmetic(ops, max_operand, 0, None)
+    values = range(max_operand + 1)
+    space = set()
+    for op in ops:
+        for a in values:
+            for b in values:
+                if op == "+":
+                    space.add((a, op, b, a + b))
+                elif op == "-" and a >= b:
+                    space.add((a, op, b, a - b))
+                elif op == "*":
+                    space.add((a, op, b, a * b))
+                elif op == "/" and b >= 1:
+                    space.add((a * b, op, b, a))
+    return sorted(space, key=lambda p: (ARITHMETIC_OPS.index(p[1]), p[0], p[2]))
+
+
+def arithmetic_problems(
+    seed: int,
+    count: int,
+    *,
+    max_operand: int = 50,
+    ops: Sequence[str] = ("+", "-"),
+    split: str | None = None,
+) -> list[dict[str, str]]:
+    """`count` problems {"id", "prompt", "answer"}, the same for the same arguments.
+
+    Operands are integers in [0, max_operand]; "-" puts the larger operand first so answers
+    are never negative; "/" divides exactly (the dividend is divisor * quotient, divisor in
+    [1, max_operand]); "*" multiplies two operands.
+
+    split: None, any problem, drawn with repeats (id "arith-{seed}-{index}"); "train", drawn
+    the same way from the training side only (`arithmetic_split_of`); "test", `count`
+    distinct problems of the test side in an order the seed shuffles (ValueError when the
+    space holds fewer). Ids of a split are "arith-{split}-{seed}-{index}".
+    """
+    _check_arithmetic(ops, max_operand, count, split)
+    if split == "test":
+        space = [
+            p for p in arithmetic_space(max_operand, ops) if arithmetic_split_of(*p[:3]) == "test"
+        ]
+        if count > len(space):
+            raise ValueError(
+                f"the test side of the arithmetic task (operands 0-{max_operand}, ops "
+                f"{list(ops)}) holds {len(space)} distinct problems, fewer than the {count} "
+                "asked for: ask for fewer or make the space larger (max_operand, ops)"
+            )
+        random.Random(f"rlax_tpu.arithmetic:{seed}:test").shuffle(space)
+        chosen = space[:count]
+    else:
+        rng = random.Random(f"rlax_tpu.arithmetic:{seed}")  # str seeds hash stably (not hash())
+        chosen = []
+        while len(chosen) < count:
+            problem = _draw_problem(rng, ops, max_operand)
+            if split is None or arithmetic_split_of(*problem[:3]) == split:
+                chosen.append(problem)
+    prefix = f"arith-{seed}" if split is None else f"arith-{split}-{seed}"
+    return [
+        {
+            "id": f"{prefix}-{index}",
+            "prompt": _PROMPT.format(a=a, op=op, b=b),
+            "answer": str(answer),
+        }
+        for index, (a, op, b, answer) in enumerate(chosen)
+    ]
 
 
 _LAST_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\d])")
