@@ -18,20 +18,46 @@ _log = logging.getLogger(__name__)
 _FLAG = "--xla_force_host_platform_device_count"
 
 
+def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables JAX must start with for `config` (from `environ`, default os.environ,
+    with the config's additions): XLA_FLAGS with `config.xla_flags` and the CPU device count
+    (unless the caller set one), LIBTPU_INIT_ARGS with `config.libtpu_flags`. The run's
+    processes (`configure_jax`) and `rlax-tpu compile` both start JAX under these, so what
+    is compiled ahead is compiled as the run compiles it."""
+    environ = dict(os.environ if environ is None else environ)
+    out = {}
+    xla = _joined(environ.get("XLA_FLAGS", ""), config.xla_flags)
+    if config.cpu_devices > 0 and _FLAG not in xla:
+        xla = f"{xla} {_FLAG}={config.cpu_devices}".strip()
+    if xla:
+        out["XLA_FLAGS"] = xla
+    libtpu = _joined(environ.get("LIBTPU_INIT_ARGS", ""), config.libtpu_flags)
+    if libtpu:
+        out["LIBTPU_INIT_ARGS"] = libtpu
+    return out
+
+
+def _joined(present: str, wanted: str) -> str:
+    """`present` with each flag of `wanted` it lacks appended (a child process inherits its
+    parent's variables: the flags are not repeated)."""
+    flags = present.split()
+    return " ".join(flags + [f for f in wanted.split() if f not in flags])
+
+
 def configure_jax(config: RunConfig) -> None:
-    """Expose `config.cpu_devices` virtual devices on the CPU platform (if > 0)."""
-    if config.cpu_devices <= 0:
+    """Start JAX as `jax_environment` says: the config's compiler flags, and
+    `config.cpu_devices` virtual devices on the CPU platform (if > 0)."""
+    wanted = jax_environment(config)
+    if all(os.environ.get(k) == v for k, v in wanted.items()):
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _FLAG in flags:
-        return  # the caller chose explicitly
     if "jax" in sys.modules and _backends_started():
         _log.warning(
-            "JAX is already initialised; cpu_devices=%d cannot take effect in this process",
+            "JAX is already initialised; cpu_devices=%d and the config's compiler flags "
+            "cannot take effect in this process",
             config.cpu_devices,
         )
         return
-    os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={config.cpu_devices}".strip()
+    os.environ.update(wanted)
 
 
 def _backends_started() -> bool:

@@ -18,6 +18,7 @@ from rlax_tpu.compile.hlo_cost import analyze, mean_taps
 from rlax_tpu.compile.report import CompileReport, format_report
 from rlax_tpu.config import TPU_CHIPS, ConfigError, load_config
 from rlax_tpu.inference.capacity import kv_capacity
+from rlax_tpu.simulator.model import train_flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "tests" / "compile_tiny_config.py")
@@ -37,7 +38,7 @@ def _compile(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     out = tmp_path / "report.json"
-    proc = _compile(TINY, "--json", str(out))
+    proc = _compile(TINY, "--json", str(out), "--save-compiled", str(tmp_path / "compiled"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # libtpu's warnings about the missing TPU VM are not shown.
     assert "TPU_ACCELERATOR_TYPE" not in proc.stdout + proc.stderr
@@ -50,9 +51,21 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
         assert target["hbm_bytes_per_chip"] == 95 * GiB
     assert report["components"]["trainer"]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
     programs = {p["name"]: p for p in report["programs"]}
-    # sft_step runs only with an SFT warm start (controller.sft_steps = 0 here).
-    assert set(programs) == {"rl_step", "recompute", "prefill", "decode"}
-    for p in programs.values():
+    # Every program of the run: start-up, the train step's two, the worker's at every bucket
+    # (one each here) and its swap copies. sft_step runs only with an SFT warm start
+    # (controller.sft_steps = 0 here); publish only when the served params differ from the
+    # params (float32 params served as float32, unstacked: not here).
+    assert [p["name"] for p in report["programs"]] == [
+        "init",
+        "init_opt",
+        "rl_step",
+        "recompute",
+        "prefill",
+        "decode",
+        "swap_out",
+        "swap_in",
+    ]
+    for p in (programs[name] for name in ("rl_step", "recompute", "prefill", "decode")):
         memory = p["memory"]
         assert all(v >= 0 for v in memory.values()), (p["name"], memory)
         assert 0 < memory["total"] <= FIT_FRACTION * p["hbm_bytes"]
@@ -76,10 +89,47 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     # The decode step compiles the real Pallas paged-attention kernel (not interpreted), at
     # the largest of the engine's decode buckets (8 slots: one bucket).
     assert "pallas_tpu" in programs["decode"]["shape"]
-    assert "8 slots (largest of the decode buckets 8)" in programs["decode"]["shape"]
+    assert "8 of 8 slots" in programs["decode"]["shape"]
     assert programs["decode"]["hlo"]["kernels_without_cost"] >= 1
     assert programs["decode"]["memory"]["kv_cache"] > 0
     assert report["train_step_roofline_s"] > 0
+    # Start-up: the random init writes the params; the optimizer's init reads them and
+    # writes Adam's moments beside them.
+    init, init_opt = programs["init"]["memory"], programs["init_opt"]["memory"]
+    assert init["outputs"] >= rl["params"] and init["total"] <= rl["total"]
+    assert init_opt["params"] == rl["params"] and init_opt["outputs"] >= 2 * rl["params"]
+    # The swap copies move one sequence's pages while the pool and the weights stay put.
+    for name in ("swap_out", "swap_in"):
+        swap = programs[name]["memory"]
+        assert swap["kv_cache"] == programs["decode"]["memory"]["kv_cache"]
+        assert swap["params"] == programs["decode"]["memory"]["params"] and programs[name]["fits"]
+    assert programs["swap_out"]["dims"] == {"pages": 4}  # 64 tokens: 4 pages of 16
+    # Cost to plan with: model FLOPs (6·N + attention per trained token, a third of it per
+    # token of a forward pass) against the compiled ones, the estimated time at the stated
+    # efficiency, and MFU at both.
+    config = load_config(TINY)
+    per_token = train_flops_per_token(config.model, 128)
+    rl_cost, recompute_cost = programs["rl_step"]["cost"], programs["recompute"]["cost"]
+    assert rl_cost["model_flops"] == pytest.approx(per_token * 8 * 128 / 4)
+    assert recompute_cost["model_flops"] == pytest.approx(rl_cost["model_flops"] / 3)
+    for cost in (rl_cost, recompute_cost, programs["prefill"]["cost"]):
+        assert 0 < cost["mfu_estimated"] < cost["mfu_at_roofline"] <= 1
+    assert rl_cost["estimated_s"] == pytest.approx(programs["rl_step"]["roofline_s"] / 0.4)
+    assert programs["init"]["cost"]["mfu_estimated"] is None  # no model work
+    step = report["train_step"]
+    assert step["compiled_flops"] == pytest.approx(
+        programs["rl_step"]["flops"] + 2 * programs["recompute"]["flops"]
+    )
+    assert step["extra_flops"]["reference"] == step["extra_flops"]["pi_old"]  # a KL term here
+    assert step["mfu_estimated"] == pytest.approx(step["mfu_at_roofline"] * 0.4)
+    assert "train step (recompute × calls + rl_step), per chip: model" in proc.stdout
+    # The trainer's executables, kept for a run on this topology (trainer.compiled_dir).
+    manifest = json.loads((tmp_path / "compiled" / "manifest.json").read_text())
+    assert set(manifest) == {"init", "init_opt", "rl_step", "recompute"}
+    rl_entry = manifest["rl_step"]
+    assert (rl_entry["platform"], rl_entry["num_devices"]) == ("tpu", 4)
+    assert rl_entry["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert (tmp_path / "compiled" / rl_entry["file"]).stat().st_size > 0
     # Training attention is the splash kernel, its matmuls counted from its shapes.
     assert programs["rl_step"]["hlo"]["splash_kernels"] >= 1
     assert programs["recompute"]["hlo"]["splash_kernels"] >= 1
@@ -242,3 +292,45 @@ def test_pod_config_fits_its_topology(name, tmp_path):
     report = json.loads(out.read_text())
     for p in report["programs"]:
         assert p["memory"]["total"] <= FIT_FRACTION * p["hbm_bytes"], p["name"]
+
+
+def test_the_batch_search_bisects_to_the_largest_value_that_fits():
+    from rlax_tpu.compile.search import largest_fitting
+
+    probes = []
+
+    def fits(value):
+        probes.append(value)
+        return value <= 24, "" if value <= 24 else f"{value} is over"
+
+    best, tried = largest_fitting([1, 2, 4, 8, 16, 24, 32, 64], fits)
+    assert best == 24 and len(probes) == 3  # log2 of 8 candidates
+    assert [v for v, ok, _ in tried if not ok] == [32]
+    assert largest_fitting([4, 8], lambda v: (False, "no"))[0] is None
+
+
+def test_the_batch_search_tries_only_values_the_config_accepts():
+    from rlax_tpu.compile.search import candidates
+
+    config = load_config(TINY)  # mini-batch 8; prompts of 32 + 32 new tokens
+    assert candidates(config, "micro_batch") == [1, 2, 4, 8]
+    seq = candidates(config.override("model.max_position_embeddings", 1024), "max_seq_len")
+    assert seq == [64, 256, 512, 768, 1024]
+
+
+@pytest.mark.slow
+def test_find_max_compiles_each_probe_and_names_the_set(tmp_path):
+    # float32 attention scores [micro, heads, s, s] at 16k tokens: 13.5 GiB a chip at a
+    # micro-batch of 8 (measured), twice that at 16, over a v5e chip's 16 GiB.
+    sets = [
+        "trainer.attention_backend=jax",
+        "trainer.max_seq_len=16384",
+        "trainer.mesh.topology=v5e:2x2",
+        "trainer.mini_batch_size=16",
+        "controller.prompts_per_batch=8",
+    ]
+    proc = _compile(TINY, *[x for s in sets for x in ("--set", s)], "--find-max", "micro_batch")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "largest trainer.micro_batch_size that fits: 8" in proc.stdout
+    assert "trainer.micro_batch_size=16: does not fit" in proc.stdout
+    assert "--set trainer.micro_batch_size=8" in proc.stdout

@@ -188,3 +188,24 @@ def test_a_stop_signal_that_arrives_while_the_stop_event_is_locked_still_stops()
         [sys.executable, "-c", STOP_WAITER], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.split() == ["handled", "stopped"], done.stderr
+
+
+def test_the_run_and_compile_start_jax_with_the_same_compiler_flags():
+    """One place (runtime.jax_environment) says what JAX starts with: `configure_jax` in
+    every process of a run, and `rlax-tpu compile` before it compiles."""
+    import inspect
+
+    from rlax_tpu.cli import compile as compile_cli
+    from rlax_tpu.config import RunConfig
+    from rlax_tpu.runtime import jax_environment
+
+    config = RunConfig(cpu_devices=4, xla_flags="--xla_a=1 --xla_b=2", libtpu_flags="--t=1")
+    env = jax_environment(config, {"XLA_FLAGS": "--xla_a=1"})
+    assert env == {
+        "XLA_FLAGS": "--xla_a=1 --xla_b=2 --xla_force_host_platform_device_count=4",
+        "LIBTPU_INIT_ARGS": "--t=1",
+    }
+    # A child that inherits its parent's variables gets the same, not the flags twice.
+    assert jax_environment(config, env) == env
+    assert jax_environment(RunConfig(), {}) == {}
+    assert "jax_environment(" in inspect.getsource(compile_cli.main)

@@ -14,7 +14,9 @@ and the config knobs that shrink it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 
 from rlax_tpu.config import load_config
@@ -25,8 +27,24 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--programs",
         metavar="NAMES",
-        help="comma-separated subset of rl_step, recompute, sft_step, prefill, decode "
-        "(default: every program the run executes; sft_step only with controller.sft_steps > 0)",
+        help="comma-separated subset of init, init_opt, rl_step, recompute, sft_step, publish, "
+        "prefill, decode, swap_out, swap_in (default: every program the run executes; sft_step "
+        "only with controller.sft_steps > 0, publish only when the served params differ)",
+    )
+    parser.add_argument(
+        "--save-compiled",
+        metavar="DIR",
+        help="keep the trainer's compiled executables in DIR (local) with a manifest: a run "
+        "with --set trainer.compiled_dir=DIR on this topology loads them instead of "
+        "compiling at start-up",
+    )
+    parser.add_argument(
+        "--find-max",
+        metavar="KNOB",
+        choices=("micro_batch", "max_seq_len"),
+        help="bisect for the largest trainer.micro_batch_size (micro_batch: the divisors of "
+        "the mini-batch) or trainer.max_seq_len (max_seq_len: multiples of 256) whose train "
+        "programs fit, compiling each value probed, and print the --set to use",
     )
     parser.add_argument(
         "--on-gpu",
@@ -45,6 +63,10 @@ def main(args: argparse.Namespace) -> int:
 
     gpus = [parse_gpu(s.gpu)[1] for s in (config.trainer, config.inference) if s.gpu]
     prepare_environment(cpu_devices=max(gpus, default=0), on_gpu=args.on_gpu)
+    # The compiler flags the run's processes start with (one place: runtime.jax_environment).
+    from rlax_tpu.runtime import jax_environment
+
+    os.environ.update(jax_environment(dataclasses.replace(config, cpu_devices=0)))
     from rlax_tpu.compile import TopologyError, compile_config, format_report
 
     def progress(report) -> None:
@@ -57,8 +79,10 @@ def main(args: argparse.Namespace) -> int:
         )
 
     print(f"rlax-tpu compile {config.name} (digest {config.digest()[:12]})", flush=True)
+    if args.find_max:
+        return _find_max(config, args.find_max, progress)
     try:
-        report = compile_config(config, programs, progress=progress)
+        report = compile_config(config, programs, progress=progress, save_dir=args.save_compiled)
     except (TopologyError, ValueError) as e:  # ValueError: an unknown program name
         print(f"rlax-tpu compile: {e}", file=sys.stderr)
         return 2
@@ -71,4 +95,28 @@ def main(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"rlax-tpu compile: {problem}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _find_max(config, knob: str, progress) -> int:
+    from rlax_tpu.compile import compile_config
+    from rlax_tpu.compile.search import find_max
+
+    def compile_programs(probe, programs):
+        value = (
+            probe.trainer.micro_batch_size if knob == "micro_batch" else probe.trainer.max_seq_len
+        )
+        print(f"probing {knob} = {value} ...", file=sys.stderr, flush=True)
+        return compile_config(probe, programs, progress=progress)
+
+    result = find_max(config, knob, compile_programs=compile_programs)
+    for value, fits, why in result.tried:
+        print(f"  {result.knob}={value}: " + ("fits" if fits else f"does not fit: {why}"))
+    if result.best is None:
+        print(
+            f"rlax-tpu compile: no {result.knob} fits, not even {result.candidates[0]}",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"largest {result.knob} that fits: {result.best}; use {result.set_flag}")
     return 0

@@ -19,6 +19,10 @@ GiB = 2**30
 # A program fits when it needs at most this fraction of a chip's HBM: the runtime, the
 # allocator's fragmentation and buffers outside the compiled program take the rest.
 FIT_FRACTION = 0.9
+# The fraction of a compiled program's roofline a run is assumed to reach, by kind of
+# program: a statement to plan with, not a measurement (the simulator's
+# `compiled_*_efficiency` defaults are these; calibrate them from a run's own timings).
+STATED_EFFICIENCY = {"train": 0.4, "prefill": 0.5, "decode": 0.6}
 
 
 @dataclasses.dataclass(frozen=True)

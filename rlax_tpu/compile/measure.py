@@ -5,12 +5,15 @@ device): arguments (live for the whole call), outputs, the part of the outputs a
 donated arguments (written in place: no extra memory), temporaries (activations, gradients,
 everything the program allocates inside) and the generated code. A program needs
 
-    total = arguments + (outputs - aliased) + temporaries + generated code
+    total = arguments + (outputs - aliased) + temporaries + generated code + resident
 
-of one chip's HBM. Arguments are split by what they are (params, optimizer state, KV
-cache: from their shardings; the rest is the batch); temporaries into the gradient tree
-(one param-shaped float32 tree: the accumulator of `rl_step` / `sft_step`) and the
-activations and other temporaries. FLOPs and bytes come from the HLO walk of `hlo_cost`
+of one chip's HBM, `resident` being what the component holds beside the program while it
+runs (the reference copy during a train step, the optimizer state during a publish).
+Arguments are split by what they are (params, optimizer state, KV cache: from their
+shardings; the rest is the batch); temporaries into the gradient tree (one param-shaped
+float32 tree: the accumulator of `rl_step` / `sft_step`) and the activations and other
+temporaries. A program with nothing to compile (the sharded checkpoint load) is sized from
+its shardings alone. FLOPs and bytes come from the HLO walk of `hlo_cost`
 (loops counted as often as they run); XLA's own figures are kept next to them.
 """
 
@@ -20,6 +23,7 @@ import dataclasses
 import re
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from rlax_tpu.compile.hardware import FIT_FRACTION, GPUS, ChipSpec, GiB
@@ -44,6 +48,10 @@ KNOBS = {
         ),
         "outputs": "trainer.mesh",
         "generated_code": "trainer.scan_layers",
+        "reference": (
+            "trainer.algorithm (an objective without reference log-probs keeps no reference "
+            "copy), trainer.mesh (shard over more chips: fsdp)"
+        ),
     },
     "inference": {
         "params": "inference.mesh (more tensor parallelism), model.publish_dtype",
@@ -61,6 +69,7 @@ KNOBS = {
 CATEGORIES = (
     "params",
     "optimizer_state",
+    "reference",
     "gradients",
     "activations_and_temporaries",
     "kv_cache",
@@ -91,6 +100,16 @@ class ProgramReport:
     error: str = ""  # the compiler's refusal (RESOURCE_EXHAUSTED) or another failure
     out_of_memory: bool = False
     dims: dict[str, int] = dataclasses.field(default_factory=dict)  # Program.dims
+    # Model FLOPs, MFU and the estimated time (rlax_tpu.compile.cost; {} until costed).
+    cost: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """ "trainer rl_step"; with its bucket where a program runs at several
+        ("inference decode@64", "inference prefill@512")."""
+        bucket = {"prefill": "seq_len", "decode": "slots"}.get(self.name)
+        at = f"@{self.dims[bucket]}" if bucket and bucket in self.dims else ""
+        return f"{self.component} {self.name}{at}"
 
     @property
     def total(self) -> int:
@@ -132,8 +151,10 @@ def _memory(stats: Any, program: Program) -> dict[str, int]:
         outputs=max(output - alias, 0),
         generated_code=code,
     )
+    for kind, size in program.resident.items():
+        memory[kind] += size
     memory.update(
-        total=argument + max(output - alias, 0) + temp + code,
+        total=argument + max(output - alias, 0) + temp + code + sum(program.resident.values()),
         compiler_peak=int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
         argument=argument,
         output=output,
@@ -152,6 +173,8 @@ def _out_of_memory(message: str, program: Program) -> dict[str, int]:
     the figure it names (HLO temporaries, usually) on top of the known arguments."""
     memory = {k: 0 for k in CATEGORIES}
     memory.update({k: v for k, v in program.arguments.items() if v})
+    for kind, size in program.resident.items():
+        memory[kind] += size
     m = _REQUIRED.search(message)
     if m:
         required = int(float(m.group(2)) * _UNITS[m.group(3)])
@@ -164,11 +187,16 @@ def _out_of_memory(message: str, program: Program) -> dict[str, int]:
 
 
 def compile_program(
-    program: Program, chip: ChipSpec, *, memory_bytes: int | None = None
+    program: Program,
+    chip: ChipSpec,
+    *,
+    memory_bytes: int | None = None,
+    keep: Callable[[Any, Any], None] | None = None,
 ) -> ProgramReport:
     """Lower and compile `program` for `chip`'s topology (or the devices its mesh is over);
     its memory, FLOPs and timings. memory_bytes: what it may use per chip (default the
-    chip's HBM; a GPU process's share of it)."""
+    chip's HBM; a GPU process's share of it). keep: called with (lowered, compiled) when it
+    compiles (`--save-compiled`)."""
     report = ProgramReport(
         program.name,
         program.component,
@@ -180,6 +208,10 @@ def compile_program(
         chip.hbm_bytes if memory_bytes is None else memory_bytes,
         dims=dict(program.dims),
     )
+    if program.lower is None:  # nothing to compile: sized from its shardings
+        report.memory = {k: program.resident.get(k, 0) for k in CATEGORIES}
+        report.memory["total"] = sum(program.resident.values())
+        return report
     start = time.perf_counter()
     with warnings.catch_warnings():
         # Donated buffers the compiler could not reuse (the optimizer's step counters) are
@@ -198,6 +230,8 @@ def compile_program(
             report.memory = _out_of_memory(message, program) if report.out_of_memory else {}
             return report
     report.compile_s = time.perf_counter() - start
+    if keep is not None:
+        keep(lowered, compiled)
     report.memory = _memory(compiled.memory_analysis(), program)
     xla = compiled.cost_analysis()
     xla = xla[0] if isinstance(xla, list) else xla
@@ -237,7 +271,7 @@ def refusal(report: ProgramReport, config: RunConfig) -> str:
     shrink it with their values in `config`."""
     name, size = report.biggest()
     knobs = KNOBS[report.component].get(name, "")
-    where = f"{report.component} {report.name} ({report.shape})"
+    where = f"{report.label} ({report.shape})"
     if report.error and not report.out_of_memory:
         return f"{where} failed to compile: {report.error}"
     gpu = GPUS.get(report.chip)

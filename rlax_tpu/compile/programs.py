@@ -4,20 +4,33 @@ The trainer's come from `TrainerPrograms` (the builder `Trainer` itself uses), t
 worker's from an `Engine` built without device memory (`allocate=False`), so the programs
 compiled here are the ones the run executes, at the shapes it executes them:
 
-  trainer    rl_step     one train step's update of the global batch (prompts_per_batch ×
+  trainer    init        version 0's params: the random init program, or with
+                         model.hf_checkpoint the sharded load (no program: each device
+                         receives its shards, one at a time; sized from the shardings)
+             init_opt    the optimizer state from the params (the SFT warm start's, or RL's),
+                         with the reference copy the trainer then keeps beside them
+             rl_step     one train step's update of the global batch (prompts_per_batch ×
                          samples_per_prompt rows of trainer.max_seq_len tokens)
              recompute   π_old (and V_old) of the global batch, micro-batch by micro-batch;
                          run again on the reference params when the objective has a KL term
              sft_step    one SFT warm-start step (only when controller.sft_steps > 0)
-  inference  prefill     inference.prefill_rows prompts of the largest prefill bucket
-             decode      one decode call of all max_decode_slots slots: the largest of the
-                         decode buckets the engine compiles (inference.decode_rows), the
-                         one whose memory bounds the others
+             publish     the params cast to model.publish_dtype (and unstacked) for the
+                         parameter server (only when they are not served as they are held)
+  inference  prefill     inference.prefill_rows prompts, at every prefill bucket
+             decode      one decode call, at every decode bucket (inference.decode_rows)
+             swap_out    the copy of a whole sequence's pages out of the KV pool (before the
+                         device-to-host transfer of a swap-out)
+             swap_in     the write of a swapped sequence's pages back into the pool
+
+Each program also counts what its component holds beside it while it runs (`resident`: the
+optimizer state during a publish, the reference copy during a train step, the served
+weights during a swap), so a program's total is what the chip holds at its peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,11 +41,16 @@ from rlax_tpu.config import RunConfig
 from rlax_tpu.sharding import use_mesh
 
 COMPONENT_OF = {
+    "init": "trainer",
+    "init_opt": "trainer",
     "rl_step": "trainer",
     "recompute": "trainer",
     "sft_step": "trainer",
+    "publish": "trainer",
     "prefill": "inference",
     "decode": "inference",
+    "swap_out": "inference",
+    "swap_in": "inference",
 }
 PROGRAMS = tuple(COMPONENT_OF)
 
@@ -52,9 +70,12 @@ class Program:
     shape: str
     calls: str  # how often it runs
     calls_per_step: int  # per train step (trainer) or per call (inference)
-    lower: Callable[[], jax.stages.Lowered]
+    # None: no compiled program (the sharded checkpoint load); its memory is `resident`.
+    lower: Callable[[], jax.stages.Lowered] | None
     arguments: dict[str, int]
     gradients: int = 0
+    # Per chip, what the component holds beside the program while it runs, by kind.
+    resident: dict[str, int] = dataclasses.field(default_factory=dict)
     # The shape as numbers: rows, seq_len (tokens per row), micro_batch, updates (trainer);
     # rows, seq_len (prefill); slots, steps, max_seq_len (decode).
     dims: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -75,12 +96,22 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
     tp = TrainerPrograms(config, mesh)
     levels, seq = tp.levels, config.trainer.max_seq_len
     params = per_chip_bytes(tp.abstract_params)
+    rl_opt = per_chip_bytes(tp.rl.abstract)
+    # The reference copy (π_ref) the trainer keeps beside the params in RL, when the
+    # objective reads reference log-probs.
+    reference_copy = {"reference": params} if tp.objective.needs_reference_logprobs else {}
     batch = (
         f"{levels.global_size} × {seq} tokens: {levels.num_updates} update(s) of "
         f"{levels.mini_size}, micro-batch {levels.micro_size}"
     )
 
-    def lowering(fn, *args) -> Callable[[], jax.stages.Lowered]:
+    # The trainer's own table of what it runs at which abstract arguments (the same that
+    # `trainer.compiled_dir` loads saved executables against).
+    table = tp.lowerings()
+
+    def lowering(name: str) -> Callable[[], jax.stages.Lowered]:
+        fn, args, _ = table[name]
+
         def lower() -> jax.stages.Lowered:
             with use_mesh(mesh, tp.rules):
                 return fn.lower(*args)
@@ -94,6 +125,51 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
         "updates": levels.num_updates,
     }
     out = []
+    if "init" in names:
+        if config.model.hf_checkpoint:
+            # Each device receives its shards of one tensor at a time (models.hf): at most the
+            # params and the largest shard in flight.
+            largest = max(per_chip_bytes(x) for x in jax.tree.leaves(tp.abstract_params))
+            out.append(
+                Program(
+                    "init",
+                    "trainer",
+                    f"load {config.model.hf_checkpoint} into the params' shardings",
+                    "once, at start-up",
+                    1,
+                    None,
+                    {},
+                    resident={"params": params, "inputs": largest},
+                )
+            )
+        else:
+            out.append(
+                Program(
+                    "init",
+                    "trainer",
+                    f"random init of {tp.num_params:,} parameters",
+                    "once, at start-up",
+                    1,
+                    lowering("init"),
+                    {},
+                )
+            )
+    if "init_opt" in names:
+        # RL's optimizer (the warm start's, when there is one, is the same optimizer at
+        # another learning rate: the same size); then the reference copy.
+        out.append(
+            Program(
+                "init_opt",
+                "trainer",
+                "optimizer state from the params"
+                + (", then the reference copy" if reference_copy else ""),
+                "once, at start-up (and when RL starts after the warm start)",
+                1,
+                lowering("init_opt"),
+                {"params": params},
+                resident=reference_copy,
+            )
+        )
     if "rl_step" in names:
         out.append(
             Program(
@@ -102,15 +178,15 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
                 batch,
                 "once per train step",
                 1,
-                lowering(tp.rl_step, *tp.abstract_rl_step_args(seq)),
-                {"params": params, "optimizer_state": per_chip_bytes(tp.rl.abstract)},
+                lowering("rl_step"),
+                {"params": params, "optimizer_state": rl_opt},
                 gradients=params,
+                resident=reference_copy,
                 dims=dims,
             )
         )
     if "recompute" in names:
         reference = tp.objective.needs_reference_logprobs
-        values = tp.objective.needs_rollout_values
         out.append(
             Program(
                 "recompute",
@@ -118,8 +194,10 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
                 f"{levels.global_size} × {seq} tokens, micro-batch {levels.micro_size}",
                 "twice per train step (π_old, reference)" if reference else "once per train step",
                 2 if reference else 1,
-                lowering(tp.recompute, tp.abstract_params, tp.abstract_tokens(seq), values),
+                lowering("recompute"),
                 {"params": params},
+                # The second call's params are the reference, the first's are the params.
+                resident={"optimizer_state": rl_opt, **reference_copy},
                 dims=dims,
             )
         )
@@ -131,10 +209,24 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
                 batch,
                 f"once per SFT warm-start step ({config.controller.sft_steps})",
                 1,
-                lowering(tp.sft_step, *tp.abstract_sft_step_args(seq)),
+                lowering("sft_step"),
                 {"params": params, "optimizer_state": per_chip_bytes(tp.sft.abstract)},
                 gradients=params,
                 dims=dims,
+            )
+        )
+    if "publish" in names and tp.publish is not None:
+        out.append(
+            Program(
+                "publish",
+                "trainer",
+                f"params to {config.model.published_dtype}"
+                + (", per layer" if config.trainer.scan_layers else ""),
+                "once per published version",
+                1,
+                lowering("publish"),
+                {"params": params},
+                resident={"optimizer_state": rl_opt, **reference_copy},
             )
         )
     return out
@@ -153,38 +245,58 @@ def inference_programs(
         "kv_cache": per_chip_bytes((cache.keys, cache.values)),
     }
     inference = config.inference
-    bucket = inference.prefill_buckets[-1]
+    attention = f"attention {cache.backend}"
     out = []
     if "prefill" in names:
-        out.append(
-            Program(
-                "prefill",
-                "inference",
-                f"{engine.prefill_rows} × {bucket} tokens (largest bucket), "
-                f"{cache.num_pages} pages of {cache.page_size}, attention {cache.backend}",
-                "per admitted prompt batch",
-                1,
-                lambda: engine.lower_prefill(bucket),
-                arguments,
-                dims={"rows": engine.prefill_rows, "seq_len": bucket},
+        for bucket in inference.prefill_buckets:
+            out.append(
+                Program(
+                    "prefill",
+                    "inference",
+                    f"{engine.prefill_rows} × {bucket} tokens, {cache.num_pages} pages of "
+                    f"{cache.page_size}, {attention}",
+                    f"per admitted prompt batch of bucket {bucket}",
+                    1,
+                    functools.partial(engine.lower_prefill, bucket),
+                    arguments,
+                    dims={"rows": engine.prefill_rows, "seq_len": bucket},
+                )
             )
-        )
     if "decode" in names:
         steps = engine.decode_steps_per_call
-        # The engine compiles a decode step per bucket and runs the smallest that holds the
-        # live sequences; only the largest (every slot) is compiled here.
-        buckets = ", ".join(str(rows) for rows in inference.decode_rows)
-        out.append(
-            Program(
-                "decode",
-                "inference",
-                f"{engine.num_slots} slots (largest of the decode buckets {buckets}) × "
-                f"{steps} token(s) of up to {engine.max_seq_len}, attention {cache.backend}",
-                f"per {steps} token(s) of every slot",
-                1,
-                engine.lower_decode,
-                arguments,
-                dims={"slots": engine.num_slots, "steps": steps, "max_seq_len": engine.max_seq_len},
+        # The engine runs the smallest bucket that holds the live sequences.
+        for rows in inference.decode_rows:
+            out.append(
+                Program(
+                    "decode",
+                    "inference",
+                    f"{rows} of {engine.num_slots} slots × {steps} token(s) of up to "
+                    f"{engine.max_seq_len}, {attention}",
+                    f"per {steps} token(s) of up to {rows} live slots",
+                    1,
+                    functools.partial(engine.lower_decode, rows),
+                    arguments,
+                    dims={"slots": rows, "steps": steps, "max_seq_len": engine.max_seq_len},
+                )
             )
-        )
+    pages = engine.swap_pages
+    swaps = {
+        "swap_out": (engine.lower_swap_out, "per sequence swapped out (pool full)"),
+        "swap_in": (engine.lower_swap_in, "per sequence swapped back in"),
+    }
+    for name, (lower, calls) in swaps.items():
+        if name in names:
+            out.append(
+                Program(
+                    name,
+                    "inference",
+                    f"{pages} pages of {cache.page_size} tokens (a whole sequence's)",
+                    calls,
+                    1,
+                    functools.partial(lower, pages),
+                    {"kv_cache": arguments["kv_cache"]},
+                    resident={"params": arguments["params"]},
+                    dims={"pages": pages},
+                )
+            )
     return out

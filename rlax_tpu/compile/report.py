@@ -5,13 +5,17 @@ with the inference workers' KV capacity in sequences (`rlax_tpu.inference.capaci
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jax.sharding import Mesh
 
+from rlax_tpu.compile import executables
+from rlax_tpu.compile.cost import program_cost, train_step_cost
 from rlax_tpu.compile.hardware import (
     CHIPS,
     FIT_FRACTION,
     GPUS,
+    STATED_EFFICIENCY,
     ChipSpec,
     GiB,
     chip_of,
@@ -79,6 +83,8 @@ class CompileReport:
     # One inference worker's KV pool in tokens and concurrent sequences (None: no inference
     # program compiled).
     kv_capacity: KvCapacity | None = None
+    # One train step's FLOPs, time and MFU (cost.train_step_cost; None: not both compiled).
+    train_step: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -103,6 +109,7 @@ class CompileReport:
             "components": {k: c.to_json() for k, c in self.components.items()},
             "programs": [p.to_json() for p in self.programs],
             "train_step_roofline_s": self.train_step_roofline_s,
+            "train_step": self.train_step,
             "kv_capacity": self.kv_capacity.to_json() if self.kv_capacity else None,
             "chips": {k: c.to_json() for k, c in CHIPS.items()},
         }
@@ -152,11 +159,17 @@ def _target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mesh]:
 
 
 def compile_config(
-    config: RunConfig, programs: tuple[str, ...] | None = None, *, progress=None
+    config: RunConfig,
+    programs: tuple[str, ...] | None = None,
+    *,
+    progress=None,
+    save_dir: str | None = None,
 ) -> CompileReport:
     """Compile `programs` (default: all the run executes) of `config` for its topologies.
 
-    progress: called with each ProgramReport as it completes (the CLI prints a line)."""
+    progress: called with each ProgramReport as it completes (the CLI prints a line).
+    save_dir: keep the trainer's compiled executables there, for `trainer.compiled_dir`
+    (rlax_tpu.compile.executables)."""
     names = set(programs or PROGRAMS)
     unknown = names - set(PROGRAMS)
     if unknown:
@@ -169,13 +182,39 @@ def compile_config(
         target, mesh = _target(config, component)
         components[component] = target
         for program in build(config, mesh, names):
-            report = compile_program(program, target.chip, memory_bytes=target.memory_bytes)
+            keep = None
+            if save_dir and component == "trainer":
+                keep = functools.partial(
+                    executables.save,
+                    save_dir,
+                    program.name,
+                    mesh=mesh,
+                    config_digest=config.digest(),
+                )
+            report = compile_program(
+                program, target.chip, memory_bytes=target.memory_bytes, keep=keep
+            )
+            if not report.error:
+                report.cost = program_cost(
+                    report.name,
+                    report.dims,
+                    report.flops,
+                    report.roofline_s,
+                    config=config,
+                    chip=target.chip,
+                    num_chips=target.num_chips,
+                )
             reports.append(report)
             if progress is not None:
                 progress(report)
     problems = [refusal(r, config) for r in reports if not r.fits]
     capacity = kv_capacity(config.model, config.inference) if "inference" in components else None
-    return CompileReport(config.name, config.digest(), components, reports, problems, capacity)
+    step = None
+    if "trainer" in components:
+        step = train_step_cost(reports, config, components["trainer"].chip)
+    return CompileReport(
+        config.name, config.digest(), components, reports, problems, capacity, train_step=step
+    )
 
 
 def format_report(report: CompileReport) -> str:
@@ -221,6 +260,7 @@ def format_report(report: CompileReport) -> str:
     columns = (
         ("params", "params"),
         ("optimizer_state", "opt"),
+        ("reference", "ref"),
         ("gradients", "grads"),
         ("activations_and_temporaries", "act+tmp"),
         ("kv_cache", "kv"),
@@ -230,33 +270,46 @@ def format_report(report: CompileReport) -> str:
         ("total", "total"),
     )
     lines.append("")
+    width = max([21, *(len(p.label) + 1 for p in report.programs)])
     big = any(p.total >= GiB for p in report.programs)
     unit, scale = ("GiB", GiB) if big else ("MiB", 2**20)
-    header = f"{unit + ' per chip':<21}" + "".join(f"{label:>9}" for _, label in columns)
+    header = f"{unit + ' per chip':<{width}}" + "".join(f"{label:>9}" for _, label in columns)
     lines.append(header + f"{'of HBM':>8}  fits")
     for p in report.programs:
-        name = f"{p.component} {p.name}"
+        name = p.label
         if p.error and not p.out_of_memory:
-            lines.append(f"{name:<21}  failed: {p.error}")
+            lines.append(f"{name:<{width}}  failed: {p.error}")
             continue
         cells = "".join(f"{p.memory.get(key, 0) / scale:>9.2f}" for key, _ in columns)
         note = "no (compiler: out of HBM)" if p.out_of_memory else ("yes" if p.fits else "NO")
-        lines.append(f"{name:<21}{cells}{p.hbm_fraction:>8.0%}  {note}")
+        lines.append(f"{name:<{width}}{cells}{p.hbm_fraction:>8.0%}  {note}")
     lines.append("")
     lines.append(
-        f"{'per chip, per call':<21}{'TFLOP':>9}{'GB':>9}{'roofline':>11}{'bound':>9}"
-        f"{'lower':>8}{'compile':>9}  shape"
+        f"{'per chip, per call':<{width}}{'TFLOP':>9}{'model':>9}{'GB':>9}{'roofline':>11}"
+        f"{'bound':>8}{'est.':>11}{'MFU':>7}{'lower':>8}{'compile':>9}  shape"
     )
     for p in report.programs:
-        name = f"{p.component} {p.name}"
-        if p.error:
-            lines.append(f"{name:<21}{'':>46}{p.lower_s:>7.1f}s{p.compile_s:>8.1f}s  {p.shape}")
+        name = p.label
+        if p.error or p.lower_s == 0:  # failed, or nothing compiled (the sharded load)
+            lines.append(
+                f"{name:<{width}}{'':>64}{p.lower_s:>7.1f}s{p.compile_s:>8.1f}s  {p.shape}"
+            )
             continue
+        cost = p.cost
+        mfu = cost.get("mfu_estimated")
         lines.append(
-            f"{name:<21}{_number(p.flops / 1e12):>9}{_number(p.bytes_accessed / 1e9):>9}"
-            f"{_seconds(p.roofline_s):>11}{p.bound:>9}{p.lower_s:>7.1f}s{p.compile_s:>8.1f}s"
-            f"  {p.shape}"
+            f"{name:<{width}}{_number(p.flops / 1e12):>9}"
+            f"{_number(cost.get('model_flops', 0) / 1e12) if cost.get('model_flops') else '–':>9}"
+            f"{_number(p.bytes_accessed / 1e9):>9}{_seconds(p.roofline_s):>11}{p.bound:>8}"
+            f"{_seconds(cost.get('estimated_s', 0)):>11}"
+            f"{f'{mfu:.0%}' if mfu is not None else '–':>7}"
+            f"{p.lower_s:>7.1f}s{p.compile_s:>8.1f}s  {p.shape}"
         )
+    efficiency = ", ".join(f"{k} {v:.0%}" for k, v in STATED_EFFICIENCY.items())
+    lines.append(
+        f"(model: the architecture's FLOPs for the program's tokens; est.: the roofline at the "
+        f"stated efficiency ({efficiency} of it); MFU: model FLOPs / (peak × est.))"
+    )
     notes = [
         f"{p.name}: {p.hlo['kernels_without_cost']} Pallas kernel call(s) without a cost "
         "estimate (paged attention): their FLOPs are not counted"
@@ -277,9 +330,20 @@ def format_report(report: CompileReport) -> str:
             "XLA:CPU estimate: FLOPs count the program's matmuls; bytes and rooflines are "
             "XLA:CPU's (its fusion and copies), not a GPU's"
         )
-    step = report.train_step_roofline_s
+    step = report.train_step
     if step is not None:
-        lines.append(f"train step roofline (recompute × calls + rl_step): {_seconds(step)}")
+        extra = step["extra_flops"]
+        lines.append(
+            f"train step (recompute × calls + rl_step), per chip: model "
+            f"{_number(step['model_flops'] / 1e12)} TFLOP, compiled "
+            f"{_number(step['compiled_flops'] / 1e12)} TFLOP "
+            f"(×{step['compiled_over_model']:.2f}: rl_step beyond the model "
+            f"{_number(extra['rl_step_beyond_model'] / 1e12)} (remat, loss, optimizer), π_old "
+            f"{_number(extra['pi_old'] / 1e12)}, reference {_number(extra['reference'] / 1e12)}); "
+            f"roofline {_seconds(step['roofline_s'])}, estimated {_seconds(step['estimated_s'])} "
+            f"at {step['efficiency']:.0%} of it: MFU {step['mfu_estimated']:.1%} "
+            f"({step['mfu_at_roofline']:.1%} at the roofline)"
+        )
     lines.extend(notes)
     lines.append("")
     share = (

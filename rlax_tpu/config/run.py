@@ -410,6 +410,11 @@ class TrainerConfig(ConfigBase):
     # GAE's V_old, are computed every step whatever this says.
     recompute_every: int = 10
     checkpoint_every: int = 16
+    # Executables `rlax-tpu compile CONFIG --save-compiled DIR` saved for this config's
+    # topology: the trainer loads those of its mesh and programs instead of compiling them
+    # at start-up, and refuses to start on ones compiled for another program or mesh.
+    # "" = compile at start-up.
+    compiled_dir: str = ""
     max_checkpoints_to_keep: int = 3
     # The largest gRPC message of TrainStep / SftStep: the controller streams a batch of any
     # size in chunks below it, and `serve trainer` refuses larger messages. Larger chunks
@@ -987,6 +992,7 @@ RESUMABLE_FIELDS = (
     "controller.component_wait_s",  # how long a lost component is waited for, not results
     "controller.component_restarts",
     "trainer.checkpoint_every",
+    "trainer.compiled_dir",  # where the compiled programs come from, not what they do
     "trainer.max_checkpoints_to_keep",
     "trainer.recompute_every",  # metrics only: the weights never read it
     "trainer.gpu",
@@ -1027,6 +1033,12 @@ class RunConfig(ConfigBase):
     seed: int = 0
     # On the CPU platform, how many virtual devices JAX should expose (0 = leave as is).
     cpu_devices: int = 0
+    # Compiler flags every process of the run starts JAX with, and `rlax-tpu compile`
+    # compiles under (one place: rlax_tpu.runtime.jax_environment): xla_flags go to
+    # XLA_FLAGS (every platform), libtpu_flags to LIBTPU_INIT_ARGS (TPU), e.g.
+    # "--xla_tpu_enable_latency_hiding_scheduler=true". Part of the run's identity.
+    xla_flags: str = ""
+    libtpu_flags: str = ""
     model: ModelConfig = ModelConfig()
     staleness: StalenessConfig = StalenessConfig()
     trainer: TrainerConfig = TrainerConfig()

@@ -74,6 +74,22 @@ class _Leaf:
     sharding: Any  # None without a mesh
 
 
+def _on_mesh(value: Any, leaf: _Leaf) -> jax.Array:
+    """`value` in `leaf`'s dtype and sharding. A device array is cast where it lies (an
+    elementwise op keeps its sharding) and moved only if its sharding differs; a host array
+    is sliced per device and each slice cast on the host (jnp.asarray of the whole would put
+    it on one device first)."""
+    if isinstance(value, jax.Array):
+        return jax.device_put(jnp.asarray(value, leaf.dtype), leaf.sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(
+        leaf.shape,
+        leaf.sharding,
+        lambda index: np.asarray(host[index]).astype(leaf.dtype),
+        dtype=leaf.dtype,
+    )
+
+
 class _Tag:
     """A placeholder leaf that remembers its keys (not a pytree, so it stays a leaf)."""
 
@@ -669,8 +685,10 @@ class Engine:
     def _placed_params(self, params: Mapping[str, Any]) -> list[jax.Array]:
         """`params` as the model state's leaves, cast to the served param dtype (the published
         one, `ModelConfig.served`) and placed on the mesh (ParamsMismatchError naming what is
-        missing or misshapen). Pulled params already have that dtype; a float32 master tree
-        given in-process is rounded to it as the trainer's publish rounds it."""
+        missing or misshapen). Pulled params already have that dtype and placement; a float32
+        master tree given in-process is rounded to it as the trainer's publish rounds it. On a
+        mesh, a host array goes to each device as that device's slice (`_on_mesh`): no device
+        holds more of it than its shard."""
         missing, wrong, values = [], [], []
         for leaf in self._leaves:
             node: Any = params
@@ -693,10 +711,10 @@ class Engine:
                 f"params do not match the model config: missing {missing[:5]}"
                 f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
             )
-        arrays = [jnp.asarray(v, leaf.dtype) for v, leaf in zip(values, self._leaves, strict=True)]
         if self._mesh is None:
-            return jax.device_put(arrays)
-        return jax.device_put(arrays, [leaf.sharding for leaf in self._leaves])
+            leaves = zip(values, self._leaves, strict=True)
+            return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
+        return [_on_mesh(v, leaf) for v, leaf in zip(values, self._leaves, strict=True)]
 
     def _abstract_model(self) -> Transformer:
         # Weights in the published dtype (what the parameter server holds); the KV cache and
@@ -772,6 +790,36 @@ class Engine:
                 self._abstract_host(self._sampling_arrays()),
                 self._abstract_host(live),
             )
+
+    @property
+    def swap_pages(self) -> int:
+        """The most pages one swap copy moves (a whole sequence's, rounded up to the power of
+        two the copies compile at)."""
+        return _pow2(self._allocator.pages_per_seq)
+
+    def lower_swap_out(self, pages: int | None = None) -> jax.stages.Lowered:
+        """The copy of `pages` pages (default `swap_pages`) out of the pool, lowered abstract
+        (`_read_pages`: what a swap-out runs before its device-to-host transfer)."""
+        index = np.zeros(pages or self.swap_pages, np.int32)
+        with self._mesh_context():
+            return _read_pages.lower(self.abstract_cache, self._abstract_host(index))
+
+    def lower_swap_in(self, pages: int | None = None) -> jax.stages.Lowered:
+        """The write of `pages` swapped pages (default `swap_pages`) back into the pool,
+        lowered abstract (`_write_pages`, the pool donated)."""
+        n = pages or self.swap_pages
+        pool = self.abstract_cache.keys[0]
+
+        def page_block(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(
+                (x.shape[0], n, *x.shape[2:]), x.dtype, sharding=pool.sharding
+            )
+
+        keys = tuple(page_block(k) for k in self.abstract_cache.keys)
+        values = tuple(page_block(v) for v in self.abstract_cache.values)
+        index = self._abstract_host(np.zeros(n, np.int32))
+        with self._mesh_context():
+            return _write_pages.lower(self.abstract_cache, index, keys, values)
 
     def _put(self, tree: Any) -> Any:
         """Host arrays to the device (replicated over the mesh, if any). Copied first: on

@@ -11,6 +11,7 @@ _EXPORTS = {
     "load_hf_config": "hf",
     "load_hf_model": "hf",
     "load_hf_params": "hf",
+    "load_hf_sharded": "hf",
     "save_hf": "hf",
     "export_hf": "export",
     "DenseKVCache": "kv_cache",

@@ -1,9 +1,11 @@
 """Hugging Face checkpoints in and out: config.json + safetensors <-> ModelConfig + Transformer.
 
 Import reads `config.json` and `model.safetensors` (or the shards named by
-`model.safetensors.index.json`) from a local directory or gs:// through rlax_tpu.storage,
-one tensor per ranged read, and maps the torch layout ([out, in] Linear weights) onto
-the model's parameter tree. Export writes the same format back, so a trained policy
+`model.safetensors.index.json`) from a local directory or gs:// through rlax_tpu.storage
+by ranged reads, and maps the torch layout ([out, in] Linear weights) onto the model's
+parameter tree: whole, on the host (`load_hf_params`), or straight into a sharding on a
+mesh, each process reading only the rows its devices' shards need (`load_hf_sharded`, the
+trainer's start-up). Export writes the same format back, so a trained policy
 loads with `transformers.AutoModelForCausalLM.from_pretrained`; export -> import is
 bit-exact. Every mismatch between a checkpoint and the model raises
 `CheckpointMismatchError` naming the tensor, the expected and found shapes and the file.
@@ -42,7 +44,7 @@ from rlax_tpu.config.checkpoint import (
     config_from_hf_dict,  # noqa: F401 - re-exported: the HF config mapping lives there
     load_hf_config,
 )
-from rlax_tpu.models.transformer import Transformer, unstack_layers
+from rlax_tpu.models.transformer import Transformer, is_stacked, unstack_layers
 
 VALUE_HEAD_WEIGHT = "value_head.weight"
 VALUE_HEAD_BIAS = "value_head.bias"
@@ -208,14 +210,26 @@ def _value_head_specs(config: ModelConfig) -> list[_TensorSpec]:
     ]
 
 
-def _to_model(x: np.ndarray, spec: _TensorSpec) -> np.ndarray:
-    if spec.kind == "copy":
-        return x
-    if spec.kind in ("linear", "qkv", "out_proj"):
-        return np.ascontiguousarray(x.T).reshape(spec.model_shape)
-    if spec.kind == "head_bias":
-        return x.reshape(spec.model_shape)
+def _model_view(spec: _TensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(view, perm): the HF tensor reshaped to `view` (a row-major view of its bytes: view
+    dimension 0 is HF dimension 0) is the model parameter once transposed by `perm`,
+    model = view.transpose(perm). E = hidden, H = heads, D = head_dim."""
+    m = spec.model_shape
+    if spec.kind in ("copy", "head_bias"):  # [H*D] viewed as [H, D] is already the model's
+        return m, tuple(range(len(m)))
+    if spec.kind == "linear":  # [out, in] -> [in, out]
+        return spec.hf_shape, (1, 0)
+    if spec.kind == "qkv":  # [H*D, E] viewed as [H, D, E] -> [E, H, D]
+        return (m[1], m[2], m[0]), (2, 0, 1)
+    if spec.kind == "out_proj":  # [E, H*D] viewed as [E, H, D] -> [H, D, E]
+        return (m[2], m[0], m[1]), (1, 2, 0)
     raise AssertionError(spec.kind)
+
+
+def _to_model(x: np.ndarray, spec: _TensorSpec) -> np.ndarray:
+    view, perm = _model_view(spec)
+    y = x.reshape(view).transpose(perm)
+    return y if y.flags.c_contiguous else np.ascontiguousarray(y)
 
 
 def _to_hf(x: np.ndarray, spec: _TensorSpec) -> np.ndarray:
@@ -302,7 +316,8 @@ def _checkpoint_tensors(path: str) -> dict[str, _StoredTensor]:
     return tensors
 
 
-def _read_tensor(tensor: _StoredTensor, name: str) -> np.ndarray:
+def _stored_dtype(tensor: _StoredTensor, name: str) -> np.dtype:
+    """The numpy dtype of a stored tensor, checking that its offsets span its bytes."""
     if tensor.dtype not in _ST_TO_NP:
         raise CheckpointMismatchError(
             f"tensor {name!r} in {tensor.url} has unsupported dtype {tensor.dtype}"
@@ -314,10 +329,20 @@ def _read_tensor(tensor: _StoredTensor, name: str) -> np.ndarray:
             f"{tensor.url}: tensor {name!r} of shape {list(tensor.shape)} and dtype "
             f"{tensor.dtype} needs {nbytes} bytes but its offsets span {tensor.end - tensor.start}"
         )
+    return dtype
+
+
+def _read_bytes(tensor: _StoredTensor, name: str, start: int, length: int) -> bytes:
+    """`length` bytes of a stored tensor from byte `start` of its data."""
     try:
-        data = storage.read_range(tensor.url, tensor.start, nbytes)
+        return storage.read_range(tensor.url, tensor.start + start, length)
     except EOFError as e:
         raise CheckpointError(f"tensor {name!r} is cut short: {e}") from None
+
+
+def _read_tensor(tensor: _StoredTensor, name: str) -> np.ndarray:
+    dtype = _stored_dtype(tensor, name)
+    data = _read_bytes(tensor, name, 0, tensor.end - tensor.start)
     return np.frombuffer(data, dtype).reshape(tensor.shape)
 
 
@@ -345,11 +370,28 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, Any]:
     """The checkpoint's weights as the model's pure parameter dict (numpy arrays on the host,
     in config.param_dtype; layers keyed by int), for `nnx.replace_by_pure_dict`.
 
+    The whole checkpoint is read into host memory: for a model to train, `load_hf_sharded`
+    places it on a mesh shard by shard instead.
     The value head (`value_w`, `value_b`) is included only when config.value_head and the
     checkpoint holds value_head.weight / value_head.bias.
     Raises CheckpointMismatchError on a missing, unexpected or misshapen tensor.
     """
     stored = _checkpoint_tensors(path)
+    param_dtype = _PARAM_NP_DTYPE[config.param_dtype]
+    params: dict[str, Any] = {}
+    for spec in _checked_specs(path, config, stored):
+        value = _to_model(_read_tensor(stored[spec.name], spec.name), spec)
+        _set_path(params, spec.path, value.astype(param_dtype, copy=False))
+    return params
+
+
+def _checked_specs(
+    path: str, config: ModelConfig, stored: Mapping[str, _StoredTensor]
+) -> list[_TensorSpec]:
+    """The specs of the tensors to load from the checkpoint at `path` (the value head's only
+    when config.value_head and the checkpoint holds it), each checked against `stored`
+    before a byte of data is read: CheckpointMismatchError on a missing, unexpected or
+    misshapen tensor or a non-float dtype, CheckpointError on offsets that do not span it."""
     specs = _specs(config)
     expected = {s.name for s in specs}
     missing = [s for s in specs if s.name not in stored]
@@ -374,9 +416,6 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, Any]:
             f"unexpected tensor {name!r} of shape {list(tensor.shape)} in {tensor.url}: the "
             f"{config.architecture} config expects no such tensor"
         )
-
-    param_dtype = _PARAM_NP_DTYPE[config.param_dtype]
-    params: dict[str, Any] = {}
     for spec in specs:
         tensor = stored[spec.name]
         if tensor.shape != spec.hf_shape:
@@ -389,9 +428,8 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, Any]:
                 f"tensor {spec.name!r} in {tensor.url} has dtype {tensor.dtype}, expected a "
                 f"floating-point dtype ({', '.join(_FLOAT_CODES)})"
             )
-        value = _to_model(_read_tensor(tensor, spec.name), spec).astype(param_dtype, copy=False)
-        _set_path(params, spec.path, value)
-    return params
+        _stored_dtype(tensor, spec.name)
+    return specs
 
 
 def load_hf_model(
@@ -452,6 +490,168 @@ def build_model(config: ModelConfig, params: Mapping[str, Any], *, rngs: nnx.Rng
             _set_path(values, path, x)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+# -- import straight into a sharding ---------------------------------------------------------
+
+# The most bytes one ranged read asks for: the HF rows a parameter's shards need are read in
+# blocks of at most this many bytes (or one row, where a row is larger).
+MAX_READ_BYTES = 128 * 1024**2
+
+
+def load_hf_sharded(
+    config: ModelConfig,
+    like: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    max_read_bytes: int = MAX_READ_BYTES,
+) -> dict[str, Any]:
+    """The weights of the checkpoint at `config.hf_checkpoint`, every parameter created in
+    its sharding: a pure dict like `like` of jax.Arrays. `like`'s leaves have .shape, .dtype
+    and .sharding (jax.ShapeDtypeStruct); its decoder layers are per layer (`layers/0/...`)
+    or stacked on a leading axis (`layers/...`, trainer.scan_layers).
+
+    One parameter at a time, each process builds on the host the distinct shards of its own
+    devices (`jax.make_array_from_callback` asks only for those; devices that replicate a
+    shard share one buffer), in the leaf's dtype, then puts them on their devices. The HF
+    rows (dimension 0) those shards need are read once each, in blocks of at most
+    `max_read_bytes`, and each block is cut to the shards' columns, transposed to the model's
+    layout and converted as it arrives; a stacked parameter's shards are filled from each
+    layer's tensor in turn. So a device never holds more than its own shards, and the host
+    holds this process's shards of one parameter plus one block.
+
+    The architecture must be the checkpoint's (`check_shapes`); checkpoint errors are those
+    of `load_hf_params`. Params the checkpoint lacks by design (a value head) are
+    initialised as `build_model` does, from nnx.Rngs(seed), directly in their sharding.
+    """
+    path = config.hf_checkpoint
+    check_shapes(config, load_hf_config(path))
+    stored = _checkpoint_tensors(path)
+    specs = {spec.path: spec for spec in _checked_specs(path, config, stored)}
+    stacked = is_stacked(like)
+    params: dict[str, Any] = {}
+    absent: list[tuple[tuple, Any]] = []
+    for leaf_path, leaf in _flatten(like):
+        key = tuple(int(k) if str(k).isdigit() else k for k in leaf_path)  # as in _specs
+        layered = stacked and key[0] == "layers"  # [layers, ...]: one tensor per layer
+        if layered:
+            sources = [specs.get(("layers", i, *key[1:])) for i in range(config.num_layers)]
+        else:
+            sources = [specs.get(key)]
+        if None in sources:
+            absent.append((leaf_path, leaf))
+            continue
+        shape = sources[0].model_shape
+        shape = (len(sources), *shape) if layered else shape
+        if tuple(leaf.shape) != shape:
+            raise CheckpointMismatchError(
+                f"parameter {'.'.join(map(str, leaf_path))} has shape {list(shape)}, "
+                f"expected {list(leaf.shape)}"
+            )
+        _set_path(params, leaf_path, _load_sharded(leaf, stored, sources, layered, max_read_bytes))
+    if absent:
+        # Under jit, XLA drops the random inits whose results are not returned.
+        def init_absent() -> list[jax.Array]:
+            model = Transformer(config, rngs=nnx.Rngs(seed), scan_layers=stacked)
+            full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            return [_get_path(full, p).astype(leaf.dtype) for p, leaf in absent]
+
+        init = jax.jit(init_absent, out_shardings=[leaf.sharding for _, leaf in absent])
+        for (leaf_path, _), x in zip(absent, init(), strict=True):
+            _set_path(params, leaf_path, x)
+    return params
+
+
+_Bounds = tuple[tuple[int, int], ...]  # [start, stop) of each dimension of a shard
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> _Bounds:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _load_sharded(
+    leaf: Any,
+    stored: Mapping[str, _StoredTensor],
+    sources: list[_TensorSpec],
+    layered: bool,
+    max_read_bytes: int,
+) -> jax.Array:
+    """One parameter in `leaf`'s sharding from its HF tensor (`sources[0]`) or, `layered`,
+    from one tensor per layer ([layers, ...]): this process's distinct shards are filled on
+    the host, then placed by `jax.make_array_from_callback` (host buffers released with it)."""
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    index_map = leaf.sharding.addressable_devices_indices_map(shape)
+    wanted = list(dict.fromkeys(_bounds(index, shape) for index in index_map.values()))
+    shards = {b: np.empty([stop - start for start, stop in b], dtype) for b in wanted}
+    if not layered:
+        _fill_shards(stored, sources[0], list(shards.items()), max_read_bytes)
+    else:
+        for layer, spec in enumerate(sources):
+            targets = [
+                (b[1:], out[layer - b[0][0]])
+                for b, out in shards.items()
+                if b[0][0] <= layer < b[0][1]
+            ]
+            if targets:
+                _fill_shards(stored, spec, targets, max_read_bytes)
+    return jax.make_array_from_callback(
+        shape, leaf.sharding, lambda index: shards[_bounds(index, shape)], dtype=dtype
+    )
+
+
+def _fill_shards(
+    stored: Mapping[str, _StoredTensor],
+    spec: _TensorSpec,
+    targets: list[tuple[_Bounds, np.ndarray]],
+    max_read_bytes: int,
+) -> None:
+    """Fill each target (bounds in the model layout of `spec`'s parameter, the host buffer of
+    that shard) from `spec`'s HF tensor. The rows of the HF tensor's row-major view that the
+    targets need are read once each, in blocks of at most max_read_bytes (one row at least);
+    each block is cut to every target's part, transposed and converted on the host."""
+    tensor = stored[spec.name]
+    source = _stored_dtype(tensor, spec.name)
+    view, perm = _model_view(spec)
+    if not view:  # a scalar
+        value = np.frombuffer(_read_bytes(tensor, spec.name, 0, source.itemsize), source)
+        for _, out in targets:
+            out[...] = value.reshape(()).astype(out.dtype)
+        return
+    # The targets' bounds in the view: view dimension perm[k] is model dimension k.
+    in_view = []
+    for bounds, out in targets:
+        view_bounds = [(0, 0)] * len(view)
+        for model_dim, view_dim in enumerate(perm):
+            view_bounds[view_dim] = bounds[model_dim]
+        in_view.append((view_bounds, out))
+    row_bytes = math.prod(view[1:]) * source.itemsize
+    rows_per_read = max(1, max_read_bytes // max(row_bytes, 1))
+    row_dim = perm.index(0)  # the model dimension the HF rows become
+    for first, last in _merged(sorted(b[0] for b, _ in in_view)):
+        for start in range(first, last, rows_per_read):
+            stop = min(start + rows_per_read, last)
+            data = _read_bytes(tensor, spec.name, start * row_bytes, (stop - start) * row_bytes)
+            block = np.frombuffer(data, source).reshape((stop - start, *view[1:]))
+            for view_bounds, out in in_view:
+                (lo, hi), rest = view_bounds[0], view_bounds[1:]
+                lo, hi = max(lo, start), min(hi, stop)
+                if lo >= hi:
+                    continue
+                cut = (slice(lo - start, hi - start), *(slice(a, b) for a, b in rest))
+                where = [slice(None)] * out.ndim
+                where[row_dim] = slice(lo - view_bounds[0][0], hi - view_bounds[0][0])
+                out[tuple(where)] = block[cut].transpose(perm).astype(out.dtype, copy=False)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted [start, stop) ranges merged where they overlap or touch."""
+    out: list[tuple[int, int]] = []
+    for start, stop in ranges:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 # -- export ---------------------------------------------------------------------------------

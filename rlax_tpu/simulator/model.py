@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlax_tpu.compile.hardware import STATED_EFFICIENCY
 from rlax_tpu.config import ConfigBase, ConfigError, Distribution, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
 from rlax_tpu.shapes import padded_seq_len
@@ -213,9 +214,9 @@ class HardwareSpec(ConfigBase):
     # max(FLOPs/peak, HBM bytes/bandwidth), a lower bound) the run reaches. The defaults are
     # the guesses above for the same work, so a compile report changes what is counted
     # (the compiled programs' own FLOPs and bytes), not how efficient it is assumed to be.
-    compiled_train_efficiency: float = 0.4
-    compiled_prefill_efficiency: float = 0.5
-    compiled_decode_efficiency: float = 0.6
+    compiled_train_efficiency: float = STATED_EFFICIENCY["train"]
+    compiled_prefill_efficiency: float = STATED_EFFICIENCY["prefill"]
+    compiled_decode_efficiency: float = STATED_EFFICIENCY["decode"]
 
     def validate(self) -> None:
         for name in (

@@ -22,6 +22,7 @@ from rlax_tpu.algorithms import RolloutBatch, build_objective
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models import Transformer
 from rlax_tpu.models.options import ForwardOptions
+from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import logical_to_spec, state_shardings
 from rlax_tpu.trainer.step import (
     BatchLevels,
@@ -40,6 +41,38 @@ COMPUTED_FIELDS = ("reference_logprobs", "values", "rollout_logprobs")
 # ... and those only the sender can supply (trainer.wire.RolloutArrays, TrainStep's stream).
 SENT_FIELDS = ("token_rewards", "token_advantages", "returns", "baseline_rewards")
 _NEEDS_FLAG = {"values": "needs_rollout_values"}  # else the objective's needs_<field>
+
+
+class SavedProgram:
+    """A saved executable (rlax-tpu compile --save-compiled) in place of a jitted program:
+    it runs the calls at the shapes and static arguments it was compiled for, the jitted
+    program (compiling as usual) every other call."""
+
+    def __init__(self, executable: Any, jitted: Any, args: tuple, static: tuple[int, ...]):
+        self.executable, self.jitted, self.static = executable, jitted, static
+        self._static_values = tuple(args[i] for i in static)
+        self._signature = self._shapes([a for i, a in enumerate(args) if i not in static])
+        self.calls = 0  # calls the saved executable ran
+
+    @staticmethod
+    def _shapes(args: Any) -> Any:
+        return [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]
+
+    def __call__(self, *args: Any) -> Any:
+        dynamic = [a for i, a in enumerate(args) if i not in self.static]
+        same = tuple(args[i] for i in self.static) == self._static_values
+        if same and self._shapes(dynamic) == self._signature:
+            self.calls += 1
+            return self.executable(*dynamic)
+        return self.jitted(*args)
+
+
+def cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
+    """Every floating leaf of `tree` cast to `dtype` (round to nearest even); an elementwise
+    op, so under jit each output keeps its input's sharding."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 def objective_inputs(objective: Any) -> frozenset[str]:
@@ -206,6 +239,15 @@ class TrainerPrograms:
             lambda: nnx.to_pure_dict(nnx.state(train_model(config, nnx.Rngs(seed)), nnx.Param)),
             out_shardings=p_sh,
         )
+        # The params as the inference workers serve them (cast to model.publish_dtype, per
+        # layer when the trainer scans stacked layers); None when they are the params as is.
+        dtype = jnp.dtype(config.model.published_dtype)
+        unchanged = not config.trainer.scan_layers and all(
+            x.dtype == dtype for x in jax.tree.leaves(self.abstract_params)
+        )
+        self.publish = (
+            None if unchanged else jax.jit(lambda p: cast_floats(unstack_layers(p), dtype))
+        )
 
     # -- placement -----------------------------------------------------------------------
     @property
@@ -256,6 +298,48 @@ class TrainerPrograms:
         behaviour = {"recomputed": per_token, "cached": per_token}
         batch = self.abstract_rollout_batch(seq_len)
         return self.abstract_params, self.rl.abstract, batch, step, behaviour
+
+    def lowerings(self) -> dict[str, tuple[Any, tuple, tuple[int, ...]]]:
+        """The programs `rlax-tpu compile` compiles and `trainer.compiled_dir` can replace:
+        name -> (jitted function, abstract arguments at the compiled shapes (the global batch
+        of trainer.max_seq_len tokens), indices of its static arguments)."""
+        seq = self.config.trainer.max_seq_len
+        values = self.objective.needs_rollout_values
+        warm_start = self.config.controller.sft_steps > 0
+        table = {
+            "init": (self.random_init, (), ()),
+            "init_opt": (self.init_opt, (self.abstract_params,), ()),
+            "rl_step": (self.rl_step, self.abstract_rl_step_args(seq), ()),
+            "recompute": (
+                self.recompute,
+                (self.abstract_params, self.abstract_tokens(seq), values),
+                (2,),
+            ),
+        }
+        if warm_start:
+            table["init_sft_opt"] = (self.init_sft_opt, (self.abstract_params,), ())
+            table["sft_step"] = (self.sft_step, self.abstract_sft_step_args(seq), ())
+        if self.publish is not None:
+            table["publish"] = (self.publish, (self.abstract_params,), ())
+        return table
+
+    def use_saved_executables(self, directory: str) -> list[str]:
+        """Replace each program `directory` holds a saved executable of (rlax-tpu compile
+        --save-compiled) by it, for calls at the shapes it was compiled for; returns their
+        names. CompiledMismatchError when one was compiled for another program or mesh."""
+        from rlax_tpu.compile import executables
+        from rlax_tpu.sharding import use_mesh
+
+        loaded = []
+        for name, (jitted, args, static) in self.lowerings().items():
+            with use_mesh(self.mesh, self.rules):
+                lowered = jitted.lower(*args)
+            executable = executables.load(directory, name, lowered, self.mesh)
+            if executable is not None:
+                attribute = "random_init" if name == "init" else name
+                setattr(self, attribute, SavedProgram(executable, jitted, args, static))
+                loaded.append(name)
+        return loaded
 
     def abstract_sft_step_args(self, seq_len: int) -> tuple:
         """(params, opt_state, tokens, targets, loss_mask) of one `sft_step` call."""

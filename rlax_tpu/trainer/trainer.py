@@ -21,7 +21,6 @@ from the same version 0).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -31,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rlax_tpu import run_dir as run_dir_layout
@@ -40,7 +38,8 @@ from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.config.run import rollout_correction_conflict
 from rlax_tpu.failpoints import failpoint
-from rlax_tpu.models.transformer import is_stacked, stack_layers, unstack_layers
+from rlax_tpu.models.hf import load_hf_sharded
+from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import perf
@@ -85,15 +84,6 @@ def _json_float(x: float) -> float | None:
     return None if not math.isfinite(x) else x
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
-    """Every floating leaf of `tree` cast to `dtype` (round to nearest even), on device; an
-    elementwise op, so each output keeps its input's sharding."""
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
 class Trainer:
     """Sharded RL / SFT trainer over `config.trainer.mesh` (or the `mesh` given).
 
@@ -118,10 +108,14 @@ class Trainer:
         # Model layout, optimizers and jitted functions: built from (config, mesh) by the
         # builder `rlax-tpu compile` also lowers for a TPU topology (trainer/programs.py).
         self.programs = programs = TrainerPrograms(config, self.mesh)
+        if config.trainer.compiled_dir:
+            loaded = programs.use_saved_executables(config.trainer.compiled_dir)
+            _log.info(
+                "trainer loaded the executables of %s from %s",
+                ", ".join(loaded) or "no program",
+                config.trainer.compiled_dir,
+            )
         self.levels = programs.levels
-        # A mesh over several hosts' devices (multi-host: DESIGN §5, rlax_tpu.distributed):
-        # every process runs this same code on the same inputs, in lockstep.
-        self._spans_processes = len({d.process_index for d in self.mesh.devices.flat}) > 1
         self.rules = programs.rules
         self.objective = programs.objective
         # A rollout correction (TIS/MIS, the mismatch gate) weighs π_old / π_rollout: π_old is
@@ -185,7 +179,6 @@ class Trainer:
         self._results: dict[int, StepResult] = {}
         self._last_metrics: dict[str, float] = {}
         self._peak_flops: float | None = None
-        self._publish_transform = None  # jitted on first use (cast, unstack)
 
     def _place_rows(self, x: Any, dtype=None) -> jax.Array:
         """A host or device array with rows first, sharded over the batch axes.
@@ -212,23 +205,16 @@ class Trainer:
     def _initial_params(self) -> Any:
         model_cfg = self.config.model
         if model_cfg.hf_checkpoint:
-            from rlax_tpu.models.hf import load_model_for_config
-
+            # Straight into the params' shardings (stacked with trainer.scan_layers): each
+            # process reads only its devices' shards, no device holds more than its own.
             self.progress(f"loading the HF checkpoint {model_cfg.hf_checkpoint} ...")
             t0 = time.perf_counter()
-            model = load_model_for_config(model_cfg, seed=self.config.seed)
+            params = load_hf_sharded(model_cfg, self._abstract_params, seed=self.config.seed)
             self.progress(
                 f"loaded the HF checkpoint {model_cfg.hf_checkpoint} in "
                 f"{time.perf_counter() - t0:.1f}s"
             )
-            pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            if self.config.trainer.scan_layers:
-                pure = stack_layers(pure)
-            if self._spans_processes:  # every process loaded the same checkpoint
-                return jax.tree.map(
-                    lambda x, s: _from_host(np.asarray(x), s), pure, self._param_shardings
-                )
-            return jax.device_put(pure, self._param_shardings)
+            return params
         with use_mesh(self.mesh, self.rules):
             return self._random_init()
 
@@ -308,13 +294,9 @@ class Trainer:
         temporary copy in the publish dtype, freed after the publish. Scanned layers
         (trainer.scan_layers) are published per layer, the one format of the wire, the
         parameter server and the workers: cast and sliced in one jitted call."""
-        dtype = jnp.dtype(self.config.model.published_dtype)
-        stacked = is_stacked(self._params)
-        if not stacked and all(x.dtype == dtype for x in jax.tree.leaves(self._params)):
+        if self.programs.publish is None:
             return self._params
-        if self._publish_transform is None:
-            self._publish_transform = jax.jit(lambda p: _cast_floats(unstack_layers(p), dtype))
-        return self._publish_transform(self._params)
+        return self.programs.publish(self._params)
 
     def params(self) -> Any:
         """The current params: a pure dict of sharded jax arrays (do not mutate), per layer
