@@ -16,11 +16,24 @@ Variables, each value taken from the first that is set:
                                     JAX_COORDINATOR_ADDRESS)
     RLAX_TPU_NUM_PROCESSES          how many processes take part
     RLAX_TPU_PROCESS_ID             this process, in [0, num_processes)  (else
-                                    JOB_COMPLETION_INDEX: Kubernetes indexed Jobs / JobSet)
+                                    JOB_COMPLETION_INDEX: Kubernetes indexed Jobs / JobSet);
+                                    with several slices, its index within its slice
+    RLAX_TPU_NUM_SLICES             TPU slices the processes span (default 1; else
+                                    MEGASCALE_NUM_SLICES)
+    RLAX_TPU_SLICE_ID               this process's slice, in [0, num_slices)  (else
+                                    MEGASCALE_SLICE_ID)
     RLAX_TPU_INITIALIZATION_TIMEOUT_S   how long to wait for every process (default 300)
 
 Multi-host starts when RLAX_TPU_NUM_PROCESSES > 1 (then the address and the id must be
 known) or with RLAX_TPU_DISTRIBUTED=auto.
+
+Multi-slice (TPU slices joined over DCN, `MeshConfig.num_slices`): the processes of every
+slice form one job, numbered slice by slice as JAX numbers them on a multi-slice TPU job
+(jax/_src/clusters/cloud_tpu_cluster.py: process id = slice id × processes per slice + the
+index within the slice), so that a Job per slice need only give each pod its index within
+the slice and its slice. libtpu itself joins the slices from the MEGASCALE_* variables
+(MEGASCALE_COORDINATOR_ADDRESS, MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID, MEGASCALE_PORT),
+which the job sets (rlax_tpu/deploy/gke.py) and this module only reads.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -40,9 +53,13 @@ COORDINATOR_VAR = "RLAX_TPU_COORDINATOR_ADDRESS"
 NUM_PROCESSES_VAR = "RLAX_TPU_NUM_PROCESSES"
 PROCESS_ID_VAR = "RLAX_TPU_PROCESS_ID"
 TIMEOUT_VAR = "RLAX_TPU_INITIALIZATION_TIMEOUT_S"
+NUM_SLICES_VAR = "RLAX_TPU_NUM_SLICES"
+SLICE_ID_VAR = "RLAX_TPU_SLICE_ID"
 # What platforms give, used when ours are unset.
 JAX_COORDINATOR_VAR = "JAX_COORDINATOR_ADDRESS"
 JOB_COMPLETION_INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes indexed Jobs (JobSet's pods)
+MEGASCALE_NUM_SLICES_VAR = "MEGASCALE_NUM_SLICES"  # TPU multi-slice (libtpu reads them too)
+MEGASCALE_SLICE_ID_VAR = "MEGASCALE_SLICE_ID"
 DEFAULT_TIMEOUT_S = 300
 
 Mode = Literal["single", "explicit", "auto"]
@@ -62,7 +79,9 @@ class DistributedEnv:
 
     mode "single": one process, nothing to initialise; "explicit": coordinator, count and
     id are all known; "auto": JAX detects what is unset (Cloud TPU, Slurm, Open MPI, k8s).
-    `sources` names the variable each value came from (for messages and logs).
+    `process_id` is the job-wide one; with `num_slices` > 1 the processes are numbered
+    slice by slice, `slice_id` being this one's slice. `sources` names the variable each
+    value came from (for messages and logs).
     """
 
     mode: Mode = "single"
@@ -70,6 +89,8 @@ class DistributedEnv:
     num_processes: int | None = None
     process_id: int | None = None
     initialization_timeout_s: int = DEFAULT_TIMEOUT_S
+    num_slices: int = 1
+    slice_id: int = 0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +125,11 @@ class DistributedEnv:
         if self.initialization_timeout_s < 1:
             raise DistributedConfigError(
                 f"{TIMEOUT_VAR} must be >= 1, got {self.initialization_timeout_s}"
+            )
+        if self.num_slices < 1 or not 0 <= self.slice_id < self.num_slices:
+            raise DistributedConfigError(
+                f"{self._name('slice_id')}={self.slice_id} must lie in [0, {self.num_slices}) "
+                f"({self._name('num_slices')})"
             )
 
     def _name(self, field: str) -> str:
@@ -166,6 +192,13 @@ class DistributedEnv:
                     "process is 0"
                 )
             return cls(sources=sources)
+        slices = _int(
+            first("num_slices", NUM_SLICES_VAR, MEGASCALE_NUM_SLICES_VAR), sources.get("num_slices")
+        )
+        if slices is not None and slices < 1:
+            raise DistributedConfigError(f"{sources['num_slices']} must be >= 1, got {slices}")
+        if slices is not None and slices > 1:
+            fields.update(_slice_fields(num, pid, slices, first, sources))
         missing = []
         if coordinator is None:
             missing.append(
@@ -183,10 +216,51 @@ class DistributedEnv:
             return "single process"
         if self.mode == "auto":
             return "multi-host, detected by JAX"
+        slices = f" (slice {self.slice_id} of {self.num_slices})" if self.num_slices > 1 else ""
         return (
-            f"process {self.process_id} of {self.num_processes}, coordinator "
+            f"process {self.process_id} of {self.num_processes}{slices}, coordinator "
             f"{self.coordinator_address}"
         )
+
+
+def _slice_fields(
+    num: int,
+    index: int | None,
+    slices: int,
+    first: Callable[..., str | None],
+    sources: dict[str, str],
+) -> dict[str, Any]:
+    """The job-wide fields of a process of slice `slice_id` (read here) whose index within
+    its slice is `index`: processes are numbered slice by slice."""
+    if num % slices:
+        raise DistributedConfigError(
+            f"{NUM_PROCESSES_VAR}={num} is not a multiple of {sources['num_slices']}={slices}: "
+            "every slice runs as many processes (its hosts)"
+        )
+    per_slice = num // slices
+    slice_id = _int(
+        first("slice_id", SLICE_ID_VAR, MEGASCALE_SLICE_ID_VAR), sources.get("slice_id")
+    )
+    if slice_id is None:
+        raise DistributedConfigError(
+            f"{sources['num_slices']}={slices} needs {SLICE_ID_VAR} (or "
+            f"{MEGASCALE_SLICE_ID_VAR}): this process's slice, 0 … {slices - 1}"
+        )
+    if not 0 <= slice_id < slices:
+        raise DistributedConfigError(
+            f"{sources['slice_id']}={slice_id} must lie in [0, {slices}) ({sources['num_slices']})"
+        )
+    if index is not None and not 0 <= index < per_slice:
+        raise DistributedConfigError(
+            f"{sources['process_id']}={index} must lie in [0, {per_slice}): with {slices} "
+            f"slices it is the process's index within its slice ({NUM_PROCESSES_VAR}={num} "
+            f"processes, {per_slice} a slice)"
+        )
+    return {
+        "num_slices": slices,
+        "slice_id": slice_id,
+        "process_id": None if index is None else slice_id * per_slice + index,
+    }
 
 
 def _int(value: str | None, name: str | None) -> int | None:
@@ -305,7 +379,9 @@ __all__ = [
     "COORDINATOR_VAR",
     "MODE_VAR",
     "NUM_PROCESSES_VAR",
+    "NUM_SLICES_VAR",
     "PROCESS_ID_VAR",
+    "SLICE_ID_VAR",
     "TIMEOUT_VAR",
     "DistributedConfigError",
     "DistributedEnv",

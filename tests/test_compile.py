@@ -15,7 +15,8 @@ import pytest
 from rlax_tpu.cli import main
 from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, GiB
 from rlax_tpu.compile.hlo_cost import analyze, mean_taps
-from rlax_tpu.compile.report import CompileReport, format_report
+from rlax_tpu.compile.measure import ProgramReport, refusal
+from rlax_tpu.compile.report import CompileReport, ComponentTarget, format_report
 from rlax_tpu.config import TPU_CHIPS, ConfigError, load_config
 from rlax_tpu.inference.capacity import kv_capacity
 from rlax_tpu.simulator.model import train_flops_per_token
@@ -98,6 +99,8 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     init, init_opt = programs["init"]["memory"], programs["init_opt"]["memory"]
     assert init["outputs"] >= rl["params"] and init["total"] <= rl["total"]
     assert init_opt["params"] == rl["params"] and init_opt["outputs"] >= 2 * rl["params"]
+    # The params are on the chip while their optimizer state is made, read or not.
+    assert init_opt["total"] >= init_opt["params"] + init_opt["outputs"]
     # The swap copies move one sequence's pages while the pool and the weights stay put.
     for name in ("swap_out", "swap_in"):
         swap = programs[name]["memory"]
@@ -169,11 +172,102 @@ def test_programs_that_do_not_fit_are_refused_naming_the_knobs(tmp_path):
     assert "RESOURCE_EXHAUSTED" in rl_step and "the compiler ran out of HBM" in rl_step
     assert "activations and temporaries" in rl_step and "trainer.remat_policy" in rl_step
     assert "trainer.max_seq_len=131072" in rl_step  # the current values are named
+    # Where each was compiled for: the mesh (its -1 axis marked), topology, slices, chips.
+    assert "on the trainer mesh data 1 × fsdp 2 × tensor 2 over v5p:2x2x1 (1 slice; 4 chips)" in (
+        rl_step
+    )
+    assert "on the inference mesh data 1 × fsdp 1 × tensor 4 (-1) over v5p:2x2x1" in decode
     report = json.loads(out.read_text())
     assert not report["fits"] and len(report["problems"]) == 2
     programs = {p["name"]: p for p in report["programs"]}
     assert programs["rl_step"]["out_of_memory"] and not programs["decode"]["out_of_memory"]
     assert programs["decode"]["hbm_fraction"] > FIT_FRACTION
+
+
+def test_a_refusal_names_the_mesh_and_a_minus_one_axis_left_nothing():
+    # A v5p-64 trainer (fsdp -1, tensor 4) compiled for a v5p-8: fsdp comes out at 1.
+    config = load_config(TINY)
+    v5p = CHIPS["v5p"]
+    report = ProgramReport(
+        "rl_step", "trainer", "8 × 128 tokens", "once", 1, "v5p", {}, v5p.hbm_bytes
+    )
+    report.memory = {"optimizer_state": 200 * GiB, "total": 229 * GiB}
+    small = ComponentTarget(
+        "trainer", "v5p:2x2x1", v5p, 4, {"data": 1, "fsdp": 1, "tensor": 4}, rest_axis="fsdp"
+    )
+    text = refusal(report, config, small)
+    assert text.startswith(
+        "trainer rl_step (8 × 128 tokens) on the trainer mesh data 1 × fsdp 1 (-1) × tensor 4 "
+        "over v5p:2x2x1 (1 slice; 4 chips) does not fit a v5p chip: 229.0 GiB needed"
+    )
+    assert "trainer.mesh.fsdp=-1 resolved to 1: the 4 chips of v5p:2x2x1 are all taken" in text
+    two = ComponentTarget(
+        "trainer",
+        "v5p:2x2x1",
+        v5p,
+        8,
+        {"data": 2, "fsdp": 2, "tensor": 2},
+        num_slices=2,
+        rest_axis="fsdp",
+    )
+    text = refusal(report, config, two)
+    assert "over v5p:2x2x1 (2 slices, data across them; 8 chips)" in text
+    assert "resolved" not in text
+
+
+def test_tiny_model_compiles_for_two_slices_with_data_across_them(tmp_path):
+    out = tmp_path / "report.json"
+    # One --set at a time stays valid: fsdp takes the rest, data 2 on one slice, then two.
+    slices = ["trainer.mesh.fsdp=-1", "trainer.mesh.data=2", "trainer.mesh.num_slices=2"]
+    sets = [a for s in slices for a in ("--set", s)]
+    proc = _compile(TINY, *sets, "--programs", "rl_step", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "trainer: 2 slices of v5p:2x2x1 (8 chips; mesh data 2 × fsdp 2 × tensor 2, data "
+        "across the slices over DCN)"
+    ) in proc.stdout
+    trainer = json.loads(out.read_text())["components"]["trainer"]
+    assert (trainer["topology"], trainer["num_slices"], trainer["num_chips"]) == (
+        "v5p:2x2x1",
+        2,
+        8,
+    )
+    assert trainer["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert trainer["dcn_axis"] == "data"
+
+
+MESH_SLICES = """
+import json
+import numpy as np
+from rlax_tpu.compile.hardware import prepare_environment
+prepare_environment()
+from rlax_tpu.compile.topology import topology_mesh
+from rlax_tpu.config import MeshConfig
+out = {}
+for axis, data in (("data", 2), ("fsdp", 1)):
+    config = MeshConfig(data=data, fsdp=-1, tensor=2, num_slices=2, dcn_axis=axis)
+    mesh = topology_mesh(config, "v5p:2x2x1")
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    out[axis] = {"shape": dict(mesh.shape), "slices": slices.tolist()}
+print(json.dumps(out))
+"""
+
+
+def test_the_dcn_axis_of_a_two_slice_mesh_spans_the_slices():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", MESH_SLICES], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    meshes = json.loads(done.stdout.splitlines()[-1])
+    data = meshes["data"]
+    assert data["shape"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    # data index i lies in slice i; fsdp and tensor stay within it (ICI).
+    assert data["slices"] == [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]
+    fsdp = meshes["fsdp"]
+    assert fsdp["shape"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    # fsdp across the slices: its first two positions in slice 0, the next two in slice 1.
+    assert fsdp["slices"] == [[[0, 0], [0, 0], [1, 1], [1, 1]]]
 
 
 def test_report_carries_the_kv_capacity_of_the_inference_worker():

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,62 @@ def test_load_config_reads_a_json_dump(tmp_path):
     dump = tmp_path / "config.json"
     dump.write_text(json.dumps(config.to_dict()))
     assert load_config(str(dump)) == config
+
+
+# -- multi-slice meshes ------------------------------------------------------------------------
+def test_a_multi_slice_mesh_splits_its_dcn_axis_across_the_slices():
+    data = MeshConfig(data=2, fsdp=-1, tensor=4, topology="v5p:2x4x4", num_slices=2)
+    assert data.shape_for(64) == {"data": 2, "fsdp": 8, "tensor": 4}
+    within, across = data.slice_shapes(64)
+    assert within == {"data": 1, "fsdp": 8, "tensor": 4}
+    assert across == {"data": 2, "fsdp": 1, "tensor": 1}
+    fsdp = MeshConfig(data=1, fsdp=-1, tensor=4, num_slices=2, dcn_axis="fsdp")
+    assert fsdp.slice_shapes(64) == (
+        {"data": 1, "fsdp": 8, "tensor": 4},
+        {"data": 1, "fsdp": 2, "tensor": 1},
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        # The default data=1 cannot cross 2 slices: the message names the axis and the fix.
+        ({"num_slices": 2}, "data: is 1, but data is the axis across the 2 slices"),
+        ({"num_slices": 2, "dcn_axis": "fsdp", "fsdp": 3}, "set fsdp=2"),
+        ({"num_slices": 0}, "num_slices: must be >= 1"),
+        # 2 slices of 32 chips: data 2 × fsdp 4 × tensor 4 fills one of them.
+        (
+            {"data": 2, "fsdp": 4, "tensor": 4, "topology": "v5p:2x4x4", "num_slices": 2},
+            "must fill its topology 2 × v5p:2x4x4 (64 chips)",
+        ),
+    ],
+)
+def test_a_multi_slice_mesh_that_cannot_span_its_slices_is_refused(fields, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        MeshConfig(**fields)
+
+
+def test_a_dcn_axis_left_to_minus_one_must_come_out_a_multiple_of_the_slices():
+    mesh = MeshConfig(data=-1, fsdp=2, tensor=1, num_slices=2)
+    assert mesh.shape_for(8)["data"] == 4
+    with pytest.raises(ConfigError, match=r"data \(dcn_axis.*multiple of num_slices=2"):
+        mesh.shape_for(6)  # data 3 cannot be split over 2 slices
+
+
+def test_only_the_trainer_on_tpu_spans_several_slices():
+    with pytest.raises(ConfigError, match="an inference worker runs on one slice"):
+        RunConfig().apply_overrides(["inference.mesh.data=2", "inference.mesh.num_slices=2"])
+    with pytest.raises(ConfigError, match="set mesh.num_slices=1, or clear gpu"):
+        RunConfig().apply_overrides(
+            ["trainer.mesh.data=2", "trainer.mesh.num_slices=2", "trainer.gpu=h100:8"]
+        )
+
+
+def test_one_slice_keeps_the_digest_of_a_config_without_the_multi_slice_fields():
+    base = RunConfig()
+    assert "num_slices" not in base.identity()["trainer"]["mesh"]
+    # dcn_axis places nothing on one slice: the same run.
+    assert base.apply_overrides(["trainer.mesh.dcn_axis=fsdp"]).digest() == base.digest()
+    two = base.apply_overrides(["trainer.mesh.data=2", "trainer.mesh.num_slices=2"])
+    assert two.identity()["trainer"]["mesh"]["num_slices"] == 2
+    assert two.digest() != base.apply_overrides(["trainer.mesh.data=2"]).digest()

@@ -240,6 +240,8 @@ def test_multi_host_slices_get_the_distributed_environment(shipped):
         ports = {p["name"]: p["containerPort"] for p in container_of(rj)["ports"]}
         assert address == f"{run}-{name}-{replica}-0.{subdomain}:{ports['coordinator']}"
         names = [e["name"] for e in container_of(rj)["env"]]
+        # One slice: no multi-slice variables (libtpu would try to join the others).
+        assert not [n for n in names if n.startswith("MEGASCALE_")]
         if replica != "0":  # $(VAR) expands only from variables defined before it
             assert names.index("RLAX_TPU_REPLICA") < names.index("RLAX_TPU_COORDINATOR_ADDRESS")
         annotations = rj["template"]["metadata"]["annotations"]
@@ -389,6 +391,99 @@ def test_a_mesh_that_does_not_fill_its_slice_is_refused():
     assert any(p.startswith("trainer.mesh") for p in problems(config))
 
 
+# -- multi-slice ----------------------------------------------------------------------------
+V5P_64 = ROOT / "configs" / "llama3_1_8b_tpu_v5p_64.py"
+# The 8B trainer on two v5p-64 slices: data 2 across them, fsdp 8 × tensor 4 within each.
+TWO_SLICES = ("trainer.mesh.data=2", "trainer.mesh.num_slices=2")
+
+
+def pod_environ(container: dict, slice_: int, host: int) -> dict[str, str]:
+    """The environment Kubernetes gives the trainer pod `host` of slice `slice_`'s Job:
+    the literal values, and the fields of the pod that the manifest refers to."""
+    fields = {
+        "metadata.labels['jobset.sigs.k8s.io/job-index']": str(slice_),
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(host),
+    }
+    out = {}
+    for e in container["env"]:
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif "fieldRef" in e["valueFrom"]:
+            out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+    return out
+
+
+def test_a_multi_slice_trainer_is_a_job_per_slice_forming_one_jax_job():
+    from rlax_tpu.distributed import DistributedEnv
+
+    config = load_config(str(V5P_64), list(TWO_SLICES))
+    assert problems(config) == []
+    objects = rendered(V5P_64, *TWO_SLICES)
+    jobset = by_kind(objects, "JobSet")[0]
+    run, subdomain = jobset["metadata"]["name"], jobset["spec"]["network"]["subdomain"]
+    trainer, tpu = jobs_of(jobset)["trainer"], config.deploy.trainer_tpu
+    # One Job per slice, each of the slice's hosts, on a node pool of its own.
+    assert trainer["replicas"] == 2
+    job = trainer["template"]["spec"]
+    assert (job["parallelism"], job["completions"], job["completionMode"]) == (8, 8, "Indexed")
+    assert job["backoffLimit"] == 0  # a lost host of any slice restarts the run
+    annotations = trainer["template"]["metadata"]["annotations"]
+    assert annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] == (
+        "cloud.google.com/gke-nodepool"
+    )
+    assert pod_spec(trainer)["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+        "cloud.google.com/gke-tpu-topology": "2x4x4",
+    }
+    container = container_of(trainer)
+    chips = container["resources"]["limits"]["google.com/tpu"]
+    mesh = config.trainer.mesh.shape_for(2 * tpu.chips)
+    assert 2 * job["parallelism"] * chips == math.prod(mesh.values()) == 64
+    # Every pod's environment makes it one process of one 16-process job, numbered slice by
+    # slice, with the first slice's first host as the coordinator of JAX and of megascale.
+    first = f"{run}-trainer-0-0.{subdomain}"
+    pods = [pod_environ(container, s, h) for s in range(2) for h in range(8)]
+    envs = [DistributedEnv.from_environ(pod) for pod in pods]
+    assert [e.process_id for e in envs] == list(range(16))
+    assert {(e.num_processes, e.num_slices, e.coordinator_address) for e in envs} == {
+        (16, 2, f"{first}:8476")
+    }
+    assert [e.slice_id for e in envs] == [0] * 8 + [1] * 8
+    assert {pod["MEGASCALE_COORDINATOR_ADDRESS"] for pod in pods} == {f"{first}:8080"}
+    assert {(pod["MEGASCALE_NUM_SLICES"], pod["MEGASCALE_PORT"]) for pod in pods} == {("2", "8080")}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 50052, "coordinator": 8476, "megascale": 8080}
+    [service] = [
+        s for s in by_kind(objects, "Service") if s["metadata"]["name"].endswith("-trainer")
+    ]
+    assert {p["name"] for p in service["spec"]["ports"]} == set(ports)
+    # Only fields the Kubernetes API knows (as in the test of the shipped manifests).
+    template = json.loads(json.dumps(trainer["template"]))
+    for quantities in template["spec"]["template"]["spec"]["containers"][0]["resources"].values():
+        quantities.update({k: str(v) for k, v in quantities.items()})
+    assert kubernetes_round_trip(template, "V1JobTemplateSpec") == template
+    assert kubernetes_round_trip(service, "V1Service") == service
+    # The controller talks to process 0; every other component is as on one slice.
+    controller = container_of(jobs_of(jobset)["controller"])
+    assert flag_values(controller["args"], "--trainer") == [f"{first}:50052"]
+    one_slice = jobs_of(by_kind(rendered(V5P_64, TWO_SLICES[0]), "JobSet")[0])
+    for name in COMPONENTS - {"trainer"}:
+        assert jobs_of(jobset)[name] == one_slice[name]
+
+
+def test_a_multi_slice_trainer_needs_multi_host_slices_that_its_mesh_fills():
+    single_host = ["trainer.mesh.topology=", "deploy.trainer_tpu.topology=2x2x1", *TWO_SLICES]
+    [problem] = problems(load_config(str(V5P_64), single_host))
+    assert "joins single-host slices" in problem and "multi-host slice node pools only" in problem
+    # fsdp 4 fills one slice of 32 chips, not two.
+    half = ["trainer.mesh.topology=", *TWO_SLICES, "trainer.mesh.fsdp=4"]
+    [problem] = problems(load_config(str(V5P_64), half))
+    assert problem.startswith(
+        "trainer.mesh must fill 2 slices of deploy.trainer_tpu (trainer.mesh.num_slices; "
+        "topology 2x4x4 = 32 chips a slice, 4 per host: 64 chips)"
+    )
+
+
 def test_an_inference_slice_of_several_hosts_is_refused():
     qwen = ROOT / "configs" / "qwen2_5_32b_tpu_v5p_256.py"
     overrides = [
@@ -469,6 +564,25 @@ def test_xmanager_dry_run_builds_the_same_jobs_without_network(tmp_path, entry):
 
     for name, component in (("trainer", "trainer"), ("param_server_1", "param-server")):
         assert shape(by_name[name]["args"]) == shape(container_of(gke[component])["args"])
+
+
+def test_xmanager_runs_a_multi_slice_trainer_as_a_job_per_slice():
+    from rlax_tpu.deploy.xmanager import build_specs
+
+    specs = {s["name"]: s for s in build_specs(str(V5P_64), TWO_SLICES, experiment="7")}
+    assert "trainer" not in specs
+    first = "7-1-trainer-slice-0.experiments"
+    for i in range(2):
+        spec = specs[f"trainer_slice_{i}"]
+        assert spec["requirements"] == {"tpu_v5p": "2x4x4"} and spec["hosts"] == 8
+        assert spec["env"] == {
+            "RLAX_TPU_DISTRIBUTED": "auto",
+            "MEGASCALE_COORDINATOR_ADDRESS": f"{first}:8080",
+            "MEGASCALE_PORT": "8080",
+            "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": str(i),
+        }
+    assert f"--trainer={first}:50052" in specs["controller"]["args"]
 
 
 # -- container image ------------------------------------------------------------------------

@@ -143,6 +143,48 @@ def test_an_incomplete_or_inconsistent_job_is_refused(environ, message):
         DistributedEnv.from_environ(environ)
 
 
+# The environment of pod `host` of slice 1's Job of a 2 × 8-host trainer, as
+# rlax_tpu/deploy/gke.py writes it (tests/test_deploy.py checks the manifest's side).
+def _slice_pod(host: int, **more: str) -> dict[str, str]:
+    return {
+        "RLAX_TPU_COORDINATOR_ADDRESS": "run-trainer-0-0.run:8476",
+        "RLAX_TPU_NUM_PROCESSES": "16",
+        "JOB_COMPLETION_INDEX": str(host),
+        "MEGASCALE_NUM_SLICES": "2",
+        "MEGASCALE_SLICE_ID": "1",
+        **more,
+    }
+
+
+def test_several_slices_number_the_processes_slice_by_slice():
+    env = DistributedEnv.from_environ(_slice_pod(3))
+    assert (env.process_id, env.num_processes, env.slice_id, env.num_slices) == (11, 16, 1, 2)
+    assert env.sources["slice_id"] == "MEGASCALE_SLICE_ID"
+    assert env.describe() == "process 11 of 16 (slice 1 of 2), coordinator run-trainer-0-0.run:8476"
+    ours = DistributedEnv.from_environ(
+        _slice_pod(3, RLAX_TPU_NUM_SLICES="4", RLAX_TPU_SLICE_ID="0")
+    )
+    assert (ours.process_id, ours.num_slices) == (3, 4)  # ours win over MEGASCALE_*
+    # One process: the slice variables a platform sets change nothing.
+    single = {"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1"}
+    assert not DistributedEnv.from_environ(single).is_multi_process
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"RLAX_TPU_NUM_PROCESSES": "15"}, "15 is not a multiple of MEGASCALE_NUM_SLICES=2"),
+        ({"MEGASCALE_SLICE_ID": ""}, "needs RLAX_TPU_SLICE_ID"),
+        ({"MEGASCALE_SLICE_ID": "2"}, "MEGASCALE_SLICE_ID=2 must lie in [0, 2)"),
+        ({"JOB_COMPLETION_INDEX": "8"}, "must lie in [0, 8): with 2 slices it is the process"),
+        ({"RLAX_TPU_NUM_SLICES": "0"}, "RLAX_TPU_NUM_SLICES must be >= 1"),
+    ],
+)
+def test_an_inconsistent_multi_slice_job_is_refused(change, message):
+    with pytest.raises(DistributedConfigError, match=re.escape(message)):
+        DistributedEnv.from_environ(_slice_pod(0, **change))
+
+
 def test_initialize_is_a_no_op_for_one_process_and_refused_once_jax_started():
     initialize(DistributedEnv())  # nothing to do
     jax.devices()  # backends started
@@ -409,6 +451,83 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
             follower.kill()
             follower.wait()
         group.stop_all()
+
+
+# One process per slice: joins the job from the slice variables, builds the 2-slice mesh
+# (CPU devices have no slice_index: each process is a slice) and sums over the DCN axis.
+SLICE_WORKER = """
+import json
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from rlax_tpu.distributed import initialize_from_environment
+env = initialize_from_environment()
+from rlax_tpu.config import MeshConfig
+from rlax_tpu.sharding import build_mesh
+mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2, num_slices=2))
+sharding = NamedSharding(mesh, PartitionSpec("data", ("fsdp", "tensor")))
+rows = np.arange(2, dtype=np.float32)[:, None] * np.ones((2, 8), np.float32)
+x = jax.make_array_from_callback((2, 8), sharding, lambda index: rows[index])
+total = float(jax.jit(lambda a: a.sum(axis=0))(x)[0])
+processes = np.vectorize(lambda d: d.process_index)(mesh.devices).tolist()
+print(json.dumps({"process": jax.process_index(), "slice": env.slice_id,
+                  "mesh_processes": processes, "sum_over_data": total}))
+"""
+
+
+def test_two_slices_form_one_job_with_the_data_axis_across_them(tmp_path):
+    coordinator = f"127.0.0.1:{_free_port()}"
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RLAX_TPU_", "MEGASCALE_")) and k not in ("XLA_FLAGS",)
+    }
+    workers = []
+    for p in range(2):
+        env = {
+            **base,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            # As a Job per slice gives them: the index within the slice, and the slice.
+            "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
+            "RLAX_TPU_NUM_PROCESSES": "2",
+            "JOB_COMPLETION_INDEX": "0",
+            "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": str(p),
+            "RLAX_TPU_INITIALIZATION_TIMEOUT_S": "60",
+        }
+        log = open(tmp_path / f"slice-{p}.log", "wb")  # noqa: SIM115 (closed below)
+        workers.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, "-c", SLICE_WORKER],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                ),
+                log,
+            )
+        )
+    reports = []
+    try:
+        for worker, log in workers:
+            out, _ = worker.communicate(timeout=WORKER_TIMEOUT_S)
+            log.close()
+            logs = (tmp_path / f"slice-{len(reports)}.log").read_text()[-3000:]
+            assert worker.returncode == 0, logs
+            reports.append(json.loads(out.decode().splitlines()[-1]))
+    finally:
+        for worker, log in workers:  # only the processes this test started, by handle
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+            log.close()
+    for p, report in enumerate(reports):
+        assert (report["process"], report["slice"]) == (p, p)
+        # data index i on slice (process) i; fsdp and tensor within it.
+        assert report["mesh_processes"] == [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]
+        assert report["sum_over_data"] == 1.0  # rows 0 and 1, one from each slice
 
 
 def test_a_serve_command_with_an_inconsistent_environment_says_which_variable(monkeypatch, capsys):

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlax_tpu.config import DEFAULT_LOGICAL_AXIS_RULES, MeshConfig, ModelConfig
+from rlax_tpu.config import DEFAULT_LOGICAL_AXIS_RULES, ConfigError, MeshConfig, ModelConfig
 from rlax_tpu.models import Transformer
 from rlax_tpu.sharding import build_mesh, logical_to_spec, shard_model, use_mesh
 
@@ -116,3 +116,14 @@ def test_mesh_uses_every_device_in_the_configured_shape():
     mesh = build_mesh(MeshConfig(data=2, fsdp=-1, tensor=2))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+
+
+def test_one_slice_keeps_the_devices_in_their_order():
+    mesh = build_mesh(MeshConfig(data=2, fsdp=-1, tensor=2, dcn_axis="fsdp"))
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()]
+
+
+def test_a_multi_slice_mesh_over_devices_of_one_slice_is_refused_naming_both_counts():
+    # CPU devices have no slice_index: each process counts as a slice, and this is one.
+    with pytest.raises(ConfigError, match=r"num_slices=2 .* lie in 1 processes \(cpu"):
+        build_mesh(MeshConfig(data=2, fsdp=-1, tensor=2, num_slices=2))

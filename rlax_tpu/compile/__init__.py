@@ -3,11 +3,12 @@
 Every jitted program the run executes on its accelerators (`programs.py`) is lowered on
 abstract inputs and compiled by libtpu's real compiler for the abstract devices of the
 trainer's and the inference workers' topologies (`MeshConfig.topology`, else the deploy
-slices), on any host: nothing is allocated or run. Per program and per chip: memory by
-kind against the chip's HBM, FLOPs and HBM bytes per call, the roofline time, compile time
-(`measure.py`). A component on GPUs (`trainer.gpu` / `inference.gpu`) is compiled for this
-machine's GPUs, or without them by XLA:CPU for as many CPU devices (an estimate, labelled
-so), and checked against its process's share of a GPU (`gpu_memory_fraction`).
+slices; `MeshConfig.num_slices` of them, joined over DCN), on any host: nothing is
+allocated or run. Per program and per chip: memory by kind against the chip's HBM, FLOPs
+and HBM bytes per call, the roofline time, compile time (`measure.py`). A component on GPUs
+(`trainer.gpu` / `inference.gpu`) is compiled for this machine's GPUs, or without them by
+XLA:CPU for as many CPU devices (an estimate, labelled so), and checked against its
+process's share of a GPU (`gpu_memory_fraction`).
 `compile_config` needs JAX set up by `hardware.prepare_environment()` first (the CLI,
 `rlax_tpu/cli/compile.py`, does it).
 """

@@ -141,6 +141,9 @@ def _memory(stats: Any, program: Program) -> dict[str, int]:
     temp = int(stats.temp_size_in_bytes)
     code = int(stats.generated_code_size_in_bytes)
     known = {k: v for k, v in program.arguments.items() if v}
+    # Arguments the program never reads (the optimizer's init reads only the params'
+    # shapes) may be left out of the compiler's count; they are on the chip all the same.
+    argument = max(argument, sum(known.values()))
     gradients = min(program.gradients, temp)
     memory = {k: 0 for k in CATEGORIES}
     memory.update(known)
@@ -266,14 +269,22 @@ def _current_values(knobs: str, config: RunConfig) -> str:
     return ", ".join(values)
 
 
-def refusal(report: ProgramReport, config: RunConfig) -> str:
+def refusal(report: ProgramReport, config: RunConfig, target: Any = None) -> str:
     """Why `report`'s program does not fit, naming its biggest consumer and the knobs that
-    shrink it with their values in `config`."""
+    shrink it with their values in `config`. With `target` (the component's
+    `report.ComponentTarget`), also where it was compiled for: the mesh, the topology, its
+    slices and chips, and what the config's -1 axis came to (the cause when a config is
+    compiled for a smaller slice than it was written for)."""
     name, size = report.biggest()
     knobs = KNOBS[report.component].get(name, "")
     where = f"{report.label} ({report.shape})"
+    note = ""
+    if target is not None:
+        where = f"{where} on {target.placement()}"
+        note = target.mesh_note()
+        note = f". {note}" if note else ""
     if report.error and not report.out_of_memory:
-        return f"{where} failed to compile: {report.error}"
+        return f"{where} failed to compile: {report.error}{note}"
     gpu = GPUS.get(report.chip)
     if gpu is not None:  # a share of the GPU: the process's gpu_memory_fraction
         fraction = f"{report.component}.gpu_memory_fraction"
@@ -294,5 +305,5 @@ def refusal(report: ProgramReport, config: RunConfig) -> str:
     now = _current_values(knobs, config)
     return (
         f"{head}; the biggest consumer is {name.replace('_', ' ')} ({size / GiB:.1f} GiB): "
-        f"change {knobs}" + (f" (now {now})" if now else "")
+        f"change {knobs}" + (f" (now {now})" if now else "") + note
     )

@@ -30,24 +30,28 @@ from rlax_tpu.compile.programs import (
     trainer_programs,
 )
 from rlax_tpu.compile.topology import gpu_devices, topology_mesh
-from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
 from rlax_tpu.inference.capacity import KvCapacity, kv_capacity
 from rlax_tpu.sharding import build_mesh
 
 
 @dataclasses.dataclass
 class ComponentTarget:
-    """Where a component's programs run: its topology (a TPU slice, or GPUs "h100:1"), chip
-    and mesh; which compiler measured them; the share of each chip's memory its process
-    gets (a GPU's `gpu_memory_fraction`, shared with the run's other processes)."""
+    """Where a component's programs run: its topology (a TPU slice, or GPUs "h100:1"), how
+    many slices of it, chip and mesh; which compiler measured them; the share of each chip's
+    memory its process gets (a GPU's `gpu_memory_fraction`, shared with the run's other
+    processes)."""
 
     name: str  # "trainer" | "inference"
-    topology: str
+    topology: str  # one slice's
     chip: ChipSpec
-    num_chips: int
+    num_chips: int  # of all its slices
     mesh: dict[str, int]
     compiler: str = "libtpu"  # "libtpu" | "XLA:GPU" | "XLA:CPU" (an estimate of a GPU program)
     memory_fraction: float = 1.0
+    num_slices: int = 1
+    dcn_axis: str = "data"  # the mesh axis across the slices (with num_slices > 1)
+    rest_axis: str = ""  # the mesh axis the config sized -1 (the chips the others leave)
 
     @property
     def is_gpu(self) -> bool:
@@ -58,9 +62,61 @@ class ComponentTarget:
         """Per chip, what this component's programs may use."""
         return int(self.chip.hbm_bytes * self.memory_fraction)
 
+    def mesh_text(self) -> str:
+        """ "data 2 × fsdp 8 (-1) × tensor 4": the sizes, the one the config left to -1
+        marked."""
+        return " × ".join(
+            f"{axis} {size}" + (" (-1)" if axis == self.rest_axis else "")
+            for axis, size in self.mesh.items()
+        )
+
+    def placement(self) -> str:
+        """Where the programs were compiled for, as a refusal names it: the mesh over the
+        topology, the slices and the chips."""
+        if self.is_gpu:
+            return (
+                f"the {self.name} mesh {self.mesh_text()} over {self.topology} "
+                f"({self.num_chips} GPU{'s' if self.num_chips > 1 else ''})"
+            )
+        slices = (
+            "1 slice"
+            if self.num_slices == 1
+            else f"{self.num_slices} slices, {self.dcn_axis} across them"
+        )
+        return (
+            f"the {self.name} mesh {self.mesh_text()} over {self.topology} ({slices}; "
+            f"{self.num_chips} chips)"
+        )
+
+    def mesh_note(self) -> str:
+        """When the config's -1 axis came out at 1: the chips compiled for leave it nothing
+        to shard over, the usual sign of a config compiled for a smaller slice than it was
+        written for (a v5p-64 trainer on a v5p-8); "" otherwise."""
+        axis = self.rest_axis
+        # One chip: nothing to shard over whatever the axes; the placement says so.
+        if not axis or self.mesh[axis] != 1 or self.num_chips == 1:
+            return ""
+        fixed = " × ".join(f"{a} {n}" for a, n in self.mesh.items() if a != axis)
+        unit = "GPU" if self.is_gpu else "chip"
+        where = (
+            f"{self.name}.gpu"
+            if self.is_gpu
+            else f"{self.name}.mesh.topology, deploy.{self.name}_tpu, {self.name}.mesh.num_slices"
+        )
+        return (
+            f"{self.name}.mesh.{axis}=-1 resolved to 1: the {self.num_chips} {unit}s of "
+            f"{self.topology}"
+            + (f" × {self.num_slices} slices" if self.num_slices > 1 else "")
+            + f" are all taken by {fixed}, so nothing is sharded along {axis} and every "
+            f"{unit} holds what {axis} would have split. If the config was written for a "
+            f"larger slice, compile for that one ({where}); else shrink {fixed}"
+        )
+
     def to_json(self) -> dict:
         return {
             "topology": self.topology,
+            "num_slices": self.num_slices,
+            "dcn_axis": self.dcn_axis,
             "chip": self.chip.name,
             "num_chips": self.num_chips,
             "mesh": self.mesh,
@@ -135,8 +191,14 @@ def _gpu_target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mes
         dict(mesh.shape),
         compiler=compiler,
         memory_fraction=section.gpu_memory_fraction,
+        rest_axis=_rest_axis(section.mesh),
     )
     return target, mesh
+
+
+def _rest_axis(mesh: MeshConfig) -> str:
+    """The axis `mesh` sizes -1 ("" when every size is fixed)."""
+    return next((axis for axis in mesh.AXES if getattr(mesh, axis) == -1), "")
 
 
 def _target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mesh]:
@@ -153,8 +215,18 @@ def _target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mesh]:
             f"(got {slice_.accelerator!r}), or {component}.gpu to its GPUs (like h100)",
             field=f"{component}.mesh.topology",
         )
-    mesh = topology_mesh(getattr(config, component).mesh, topology)
-    target = ComponentTarget(component, topology, chip_of(topology), mesh.size, dict(mesh.shape))
+    mesh_config = getattr(config, component).mesh
+    mesh = topology_mesh(mesh_config, topology)
+    target = ComponentTarget(
+        component,
+        topology,
+        chip_of(topology),
+        mesh.size,
+        dict(mesh.shape),
+        num_slices=mesh_config.num_slices,
+        dcn_axis=mesh_config.dcn_axis,
+        rest_axis=_rest_axis(mesh_config),
+    )
     return target, mesh
 
 
@@ -207,7 +279,7 @@ def compile_config(
             reports.append(report)
             if progress is not None:
                 progress(report)
-    problems = [refusal(r, config) for r in reports if not r.fits]
+    problems = [refusal(r, config, components[r.component]) for r in reports if not r.fits]
     capacity = kv_capacity(config.model, config.inference) if "inference" in components else None
     step = None
     if "trainer" in components:
@@ -224,8 +296,14 @@ def format_report(report: CompileReport) -> str:
         mesh = " × ".join(f"{k} {v}" for k, v in target.mesh.items())
         chip = target.chip
         if not target.is_gpu:
+            where = f"{target.topology} ({target.num_chips} chips; mesh {mesh})"
+            if target.num_slices > 1:
+                where = (
+                    f"{target.num_slices} slices of {target.topology} ({target.num_chips} "
+                    f"chips; mesh {mesh}, {target.dcn_axis} across the slices over DCN)"
+                )
             lines.append(
-                f"{target.name}: {target.topology} ({target.num_chips} chips; mesh {mesh}); "
+                f"{target.name}: {where}; "
                 f"per chip {chip.hbm_bytes / GiB:.0f} GiB HBM, "
                 f"{chip.peak_flops_per_s / 1e12:.0f} TFLOP/s bf16, "
                 f"{chip.hbm_bytes_per_s / 1e12:.2f} TB/s"

@@ -45,12 +45,16 @@ def _captured_stderr() -> Iterator[tempfile.TemporaryFile]:
 
 
 @functools.cache
-def abstract_devices(topology: str) -> tuple[jax.Device, ...]:
-    """The devices of `topology` ("v5p:2x2x1"): one per chip (v4 as megacore, as JAX runs
-    it; the others have one TensorCore per JAX device already)."""
+def abstract_devices(topology: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
+    """The devices of `num_slices` slices of `topology` ("v5p:2x2x1"): one per chip (v4 as
+    megacore, as JAX runs it; the others have one TensorCore per JAX device already), slice
+    by slice; with several slices each device has its `slice_index`, as on a multi-slice
+    job, and the slices are joined over DCN."""
     from jax.experimental import topologies
 
     kwargs = {"chip_config_name": "megacore"} if topology.startswith("v4:") else {}
+    if num_slices > 1:  # one slice: libtpu's single-slice description, as before
+        kwargs["num_slices"] = num_slices
     with _captured_stderr() as captured:
         try:
             description = topologies.get_topology_desc(
@@ -59,8 +63,9 @@ def abstract_devices(topology: str) -> tuple[jax.Device, ...]:
         except Exception as e:  # JaxRuntimeError, RuntimeError (no libtpu), ...
             captured.seek(0)
             log = captured.read().decode(errors="replace").strip()
+            slices = f" × {num_slices} slices" if num_slices > 1 else ""
             raise TopologyError(
-                f"libtpu cannot describe topology {topology!r}: {e}"
+                f"libtpu cannot describe topology {topology!r}{slices}: {e}"
                 + (f"\nlibtpu said:\n{log}" if log else "")
                 + "\n(`pip install rlax_tpu[tpu]` installs libtpu; the chips along each "
                 "axis must be a shape the generation offers, e.g. v5p:2x2x1, v5p:2x4x4, v5e:4x4)"
@@ -69,8 +74,9 @@ def abstract_devices(topology: str) -> tuple[jax.Device, ...]:
 
 
 def topology_mesh(mesh_config: MeshConfig, topology: str) -> Mesh:
-    """`mesh_config`'s mesh over the abstract devices of `topology`."""
-    return build_mesh(mesh_config, devices=abstract_devices(topology))
+    """`mesh_config`'s mesh over the abstract devices of `mesh_config.num_slices` slices of
+    `topology` (one slice's shape)."""
+    return build_mesh(mesh_config, devices=abstract_devices(topology, mesh_config.num_slices))
 
 
 def gpu_devices(count: int) -> tuple[tuple[jax.Device, ...], str]:

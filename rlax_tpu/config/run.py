@@ -221,6 +221,13 @@ class MeshConfig(ConfigBase):
     # program for it on any host. "" = the run's deploy slice (deploy.trainer_tpu /
     # deploy.inference_tpu); when set, it must agree with that slice (RunConfig.validate).
     topology: str = ""
+    # TPU multi-slice: the mesh spans `num_slices` slices of `topology` (the one source of the
+    # slice count: deploy renders one Job per slice of deploy.trainer_tpu), num_slices × its
+    # chips. `dcn_axis` crosses the slices over the data-center network: its size is a
+    # multiple of num_slices, each slice holding one contiguous block of it; the other axes
+    # stay inside a slice (ICI). The trainer only: an inference worker is one slice.
+    num_slices: int = 1
+    dcn_axis: Literal["data", "fsdp"] = "data"
 
     AXES = ("data", "fsdp", "tensor")
 
@@ -233,6 +240,20 @@ class MeshConfig(ConfigBase):
             "fsdp",
             "at most one mesh axis may be -1 (meaning: all remaining devices)",
         )
+        require(
+            self.num_slices >= 1,
+            "num_slices",
+            f"must be >= 1 (1 = one slice, no DCN axis), got {self.num_slices}",
+        )
+        dcn = getattr(self, self.dcn_axis)
+        require(
+            dcn == -1 or dcn % self.num_slices == 0,
+            self.dcn_axis,
+            f"is {dcn}, but {self.dcn_axis} is the axis across the {self.num_slices} slices "
+            f"(dcn_axis): its size must be a multiple of num_slices={self.num_slices}; set "
+            f"{self.dcn_axis}={self.num_slices} (or a multiple, or -1), or dcn_axis to the "
+            "other of data / fsdp",
+        )
         # After the sizes: shape_for assumes each is >= 1 or -1.
         if self.topology:
             require(
@@ -241,12 +262,13 @@ class MeshConfig(ConfigBase):
                 f"must be <chip>:<chips along each axis> with chip one of "
                 f"{', '.join(TPU_CHIPS)}, like v5p:2x4x4 or v5e:4x4; got {self.topology!r}",
             )
+            chips = topology_chips(self.topology) * self.num_slices
             try:
-                self.shape_for(topology_chips(self.topology))
+                self.shape_for(chips)
             except ConfigError as e:
                 raise ConfigError(
-                    f"the mesh must fill its topology {self.topology} "
-                    f"({topology_chips(self.topology)} chips): {e.detail}",
+                    f"the mesh must fill its topology {self.slices_text()} ({chips} chips): "
+                    f"{e.detail}",
                     field="topology",
                 ) from None
         seen = set()
@@ -284,7 +306,32 @@ class MeshConfig(ConfigBase):
                 "set one axis to -1 or change the sizes",
                 field="fsdp",
             )
+        if self.num_slices > 1 and (
+            num_devices % self.num_slices or sizes[self.dcn_axis] % self.num_slices
+        ):
+            raise ConfigError(
+                f"mesh {sizes} over {num_devices} devices in {self.num_slices} slices: "
+                f"{self.dcn_axis} (dcn_axis, the axis across the slices) must be a multiple "
+                f"of num_slices={self.num_slices}; set {self.dcn_axis}={self.num_slices} or "
+                "change the other axes",
+                field=self.dcn_axis,
+            )
         return sizes
+
+    def slice_shapes(self, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+        """(within one slice, across the slices): the axis sizes of one slice's block (ICI)
+        and how many slices each axis spans (DCN: num_slices along dcn_axis, 1 elsewhere);
+        their products are `shape_for(num_devices)`."""
+        sizes = self.shape_for(num_devices)
+        dcn = {axis: 1 for axis in self.AXES}
+        dcn[self.dcn_axis] = self.num_slices
+        ici = {axis: sizes[axis] // dcn[axis] for axis in self.AXES}
+        return ici, dcn
+
+    def slices_text(self) -> str:
+        """The slices this mesh spans, for messages: "v5p:2x4x4", or "2 × v5p:2x4x4"."""
+        topology = self.topology or "its slice"
+        return topology if self.num_slices == 1 else f"{self.num_slices} × {topology}"
 
 
 def _validate_gpu(gpu: str, memory_fraction: float, mesh: MeshConfig) -> None:
@@ -308,6 +355,12 @@ def _validate_gpu(gpu: str, memory_fraction: float, mesh: MeshConfig) -> None:
         "gpu",
         f"names GPUs ({gpu}) while mesh.topology names a TPU slice ({mesh.topology}): "
         "clear one of them",
+    )
+    require(
+        mesh.num_slices == 1,
+        "gpu",
+        f"names GPUs ({gpu}) while mesh.num_slices={mesh.num_slices} asks for TPU "
+        "multi-slice: set mesh.num_slices=1, or clear gpu for a TPU slice",
     )
     try:
         mesh.shape_for(int(count or 1))
@@ -517,6 +570,13 @@ class InferenceConfig(ConfigBase):
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
         _validate_gpu(self.gpu, self.gpu_memory_fraction, self.mesh)
+        require(
+            self.mesh.num_slices == 1,
+            "mesh.num_slices",
+            f"must be 1, got {self.mesh.num_slices}: an inference worker runs on one slice "
+            "(one host's chips: rlax_tpu/inference/server.py); run more workers "
+            "(inference.num_workers) instead",
+        )
         require(
             not self.decode_buckets
             or (
@@ -876,7 +936,8 @@ class TpuSliceConfig(ConfigBase):
     """One TPU slice on GKE: its node pool's labels and how many chips each host (VM) has.
 
     The slice has `chips` = the product of the topology and `hosts` = chips / chips_per_host;
-    a multi-host slice runs one process per host (one pod each).
+    a multi-host slice runs one process per host (one pod each). A multi-slice trainer rents
+    `trainer.mesh.num_slices` such slices (the count lives in the mesh alone).
     """
 
     # Node label cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice, tpu-v6e-slice, ...
@@ -1163,7 +1224,9 @@ class RunConfig(ConfigBase):
         return fields
 
     def identity(self) -> dict[str, Any]:
-        """The config without its resumable fields: what decides the run's results."""
+        """The config without its resumable fields: what decides the run's results. A mesh
+        on one slice leaves out its multi-slice fields (num_slices 1, and dcn_axis, which
+        then places nothing): a config written before they existed keeps its digest."""
         data = self.to_dict()
         for dotted in self.resumable_fields():
             *parents, last = dotted.split(".")
@@ -1171,6 +1234,10 @@ class RunConfig(ConfigBase):
             for key in parents:
                 section = section.get(key) or {}
             section.pop(last, None)
+        for component in ("trainer", "inference"):
+            mesh = data[component]["mesh"]
+            if mesh["num_slices"] == 1:
+                del mesh["num_slices"], mesh["dcn_axis"]
         return data
 
     def digest(self) -> str:

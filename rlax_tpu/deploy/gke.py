@@ -3,9 +3,12 @@ Service per served component, and a ConfigMap with the resolved config.
 
 Wiring: JobSet's own headless service (`network.subdomain`, the run's name) gives every
 pod a DNS name `<run>-<component>-<replica>-<host>.<run>`; those names are the addresses in
-the processes' args and the multi-host coordinator address. The per-component Services
-name the ports (`grpc`, `coordinator`) and list a component's pods. The auth token comes
-from a Secret (`deploy.auth_secret`, key `token`) and is never written here.
+the processes' args and the multi-host coordinator address. A multi-slice trainer
+(`trainer.mesh.num_slices` > 1) is one Job per slice (`<run>-trainer-<slice>-<host>`), each
+on a node pool of its own, joined into one JAX job, and over DCN by the MEGASCALE_*
+variables. The per-component Services name the ports (`grpc`, `coordinator`, `megascale`)
+and list a component's pods. The auth token comes from a Secret (`deploy.auth_secret`, key
+`token`) and is never written here.
 
 What restarts what: a lost parameter-server, verifier or inference-worker pod, or the
 controller's, is replaced alone by its Job (same name, so same address): preempted pods
@@ -32,6 +35,11 @@ import yaml
 from rlax_tpu.config import RunConfig
 from rlax_tpu.deploy.plan import (
     COORDINATOR_PORT,
+    MEGASCALE_COORDINATOR_ENV,
+    MEGASCALE_NUM_SLICES_ENV,
+    MEGASCALE_PORT,
+    MEGASCALE_PORT_ENV,
+    MEGASCALE_SLICE_ID_ENV,
     TEST_DATA_CACHE,
     Component,
     Plan,
@@ -43,7 +51,8 @@ JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 CONFIG_DIR = "/etc/rlax-tpu"
 CONFIG_FILE = f"{CONFIG_DIR}/config.json"
 TOKEN_KEY = "token"
-# The instance index of a pod: JobSet's job index (parameter-server replica, worker, ...).
+# The instance index of a pod: JobSet's job index (parameter-server replica, worker, ...;
+# the slice, for the Jobs of a multi-slice trainer).
 REPLICA_ENV = "RLAX_TPU_REPLICA"
 # rlax_tpu.distributed reads these on every process of a multi-host slice.
 COORDINATOR_ENV = "RLAX_TPU_COORDINATOR_ADDRESS"
@@ -113,18 +122,32 @@ def _env(plan: Plan, component: Component) -> list[dict[str, Any]]:
                 "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_INDEX_LABEL}']"}},
             }
         )
+    # Process 0 of the instance (of its first slice, when it has several).
+    coordinator = pod_host(plan.name, component.name, _replica(component))
     if component.multi_host:
-        coordinator = pod_host(plan.name, component.name, _replica(component))
         env += [
             {"name": COORDINATOR_ENV, "value": f"{coordinator}:{COORDINATOR_PORT}"},
-            {"name": NUM_PROCESSES_ENV, "value": str(component.hosts)},
+            {"name": NUM_PROCESSES_ENV, "value": str(component.processes)},
             {
+                # Within the slice when there are several (rlax_tpu.distributed adds the
+                # slice's offset): an indexed Job's completion index.
                 "name": PROCESS_ID_ENV,
                 "valueFrom": {
                     "fieldRef": {
                         "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
                     }
                 },
+            },
+        ]
+    if component.multi_slice:
+        env += [
+            {"name": MEGASCALE_COORDINATOR_ENV, "value": f"{coordinator}:{MEGASCALE_PORT}"},
+            {"name": MEGASCALE_PORT_ENV, "value": str(MEGASCALE_PORT)},
+            {"name": MEGASCALE_NUM_SLICES_ENV, "value": str(component.slices)},
+            {
+                # One Job per slice: the slice is the Job's index in its replicated job.
+                "name": MEGASCALE_SLICE_ID_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_INDEX_LABEL}']"}},
             },
         ]
     return env
@@ -134,6 +157,8 @@ def _ports(component: Component) -> list[dict[str, Any]]:
     ports = [{"name": "grpc", "containerPort": component.port, "protocol": "TCP"}]
     if component.multi_host:
         ports.append({"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"})
+    if component.multi_slice:
+        ports.append({"name": "megascale", "containerPort": MEGASCALE_PORT, "protocol": "TCP"})
     return ports
 
 
@@ -227,7 +252,9 @@ def _replicated_job(plan: Plan, component: Component) -> dict[str, Any]:
         job_metadata["annotations"] = {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL}
     return {
         "name": component.name,
-        "replicas": component.replicas,
+        # A Job per instance; a multi-slice instance is a Job per slice, each of the
+        # slice's hosts (the JobSet of xpk and of JobSet's TPU multi-slice example).
+        "replicas": component.slices if component.multi_slice else component.replicas,
         "template": {
             "metadata": job_metadata,
             "spec": {
@@ -252,6 +279,15 @@ def _service(plan: Plan, component: Component) -> dict[str, Any]:
                 "name": "coordinator",
                 "port": COORDINATOR_PORT,
                 "targetPort": "coordinator",
+                "protocol": "TCP",
+            }
+        )
+    if component.multi_slice:
+        ports.append(
+            {
+                "name": "megascale",
+                "port": MEGASCALE_PORT,
+                "targetPort": "megascale",
                 "protocol": "TCP",
             }
         )

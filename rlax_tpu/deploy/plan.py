@@ -18,6 +18,20 @@ from rlax_tpu.config import ConfigError, MeshConfig, RunConfig, TpuSliceConfig
 PORTS = {"param-server": 50051, "trainer": 50052, "inference": 50053, "verifier": 50054}
 # jax.distributed's coordinator on process 0 of a multi-host slice (rlax_tpu.distributed).
 COORDINATOR_PORT = 8476
+# TPU multi-slice (trainer.mesh.num_slices > 1): every trainer process gets these; libtpu
+# joins the slices over DCN from them, and rlax_tpu.distributed reads the count and the
+# process's slice. The names are those JAX's TPU cluster detection reads
+# (jax/_src/clusters/cloud_tpu_cluster.py) and Ray's TPU support sets; the values follow the
+# injection JobSet once had for TPU Jobs (kubernetes-sigs/jobset 1a3f0e10,
+# pkg/util/accelerator/tpu.go, removed again in e979ed23): the coordinator is the first pod
+# of the first slice's Job (<jobset>-<replicated job>-0-0.<subdomain>), the slice the Job's
+# index, the count the replicated job's replicas. 8080 is the port xpk's TPU pods open for
+# megascale (AI-Hypercomputer/xpk, src/xpk/core/docker_resources.py, add_container_ports).
+MEGASCALE_COORDINATOR_ENV = "MEGASCALE_COORDINATOR_ADDRESS"
+MEGASCALE_NUM_SLICES_ENV = "MEGASCALE_NUM_SLICES"
+MEGASCALE_SLICE_ID_ENV = "MEGASCALE_SLICE_ID"
+MEGASCALE_PORT_ENV = "MEGASCALE_PORT"
+MEGASCALE_PORT = 8080
 # Stands for the instance index in `Component.args` (a parameter-server replica, a worker).
 REPLICA = "<replica>"
 COMPONENTS = ("controller", "param-server", "verifier", "inference", "trainer")
@@ -36,8 +50,9 @@ class Component:
     """One kind of process of the run.
 
     `replicas` independent instances (parameter-server replicas, inference workers,
-    verifiers), each of `hosts` processes (the hosts of its TPU slice; 1 off TPU). `args`
-    follow `rlax-tpu`; `REPLICA` in them stands for the instance's index.
+    verifiers), each of `slices` TPU slices (the trainer's `trainer.mesh.num_slices`; 1
+    elsewhere) of `hosts` processes each (the hosts of one slice; 1 off TPU). `args` follow
+    `rlax-tpu`; `REPLICA` in them stands for the instance's index.
     """
 
     name: str
@@ -45,18 +60,36 @@ class Component:
     hosts: int
     args: tuple[str, ...]
     port: int | None = None  # gRPC port; None for the controller (it only calls out)
-    tpu: TpuSliceConfig | None = None
+    tpu: TpuSliceConfig | None = None  # one slice's
     cpu: str | None = None
     memory: str | None = None
     node_pool: str = ""
     sandboxed: bool = False  # gVisor: the verifier pool runs untrusted code
+    slices: int = 1
+
+    def __post_init__(self) -> None:
+        if self.slices > 1 and self.replicas > 1:
+            raise ValueError(f"{self.name}: a multi-slice component has one instance")
 
     def args_for(self, replica: int | str) -> list[str]:
         return [a.replace(REPLICA, str(replica)) for a in self.args]
 
     @property
+    def processes(self) -> int:
+        """The processes of one instance, which form one JAX job: slices × hosts."""
+        return self.slices * self.hosts
+
+    @property
     def multi_host(self) -> bool:
-        return self.hosts > 1
+        """Whether one instance spans several hosts (of one slice, or of several)."""
+        return self.processes > 1
+
+    @property
+    def multi_slice(self) -> bool:
+        return self.slices > 1
+
+
+HostFn = Callable[[str, "int | str"], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +97,8 @@ class Plan:
     name: str  # the run's DNS-safe name (JobSet name, prefix of every object)
     config: RunConfig
     components: tuple[Component, ...]
+    # host(component, replica): the DNS name of that instance's first process (build_plan).
+    host: HostFn
 
     def component(self, name: str) -> Component:
         for c in self.components:
@@ -83,12 +118,19 @@ def _is_gs(url: str) -> bool:
 
 
 def _mesh_problem(mesh: MeshConfig, tpu: TpuSliceConfig, section: str, field: str) -> str:
+    slices = mesh.num_slices
     try:
-        mesh.shape_for(tpu.chips)
+        mesh.shape_for(tpu.chips * slices)
     except ConfigError as e:
+        if slices == 1:
+            return (
+                f"{section}.mesh must fill deploy.{field} (topology {tpu.topology} = "
+                f"{tpu.chips} chips, {tpu.chips_per_host} per host): {e.detail}"
+            )
         return (
-            f"{section}.mesh must fill deploy.{field} (topology {tpu.topology} = {tpu.chips} "
-            f"chips, {tpu.chips_per_host} per host): {e.detail}"
+            f"{section}.mesh must fill {slices} slices of deploy.{field} ({section}.mesh."
+            f"num_slices; topology {tpu.topology} = {tpu.chips} chips a slice, "
+            f"{tpu.chips_per_host} per host: {tpu.chips * slices} chips): {e.detail}"
         )
     return ""
 
@@ -125,6 +167,16 @@ def problems(config: RunConfig, name: str | None = None) -> list[str]:
         problem = _mesh_problem(getattr(config, section).mesh, tpu, section, field)
         if problem:
             out.append(problem)
+    slices = config.trainer.mesh.num_slices
+    if slices > 1 and deploy.trainer_tpu.hosts == 1:
+        # cloud.google.com/kubernetes-engine/docs/how-to/tpu-multislice, "Multislice
+        # availability in GKE": multi-host TPU slice node pools only.
+        out.append(
+            f"trainer.mesh.num_slices={slices} joins single-host slices (deploy.trainer_tpu "
+            f"topology {deploy.trainer_tpu.topology} = {deploy.trainer_tpu.chips} chips, one "
+            "host): GKE runs TPU multi-slice on multi-host slice node pools only; use a "
+            "multi-host deploy.trainer_tpu, or one slice"
+        )
     if deploy.inference_tpu.hosts > 1:
         out.append(
             f"deploy.inference_tpu spans {deploy.inference_tpu.hosts} hosts: an inference worker "
@@ -138,6 +190,7 @@ def problems(config: RunConfig, name: str | None = None) -> list[str]:
         config.param_server.num_replicas,
         config.inference.num_workers,
         deploy.verifier_replicas,
+        slices,  # the trainer's pods are <run>-trainer-<slice>-<host>
     )
     hosts = max(deploy.trainer_tpu.hosts, deploy.inference_tpu.hosts)
     longest = f"{run}-param-server-{replicas - 1}-{hosts - 1}"
@@ -156,9 +209,6 @@ def check_deployable(config: RunConfig, name: str | None = None) -> None:
         raise DeployError("the config cannot be deployed:\n" + "\n".join(f"  - {p}" for p in found))
 
 
-HostFn = Callable[[str, "int | str"], str]
-
-
 def build_plan(
     config: RunConfig,
     *,
@@ -170,7 +220,8 @@ def build_plan(
 
     `config_args` name the config to every process (a path, maybe followed by `--set`s);
     `host(component, replica)` is the DNS name of that instance's first process, which
-    serves its gRPC port (and, on a multi-host slice, the coordinator).
+    serves its gRPC port (and, on a multi-host slice, the coordinator; of a multi-slice
+    trainer, the first host of its first slice).
     """
     check_deployable(config, name)
     deploy, cfg = config.deploy, list(config_args)
@@ -268,6 +319,9 @@ def build_plan(
             ),
             port=PORTS["trainer"],
             tpu=deploy.trainer_tpu,
+            slices=config.trainer.mesh.num_slices,
         ),
     ]
-    return Plan(name=dns_name(name or config.name), config=config, components=tuple(components))
+    return Plan(
+        name=dns_name(name or config.name), config=config, components=tuple(components), host=host
+    )

@@ -27,7 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import load_config
-from rlax_tpu.deploy.plan import COORDINATOR_PORT, DeployError, Plan, build_plan
+from rlax_tpu.deploy.plan import (
+    COORDINATOR_PORT,
+    MEGASCALE_COORDINATOR_ENV,
+    MEGASCALE_NUM_SLICES_ENV,
+    MEGASCALE_PORT,
+    MEGASCALE_PORT_ENV,
+    MEGASCALE_SLICE_ID_ENV,
+    DeployError,
+    Plan,
+    build_plan,
+)
 
 NO_XMANAGER = (
     "launching needs the xmanager package, which pins protobuf<7 while rlax_tpu needs >=7: "
@@ -70,9 +80,12 @@ def quantity(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def job_name(component: str, replica: int | None = None) -> str:
-    """An XManager job name (a Python identifier): trainer, param_server_0, inference_3."""
+def job_name(component: str, replica: int | None = None, *, multi_slice: bool = False) -> str:
+    """An XManager job name (a Python identifier): trainer, param_server_0, inference_3;
+    trainer_slice_1 for a slice of a multi-slice trainer (`replica` is then the slice)."""
     base = component.replace("-", "_")
+    if multi_slice:
+        return f"{base}_slice_{replica}"
     return base if replica is None else f"{base}_{replica}"
 
 
@@ -92,24 +105,45 @@ def _ports(component: Any) -> dict[str, int]:
     ports = {"grpc": component.port} if component.port is not None else {}
     if component.multi_host:
         ports["coordinator"] = COORDINATOR_PORT
+    if component.multi_slice:
+        ports["megascale"] = MEGASCALE_PORT
     return ports
 
 
 def specs_of(plan: Plan, *, image: str) -> list[dict[str, Any]]:
-    """One plain spec per XManager job: name, image, args, env, requirements."""
+    """One plain spec per XManager job: name, image, args, env, requirements. A multi-slice
+    trainer is a job per slice (trainer_slice_I), each told the slice count, its slice and
+    the first slice's first host in the MEGASCALE_* variables libtpu and JAX's TPU cluster
+    detection read (as the GKE manifests set them: rlax_tpu/deploy/gke.py)."""
     token_env = plan.config.param_server.auth_token_env
     specs = []
     for component in plan.components:
         single = component.name in SINGLE
-        for replica in range(component.replicas):
+        for index in range(component.slices if component.multi_slice else component.replicas):
+            replica = 0 if component.multi_slice else index
             env = {}
             if component.multi_host:
                 # The slice is one job; the platform runs a task per host and JAX finds its
                 # peers itself (rlax_tpu.distributed).
                 env["RLAX_TPU_DISTRIBUTED"] = "auto"
+            if component.multi_slice:
+                env.update(
+                    {
+                        MEGASCALE_COORDINATOR_ENV: f"{plan.host(component.name, 0)}:"
+                        f"{MEGASCALE_PORT}",
+                        MEGASCALE_PORT_ENV: str(MEGASCALE_PORT),
+                        MEGASCALE_NUM_SLICES_ENV: str(component.slices),
+                        MEGASCALE_SLICE_ID_ENV: str(index),
+                    }
+                )
+            name = (
+                job_name(component.name, index, multi_slice=True)
+                if component.multi_slice
+                else job_name(component.name, None if single else replica)
+            )
             specs.append(
                 {
-                    "name": job_name(component.name, None if single else replica),
+                    "name": name,
                     "component": component.name,
                     "image": image,
                     "args": component.args_for(replica),
@@ -152,7 +186,10 @@ def build_specs(
     config = load_config(config_path, list(overrides))
 
     def host(component: str, replica: int | str) -> str:
-        job = job_name(component, None if component in SINGLE else int(replica))
+        if component == "trainer" and config.trainer.mesh.num_slices > 1:
+            job = job_name(component, 0, multi_slice=True)  # the first slice's job
+        else:
+            job = job_name(component, None if component in SINGLE else int(replica))
         name = address_template.format(experiment=experiment, job=job)
         return name.replace("_", "-").lower()
 

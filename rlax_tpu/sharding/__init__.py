@@ -15,9 +15,10 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from rlax_tpu.config import MeshConfig
+from rlax_tpu.config import ConfigError, MeshConfig
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 LogicalAxes = tuple[str | None, ...]
@@ -31,13 +32,48 @@ _active: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A Mesh with axes (data, fsdp, tensor) over `devices` (default: all devices).
 
+    One slice: the devices in their order, reshaped. Several (`config.num_slices`): a hybrid
+    mesh whose `dcn_axis` spans the slices (each slice one contiguous block of it, in slice
+    order) while the other axes stay inside a slice, laid out on its ICI torus by JAX's
+    `create_hybrid_device_mesh`. A TPU device's slice is its `slice_index`; on other
+    platforms (CPU, GPU) each process counts as a slice.
+
     Axes use GSPMD-style `Auto` types so shardings propagate through jit.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = config.shape_for(len(devices))
     axes = MeshConfig.AXES
-    grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in axes])
+    if config.num_slices == 1:
+        shape = config.shape_for(len(devices))
+        grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in axes])
+    else:
+        grid = _hybrid_grid(config, devices)
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _hybrid_grid(config: MeshConfig, devices: list[jax.Device]) -> np.ndarray:
+    ici, dcn = config.slice_shapes(len(devices))
+    # TPU devices tell their slice (slice_index, on a multi-slice job); CPU and GPU devices
+    # have none, or one for all: JAX's fallback then counts each process as a slice.
+    by_slice = devices[0].platform == "tpu"
+    slices = {getattr(d, "slice_index", 0) if by_slice else d.process_index for d in devices}
+    if len(slices) != config.num_slices:
+        unit = "TPU slices" if by_slice else f"processes ({devices[0].platform}: one a slice)"
+        raise ConfigError(
+            f"mesh {config.shape_for(len(devices))} with num_slices="
+            f"{config.num_slices} (dcn_axis {config.dcn_axis}) over {len(devices)} devices "
+            f"that lie in {len(slices)} {unit}: run on {config.num_slices} slices, or set "
+            f"mesh.num_slices={len(slices)}",
+            field="num_slices",
+        )
+    # allow_split_physical_axes: any factorisation of a slice's chips is a valid mesh, as
+    # the one-slice reshape accepts (e.g. tensor 8 over a 4x4 torus).
+    return mesh_utils.create_hybrid_device_mesh(
+        [ici[a] for a in MeshConfig.AXES],
+        [dcn[a] for a in MeshConfig.AXES],
+        devices,
+        process_is_granule=not by_slice,
+        allow_split_physical_axes=True,
+    )
 
 
 def logical_to_spec(

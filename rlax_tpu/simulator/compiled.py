@@ -71,6 +71,13 @@ def check_report(
                 f"{component}.gpu)"
             )
             continue
+        slices = getattr(config, component).mesh.num_slices
+        if target.get("num_slices", 1) != slices:
+            problems.append(
+                f"the {component} was compiled for {target.get('num_slices', 1)} slice(s) of "
+                f"{topology}, this config runs it on {slices} ({component}.mesh.num_slices)"
+            )
+            continue
         try:
             mesh = getattr(config, component).mesh.shape_for(target["num_chips"])
         except ConfigError:
