@@ -166,6 +166,8 @@ def from_compile_report(
         f"compile report {source} ({check_report(config, workload, report, source)}); the "
         "per-call host costs (decode_call_s, prefill_call_s) are not in a compiled program"
     )
+    # By name; a program compiled at several buckets (prefill, decode) appears once per
+    # bucket in ascending order, so the last, the largest, is the one kept.
     programs = {p["name"]: p for p in report["programs"]}
     components = report.get("components", {})
 
