@@ -28,7 +28,7 @@ from test_algorithms_presets import (
     tok,
 )
 
-from rlax_tpu.algorithms import MissingInputError, build_objective, describe
+from rlax_tpu.algorithms import MissingInputError, RolloutBatch, build_objective, describe
 from rlax_tpu.algorithms.covariance import CLIP_COV_STREAM
 from rlax_tpu.config import AlgorithmConfig, ConfigError
 
@@ -282,6 +282,43 @@ def test_dual_clip_acts_on_the_sequence_ratio_with_the_sequence_mask():
 
     metrics = assert_matches(config, x, ref)
     assert metrics["clip_fraction/dual"] > 0
+
+
+@pytest.mark.parametrize(
+    ("log_ratios", "expected"),
+    [
+        ((9.0, 9.0), (np.exp(18), np.exp(18))),  # inside: ∂ = −A·s_i on every token
+        ((12.0, 12.0), (0.0, 0.0)),  # the sequence's 24 is beyond the clamp
+        ((25.0, -10.0), (0.0, np.exp(10))),  # token 0's 25 is, the sequence's 10 not
+    ],
+)
+def test_a_sequence_ratio_beyond_its_clamp_has_no_gradient(log_ratios, expected):
+    # s_i = exp(clip(Σ_t clip(log r_t, ±20), ±20)) (Proximal RLOO's product, A = −1): the
+    # gradient is the derivative of that value, 0 where a clamp holds it (as verl's ratio).
+    config = AlgorithmConfig(name="proximal_rloo", advantage="given")
+    objective = build_objective(config)
+    behaviour = np.full((1, 2), -30.0)
+
+    def loss_and_grad(lp):
+        batch = RolloutBatch(
+            tokens=jnp.zeros((1, 2), jnp.int32),
+            response_mask=jnp.ones((1, 2), bool),
+            group_ids=jnp.zeros(1, jnp.int32),
+            rewards=jnp.zeros(1, jnp.float64),
+            behaviour_logprobs=jnp.asarray(behaviour),
+            versions=jnp.zeros(1, jnp.int32),
+            token_advantages=jnp.full((1, 2), -1.0, jnp.float64),
+        )
+        f = jax.value_and_grad(lambda a: objective(batch, a, step=STEP)[0])
+        loss, grad = f(jnp.asarray(lp))
+        return float(loss), np.asarray(grad)
+
+    with jax.enable_x64(True):
+        lp = behaviour + np.asarray(log_ratios)[None, :]
+        _, grad = loss_and_grad(lp)
+        of_value = finite_difference(lambda v: loss_and_grad(v)[0], lp, np.ones((1, 2), bool))
+    np.testing.assert_allclose(grad[0], expected, rtol=1e-6)
+    np.testing.assert_allclose(grad, of_value, rtol=1e-6, atol=1e-12)
 
 
 def _groups(x):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_algorithms_presets import STEP, B, S, finite_difference, make_inputs, to_batch
 
-from rlax_tpu.algorithms import build_objective
+from rlax_tpu.algorithms import RolloutBatch, build_objective
 from rlax_tpu.config import AlgorithmConfig
 
 # -- the table, as code ---------------------------------------------------------------------
@@ -458,6 +458,71 @@ def test_the_inputs_reach_low_var_kls_clamp():
     k3 = np.exp(d) - d - 1
     assert np.any(k3 > 10) and np.any(k3 < 10)
     assert np.all(np.abs(d) < 20)  # verl's inner ±20 clamp is idle, as ours has none
+
+
+# -- the ratio's ±20 clamp, on one token ----------------------------------------------------
+
+
+def one_token_ours(log_ratio: float, advantage: float, behaviour: float = -30.0):
+    """Our float64 loss and d loss / d log π_θ on one response token with log π_θ − log μ =
+    `log_ratio` and A = `advantage`: verl's vanilla clip (0.2, 0.28), no dual clip."""
+    config = AlgorithmConfig(
+        name="grpo",
+        advantage="given",
+        aggregation="token_mean",
+        clip_eps_low=VANILLA["clip_ratio_low"],
+        clip_eps_high=VANILLA["clip_ratio_high"],
+        dual_clip_c=0.0,
+        kl_beta=0.0,
+        kl_beta_final=0.0,
+    )
+    objective = build_objective(config)
+    with jax.enable_x64(True):
+        batch = RolloutBatch(
+            tokens=jnp.zeros((1, 1), jnp.int32),
+            response_mask=jnp.ones((1, 1), bool),
+            group_ids=jnp.zeros(1, jnp.int32),
+            rewards=jnp.zeros(1, jnp.float64),
+            behaviour_logprobs=jnp.full((1, 1), behaviour, jnp.float64),
+            versions=jnp.zeros(1, jnp.int32),
+            token_advantages=jnp.full((1, 1), advantage, jnp.float64),
+        )
+        lp = jnp.full((1, 1), behaviour + log_ratio, jnp.float64)
+        loss, grad = jax.value_and_grad(lambda a: objective(batch, a, step=STEP)[0])(lp)
+        return float(loss), float(grad[0, 0])
+
+
+def one_token_verl(log_ratio: float, advantage: float, behaviour: float = -30.0):
+    """verl's loss (compute_policy_loss_vanilla, token-mean) and its gradient by finite
+    differences on the same token. verl always dual-clips (clip_ratio_c > 1 asserted); an
+    infinite c never binds, which is the case without dual clip."""
+    v = {**VANILLA, "clip_ratio_c": np.inf, "loss_agg_mode": "token-mean"}
+    old, m = np.full((1, 1), behaviour), np.ones((1, 1))
+    adv = np.full((1, 1), advantage)
+
+    def f(lp):
+        return policy_loss_vanilla(v, old, lp, adv, m)[0]
+
+    lp = old + log_ratio
+    return f(lp), finite_difference(f, lp, m > 0)[0, 0]
+
+
+@pytest.mark.parametrize(
+    ("log_ratio", "advantage"), [(25.0, -1.0), (-25.0, 1.0), (19.0, -1.0), (-19.0, 1.0)]
+)
+def test_a_ratio_beyond_the_clamp_has_verls_zero_gradient(log_ratio, advantage):
+    # verl's ratio is exp(clamp(log r, −20, 20)) and torch.clamp passes no gradient beyond
+    # its bounds. log r = 25, A = −1 is on the side PPO's clip leaves open: our gradient was
+    # e^20·|A| = 4.9e8 there (issue 38); −25 with A = +1 was e^−20.
+    loss, grad = one_token_ours(log_ratio, advantage)
+    want, want_grad = one_token_verl(log_ratio, advantage)
+    assert np.isfinite(loss) and np.isfinite(grad)
+    np.testing.assert_allclose(loss, want, rtol=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-6, atol=1e-15)
+    if abs(log_ratio) > 20:
+        assert grad == 0.0 and want_grad == 0.0
+    else:  # inside the clamp: PPO's unclipped side, −A·r
+        np.testing.assert_allclose(grad, -advantage * np.exp(log_ratio), rtol=1e-6)
 
 
 # -- Tunix's loss_agg_mode names, on the same advantages --------------------------------------

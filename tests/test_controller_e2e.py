@@ -425,7 +425,8 @@ def test_replay_mode_samples_within_the_staleness_bound_and_resumes_exactly(work
 def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(workspace, reference):
     """`--set staleness=off_policy` (η = 16, N = 32) with the demo's eval_every = 20 used to
     die at step 20, asking workers for version 20, which they refuse. Evaluations measure
-    the newest loadable version at or before their step, and say which."""
+    the newest loadable version at or before their step, and say which; the last one
+    measures the final weights (version 24), which workers load for it alone."""
     root, data = workspace
     run_dir = root / "off_policy_eval"
     config = e2e_config(run_dir, data)
@@ -452,10 +453,16 @@ def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(wor
         job.cleanup()
     result = summary(run_dir)
     assert result["end_step"] == 24
-    assert {int(k): v for k, v in result["eval_versions"].items()} == {0: 0, 20: 16, 24: 16}
+    assert {int(k): v for k, v in result["eval_versions"].items()} == {0: 0, 20: 16, 24: 24}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = {m["step"]: m["eval_version"] for m in metrics if "eval_version" in m}
-    assert evals == {0: 0, 20: 16, 24: 16}
+    assert evals == {0: 0, 20: 16, 24: 24}
+    output = job.output()
+    # The console names the version an evaluation measured where it is not the step's.
+    assert "held-out greedy accuracy: " in output and "at step 24\n" in output
+    assert any(
+        line.startswith("step   20/24") and "(version 16)" in line for line in output.splitlines()
+    )
     # It ran with the knob raised, and said how much of the held-out set it trains on.
     assert {m["dataset/eval_overlap"] for m in metrics if "reward_mean" in m} == {1.0}
 

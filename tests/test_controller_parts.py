@@ -32,19 +32,22 @@ PRESETS = ("on_policy", "one_step_off_policy", "off_policy")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_evaluation_of_the_shipped_demo_measures_a_version_workers_load(preset):
     """`rlax-tpu run configs/tiny_cpu.py --set staleness=PRESET` with the shipped eval_every:
-    each evaluation (step 0, every eval_every steps, the end) asks for a loadable version at
-    or before its step; off-policy (η = 16) measures version 16 at step 20."""
+    each evaluation (step 0, every eval_every steps) asks for a loadable version at or
+    before its step; off-policy (η = 16) measures version 16 at step 20. The last one
+    measures the final weights whatever η is (workers load them for that alone)."""
     config = load_config(str(ROOT / "configs" / "tiny_cpu.py"), [f"staleness={preset}"])
     schedule = Schedule(config)
     ctl = config.controller
-    steps = [0, *(s for s in range(1, ctl.num_steps + 1) if schedule.eval_due(s)), ctl.num_steps]
+    steps = [0, *(s for s in range(1, ctl.num_steps + 1) if schedule.eval_due(s))]
     assert steps[1] == ctl.eval_every == 20
     policy = StalenessPolicy.from_config(config.staleness)
     for step in steps:
         version = schedule.eval_version(step)
         assert policy.is_loadable(version) and 0 <= step - version < policy.reload_every
+    assert schedule.eval_version(ctl.num_steps) == ctl.num_steps
     if preset == "off_policy":
         assert [schedule.eval_version(s) for s in steps[:3]] == [0, 16, 32]
+        assert not policy.is_loadable(ctl.num_steps)  # 120 = 7 × 16 + 8
 
 
 @st.composite
@@ -338,7 +341,7 @@ def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(
         def __init__(self, held):
             self.held, self.address = held, "worker"
 
-        def load(self, version):
+        def load(self, version, *, evaluation=False):
             if version not in self.held:
                 raise InferenceCallError(
                     f"version {version} is not held", grpc.StatusCode.NOT_FOUND
@@ -384,7 +387,7 @@ def test_a_worker_restarted_between_two_jobs_loads_its_version_again(tmp_path):
         def __init__(self):
             self.held, self.loads, self.forgets = -1, [], False
 
-        def load(self, version):
+        def load(self, version, *, evaluation=False):
             self.loads.append(version)
             self.held = version
             return LoadResult(version=version, already_loaded=False, aborted=())

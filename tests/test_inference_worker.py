@@ -144,7 +144,7 @@ def test_generate_before_any_load_says_to_load_first(config):
         worker.close()
 
 
-def test_only_multiples_of_eta_are_loadable(config, params):
+def test_only_multiples_of_eta_are_loadable_but_for_an_evaluation(config, params):
     eta2 = config.apply_overrides(["staleness.max_staleness=1", "staleness.reload_every=2"])
     worker = InferenceWorker(eta2, param_server=None, consumer_id="w")
     try:
@@ -152,6 +152,8 @@ def test_only_multiples_of_eta_are_loadable(config, params):
             worker.load(1, params[0])
         with pytest.raises(NoParamServerError, match="--param-server"):
             worker.load(2)  # loadable, but there is nowhere to pull it from
+        # The run's final version, evaluated whatever η is: loaded for that alone.
+        assert worker.load(1, params[0], evaluation=True).version == 1
     finally:
         worker.close()
 

@@ -45,7 +45,7 @@ class Worker:
     def __init__(self):
         self.requests = []
 
-    def load(self, version):
+    def load(self, version, *, evaluation=False):
         return LoadResult(version=version, already_loaded=False, aborted=())
 
     def generate(self, requests, version):

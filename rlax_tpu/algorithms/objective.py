@@ -44,6 +44,7 @@ from rlax_tpu.algorithms.parts import (
     is_ratio_objective,
     kl_estimate,
     part_inputs,
+    ratio_in_clamp,
     soft_gate,
     weight_level,
 )
@@ -107,8 +108,9 @@ def _policy_term(
     """The policy part of J and the metrics of its ratio, masks and covariance control.
 
     Value Σ w·c·(surrogate), gradient Σ w·c·ρ·A·M·∇log π_θ, c the rollout correction's
-    factor; M is the clip mask times the dual clip's and Clip-Cov's (M = 0 where they
-    flatten the objective); KL-Cov subtracts κ·Σ w·c·|log π_θ − log π_old| on its tokens.
+    factor; M is the clip mask times the dual clip's and Clip-Cov's, and for a ratio-gradient
+    objective the ratio's clamp (M = 0 where they flatten the objective); KL-Cov subtracts
+    κ·Σ w·c·|log π_θ − log π_old| on its tokens.
     """
     sg = jax.lax.stop_gradient
     m, corr = p.mask, correction.weight
@@ -122,7 +124,11 @@ def _policy_term(
     keep = clip_keep * (1 - dual)
     selected = COVARIANCE_CONTROLS[c.covariance_control].fn(p, adv, keep, c, step)
     cov_keep = 1 - selected if c.covariance_control == "clip_cov" else 1.0
-    coef = ratio.weight * adv * keep * cov_keep * corr  # ∂J/∂log π_θ per token, before w
+    in_clamp = 1.0
+    if is_ratio_objective(c.importance_weight):
+        # It differentiates exp(clamped log-ratio): nothing beyond the clamp (verl, Tunix).
+        in_clamp = ratio_in_clamp(p, c, weight_level(c.importance_weight))
+    coef = ratio.weight * adv * keep * in_clamp * cov_keep * corr  # ∂J/∂log π_θ, before w
 
     if is_ratio_objective(c.importance_weight):
         # The published objective's value; gradient w·coef through log π_θ.

@@ -25,8 +25,10 @@ from rlax_tpu.config import AlgorithmConfig
 
 # Added to std denominators (verl's value); groups with equal rewards get exactly A = 0.
 STD_EPS = 1e-6
-# Log-ratios are clamped before exp so ratios stay finite in float32; a ratio beyond
-# e^20 is outside every clip range and truncation bound anyway.
+# Log-ratios are clamped to ±MAX_LOG_RATIO before exp, so ratios stay finite in float32
+# (verl's and Tunix's exp(clamp(log r, −20, 20))). The clamp is flat beyond its bounds, so an
+# objective that differentiates the ratio has no gradient there (`ratio_in_clamp`, part of
+# M): PPO's clip leaves r > e^20 with A < 0 unclipped, where the weight would be e^20·|A|.
 MAX_LOG_RATIO = 20.0
 
 
@@ -158,12 +160,32 @@ def token_log_ratio(p: PartInputs) -> jax.Array:
     return jnp.where(p.mask > 0, diff, 0.0)
 
 
-def sequence_log_ratio(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
-    """float[batch]: log of the sequence ratio: the mean (GSPO) or sum of token log-ratios."""
+def _sequence_log_ratio_unclamped(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
     total = jnp.sum(token_log_ratio(p), axis=1)
     if c.sequence_ratio == "geometric_mean":
         total = total / jnp.maximum(p.lengths, 1)
-    return jnp.clip(total, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return total
+
+
+def sequence_log_ratio(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
+    """float[batch]: log of the sequence ratio: the mean (GSPO) or sum of token log-ratios."""
+    return jnp.clip(_sequence_log_ratio_unclamped(p, c), -MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def ratio_in_clamp(p: PartInputs, c: AlgorithmConfig, level: str) -> jax.Array:
+    """float[batch, seq]: 1 where the ratio at `level` ("token" or "sequence") is inside its
+    clamp, else 0 (and 0 off the response).
+
+    The ratio is exp(clip(log r, ±MAX_LOG_RATIO)); like torch.clamp in verl's
+    compute_policy_loss, the clip passes the gradient inside its bounds (ends included) and
+    none beyond. A sequence ratio clamps each token's log-ratio, then their mean or sum:
+    token t keeps its gradient when both are inside.
+    """
+    inside = jnp.abs(p.logprobs - p.behaviour_logprobs) <= MAX_LOG_RATIO
+    if level == "sequence":
+        sequence = jnp.abs(_sequence_log_ratio_unclamped(p, c)) <= MAX_LOG_RATIO
+        inside = inside & sequence[:, None]
+    return jnp.where(inside, p.mask, 0.0)
 
 
 def _level_ratio(p: PartInputs, c: AlgorithmConfig, level: str) -> jax.Array:

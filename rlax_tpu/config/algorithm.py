@@ -470,6 +470,15 @@ class AlgorithmConfig(ConfigBase):
             raise
 
     @classmethod
+    def from_preset_name(cls, name: str, current: object) -> AlgorithmConfig:
+        """`--set trainer.algorithm=NAME`: preset `name`, built-in or a plugin's, with the
+        section's `plugins` kept (a preset never sets them, and a plugin's preset needs its
+        plugin imported wherever the config is read). An unknown name is validate's error,
+        which says where a preset of one's own is registered."""
+        plugins = current.plugins if isinstance(current, AlgorithmConfig) else ()
+        return cls(name=name, plugins=plugins)
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> AlgorithmConfig:
         """The preset `name` with `overrides`, every field resolved."""
         return cls(name=name, **overrides).resolved()
@@ -511,7 +520,7 @@ class AlgorithmConfig(ConfigBase):
             "name",
             f"unknown algorithm preset {self.name!r}; valid presets: "
             f"{', '.join(self._PRESET_VALUES)} (a preset of your own: register it in a "
-            "module named in trainer.algorithm.plugins)",
+            "module named in trainer.algorithm.plugins; with --set, set the plugins first)",
         )
         v = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         v.update(self._inherited())

@@ -131,16 +131,21 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     )
 
 
-def _parse_text(text: str, hint: Any, path: str) -> Any:
-    """Parse a command-line override value by the type of the field it sets."""
+def _parse_text(text: str, hint: Any, path: str, current: Any = None) -> Any:
+    """Parse a command-line override value by the type of the field it sets (`current`, the
+    field's value before it: a section's preset may keep some of it)."""
     origin = typing.get_origin(hint)
     options = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
     if type(None) in options and text.strip().lower() in ("none", "null"):
         return None
     sections = [o for o in options if isinstance(o, type) and issubclass(o, ConfigBase)]
     for section in sections:
-        if text in section.PRESETS:
-            return section.PRESETS[text]()
+        try:
+            selected = section.from_preset_name(text, current)
+        except ConfigError as e:
+            raise _relocate(e, path) from None
+        if selected is not None:
+            return selected
     scalar_hints = [o for o in options if o is not type(None) and o not in sections]
     errors: list[ConfigError] = []
     for h in scalar_hints:
@@ -199,7 +204,8 @@ def _unknown_key(cls: type, key: str, path: str) -> ConfigError:
 class ConfigBase:
     """Base of every config section. Subclasses override `validate`, never `__post_init__`."""
 
-    # Named ready-made values of the whole section, selectable with `--set section=NAME`.
+    # Named ready-made values of the whole section, selectable with `--set section=NAME`
+    # (`from_preset_name`).
     PRESETS: ClassVar[dict[str, Callable[[], Any]]] = {}
 
     def __post_init__(self) -> None:
@@ -227,6 +233,15 @@ class ConfigBase:
 
     def validate(self) -> None:
         """Check values; raise ConfigError naming the field and the fix."""
+
+    @classmethod
+    def from_preset_name(cls, name: str, current: Any) -> Self | None:
+        """The section that `--set path=NAME` selects: preset `name` of `PRESETS`, or None
+        when there is none of that name. `current` is the section's value before the
+        override (None, or a section of another type, when it has none): a subclass whose
+        presets leave some fields alone keeps them from it."""
+        make = cls.PRESETS.get(name)
+        return None if make is None else make()
 
     # -- conversion ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -273,7 +288,7 @@ class ConfigBase:
                 raise ConfigError(f"is a {_type_name(hint)}, it has no field {rest!r}", field=path)
             new_value = current.override(rest, value, _path=path)
         elif isinstance(value, str):
-            new_value = _parse_text(value, hint, path)
+            new_value = _parse_text(value, hint, path, current)
         else:
             new_value = _coerce(value, hint, path)
         try:

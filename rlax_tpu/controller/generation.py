@@ -120,6 +120,7 @@ class _Job:
     timing: dict[str, float] = dataclasses.field(
         compare=False, default_factory=lambda: dict.fromkeys(_TIMINGS, 0.0)
     )
+    evaluation: bool = dataclasses.field(compare=False, default=False)  # any version
 
 
 _STOP = _Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
@@ -235,7 +236,8 @@ class GenerationPool:
         for attempt in range(2):
             t0 = time.perf_counter()
             if self.worker_versions[i] != job.version:
-                self.worker_versions[i] = client.load(job.version).version
+                loaded = client.load(job.version, evaluation=job.evaluation)
+                self.worker_versions[i] = loaded.version
             job.timing["load_s"] += time.perf_counter() - t0
             try:
                 self._generate(i, client, job, done)
@@ -423,9 +425,12 @@ class GenerationPool:
             raise ControllerError(self.failure)
 
     # -- one-off generation (evaluation) -------------------------------------------------------
-    def generate(self, requests: list[GenerationRequest], version: int) -> dict[str, Rollout]:
+    def generate(
+        self, requests: list[GenerationRequest], version: int, *, evaluation: bool = False
+    ) -> dict[str, Rollout]:
         """The rollouts of `requests` generated with `version`, by request id, ahead of every
-        batch in the queue; spread over the workers. Blocks until all are in."""
+        batch in the queue; spread over the workers. Blocks until all are in. `evaluation`:
+        `version` may be any published one (workers load it for this only)."""
         if not requests:
             return {}
         done = threading.Event()
@@ -444,7 +449,9 @@ class GenerationPool:
 
         per_worker = math.ceil(len(requests) / len(self.workers))
         for k in range(0, len(requests), per_worker):
-            self._jobs.put(_Job((-1, k), version, requests[k : k + per_worker], deliver, fail))
+            job = _Job((-1, k), version, requests[k : k + per_worker], deliver, fail)
+            job.evaluation = evaluation
+            self._jobs.put(job)
         while not done.wait(0.5):
             self._raise_on_failure()
         if errors:

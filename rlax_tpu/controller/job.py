@@ -167,6 +167,8 @@ def _progress(row: dict[str, Any], num_steps: int) -> None:
     )
     if "eval_accuracy" in row:
         line += f"  held-out {_held_out(row)}"
+        if row.get("eval_version", row["step"]) != row["step"]:
+            line += f" (version {row['eval_version']})"
     print(line, flush=True)
 
 
@@ -449,9 +451,15 @@ def main(config: RunConfig, *, addresses: Any = None, ready_timeout_s: float = 1
     evals = summary.get("evals", {})
     if evals:
         first, last = min(evals), max(evals)
+        versions = summary.get("eval_versions", {})
+
+        def at(step: int) -> str:
+            version = versions.get(step, step)
+            return f"step {step}" + (f" (version {version})" if version != step else "")
+
         print(
-            f"held-out greedy accuracy: {evals[first]:.3f} at step {first} -> "
-            f"{evals[last]:.3f} at step {last}",
+            f"held-out greedy accuracy: {evals[first]:.3f} at {at(first)} -> "
+            f"{evals[last]:.3f} at {at(last)}",
             flush=True,
         )
     if summary["end_step"] < config.controller.num_steps:

@@ -49,8 +49,11 @@ class Schedule:
         return out
 
     def eval_version(self, step: int) -> int:
-        """The version evaluated at `step`: the newest one workers may load (a multiple of η)
-        at or before it, so an evaluation never asks for a version workers refuse."""
+        """The version evaluated at `step`: the run's final version at its last step (the
+        trainer publishes it whatever η is, and workers load it for the evaluation only),
+        else the newest one workers may load (a multiple of η) at or before it."""
+        if step == self.num_steps:
+            return step
         return step - step % self.policy.reload_every
 
     def eval_due(self, step: int) -> bool:

@@ -75,9 +75,11 @@ class InferenceWorkerClient(ComponentClient):
         super().__init__(address, **channel_options)
         self._stub = pb_grpc.InferenceWorkerStub(self._channel)
 
-    def load(self, version: int) -> LoadResult:
+    def load(self, version: int, *, evaluation: bool = False) -> LoadResult:
+        """Hold `version` (a multiple of η; any published version with `evaluation`)."""
+        request = pb.LoadRequest(version=version, evaluation=evaluation)
         try:
-            reply = self._stub.Load(pb.LoadRequest(version=version), timeout=self.timeout_s)
+            reply = self._stub.Load(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise _call_error(e, f"Load({version}) on {self.address}") from None
         aborted = tuple(rollout_from_proto(m) for m in reply.aborted)

@@ -116,7 +116,7 @@ class InferenceWorkerServicer(pb_grpc.InferenceWorkerServicer):
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
         try:
-            result = self.worker.load(request.version)
+            result = self.worker.load(request.version, evaluation=request.evaluation)
         except Exception as e:
             _abort(context, e)
         return pb.LoadReply(

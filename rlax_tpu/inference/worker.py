@@ -233,13 +233,15 @@ class InferenceWorker:
                 self._commands.put((lambda: self._submit(new, version), None))
         return RolloutStream(self, inbox, ids)
 
-    def load(self, version: int, params: Any = None) -> LoadResult:
+    def load(self, version: int, params: Any = None, *, evaluation: bool = False) -> LoadResult:
         """Hold `version`: pull it (unless `params` is given), swap it in, confirm to the
         parameter server that older versions are no longer needed. Idempotent.
 
-        Requests in flight at the swap end as "aborted" (returned here and to their callers).
+        Only multiples of η, unless `evaluation`: then any published version (the run's
+        final one, evaluated whatever η is). Requests in flight at the swap end as "aborted"
+        (returned here and to their callers).
         """
-        if not self.policy.is_loadable(version):
+        if not evaluation and not self.policy.is_loadable(version):
             raise NotLoadableError(
                 f"version {version} is not loadable: workers load only multiples of "
                 f"η = staleness.reload_every = {self.policy.reload_every}"
