@@ -6,9 +6,12 @@ the suite checks the built-in names), the way a trainer process reads its run's 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +149,49 @@ def test_a_taken_name_and_a_bad_preset_are_refused(tmp_path):
     assert "exists already" in lines[3]
     assert "clip_eps_low" in lines[4]
     assert "no_such_field" in lines[5]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def docs_plugin_example() -> tuple[str, list[str]]:
+    """docs/algorithms.md, "Parts and presets of your own": the plugin file (its first
+    python block, `# my_parts.py`) and the `rlax-tpu run` command after it, as argv."""
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    section = text.split("## Parts and presets of your own", 1)[1].split("\n## ", 1)[0]
+    plugin = re.search(r"```python\n(# my_parts\.py\n.*?)```", section, re.S).group(1)
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return plugin, shlex.split(command.replace("\\\n", " "))
+
+
+def test_the_docs_plugin_preset_selected_as_the_section_reaches_the_dumped_config(tmp_path):
+    # `--set trainer.algorithm=<a plugin's preset>` once failed with a config error (issue
+    # 38); the run must also keep the plugin, or no other process could read its config.
+    plugin, argv = docs_plugin_example()
+    assert argv[:3] == ["rlax-tpu", "run", "configs/tiny_cpu.py"], argv
+    assert "trainer.algorithm=reinforce_best" in argv, argv
+    (tmp_path / "my_parts.py").write_text(plugin)  # the docs' relative path, from cwd
+    config = str(ROOT / argv[2])
+    show = [sys.executable, "-m", "rlax_tpu", "config", "show", config, *argv[3:]]
+    out = subprocess.run(
+        [*show, "--format", "json"], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    dumped = json.loads(out.stdout)
+    assert dumped["trainer"]["algorithm"]["name"] == "reinforce_best"
+    assert dumped["trainer"]["algorithm"]["plugins"] == ["my_parts.py"]
+    # Another process reads the dump as the trainer does: the plugin comes with it.
+    read = "import json, sys; from rlax_tpu.config import RunConfig; " + (
+        "print(RunConfig.from_dict(json.loads(sys.argv[1])).trainer.algorithm.resolved().advantage)"
+    )
+    again = subprocess.run(
+        [sys.executable, "-c", read, out.stdout], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.split()[-1] == "best_of_group"
+
+
+def test_a_plugin_preset_named_before_its_plugin_says_to_set_the_plugin_first():
+    with pytest.raises(ConfigError, match="set the plugins first") as info:
+        RunConfig().apply_overrides(["trainer.algorithm=reinforce_best"])
+    assert info.value.field == "trainer.algorithm.name"

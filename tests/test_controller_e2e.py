@@ -191,6 +191,10 @@ def test_a_run_killed_mid_way_resumes_to_the_same_weights(workspace, reference, 
     assert all(not i.leftovers for i in disturbed.incarnations), report
     output = (root / f"{name}.job.log").read_text(errors="replace")
     assert "start the trainer again, then `rlax-tpu resume`" in output
+    assert "Traceback" not in output
+    if victim != "controller":  # the stop names the process, how it died, and the resume
+        assert f"ComponentFailed: {victim} (pid " in output and "was killed by SIGKILL" in output
+        assert f"`rlax-tpu resume {root / name}` continues from there" in output
     assert "is usable" not in output and "start a new run directory" not in output
     run_dir = root / name
     result = summary(run_dir)

@@ -3,22 +3,28 @@ inference workers from the config, no accelerator for the parameter server and t
 verifier, and overlapping shares refused before anything starts."""
 
 import json
+from pathlib import Path
 
 import pytest
 
-from rlax_tpu.config import ConfigError, InferenceConfig, RunConfig, TrainerConfig
+from rlax_tpu.config import ConfigError, InferenceConfig, RunConfig, TrainerConfig, load_config
 from rlax_tpu.controller import launcher
 from rlax_tpu.controller.launcher import (
     LocalCluster,
     check_colocated_gpu_memory,
     component_env,
+    host_gpu_visible,
+    shares_gpus,
 )
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py")
 
 
 def shared_gpu_config(trainer: float = 0.55, inference: float = 0.35, workers: int = 1):
+    """A config whose trainer and workers run on one machine's H100s."""
     return RunConfig(
-        trainer=TrainerConfig(gpu_memory_fraction=trainer),
-        inference=InferenceConfig(gpu_memory_fraction=inference, num_workers=workers),
+        trainer=TrainerConfig(gpu_memory_fraction=trainer, gpu="h100"),
+        inference=InferenceConfig(gpu_memory_fraction=inference, num_workers=workers, gpu="h100"),
     )
 
 
@@ -63,6 +69,46 @@ def test_overlapping_gpu_shares_are_refused_naming_the_fields_and_the_fix():
 
 def test_shares_that_sum_to_exactly_one_are_accepted():
     check_colocated_gpu_memory(shared_gpu_config(0.5, 0.25, workers=2))
+
+
+def test_two_cpu_workers_are_not_held_to_gpu_shares(monkeypatch):
+    # `rlax-tpu run configs/tiny_cpu.py --set inference.num_workers=2` exited 2 on a CPU host
+    # (issue 38): 0.55 + 2 × 0.35 > 1, shares that nothing reads there.
+    config = load_config(TINY, ["inference.num_workers=2"])
+    assert config.trainer.gpu_memory_fraction + 2 * config.inference.gpu_memory_fraction > 1
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    check_colocated_gpu_memory(config)
+    monkeypatch.delenv("JAX_PLATFORMS")  # JAX picks: a GPU only where the host has one
+    if not host_gpu_visible():
+        check_colocated_gpu_memory(config)
+
+
+@pytest.mark.parametrize(
+    ("environ", "shared"),
+    [
+        ({"JAX_PLATFORMS": "cpu"}, False),
+        ({"JAX_PLATFORMS": "tpu"}, False),
+        ({"JAX_PLATFORMS": "cuda"}, True),
+        ({"JAX_PLATFORMS": "cuda,cpu"}, True),
+        ({"JAX_PLATFORMS": "rocm"}, True),
+    ],
+)
+def test_gpu_shares_apply_where_jax_starts_on_a_gpu(environ, shared):
+    cpu = load_config(TINY, ["inference.num_workers=2"])
+    assert shares_gpus(cpu, environ) is shared
+    if shared:
+        with pytest.raises(ConfigError, match="inference.gpu_memory_fraction"):
+            check_colocated_gpu_memory(cpu, environ=environ)
+    # A config that names GPUs is held to its shares whatever the launcher's platform.
+    assert shares_gpus(shared_gpu_config(), environ)
+
+
+def test_a_gpu_config_that_overcommits_is_refused_on_any_host(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    gpu = load_config(TINY, ["inference.num_workers=2", "trainer.gpu=h100:2", "inference.gpu=h100"])
+    with pytest.raises(ConfigError, match="at most 0.225") as e:
+        check_colocated_gpu_memory(gpu)
+    assert e.value.field == "inference.gpu_memory_fraction"
 
 
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, float("nan")])
@@ -209,3 +255,31 @@ def test_the_run_and_compile_start_jax_with_the_same_compiler_flags():
     assert jax_environment(config, env) == env
     assert jax_environment(RunConfig(), {}) == {}
     assert "jax_environment(" in inspect.getsource(compile_cli.main)
+
+
+def test_a_stop_names_the_process_that_died_how_and_its_last_log_lines():
+    """A trainer killed mid-run used to end as a raw RPC error (`TrainerCallError: ...
+    UNAVAILABLE ... Connection refused`) and a literal `rlax-tpu resume RUN_DIR`."""
+    import signal as signals
+
+    assert launcher.exit_description(-signals.SIGKILL) == "was killed by SIGKILL"
+    assert launcher.exit_description(3) == "exited with code 3"
+    log = "\n".join(f"line {i}" for i in range(20)) + "\n\n"
+    assert launcher.last_lines(log, 3) == "    line 17\n    line 18\n    line 19"
+
+
+def test_the_resume_command_names_the_run_directory(monkeypatch, capsys, tmp_path):
+    from rlax_tpu.cli import main
+    from rlax_tpu.controller import job
+
+    def dies(config, **kwargs):
+        failed = launcher.ComponentFailed("trainer-0 (pid 7) was killed by SIGKILL; ...")
+        failed.run_dir = str(tmp_path / "run")
+        raise failed
+
+    monkeypatch.setattr(job, "main", dies)
+    assert main(["run", "configs/tiny_cpu.py", "--set", f"storage.run_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "rlax-tpu run: ComponentFailed: trainer-0 (pid 7) was killed by SIGKILL" in err
+    assert f"`rlax-tpu resume {tmp_path / 'run'}` continues from there" in err
+    assert "Traceback" not in err

@@ -306,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlax-tpu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
             # A component that failed or stayed unreachable loses nothing: say how to go on.
             if args.command in ("run", "resume") and isinstance(e, RpcCallError | ComponentFailed):
+                run_dir = getattr(e, "run_dir", "") or "RUN_DIR"
                 print(
                     "the run directory keeps everything up to its last snapshot: "
-                    "`rlax-tpu resume RUN_DIR` continues from there",
+                    f"`rlax-tpu resume {run_dir}` continues from there",
                     file=sys.stderr,
                 )
             return 1

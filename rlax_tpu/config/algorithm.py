@@ -33,7 +33,8 @@ class AlgorithmConfig(ConfigBase):
     (a number) takes that preset's value, so `AlgorithmConfig(name="dapo")` is DAPO as
     published and `AlgorithmConfig(name="grpo", clip_eps_high=0.28)` is GRPO with
     clip-higher. `resolved()` fills in the preset's values; `--set trainer.algorithm=dapo`
-    (a preset) or `--set trainer.algorithm.name=dapo` (keeps explicit overrides) both work.
+    (the preset, keeping only `plugins`) or `--set trainer.algorithm.name=dapo` (keeps
+    explicit overrides) both work, for a plugin's presets too.
 
     Parts of the policy-gradient objective, per response token t of sequence i:
       J = Σ_{i,t} w_{i,t} · sg(ρ_{i,t}) · sg(A_{i,t}) · M_{i,t} · log π_θ(y_{i,t}) − β·R_{i,t}(θ)

@@ -39,6 +39,9 @@ ARITHMETIC_MAX_OPERAND = 99
 ARITHMETIC_OPS = ("+", "-")
 ARITHMETIC_TRAIN_SIZE = 5000
 EFFECTIVE_CONFIG = "effective_config.json"
+# How long a failed call waits for the launcher to see the component's process gone (it looks
+# every 0.2 s) before the call's own error is the stop's reason.
+DEATH_NOTICE_S = 3.0
 DATASET_SCAN = "dataset_scan.json"  # what the datasets scan found (datasets.DatasetScan)
 HELD_OUT = "held_out"  # its key for the held-out set's overlap with them (datasets.EvalOverlap)
 SFT_MODEL_DIR = "sft_model"
@@ -361,12 +364,26 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
             summary = _drive(
                 effective, components, sources, tokenizer=tokenizer, digest=digest, stop=stop
             )
+        except Exception as e:
+            # A component that died fails the controller's next call to it, usually before
+            # the launcher's watch sees the process gone: the stop names the process (after
+            # the controller's own account, when it gave one rather than a call's error).
+            if not cluster.failed.wait(DEATH_NOTICE_S):
+                raise
+            from rlax_tpu.rpc.client import RpcCallError
+
+            reason = cluster.failure if isinstance(e, RpcCallError) else f"{e}\n{cluster.failure}"
+            failed = ComponentFailed(reason)
+            failed.run_dir = run_dir
+            raise failed from e
         finally:
             failure = cluster.failure
         components.param_server.close()
     storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
     if failure and summary["end_step"] < effective.controller.num_steps:
-        raise ComponentFailed(failure)
+        failed = ComponentFailed(failure)
+        failed.run_dir = run_dir
+        raise failed
     if failure:  # after the last step: the run is complete, its results are all written
         print(f"after the last step: {failure.splitlines()[0]}", file=sys.stderr)
     return summary

@@ -19,6 +19,7 @@ gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import secrets
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rlax_tpu.config import ConfigError, RunConfig, load_config
@@ -42,11 +43,47 @@ RESTARTABLE = ("inference_worker", "verifier", "param_server")
 _NO_ACCELERATOR = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def check_colocated_gpu_memory(config: RunConfig, num_workers: int | None = None) -> None:
+# JAX_PLATFORMS values that start JAX on a GPU.
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def host_gpu_visible(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a GPU driver exposes a device on this host that `environ` (default
+    os.environ) leaves visible: NVIDIA's /dev/nvidiaN unless CUDA_VISIBLE_DEVICES hides them
+    all, or ROCm's /dev/kfd."""
+    environ = os.environ if environ is None else environ
+    nvidia = bool(glob.glob("/dev/nvidia[0-9]*"))
+    hidden = environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    return (nvidia and not hidden) or os.path.exists("/dev/kfd")
+
+
+def shares_gpus(config: RunConfig, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the trainer and the inference workers started here would share GPUs: the
+    config names GPUs (trainer.gpu, inference.gpu), or JAX would start on one under
+    `environ` (default os.environ): JAX_PLATFORMS names cuda, gpu or rocm, or is unset on a
+    host with a visible GPU. Decided without starting JAX, which would take GPU memory in
+    this process."""
+    if config.trainer.gpu or config.inference.gpu:
+        return True
+    environ = os.environ if environ is None else environ
+    platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return any(p.strip() in _GPU_PLATFORMS for p in platforms.split(","))
+    return host_gpu_visible(environ)
+
+
+def check_colocated_gpu_memory(
+    config: RunConfig,
+    num_workers: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
     """The local launcher runs the trainer and every inference worker (`num_workers`, default
-    inference.num_workers) on this machine's GPUs, each process taking its
-    `gpu_memory_fraction` of every GPU: refuse shares that overlap (they would sum to more
-    than the GPU, and a process would fail at start or in the middle of the run)."""
+    inference.num_workers) on this machine, each process taking its `gpu_memory_fraction` of
+    every GPU: where they share GPUs (`shares_gpus` under `environ`), refuse shares that
+    overlap (they would sum to more than the GPU, and a process would fail at start or in
+    the middle of the run). On CPU and TPU the shares are read by nothing, so any pass."""
+    if not shares_gpus(config, environ):
+        return
     trainer, inference = config.trainer, config.inference
     workers = inference.num_workers if num_workers is None else num_workers
     total = trainer.gpu_memory_fraction + workers * inference.gpu_memory_fraction
@@ -86,7 +123,28 @@ def component_env(config: RunConfig, component: str) -> dict[str, str]:
 
 
 class ComponentFailed(RuntimeError):
-    """A component process exited or did not become ready."""
+    """A component process exited or did not become ready. `run_dir`, when known, is the
+    run directory a resume continues."""
+
+    run_dir: str = ""
+
+
+def exit_description(returncode: int | None) -> str:
+    """ "exited with code 1", "was killed by SIGKILL": how a process ended."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def last_lines(text: str, count: int = 8) -> str:
+    """The last `count` non-empty lines of `text`, indented."""
+    lines = [line for line in text.splitlines() if line.strip()][-count:]
+    return "\n".join(f"    {line}" for line in lines)
 
 
 class Child:
@@ -167,7 +225,7 @@ class LocalCluster:
         # The config the children load (config_path with overrides; read here when not
         # given): each child's GPU memory share comes from it (component_env).
         self.config = config if config is not None else load_config(config_path, list(overrides))
-        check_colocated_gpu_memory(self.config, num_workers)
+        check_colocated_gpu_memory(self.config, num_workers, {**os.environ, **(env or {})})
         self.config_path = config_path
         self.num_workers = num_workers
         self.log_dir = Path(log_dir)
@@ -259,7 +317,7 @@ class LocalCluster:
             for child in dead:
                 if self._closing:
                     return
-                why = f"{child.name} (pid {child.pid}) exited with code {child.process.returncode}"
+                why = f"{child.name} (pid {child.pid}) {exit_description(child.process.returncode)}"
                 component = child.name.rsplit("-", 1)[0]
                 count = self.restarts.get(child.name, 0)
                 if component in RESTARTABLE and count < self.config.controller.component_restarts:
@@ -278,7 +336,10 @@ class LocalCluster:
                     continue
                 if component in RESTARTABLE:
                     why += f", after {count} restarts (controller.component_restarts)"
-                self.failure = f"{why}; its log {child.log_path} ends with:\n{child.log_tail()}"
+                self.failure = (
+                    f"{why}; the last lines of its log {child.log_path}:\n"
+                    f"{last_lines(child.log_tail())}"
+                )
                 self.failed.set()
                 if component == "param_server":
                     self._stop_waiting_trainer()
