@@ -4,6 +4,8 @@ The benchmarks are scripts (tools/bench_NAME.py) rather than package modules: th
 real component processes and compare against peers, so they ship with the repository, not
 with the wheel. This command finds them next to the package and runs one in a child
 process with the arguments given, unchanged (`rlax-tpu bench trainer --quick --json o.json`).
+`rlax-tpu bench device` is the one-command accelerator check (tools/device_check.py, through
+its tools/bench_device.py name).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("param_server", "inference", "trainer", "verifier", "e2e")
+BENCHMARKS = ("param_server", "inference", "trainer", "verifier", "e2e", "device")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
