@@ -34,7 +34,30 @@ def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) ->
     libtpu = _joined(environ.get("LIBTPU_INIT_ARGS", ""), config.libtpu_flags)
     if libtpu:
         out["LIBTPU_INIT_ARGS"] = libtpu
+    cache = compilation_cache_dir(config)
+    if cache and "JAX_COMPILATION_CACHE_DIR" not in environ:
+        out["JAX_COMPILATION_CACHE_DIR"] = cache
+        # Every program, not only those that compile for over a second (JAX's default): a
+        # restart of the CPU demo recompiles dozens of small ones.
+        out.setdefault(
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+            environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+        )
     return out
+
+
+def compilation_cache_dir(config: RunConfig) -> str:
+    """Where the run's processes keep compiled programs (config.compilation_cache resolved);
+    "" when off."""
+    setting = config.compilation_cache
+    if setting == "off":
+        return ""
+    if setting != "auto":
+        return setting
+    run_dir = config.storage.run_dir
+    if "://" not in run_dir or run_dir.startswith("file://"):
+        return os.path.join(os.path.abspath(run_dir.removeprefix("file://")), "compile_cache")
+    return os.path.join(os.path.expanduser("~"), ".cache", "rlax_tpu", "compile_cache")
 
 
 def _joined(present: str, wanted: str) -> str:
@@ -58,6 +81,15 @@ def configure_jax(config: RunConfig) -> None:
         )
         return
     os.environ.update(wanted)
+    if "jax" in sys.modules and "JAX_COMPILATION_CACHE_DIR" in wanted:
+        # JAX read its environment when it was imported: the cache goes through its config.
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", wanted["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update(
+            "jax_persistent_cache_min_compile_time_secs",
+            float(wanted["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+        )
 
 
 def _backends_started() -> bool:

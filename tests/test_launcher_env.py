@@ -245,7 +245,12 @@ def test_the_run_and_compile_start_jax_with_the_same_compiler_flags():
     from rlax_tpu.config import RunConfig
     from rlax_tpu.runtime import jax_environment
 
-    config = RunConfig(cpu_devices=4, xla_flags="--xla_a=1 --xla_b=2", libtpu_flags="--t=1")
+    config = RunConfig(
+        cpu_devices=4,
+        xla_flags="--xla_a=1 --xla_b=2",
+        libtpu_flags="--t=1",
+        compilation_cache="off",
+    )
     env = jax_environment(config, {"XLA_FLAGS": "--xla_a=1"})
     assert env == {
         "XLA_FLAGS": "--xla_a=1 --xla_b=2 --xla_force_host_platform_device_count=4",
@@ -253,8 +258,33 @@ def test_the_run_and_compile_start_jax_with_the_same_compiler_flags():
     }
     # A child that inherits its parent's variables gets the same, not the flags twice.
     assert jax_environment(config, env) == env
-    assert jax_environment(RunConfig(), {}) == {}
+    assert jax_environment(RunConfig(compilation_cache="off"), {}) == {}
     assert "jax_environment(" in inspect.getsource(compile_cli.main)
+
+
+def test_every_process_of_a_run_keeps_its_compiled_programs(tmp_path):
+    """The persistent compilation cache is on by default: under a local run directory, in
+    the user's cache for a remote one, or where the config says; the environment's wins."""
+    from rlax_tpu.config import StorageConfig
+    from rlax_tpu.runtime import jax_environment
+
+    local = RunConfig(storage=StorageConfig(run_dir=str(tmp_path / "run")))
+    assert jax_environment(local, {})["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert jax_environment(local, {})["JAX_COMPILATION_CACHE_DIR"] == str(
+        tmp_path / "run" / "compile_cache"
+    )
+    remote = RunConfig(storage=StorageConfig(run_dir="gs://bucket/runs/x"))
+    assert jax_environment(remote, {})["JAX_COMPILATION_CACHE_DIR"].endswith(
+        ".cache/rlax_tpu/compile_cache"
+    )
+    chosen = RunConfig(compilation_cache="gs://bucket/cache")
+    assert jax_environment(chosen, {})["JAX_COMPILATION_CACHE_DIR"] == "gs://bucket/cache"
+    assert "JAX_COMPILATION_CACHE_DIR" not in jax_environment(
+        local, {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}
+    )
+    assert "JAX_COMPILATION_CACHE_DIR" not in jax_environment(
+        RunConfig(compilation_cache="off"), {}
+    )
 
 
 def test_a_stop_names_the_process_that_died_how_and_its_last_log_lines():

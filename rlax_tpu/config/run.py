@@ -1053,7 +1053,8 @@ RESUMABLE_FIELDS = (
     "controller.component_wait_s",  # how long a lost component is waited for, not results
     "controller.component_restarts",
     "trainer.checkpoint_every",
-    "trainer.compiled_dir",  # where the compiled programs come from, not what they do
+    "trainer.compiled_dir",
+    "compilation_cache",  # where compiled programs are kept, not what they compute  # where the compiled programs come from, not what they do
     "trainer.max_checkpoints_to_keep",
     "trainer.recompute_every",  # metrics only: the weights never read it
     "trainer.gpu",
@@ -1100,6 +1101,12 @@ class RunConfig(ConfigBase):
     # "--xla_tpu_enable_latency_hiding_scheduler=true". Part of the run's identity.
     xla_flags: str = ""
     libtpu_flags: str = ""
+    # JAX's persistent compilation cache, for every process of the run, so that a restarted
+    # component loads its programs instead of compiling them again: "auto" =
+    # <run_dir>/compile_cache for a local run directory, else ~/.cache/rlax_tpu/compile_cache;
+    # "off"; or a directory (local or gs://). A JAX_COMPILATION_CACHE_DIR already in the
+    # environment wins. Changes no result.
+    compilation_cache: str = "auto"
     model: ModelConfig = ModelConfig()
     staleness: StalenessConfig = StalenessConfig()
     trainer: TrainerConfig = TrainerConfig()
