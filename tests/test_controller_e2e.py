@@ -67,12 +67,20 @@ def start_run(
     workers: int = 1,
     restarts: int = 3,
     env: dict[str, str] | None = None,
+    sft_checkpoint_every: int | None = None,
     **staleness,
 ) -> Job:
     root, data = workspace
     run_dir = root / name
     staleness = staleness or {"reload_every": 2, "max_staleness": 3}
     config = e2e_config(run_dir, data, workers=workers, restarts=restarts, **staleness)
+    if sft_checkpoint_every is not None:
+        config = dataclasses.replace(
+            config,
+            controller=dataclasses.replace(
+                config.controller, sft_checkpoint_every=sft_checkpoint_every
+            ),
+        )
     if replay:  # TBA: trajectory balance trained on batches sampled from the replay buffer
         config = dataclasses.replace(
             config,
@@ -146,14 +154,32 @@ def test_an_off_policy_run_trains_every_batch_once_within_the_staleness_bound(re
     assert all(v % 2 == 0 or v == STEPS for v in kept)
 
 
-def test_the_same_config_and_seed_give_the_same_weights(workspace, reference):
-    job = start_run(workspace, "again")  # its own SFT warm start, from scratch
-    try:
-        assert job.wait() == 0, job.output()[-5000:]
-    finally:
-        job.cleanup()
-    assert summary(job.run_dir)["final_digest"] == summary(reference)["final_digest"] != ""
-    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+def test_the_same_config_and_seed_give_the_same_weights_also_after_a_crashed_warm_start(
+    workspace, reference
+):
+    """The run again, its own SFT warm start from scratch, checkpointed every 10 of its 40
+    steps (a resumable field: the same run), and its trainer SIGKILLed as SFT step 25 begins
+    (a failpoint): the run stops naming the trainer, `rlax-tpu resume` continues the warm
+    start from SFT step 20 rather than 0, and the run ends on the reference's weights."""
+    root, _ = workspace
+
+    disturbed = run_disturbed(
+        lambda env: start_run(
+            workspace, "again", restarts=0, env=env, sft_checkpoint_every=10
+        ),
+        Schedule(kills=(), failpoints=("trainer.sft_step@25",)),
+        failpoint_dir=root / "again.failpoints",
+    )
+    report = disturbed.report()
+    assert [i.returncode == 0 for i in disturbed.incarnations] == [False, True], report
+    assert disturbed.incarnations[0].fired == ["trainer.sft_step@25"], report
+    output = (root / "again.job.log").read_text(errors="replace")
+    assert "ComponentFailed: trainer-0 (pid " in output and "was killed by SIGKILL" in output
+    assert "Traceback" not in output
+    assert "SFT warm start on the trainer: steps 20..39" in output, output[-5000:]
+    run_dir = root / "again"
+    assert summary(run_dir)["final_digest"] == summary(reference)["final_digest"] != ""
+    assert RolloutLog(str(run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
 # Killing the controller is the default-suite case; the other victims run with -m slow

@@ -822,6 +822,10 @@ class ControllerConfig(ConfigBase):
     # after them. 0 = start RL from the model as is.
     sft_steps: int = 0
     sft_learning_rate: float = 1e-3
+    # The trainer checkpoints the warm start every this many SFT steps (and on a stop and
+    # after its last step), so a crash during it loses at most this many steps: `rlax-tpu
+    # resume` continues from the newest. 0 = only on a stop and at the end.
+    sft_checkpoint_every: int = 200
     # DAPO's dynamic sampling: a prompt group whose rewards are all equal carries no
     # signal; it is dropped and the batch draws more prompts (its own snapshotted stream),
     # at most this many extra rounds (then flat groups fill the batch).
@@ -872,6 +876,11 @@ class ControllerConfig(ConfigBase):
             f"must be a fraction in [0, 1], got {self.max_eval_overlap}",
         )
         require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        require(
+            self.sft_checkpoint_every >= 0,
+            "sft_checkpoint_every",
+            "must be >= 0 (0 = checkpoint the warm start only on a stop and at its end)",
+        )
         require(
             self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0"
         )
@@ -1053,8 +1062,9 @@ RESUMABLE_FIELDS = (
     "controller.component_wait_s",  # how long a lost component is waited for, not results
     "controller.component_restarts",
     "trainer.checkpoint_every",
+    "controller.sft_checkpoint_every",
     "trainer.compiled_dir",
-    "compilation_cache",  # where compiled programs are kept, not what they compute  # where the compiled programs come from, not what they do
+    "compilation_cache",  # where compiled programs are kept, not what they compute
     "trainer.max_checkpoints_to_keep",
     "trainer.recompute_every",  # metrics only: the weights never read it
     "trainer.gpu",

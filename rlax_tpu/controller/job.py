@@ -346,7 +346,11 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
         config=effective,
     ) as cluster:
         t0 = time.perf_counter()
-        cluster.start()
+        try:
+            cluster.start()
+        except ComponentFailed as e:  # a component that never came up: the same resume
+            e.run_dir = e.run_dir or run_dir
+            raise
         print(f"components ready in {time.perf_counter() - t0:.0f}s: {cluster.addresses}")
         threading.Thread(
             target=lambda: (cluster.failed.wait(), stop.set()), daemon=True, name="on-failure"

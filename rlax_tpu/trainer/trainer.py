@@ -13,9 +13,9 @@ of S steps: `sft_step(k, ...)` for k = 0 .. S-1 (at `controller.sft_learning_rat
 its own optimizer state), then the trainer publishes version 0 and RL steps may begin. The
 controller drives these steps over the same service as the RL steps, so a warm start works
 wherever the trainer runs. The warm start has its own checkpoints (checkpoints_warm_start/):
-on `save()` during it, so a preempted warm start continues where it stopped, and after its
-last step, so it is never redone (a new run directory holding a copy of them starts RL
-from the same version 0).
+every `controller.sft_checkpoint_every` steps and on `save()` during it, so a crashed or
+preempted warm start continues from the newest, and after its last step, so it is never
+redone (a new run directory holding a copy of them starts RL from the same version 0).
 """
 
 from __future__ import annotations
@@ -478,6 +478,7 @@ class Trainer:
                 f"asked for SFT step {step} but the warm start's next step is "
                 f"{self.warm_start_step} (steps are trained in order)"
             )
+        failpoint("trainer.sft_step", step)  # dies mid warm start (kill test)
         rows, seq = np.shape(tokens)
         self.levels.check(rows, seq, self.config.trainer.max_seq_len)
         tokens = self._place_rows(tokens, jnp.int32)
@@ -496,6 +497,7 @@ class Trainer:
         metrics.update(self._speed(rows * seq, time.perf_counter() - start))
         self.warm_start_step = step + 1
         last = self.warm_start_step == total
+        every = self.config.controller.sft_checkpoint_every
         result = StepResult(step=step, version=0 if last else -1, metrics=metrics)
         self._sft_results[step] = result
         self._last_metrics = metrics
@@ -505,6 +507,8 @@ class Trainer:
             self._start_rl()
             self._sft_results = {}
             self._publish(0)
+        elif every and self.warm_start_step % every == 0:
+            self._save_warm_start(wait=False)  # a crash from here loses < `every` steps
         return result
 
     def _first_of_shape(self, program: str, rows: int, seq: int) -> bool:
