@@ -164,9 +164,7 @@ def test_the_same_config_and_seed_give_the_same_weights_also_after_a_crashed_war
     root, _ = workspace
 
     disturbed = run_disturbed(
-        lambda env: start_run(
-            workspace, "again", restarts=0, env=env, sft_checkpoint_every=10
-        ),
+        lambda env: start_run(workspace, "again", restarts=0, env=env, sft_checkpoint_every=10),
         Schedule(kills=(), failpoints=("trainer.sft_step@25",)),
         failpoint_dir=root / "again.failpoints",
     )
