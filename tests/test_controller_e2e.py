@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -67,19 +68,17 @@ def start_run(
     workers: int = 1,
     restarts: int = 3,
     env: dict[str, str] | None = None,
-    sft_checkpoint_every: int | None = None,
+    controller: dict | None = None,
     **staleness,
 ) -> Job:
+    """The e2e job as `name`; `controller`: ControllerConfig fields to change."""
     root, data = workspace
     run_dir = root / name
     staleness = staleness or {"reload_every": 2, "max_staleness": 3}
     config = e2e_config(run_dir, data, workers=workers, restarts=restarts, **staleness)
-    if sft_checkpoint_every is not None:
+    if controller:
         config = dataclasses.replace(
-            config,
-            controller=dataclasses.replace(
-                config.controller, sft_checkpoint_every=sft_checkpoint_every
-            ),
+            config, controller=dataclasses.replace(config.controller, **controller)
         )
     if replay:  # TBA: trajectory balance trained on batches sampled from the replay buffer
         config = dataclasses.replace(
@@ -164,7 +163,9 @@ def test_the_same_config_and_seed_give_the_same_weights_also_after_a_crashed_war
     root, _ = workspace
 
     disturbed = run_disturbed(
-        lambda env: start_run(workspace, "again", restarts=0, env=env, sft_checkpoint_every=10),
+        lambda env: start_run(
+            workspace, "again", restarts=0, env=env, controller={"sft_checkpoint_every": 10}
+        ),
         Schedule(kills=(), failpoints=("trainer.sft_step@25",)),
         failpoint_dir=root / "again.failpoints",
     )
@@ -286,6 +287,80 @@ def test_a_lost_component_costs_a_restart_of_it_alone_and_the_same_weights(
         assert f"{victim} is back" in output
     assert result["final_digest"] == summary(reference)["final_digest"]
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+def test_frozen_components_are_given_up_fenced_and_rejoin_with_the_same_weights(
+    workspace, reference
+):
+    """Liveness: components frozen with SIGSTOP (alive, silent) on a run watching them with
+    2-second health checks. Inference worker 1 of 2 is frozen as the components come up: its
+    work goes to worker 0. After step 1 the verifier, already connected, is frozen for 5 s
+    inside a call: the run waits for it. After step 2 worker 0 is frozen and worker 1 thawed:
+    the run goes on only if worker 0's calls are given up and worker 1 rejoins. Worker 0 is
+    thawed once worker 1 is back: whatever it still sends is ignored. No resume, and the
+    weights are the reference's."""
+    job = start_run(
+        workspace, "frozen", warm_from=reference, workers=2, controller={"liveness_timeout_s": 2}
+    )
+    frozen: set[int] = set()
+
+    def freeze(pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        frozen.add(pid)
+
+    def thaw(pid: int) -> None:
+        os.kill(pid, signal.SIGCONT)
+        frozen.discard(pid)
+
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 240
+        while not condition():
+            assert job.process.poll() is None, (
+                f"the run ended before {what}:\n" + job.output()[-5000:]
+            )
+            assert time.monotonic() < deadline, f"no {what}:\n" + job.output()[-5000:]
+            time.sleep(0.05)
+
+    try:
+        until(lambda: len(job.children()) == 5, "components")
+        pids = job.children()
+        freeze(pids["inference_worker-1"])
+        until(lambda: consumed_steps(job.run_dir) >= 1, "step 1")
+        freeze(pids["verifier-0"])
+        time.sleep(5)
+        thaw(pids["verifier-0"])
+        until(lambda: consumed_steps(job.run_dir) >= 2, "step 2")
+        freeze(pids["inference_worker-0"])  # batches 6-8 need version 3: it gets their work
+        given_up = f"inference worker 0 ({job_address(job.output(), 0)}) {SILENT}"
+        until(lambda: given_up in job.output(), "worker 0 given up")
+        thaw(pids["inference_worker-1"])
+        back = f"inference worker 1 ({job_address(job.output(), 1)}) answers again"
+        until(lambda: back in job.output(), "worker 1 back")
+        thaw(pids["inference_worker-0"])
+        assert job.wait() == 0, job.output()[-5000:]
+        output = job.output()
+    finally:
+        for pid in list(frozen):
+            thaw(pid)
+        job.cleanup()
+    silent_verifier = "the verifier service does not answer (verifier service 127.0.0.1:"
+    assert silent_verifier in output and "waiting up to" in output, output[-5000:]
+    assert output.count(SILENT) >= 2, output[-5000:]
+    assert "(controller.liveness_timeout_s = 2s)" in output
+    result = summary(job.run_dir)
+    assert result["start_step"] == 0 and result["end_step"] == STEPS  # it never resumed
+    assert result["final_digest"] == summary(reference)["final_digest"]
+    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
+
+
+SILENT = "has not answered a health check for"
+
+
+def job_address(output: str, worker: int) -> str:
+    """Worker `worker`'s address, from the run's "components ready" line."""
+    ready = re.search(r"'inference_worker': \[([^\]]*)\]", output)
+    assert ready, output[-5000:]
+    return ready.group(1).replace("'", "").split(", ")[worker]
 
 
 # -- chaos: components killed at random moments and inside narrow windows ---------------

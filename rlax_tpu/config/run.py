@@ -865,6 +865,18 @@ class ControllerConfig(ConfigBase):
     # the controller's included (docs/deploy.md, "What restarts what").
     component_wait_s: float = 300.0
     component_restarts: int = 3
+    # Liveness, not only reachability (docs/controller.md): while a Load, Generate or Verify
+    # call runs, its component's health service is asked every few seconds; one that has
+    # not answered for liveness_timeout_s (frozen, hung) is lost as if it had died: its
+    # work moves to the others and its late answers are ignored. 0 = off (only a component
+    # that refuses connections is lost). A Generate is also lost past its deadline: this
+    # plus, for each wave of inference.max_decode_slots requests, max_new_tokens decode
+    # steps at decode_step_deadline_s each (the worker's compile time not counted; 0 = no
+    # deadline). A Verify call's batch deadline is verify_deadline_s: what the service has
+    # not judged by then is answered VERIFIER_ERROR (retried).
+    liveness_timeout_s: float = 60.0
+    decode_step_deadline_s: float = 1.0
+    verify_deadline_s: float = 600.0
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -876,6 +888,9 @@ class ControllerConfig(ConfigBase):
             f"must be a fraction in [0, 1], got {self.max_eval_overlap}",
         )
         require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        for name in ("liveness_timeout_s", "decode_step_deadline_s"):
+            require(getattr(self, name) >= 0, name, "must be >= 0 (0 = off)")
+        require(self.verify_deadline_s > 0, "verify_deadline_s", "must be > 0")
         require(
             self.sft_checkpoint_every >= 0,
             "sft_checkpoint_every",
@@ -1061,6 +1076,9 @@ RESUMABLE_FIELDS = (
     "controller.keep_snapshots",
     "controller.component_wait_s",  # how long a lost component is waited for, not results
     "controller.component_restarts",
+    "controller.liveness_timeout_s",  # when a silent component is given up, not results
+    "controller.decode_step_deadline_s",
+    "controller.verify_deadline_s",
     "trainer.checkpoint_every",
     "controller.sft_checkpoint_every",
     "trainer.compiled_dir",

@@ -136,6 +136,9 @@ class Controller:
             wait_s=ctl.component_wait_s,
             report=self.report,
             republish=components.trainer.republish,
+            liveness_s=ctl.liveness_timeout_s,
+            decode_step_deadline_s=ctl.decode_step_deadline_s,
+            decode_slots=config.inference.max_decode_slots,
         )
         self.scorer = Scorer(
             components.verifier,

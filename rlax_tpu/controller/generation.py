@@ -9,9 +9,11 @@ train on them (with the dataset records of their prompts, for people reading the
 a batch first takes what the log already holds (a resumed run).
 
 Workers are elastic (DESIGN §8): a worker that does not answer (UNAVAILABLE: it died, or
-its connection broke mid-call) hands its unfinished requests back to the queue, for the
-others; its thread then waits until the worker (or its replacement, on the same address)
-answers again, and it rejoins, loading the version of its next job. A request's tokens do
+its connection broke mid-call; or, its calls watched, it stopped answering health checks or
+ran past a Generate's deadline: rpc/liveness.py) hands its unfinished requests back to the
+queue, for the others, and nothing its given-up call sends later is used; its thread then
+waits until the worker (or its replacement, on the same address) answers again, and it
+rejoins, loading the version of its next job. A request's tokens do
 not depend on which worker serves it, so the run's results do not change. Only when every
 worker has been silent for `wait_s` does the pool fail, and the run stop. A version the
 parameter server lost (it restarted before the version was on storage) is published again
@@ -36,6 +38,7 @@ from rlax_tpu.controller.scoring import Judgement
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.inference.types import GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.rpc.client import is_unreachable
+from rlax_tpu.rpc.liveness import ComponentLostError, Watch
 
 _log = logging.getLogger(__name__)
 
@@ -160,8 +163,16 @@ class GenerationPool:
         wait_s: float = 300.0,
         report: Callable[[str], None] | None = None,
         republish: Callable[[int], Any] | None = None,
+        liveness_s: float = 0.0,
+        decode_step_deadline_s: float = 0.0,
+        decode_slots: int = 1,
     ) -> None:
         self.workers = list(workers)
+        # Liveness (rpc/liveness.py): with liveness_s > 0, every Load and Generate is watched
+        # by health checks, and a Generate has a deadline from the tokens it carries.
+        self.liveness_s = liveness_s
+        self.decode_step_deadline_s = decode_step_deadline_s
+        self.decode_slots = max(1, decode_slots)
         self.republish = republish
         self._republished: dict[int, float] = {}  # version -> when it was published again
         self.wait_s = wait_s
@@ -236,7 +247,11 @@ class GenerationPool:
         for attempt in range(2):
             t0 = time.perf_counter()
             if self.worker_versions[i] != job.version:
-                loaded = client.load(job.version, evaluation=job.evaluation)
+                if self.liveness_s > 0:
+                    watch = Watch(self._name(i, client), client.status_details, **self._live())
+                    loaded = client.load(job.version, evaluation=job.evaluation, watch=watch)
+                else:
+                    loaded = client.load(job.version, evaluation=job.evaluation)
                 self.worker_versions[i] = loaded.version
             job.timing["load_s"] += time.perf_counter() - t0
             try:
@@ -253,8 +268,20 @@ class GenerationPool:
     def _generate(self, i: int, client: Any, job: _Job, done: set[str]) -> None:
         t_loaded = time.perf_counter()
         retry, finished = [], []
+        if self.liveness_s > 0:
+            deadline_s, why = self.generate_deadline(job.requests)
+            watch = Watch(
+                self._name(i, client),
+                client.status_details,
+                **self._live(),
+                deadline_s=deadline_s,
+                deadline_why=why,
+            )
+            stream = client.generate(job.requests, version=job.version, watch=watch)
+        else:
+            stream = client.generate(job.requests, version=job.version)
         try:
-            for rollout in client.generate(job.requests, version=job.version):
+            for rollout in stream:
                 if rollout.finish_reason in FINAL_REASONS:
                     finished.append(rollout)
                 elif rollout.finish_reason == "aborted":
@@ -273,6 +300,33 @@ class GenerationPool:
                 self.counters["regenerated"] += len(retry)
             again = [r for r in job.requests if r.request_id in set(retry)]
             self._jobs.put(dataclasses.replace(job, requests=again))
+
+    def generate_deadline(self, requests: Sequence[GenerationRequest]) -> tuple[float, str]:
+        """(seconds, how they were derived) a Generate of `requests` may take: the liveness
+        timeout plus, for each wave of `decode_slots` requests, its longest max_new_tokens at
+        `decode_step_deadline_s` a token (the worker's compile time is added by the watch);
+        infinite when decode_step_deadline_s is 0."""
+        if self.decode_step_deadline_s <= 0:
+            return math.inf, ""
+        tokens = sorted(
+            ((r.sampling or self.sampling).max_new_tokens for r in requests), reverse=True
+        )
+        steps = sum(tokens[k] for k in range(0, len(tokens), self.decode_slots))
+        seconds = self.liveness_s + steps * self.decode_step_deadline_s
+        why = (
+            f"{len(requests)} requests in {math.ceil(len(tokens) / self.decode_slots)} wave(s) "
+            f"of {self.decode_slots} slots, {steps} decode steps at "
+            f"controller.decode_step_deadline_s = {self.decode_step_deadline_s:g}s, plus "
+            f"{self.liveness_s:g}s"
+        )
+        return seconds, why
+
+    def _live(self) -> dict[str, float]:
+        return {"liveness_s": self.liveness_s}
+
+    @staticmethod
+    def _name(i: int, client: Any) -> str:
+        return f"inference worker {i} ({getattr(client, 'address', '?')})"
 
     def _found_again(self, version: int, attempt_t0: float) -> bool:
         """A load of `version` found it missing: whether it is published again now (by the
@@ -309,10 +363,14 @@ class GenerationPool:
             self.worker_versions[i] = -1  # a replacement holds no weights
             self.lost += 1
             down = len(self._down_since)
+        lost = (
+            str(error)
+            if isinstance(error, ComponentLostError)
+            else f"inference worker {i} ({address}) does not answer ({error})"
+        )
         self.report(
-            f"inference worker {i} ({address}) does not answer ({error}); its requests go to "
-            f"the other workers ({len(self.workers) - down} answering), and it rejoins when it "
-            "answers again"
+            f"{lost}; its requests go to the other workers ({len(self.workers) - down} "
+            "answering), and it rejoins when it answers again"
         )
         delay = 0.2
         while not self._closing.wait(delay):

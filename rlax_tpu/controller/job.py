@@ -314,6 +314,8 @@ def _connect(
             [VerifierClient(a, auth_token=token) for a in verifier],
             wait_s=config.controller.component_wait_s,
             stop=stop,
+            liveness_s=config.controller.liveness_timeout_s,
+            deadline_s=config.controller.verify_deadline_s,
         ),
     )
 

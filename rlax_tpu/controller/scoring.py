@@ -33,6 +33,7 @@ from rlax_tpu.rpc.client import (
     is_unreachable,
     retry_unreachable,
 )
+from rlax_tpu.rpc.liveness import Watch
 from rlax_tpu.verifiers.functions import encode_metadata, encode_prompt
 from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
@@ -61,7 +62,12 @@ class ServiceVerifier:
     Replicas are elastic: a chunk whose service does not answer (UNAVAILABLE) goes to the
     next one; with none answering, the call waits up to `wait_s` for one to come back
     (restarted), then raises ComponentUnreachableError; at once when `stop` is set (the
-    run is stopping). `report(line)` hears of it."""
+    run is stopping). `report(line)` hears of it.
+
+    Liveness (rpc/liveness.py): with `liveness_s` > 0 each Verify call is watched by health
+    checks, and a service that stops answering them (frozen, hung) counts as not answering;
+    `deadline_s` is each call's batch deadline (the service answers VERIFIER_ERROR, retried,
+    for what it has not judged by then; the call is given up 30 s later)."""
 
     def __init__(
         self,
@@ -70,11 +76,23 @@ class ServiceVerifier:
         wait_s: float = 300.0,
         report: Callable[[str], None] | None = None,
         stop: threading.Event | None = None,
+        liveness_s: float = 0.0,
+        deadline_s: float | None = None,
     ) -> None:
         self.clients = clients
         self.wait_s = wait_s
         self.report = report or _log.warning
         self.stop = stop
+        self.liveness_s, self.deadline_s = liveness_s, deadline_s
+
+    def _call(self, client: Any, chunk: Sequence[VerificationRequest]) -> list[VerificationResult]:
+        options: dict[str, Any] = {}
+        if self.deadline_s is not None:
+            options["deadline_s"] = self.deadline_s
+        if self.liveness_s > 0:
+            what = f"verifier service {getattr(client, 'address', '?')}"
+            options["watch"] = Watch(what, client.status_details, liveness_s=self.liveness_s)
+        return client.verify(chunk, **options)
 
     def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]:
         chunks = [requests[start : start + CHUNK] for start in range(0, len(requests), CHUNK)]
@@ -91,11 +109,11 @@ class ServiceVerifier:
         def on_any() -> list[VerificationResult]:
             for k in range(n - 1):
                 try:
-                    return self.clients[(i + k) % n].verify(chunk)
+                    return self._call(self.clients[(i + k) % n], chunk)
                 except RpcCallError as e:
                     if not is_unreachable(e):
                         raise
-            return self.clients[(i + n - 1) % n].verify(chunk)
+            return self._call(self.clients[(i + n - 1) % n], chunk)
 
         what = "the verifier service" if n == 1 else f"every one of the {n} verifier services"
         return retry_unreachable(

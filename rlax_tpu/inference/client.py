@@ -14,6 +14,7 @@ import grpc
 from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
 from rlax_tpu.rpc import get_status
 from rlax_tpu.rpc.client import ComponentClient, RpcCallError
+from rlax_tpu.rpc.liveness import Watch
 from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import inference_pb2 as pb
 from rlax_tpu.rpc.protos import inference_pb2_grpc as pb_grpc
@@ -75,39 +76,72 @@ class InferenceWorkerClient(ComponentClient):
         super().__init__(address, **channel_options)
         self._stub = pb_grpc.InferenceWorkerStub(self._channel)
 
-    def load(self, version: int, *, evaluation: bool = False) -> LoadResult:
-        """Hold `version` (a multiple of η; any published version with `evaluation`)."""
+    def load(
+        self, version: int, *, evaluation: bool = False, watch: Watch | None = None
+    ) -> LoadResult:
+        """Hold `version` (a multiple of η; any published version with `evaluation`). With
+        `watch` (rpc/liveness.py), a worker that stops answering fails the call with
+        ComponentLostError instead of holding it."""
         request = pb.LoadRequest(version=version, evaluation=evaluation)
+        future = self._stub.Load.future(request, timeout=self.timeout_s)
+        if watch is not None:
+            watch.start(future.cancel)
         try:
-            reply = self._stub.Load(request, timeout=self.timeout_s)
-        except grpc.RpcError as e:
+            reply = future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            if watch is not None and not watch.accepts():
+                raise watch.error() from None
+            if isinstance(e, grpc.FutureCancelledError):
+                raise
             raise _call_error(e, f"Load({version}) on {self.address}") from None
+        finally:
+            if watch is not None:
+                watch.stop()
         aborted = tuple(rollout_from_proto(m) for m in reply.aborted)
         return LoadResult(reply.version, reply.already_loaded, aborted)
 
     def generate(
-        self, requests: Sequence[GenerationRequest], *, version: int | None = None
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        version: int | None = None,
+        watch: Watch | None = None,
     ) -> Iterator[Rollout]:
-        """Rollouts of `requests` as the worker completes them."""
+        """Rollouts of `requests` as the worker completes them. With `watch`, a worker that
+        stops answering (or a call past the watch's deadline) ends the stream with
+        ComponentLostError, and nothing that arrives after that is yielded."""
         message = pb.GenerateRequest(requests=[request_to_proto(r) for r in requests])
         if version is not None:
             message.version = version
         call = self._stub.Generate(message, timeout=self.timeout_s)
+        if watch is not None:
+            watch.start(call.cancel)
         try:
             for rollout in call:
+                if watch is not None and not watch.accepts():
+                    break  # fenced: a late answer of a worker given up
                 yield rollout_from_proto(rollout)
         except grpc.RpcError as e:
-            raise _call_error(e, f"Generate on {self.address}") from None
+            if watch is None or watch.accepts():
+                raise _call_error(e, f"Generate on {self.address}") from None
         finally:
+            if watch is not None:
+                watch.stop()
             # A caller that stops early frees the stream; the worker finishes and records
             # the requests, so a retry with the same ids costs nothing.
             call.cancel()
+        if watch is not None and not watch.accepts():
+            raise watch.error()
 
-    def status(self) -> common_pb2.ComponentStatus:
+    def status(self, timeout_s: float = 10.0) -> common_pb2.ComponentStatus:
         try:
-            return get_status(self._channel)
+            return get_status(self._channel, timeout_s=timeout_s)
         except grpc.RpcError as e:
             raise _call_error(e, f"GetStatus on {self.address}") from None
+
+    def status_details(self, timeout_s: float) -> dict[str, str]:
+        """The status's details (a `Watch`'s health check: compile_s among them)."""
+        return dict(self.status(timeout_s).details)
 
 
 def _call_error(e: grpc.RpcError, what: str) -> InferenceCallError:

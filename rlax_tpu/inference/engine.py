@@ -188,6 +188,10 @@ class Engine:
         self._done: list[Rollout] = []  # finished, returned by the next step()
         self._init_slot_state()
         self._shapes: set[str] = set()  # jitted signatures used: "prefill:<rows>x<bucket>", ...
+        # Seconds spent in first calls (compiles) so far, and when the one running began:
+        # the worker's status reports them, so a watched call's deadline leaves them out.
+        self._compile_s = 0.0
+        self._compiling_since: float | None = None
         self._counters: collections.Counter = collections.Counter()
         # Static args of the jitted steps; the mesh is part of it since the model's sharding
         # constraints are read from the active mesh at trace time. Params travel as a flat
@@ -478,7 +482,9 @@ class Engine:
                 *self._static, self._params, self._cache, *self._put(args)
             )
         if first is not None:  # the call returns once compiled; it runs asynchronously
-            self.progress(f"{what}: compiled in {first():.1f}s")
+            seconds = first()
+            if self.progress is not None:
+                self.progress(f"{what}: compiled in {seconds:.1f}s")
         return packed
 
     def _prefill_args(self, bucket: int, seqs: list[_Sequence]) -> tuple[np.ndarray, ...]:
@@ -536,7 +542,9 @@ class Engine:
             )
         packed = np.asarray(out)  # the one device-to-host transfer per decode call
         if first is not None:
-            self.progress(f"{what}: compiled and ran in {first():.1f}s")
+            seconds = first()
+            if self.progress is not None:
+                self.progress(f"{what}: compiled and ran in {seconds:.1f}s")
         tokens, emitted = packed[0].T.tolist(), packed[2].T.tolist()  # [rows][steps]
         logprobs = packed[1].view(np.float32).T.tolist()
         self._counters["decode_calls"] += 1
@@ -557,17 +565,30 @@ class Engine:
                 self._index[slot] += taken
 
     def _first_call(self, shape: str, what: str) -> Callable[[], float] | None:
-        """Record `shape` ("decode:<rows>x<steps>") as used; the first time, and only with a
-        `progress` to tell, say that `what` compiles and return a clock of the seconds
-        since."""
+        """Record `shape` ("decode:<rows>x<steps>") as used. The first time, say that `what`
+        compiles (with a `progress` to tell) and return a clock of the seconds since;
+        reading it ends the compile's count in `compile_seconds`."""
         if shape in self._shapes:
             return None
         self._shapes.add(shape)
-        if self.progress is None:
-            return None
-        self.progress(f"compiling the {what} ...")
-        t0 = time.perf_counter()
-        return lambda: time.perf_counter() - t0
+        if self.progress is not None:
+            self.progress(f"compiling the {what} ...")
+        t0 = self._compiling_since = time.monotonic()
+
+        def done() -> float:
+            seconds = time.monotonic() - t0
+            if self._compiling_since == t0:
+                self._compile_s += seconds
+                self._compiling_since = None
+            return seconds
+
+        return done
+
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling so far, a compile in progress included (any thread may
+        ask: two plain reads)."""
+        since = self._compiling_since
+        return self._compile_s + (time.monotonic() - since if since is not None else 0.0)
 
     def _append(self, seq: _Sequence, token: int, logprob: float) -> bool:
         """Record a sampled token; finish the sequence if it ends it. Returns whether it did."""

@@ -298,6 +298,9 @@ class InferenceWorker:
                     )
                 },
                 **({"failure": self._failure} if self._failure else {}),
+                # Read live (not the engine thread's last report): a watched call's deadline
+                # leaves out a compile while it runs.
+                "compile_s": round(self._engine.compile_seconds(), 3),
             }
 
     def close(self) -> None:

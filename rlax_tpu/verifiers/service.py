@@ -25,6 +25,7 @@ import grpc
 
 from rlax_tpu.rpc import MAX_MESSAGE_BYTES, get_status
 from rlax_tpu.rpc.client import ComponentClient, RpcCallError
+from rlax_tpu.rpc.liveness import Watch
 from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import verifier_pb2 as pb
 from rlax_tpu.rpc.protos import verifier_pb2_grpc as pb_grpc
@@ -536,15 +537,26 @@ class VerifierClient(ComponentClient):
         self._stub = pb_grpc.VerifierStub(self._channel)
 
     def verify(
-        self, requests: Sequence[VerificationRequest], *, deadline_s: float | None = None
+        self,
+        requests: Sequence[VerificationRequest],
+        *,
+        deadline_s: float | None = None,
+        watch: Watch | None = None,
     ) -> list[VerificationResult]:
         """One result per request, in order. By `deadline_s` (default: the server's) the
         server answers VERIFIER_ERROR for requests not yet judged; retrying with the same
-        request ids returns those that finished since without judging them again."""
-        return [result for result, _ in self.verify_detailed(requests, deadline_s=deadline_s)]
+        request ids returns those that finished since without judging them again. With
+        `watch` (rpc/liveness.py), a service that stops answering health checks fails the
+        call with ComponentLostError (UNAVAILABLE) instead of holding it."""
+        detailed = self.verify_detailed(requests, deadline_s=deadline_s, watch=watch)
+        return [result for result, _ in detailed]
 
     def verify_detailed(
-        self, requests: Sequence[VerificationRequest], *, deadline_s: float | None = None
+        self,
+        requests: Sequence[VerificationRequest],
+        *,
+        deadline_s: float | None = None,
+        watch: Watch | None = None,
     ) -> list[tuple[VerificationResult, bool]]:
         """As `verify`, with whether each result was recorded before the call (cached)."""
         if deadline_s is not None and deadline_s <= 0:
@@ -560,7 +572,8 @@ class VerifierClient(ComponentClient):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
         timeout = self.timeout_s if deadline_s is None else deadline_s + _CLIENT_MARGIN_S
-        reply = self._call("Verify", message, f"Verify({len(requests)} requests)", timeout)
+        what = f"Verify({len(requests)} requests)"
+        reply = self._call("Verify", message, what, timeout, watch=watch)
         return [(result_from_proto(m), m.cached) for m in reply.results]
 
     def metrics(self) -> dict[str, Any]:
@@ -568,14 +581,30 @@ class VerifierClient(ComponentClient):
         reply = self._call("GetMetrics", pb.MetricsRequest(), "GetMetrics", 30.0)
         return metrics_from_proto(reply)
 
-    def status(self) -> common_pb2.ComponentStatus:
+    def status(self, timeout_s: float = 10.0) -> common_pb2.ComponentStatus:
         try:
-            return get_status(self._channel)
+            return get_status(self._channel, timeout_s=timeout_s)
         except grpc.RpcError as e:
             raise VerifierCallError.from_rpc(e, f"GetStatus on {self.address}") from None
 
-    def _call(self, method: str, request: Any, what: str, timeout: float) -> Any:
+    def status_details(self, timeout_s: float) -> dict[str, str]:
+        """The status's details (a `Watch`'s health check)."""
+        return dict(self.status(timeout_s).details)
+
+    def _call(
+        self, method: str, request: Any, what: str, timeout: float, watch: Watch | None = None
+    ) -> Any:
+        future = getattr(self._stub, method).future(request, timeout=timeout)
+        if watch is not None:
+            watch.start(future.cancel)
         try:
-            return getattr(self._stub, method)(request, timeout=timeout)
-        except grpc.RpcError as e:
+            return future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            if watch is not None and not watch.accepts():
+                raise watch.error() from None
+            if isinstance(e, grpc.FutureCancelledError):
+                raise
             raise VerifierCallError.from_rpc(e, f"{what} on {self.address}") from None
+        finally:
+            if watch is not None:
+                watch.stop()
