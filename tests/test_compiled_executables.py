@@ -5,6 +5,11 @@ does when it compiles); one on another mesh refuses to start, naming the mesh.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -28,9 +33,8 @@ def save_all(config, directory) -> list[str]:
     for name, (jitted, args, _) in programs.lowerings().items():
         with use_mesh(mesh, programs.rules):
             lowered = jitted.lower(*args)
-        executables.save(
-            directory, name, lowered, lowered.compile(), mesh, config_digest=config.digest()
-        )
+        compiled = executables.compile_to_save(lowered)
+        executables.save(directory, name, lowered, compiled, mesh, config_digest=config.digest())
         names.append(name)
     return names
 
@@ -79,3 +83,50 @@ def test_a_changed_program_is_refused_even_on_the_same_mesh(saved, tmp_path):
     changed = with_trainer(config, learning_rate=3e-2, compiled_dir=str(directory))
     with pytest.raises(executables.CompiledMismatchError, match="program_sha256"):
         Trainer(changed.override("storage.run_dir", str(tmp_path / "run")))
+
+
+SAVE_AFTER_CACHE = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp
+    from jax.experimental import serialize_executable
+    from rlax_tpu.compile.executables import compile_to_save
+
+    def f(x, w):
+        y = jnp.broadcast_to(x[:, None, :], (x.shape[0], 4, x.shape[1]))
+        return jnp.tanh(y @ w).sum(axis=1) + jnp.arange(x.shape[1], dtype=x.dtype)
+
+    x, w = jnp.ones((8, 16)), jnp.full((16, 16), 0.01)
+    lowered = jax.jit(f).lower(x, w)
+    compiled = lowered.compile() if sys.argv[1] == "warm" else compile_to_save(lowered)
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    print(float(loaded(x, w).sum()), float(f(x, w).sum()))
+    """
+)
+
+
+def test_an_executable_saved_after_the_compilation_cache_holds_it_still_runs(tmp_path):
+    """The persistent compilation cache answers a program another process compiled with a
+    deserialised executable, which XLA:CPU serialises without its kernels. What is saved
+    (`compile_to_save`) is compiled past the cache: it loads and runs in a fresh process."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "",  # one device: the program is not sharded
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    for step in ("warm", "save"):  # the first process fills the cache, the second saves
+        done = subprocess.run(
+            [sys.executable, "-c", SAVE_AFTER_CACHE, step],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        ran, expected = map(float, done.stdout.split())
+        assert ran == expected
+    assert any((tmp_path / "cache").iterdir())  # the second process could have used it

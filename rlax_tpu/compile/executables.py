@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jaxlib
+from jax._src import config as jax_config  # enable_compilation_cache: no public context
 from jax.experimental import serialize_executable
 
 MANIFEST = "manifest.json"
@@ -47,6 +48,15 @@ def program_key(name: str, lowered: jax.stages.Lowered, mesh: jax.sharding.Mesh)
     }
 
 
+def compile_to_save(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compile `lowered` past the persistent compilation cache, for `save`. An executable
+    the cache answers is itself a deserialised one, and XLA:CPU (jaxlib 0.10) serialises
+    such an executable without its kernels: loaded again, its first call fails with
+    "Function wrapped_broadcast not found". A fresh compile serialises whole."""
+    with jax_config.enable_compilation_cache(False):
+        return lowered.compile()
+
+
 def save(
     directory: str | Path,
     name: str,
@@ -56,8 +66,8 @@ def save(
     *,
     config_digest: str,
 ) -> Path:
-    """Write `compiled` (of `lowered`, for `mesh`) as `name` into `directory` and its
-    manifest entry; returns the file."""
+    """Write `compiled` (of `lowered`, for `mesh`; from `compile_to_save`) as `name` into
+    `directory` and its manifest entry; returns the file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from rlax_tpu.compile.executables import compile_to_save
 from rlax_tpu.compile.hardware import FIT_FRACTION, GPUS, ChipSpec, GiB
 from rlax_tpu.compile.hlo_cost import analyze
 from rlax_tpu.compile.programs import Program
@@ -223,8 +224,8 @@ def compile_program(
         lowered = program.lower()
         report.lower_s = time.perf_counter() - start
         start = time.perf_counter()
-        try:
-            compiled = lowered.compile()
+        try:  # one to keep is compiled whole, past the compilation cache
+            compiled = compile_to_save(lowered) if keep is not None else lowered.compile()
         except Exception as e:  # XLA's JaxRuntimeError; others are reported the same way
             report.compile_s = time.perf_counter() - start
             message = str(e)
