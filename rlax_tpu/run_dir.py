@@ -24,6 +24,7 @@ SNAPSHOTS = "snapshots"  # the controller's
 ROLLOUTS = "rollouts"  # the rollout log
 PARAMS = "params"  # the parameter server's persistent versions
 TOKENIZER = "tokenizer"  # where a built-in tokenizer (model.tokenizer=builtin:char) is written
+SUMMARY_FILE = "summary.json"  # the controller's summary, written when a run stops or ends
 # What a run writes once it has made progress; anything else there is a config dump or logs.
 PROGRESS_DIRS = (CHECKPOINTS, WARM_START_CHECKPOINTS, SNAPSHOTS, ROLLOUTS, PARAMS)
 
@@ -35,6 +36,28 @@ def has_progress(run_dir: str) -> bool:
         if storage.exists(url) and storage.listdir(url):
             return True
     return False
+
+
+def finished_summary(config: RunConfig) -> dict | None:
+    """The summary of the run in `config`'s run directory when that run, of `config`'s
+    identity, already reached `controller.num_steps` (None otherwise): running it again has
+    nothing to do. Its evaluations are keyed by step, as the controller returns them."""
+    run_dir = config.storage.run_dir
+    digest_url = storage.join(run_dir, DIGEST_FILE)
+    summary_url = storage.join(run_dir, SUMMARY_FILE)
+    if not (storage.exists(digest_url) and storage.exists(summary_url)):
+        return None
+    if storage.read_text(digest_url).strip() != config.digest():
+        return None
+    try:
+        summary = json.loads(storage.read_text(summary_url))
+    except json.JSONDecodeError:
+        return None
+    if summary.get("end_step", 0) < config.controller.num_steps:
+        return None
+    for key in ("evals", "eval_versions", "eval_elapsed_s"):
+        summary[key] = {int(step): v for step, v in summary.get(key, {}).items()}
+    return summary
 
 
 def prepare_run_dir(config: RunConfig, *, report=print) -> str:

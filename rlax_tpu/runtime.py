@@ -34,6 +34,10 @@ def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) ->
     libtpu = _joined(environ.get("LIBTPU_INIT_ARGS", ""), config.libtpu_flags)
     if libtpu:
         out["LIBTPU_INIT_ARGS"] = libtpu
+    if "JAX_PLATFORMS" not in environ and not _accelerator_present():
+        # No TPU chip and no GPU: the CPU alone. JAX would otherwise start an installed TPU
+        # plugin (jax[tpu]), which prints pages of warnings on a host without one.
+        out["JAX_PLATFORMS"] = "cpu"
     cache = compilation_cache_dir(config)
     if cache and "JAX_COMPILATION_CACHE_DIR" not in environ:
         out["JAX_COMPILATION_CACHE_DIR"] = cache
@@ -44,6 +48,23 @@ def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) ->
             environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
         )
     return out
+
+
+def _accelerator_present() -> bool:
+    """Whether this host has a TPU chip or a GPU that JAX could use (what JAX itself looks
+    for: Google's PCI devices, NVIDIA and AMD device nodes); True when that cannot be told."""
+    try:
+        from jax._src import hardware_utils
+    except ImportError:  # pragma: no cover - layout of a future JAX
+        return True
+    try:
+        return bool(
+            hardware_utils.num_available_tpu_chips_and_device_id()[0]
+            or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1)
+        )
+    except Exception:  # noqa: BLE001 - unreadable /sys or /dev: let JAX decide
+        return True
 
 
 def compilation_cache_dir(config: RunConfig) -> str:
@@ -81,8 +102,13 @@ def configure_jax(config: RunConfig) -> None:
         )
         return
     os.environ.update(wanted)
+    if "jax" in sys.modules and "JAX_PLATFORMS" in wanted:
+        # JAX read its environment when it was imported: the platform goes through its config.
+        import jax
+
+        jax.config.update("jax_platforms", wanted["JAX_PLATFORMS"])
     if "jax" in sys.modules and "JAX_COMPILATION_CACHE_DIR" in wanted:
-        # JAX read its environment when it was imported: the cache goes through its config.
+        # Likewise the cache.
         import jax
 
         jax.config.update("jax_compilation_cache_dir", wanted["JAX_COMPILATION_CACHE_DIR"])

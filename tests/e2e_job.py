@@ -89,7 +89,12 @@ class Job:
             stderr=subprocess.STDOUT,
             cwd=ROOT,
             env=env,
+            start_new_session=True,  # a process group of its own, as a terminal's job
         )
+
+    def interrupt(self) -> None:
+        """Ctrl-C as a terminal sends it: SIGINT to the job's process group."""
+        os.killpg(self.process.pid, signal.SIGINT)
 
     def children(self) -> dict[str, int]:
         path = self.run_dir / "logs" / "processes.json"

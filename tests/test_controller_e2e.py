@@ -353,6 +353,54 @@ def test_frozen_components_are_given_up_fenced_and_rejoin_with_the_same_weights(
     assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(reference)).consumed()
 
 
+def test_ctrl_c_in_generation_is_acknowledged_stops_in_seconds_and_resumes_the_same(
+    workspace, reference
+):
+    """Ctrl-C (SIGINT to the job's process group, as a terminal sends it) while a batch is
+    being generated (its worker held with SIGSTOP, so the call cannot end): a line says at
+    once what stopping does, the run stops within seconds with a snapshot and the resume
+    command, and the resume ends on the uninterrupted run's weights."""
+    root, _ = workspace
+    job = start_run(workspace, "ctrl_c", warm_from=reference)
+    worker = 0
+    try:
+        deadline = time.monotonic() + 240
+        while consumed_steps(job.run_dir) < 1 or "inference_worker-0" not in job.children():
+            assert job.process.poll() is None and time.monotonic() < deadline, job.output()
+            time.sleep(0.05)
+        worker = job.children()["inference_worker-0"]
+        os.kill(worker, signal.SIGSTOP)  # the batch in generation cannot finish
+        time.sleep(1)
+        t0 = time.monotonic()
+        job.interrupt()
+        while "Ctrl-C: stopping" not in job.output():
+            assert time.monotonic() - t0 < 10, job.output()[-5000:]
+            time.sleep(0.02)
+        acknowledged = time.monotonic() - t0
+        os.kill(worker, signal.SIGCONT)
+        worker = 0
+        code = job.wait(120)
+        stopped = time.monotonic() - t0
+        output = job.output()
+    finally:
+        if worker:
+            os.kill(worker, signal.SIGCONT)
+        job.cleanup()
+    assert code == 130, output[-5000:]
+    assert acknowledged < 2 and stopped < 30, (acknowledged, stopped)
+    assert f"continue with: rlax-tpu resume {root / 'ctrl_c'}" in output
+    assert "Traceback" not in output, output[-5000:]
+    resumed = Job(["resume", str(root / "ctrl_c")], root / "ctrl_c")
+    try:
+        assert resumed.wait() == 0, resumed.output()[-5000:]
+    finally:
+        resumed.cleanup()
+    result = summary(root / "ctrl_c")
+    assert 0 < result["start_step"] < STEPS  # it resumed from the stop's snapshot
+    assert result["final_digest"] == summary(reference)["final_digest"]
+    assert RolloutLog(str(root / "ctrl_c")).consumed() == RolloutLog(str(reference)).consumed()
+
+
 SILENT = "has not answered a health check for"
 
 
@@ -598,7 +646,7 @@ def test_resume_refuses_a_changed_config_and_a_run_with_only_corrupt_snapshots(
 
     # Every snapshot truncated: a clear error, never a fresh (divergent) start.
     broken = root / "broken"
-    shutil.copytree(reference, broken, ignore=shutil.ignore_patterns("logs"))
+    shutil.copytree(reference, broken, ignore=shutil.ignore_patterns("logs", "summary.json"))
     config = dataclasses.replace(
         e2e_config(broken, data), storage=StorageConfig(run_dir=str(broken))
     )
@@ -615,9 +663,12 @@ def test_resume_refuses_a_changed_config_and_a_run_with_only_corrupt_snapshots(
     assert "no snapshot" in job.output() and "start a new run directory" in job.output()
 
     # Every checkpoint gone: the same refusal (the snapshots are intact but unusable).
-    # (On the reference itself, whose config names its directory; put back afterwards.)
+    # (On the reference itself, whose config names its directory; put back afterwards. Its
+    # summary goes aside too: a finished run is not started again, whatever it holds.)
     checkpoints, aside = reference / "checkpoints", root / "checkpoints_aside"
+    finished, finished_aside = reference / "summary.json", root / "summary_aside.json"
     checkpoints.rename(aside)
+    finished.rename(finished_aside)
     job = Job(["resume", str(reference)], reference)
     try:
         assert job.wait() != 0
@@ -625,4 +676,5 @@ def test_resume_refuses_a_changed_config_and_a_run_with_only_corrupt_snapshots(
         job.cleanup()
         shutil.rmtree(checkpoints, ignore_errors=True)
         aside.rename(checkpoints)
+        finished_aside.rename(finished)
     assert "does not load" in job.output() and "start a new run directory" in job.output()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -419,4 +420,64 @@ def test_a_worker_restarted_between_two_jobs_loads_its_version_again(tmp_path):
         with pytest.raises(ControllerError, match="holds no weights"):
             pool.generate([request(2)], version=2)
     finally:
+        pool.stop()
+
+
+def test_a_long_generation_reports_progress_and_a_stop_ends_the_wait(tmp_path):
+    """While a batch is generated, the pool says every `progress_every_s` how many rollouts
+    are in and what each worker does, from its status (compiling for how long, or tokens
+    and live sequences); a stopped run ends the wait for a batch and an evaluation's
+    generation at once."""
+    import threading
+
+    from rlax_tpu.controller.datasets import PromptRecord
+    from rlax_tpu.controller.generation import BatchState, Prompt, Stopped
+    from rlax_tpu.inference.types import GenerationRequest, LoadResult
+
+    release = threading.Event()
+
+    class Worker:  # compiles, then decodes, until released
+        address = "worker"
+
+        def __init__(self):
+            self.asked = 0
+
+        def load(self, version, *, evaluation=False):
+            return LoadResult(version=version, already_loaded=False, aborted=())
+
+        def generate(self, requests, version):
+            release.wait(30)
+            yield from finished_rollouts(requests, version)
+
+        def status_details(self, timeout_s):
+            self.asked += 1
+            if self.asked == 1:
+                return {"compiling_s": "12.4", "tokens_generated": "0", "active_slots": "0"}
+            return {"compiling_s": "0.0", "tokens_generated": "1234", "active_slots": "3"}
+
+    heard: list[str] = []
+    pool = one_sample_pool([Worker()], tmp_path, report=heard.append, progress_every_s=0.3)
+    batch = BatchState(index=0, version=0, samples=1)
+    try:
+        records = [
+            PromptRecord(dataset="d", id=f"d:{i}", prompt=f"q{i}", reference="1") for i in range(2)
+        ]
+        pool.submit(batch, [Prompt(f"b0:d:{i}", (1, 2), r) for i, r in enumerate(records)])
+        stop = threading.Event()
+        threading.Timer(1.5, stop.set).start()
+        assert pool.wait(batch, stop) is False  # stopped, not finished
+        lines = [line for line in heard if line.startswith("batch 0:")]
+        assert len(lines) >= 2, heard
+        assert lines[0].startswith("batch 0: 0 of 2 rollouts in after ")
+        assert lines[0].endswith("worker 0 compiling for 12s")
+        assert lines[1].endswith("worker 0: 1,234 tokens generated, 3 sequences live")
+        request = GenerationRequest(
+            request_id="e/v0", prompt_id="e", sample_index=0, prompt_tokens=(1,)
+        )
+        t0 = time.monotonic()
+        with pytest.raises(Stopped):
+            pool.generate([request], version=0, stop=stop)
+        assert time.monotonic() - t0 < 2
+    finally:
+        release.set()
         pool.stop()

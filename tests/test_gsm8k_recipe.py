@@ -2,8 +2,9 @@
 checkout given only a Qwen2-layout Hugging Face directory (a tiny random stand-in made by
 transformers, with Qwen's tokenizer layout, chat template and generation config) and a
 GSM8K-format JSONL runs GRPO from configs/qwen2_5_0_5b_gsm8k_gpu.py with --set
-model.hf_checkpoint=DIR --set data.path=FILE (plus sizes a CPU can run), extends the finished
-run by a step, exports it, and the export loads in transformers with the same logits."""
+model.hf_checkpoint=DIR --set data.path=FILE as a CPU trial (`--trial`: the recipe's sizes
+shrunk to what a CPU runs), extends the finished run by a step, exports it, and the export
+loads in transformers with the same logits."""
 
 from __future__ import annotations
 
@@ -32,22 +33,6 @@ ROWS = [
 TEST_ROWS = [
     {"question": f"Ann has {a} pears and eats {b}. How many pears?", "answer": f"#### {a - b}"}
     for a, b in [(9, 2), (7, 7)]
-]
-# Sizes a 2-core CPU runs in seconds, in an order every prefix of which validates.
-CPU_SIZES = [
-    "inference.max_new_tokens=8",
-    "inference.max_prompt_len=128",
-    "trainer.max_seq_len=136",
-    "inference.prefill_buckets=128,",
-    "inference.prefill_batch_size=4",
-    "inference.max_decode_slots=4",
-    "inference.kv_cache_bytes=4194304",
-    "trainer.micro_batch_size=4",
-    "trainer.mini_batch_size=4",
-    "controller.prompts_per_batch=2",
-    "controller.samples_per_prompt=2",
-    "trainer.logprob_chunk_size=0",
-    "verifiers.num_workers=1",
 ]
 
 
@@ -78,13 +63,20 @@ def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(t
         f"data.path={data}",
         f"controller.eval_dataset={test}",
         f"controller.eval_size={len(TEST_ROWS)}",
-        *CPU_SIZES,
+        f"storage.run_dir={run_dir}",
+        "controller.overlong_prompts=drop",
+        "inference.max_prompt_len=128",  # the stand-in's context is 256 tokens
     ]
-    sets += [f"storage.run_dir={run_dir}", "controller.overlong_prompts=drop"]
-    args = ["run", str(RECIPE), *[x for s in sets for x in ("--set", s)]]
+    args = ["run", str(RECIPE), "--trial", *[x for s in sets for x in ("--set", s)]]
 
     first = _rlax(*args, "--set", "controller.num_steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # The trial says what it shrank and leaves what --set chose.
+    changed = trial_changes(first.stdout)
+    assert "controller.prompts_per_batch: 32 -> 2" in changed
+    assert "trainer.gpu: 'h100' -> ''" in changed
+    assert any(line.startswith("inference.kv_cache_bytes: 2,048 MiB -> ") for line in changed)
+    assert not any(line.startswith(("controller.num_steps", "storage.")) for line in changed)
     assert "dataset gsm8k_train: 9 prompts" in first.stdout
     assert "1 over the limits left out" in first.stdout
     assert "done: 2 steps" in first.stdout
@@ -109,6 +101,11 @@ def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(t
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in rows if "reward_mean" in r}) == [1, 2, 3]
     assert {r["dataset/overlong_dropped"] for r in rows if "reward_mean" in r} == {1}
+    # The same command again has nothing to do: it says so without starting a component.
+    again = _rlax(*args, "--set", "controller.num_steps=3")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"already done, 3 steps in {run_dir}" in again.stdout
+    assert "components ready" not in again.stdout and "done: 3 steps" in again.stdout
 
     out = tmp_path / "export"
     exported = _rlax("export", str(run_dir), str(out))
@@ -128,6 +125,18 @@ def test_the_gpu_recipe_trains_extends_and_exports_a_qwen2_checkpoint_on_gsm8k(t
     assert not np.allclose(theirs, before, atol=1e-6), "the export is the untrained model"
     ours = _rlax_logits(out, ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def trial_changes(stdout: str) -> list[str]:
+    """The lines of `--trial`'s list of changes."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("trial of "))
+    changes = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        changes.append(line.strip())
+    return changes
 
 
 def _rlax_logits(directory: Path, ids: list[int]) -> np.ndarray:

@@ -3,6 +3,9 @@ inference workers from the config, no accelerator for the parameter server and t
 verifier, and overlapping shares refused before anything starts."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,15 +254,50 @@ def test_the_run_and_compile_start_jax_with_the_same_compiler_flags():
         libtpu_flags="--t=1",
         compilation_cache="off",
     )
-    env = jax_environment(config, {"XLA_FLAGS": "--xla_a=1"})
+    chosen = {"JAX_PLATFORMS": "cpu"}  # the platform the caller chose is left alone
+    env = jax_environment(config, {"XLA_FLAGS": "--xla_a=1", **chosen})
     assert env == {
         "XLA_FLAGS": "--xla_a=1 --xla_b=2 --xla_force_host_platform_device_count=4",
         "LIBTPU_INIT_ARGS": "--t=1",
     }
     # A child that inherits its parent's variables gets the same, not the flags twice.
-    assert jax_environment(config, env) == env
-    assert jax_environment(RunConfig(compilation_cache="off"), {}) == {}
+    assert jax_environment(config, {**env, **chosen}) == env
+    assert jax_environment(RunConfig(compilation_cache="off"), chosen) == {}
     assert "jax_environment(" in inspect.getsource(compile_cli.main)
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_a_host_without_an_accelerator_starts_jax_on_the_cpu_alone(monkeypatch, accelerator):
+    from rlax_tpu import runtime
+    from rlax_tpu.config import RunConfig
+
+    monkeypatch.setattr(runtime, "_accelerator_present", lambda: accelerator)
+    env = runtime.jax_environment(RunConfig(compilation_cache="off"), {})
+    assert env == ({} if accelerator else {"JAX_PLATFORMS": "cpu"})
+
+
+def test_jax_starts_on_a_cpu_host_without_tpu_plugin_noise():
+    """With jax[tpu] installed (the test extra has it) and no TPU chip, a run's process
+    starts JAX without a word from libtpu."""
+    code = (
+        "from rlax_tpu.config import load_config\n"
+        "from rlax_tpu.runtime import configure_jax\n"
+        "configure_jax(load_config('configs/tiny_cpu.py', ['compilation_cache=off']))\n"
+        "import jax\n"
+        "print(jax.devices()[0].platform)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "cpu"
+    assert done.stderr == "", done.stderr[-3000:]
 
 
 def test_every_process_of_a_run_keeps_its_compiled_programs(tmp_path):

@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of the run: check the model's numerics across the meshes "
                     "(sharded forward + gradient; trainer log-probs == inference log-probs)",
                 )
+                p.add_argument(
+                    "--trial",
+                    action="store_true",
+                    help="a CPU trial of the recipe: its model, data and algorithm, with the "
+                    "accelerator settings, batch, lengths, KV pool and steps shrunk to what a "
+                    "CPU runs in minutes (each change printed; --set wins), in <run_dir>_trial",
+                )
                 _add_connect_args(p)
         elif name == "resume":
             p.add_argument("run_dir", help="the run directory (local path or gs://)")
@@ -329,7 +336,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlax_tpu.cli.run import run
         from rlax_tpu.models import CheckpointError
 
-        config = load_config(args.config, args.overrides)
+        if args.trial:  # sized for the CPU before the checkpoint's architecture is read
+            from rlax_tpu.cli.trial import memory_note, trial
+
+            user_set = [item.partition("=")[0].strip() for item in args.overrides]
+            config = load_config(args.config, args.overrides, resolve=False)
+            config, changes = trial(config, user_set)
+            print(f"trial of {args.config} on this host: {len(changes)} settings changed")
+            for line in changes:
+                print(f"  {line}")
+            note = memory_note(config)
+            if note:
+                print(note)
+        else:
+            config = load_config(args.config, args.overrides)
         try:
             if args.smoke:
                 return run(config)

@@ -11,10 +11,13 @@ from rlax_tpu.config.base import ConfigError
 from rlax_tpu.config.run import RunConfig
 
 
-def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(
+    source: str, overrides: list[str] | tuple[str, ...] = (), *, resolve: bool = True
+) -> RunConfig:
     """Read a config from a Python file exposing `get_config()` or from a JSON dump, then
     apply `key=value` overrides in order; `model.hf_checkpoint` then fills the model's
-    architecture (rlax_tpu.config.checkpoint)."""
+    architecture (rlax_tpu.config.checkpoint), unless `resolve` is False (the caller
+    resolves it, after changes of its own: `rlax-tpu run --trial`)."""
     path = Path(source)
     if not path.is_file():
         raise ConfigError(
@@ -28,6 +31,8 @@ def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> Run
     else:
         raise ConfigError(f"config file {source!r} must end in .py or .json")
     config = config.apply_overrides(overrides)
+    if not resolve:
+        return config
     from rlax_tpu.config.checkpoint import resolve_checkpoint_model
 
     return resolve_checkpoint_model(config)

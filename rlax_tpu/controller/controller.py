@@ -37,7 +37,7 @@ from rlax_tpu.controller.batches import BatchBuilder
 from rlax_tpu.controller.datasets import encode_prompt, stop_tokens
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.evaluation import EvalResult, Evaluator
-from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt
+from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt, Stopped
 from rlax_tpu.controller.recovery import Recovery
 from rlax_tpu.controller.replay import ReplayStage
 from rlax_tpu.controller.schedule import Schedule
@@ -209,8 +209,8 @@ class Controller:
         try:
             if start == 0 and self.replay is not None:
                 self._prefill()
-            if start == 0 and self.evaluator is not None:
-                result = self._evaluate(0)
+            result = self._evaluate(0) if start == 0 and self.evaluator is not None else None
+            if result is not None:
                 if self.metrics is not None:
                     self.metrics.write(0, result.metrics())
                 if self.progress is not None:
@@ -395,15 +395,25 @@ class Controller:
             **{f"train/{k}": float(v) for k, v in train_metrics.items()},
         }
         if self.evaluator is not None and (self.schedule.eval_due(step) or step == self.num_steps):
-            row.update(self._evaluate(step).metrics())
+            result = self._evaluate(step)
+            if result is not None:
+                row.update(result.metrics())
         self.history.append(row)
         if self.metrics is not None:
             self.metrics.write(step, {k: v for k, v in row.items() if k != "step"})
         if self.progress is not None:
             self.progress(row)
 
-    def _evaluate(self, step: int) -> EvalResult:
-        result = self.evaluator.evaluate(step)
+    def _evaluate(self, step: int) -> EvalResult | None:
+        """The evaluation at `step`; None when the run was stopped during it (said)."""
+        try:
+            result = self.evaluator.evaluate(step, stop=self.stop)
+        except Stopped:
+            self.report(
+                f"the evaluation at step {step} was stopped before it finished; `rlax-tpu "
+                "eval` measures any saved version"
+            )
+            return None
         self.evals[step] = result.accuracy
         self.eval_versions[step] = result.version
         self.eval_elapsed_s[step] = time.perf_counter() - self._t0

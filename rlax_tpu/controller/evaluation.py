@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,11 +101,12 @@ class Evaluator:
         self.report = report or _log.info  # a line as each measurement starts and ends
         self._by_version: dict[int, tuple[float, int, int]] = {}
 
-    def evaluate(self, step: int) -> EvalResult:
-        """The accuracy at `step`: of its newest loadable version (measured once)."""
+    def evaluate(self, step: int, *, stop: threading.Event | None = None) -> EvalResult:
+        """The accuracy at `step`: of its newest loadable version (measured once). Raises
+        generation.Stopped once `stop` is set."""
         version = self.schedule.eval_version(step)
         if version not in self._by_version:
-            self._by_version[version] = self._measure(version)
+            self._by_version[version] = self._measure(version, stop)
         accuracy, unjudged, distinct = self._by_version[version]
         return EvalResult(
             step=step,
@@ -115,7 +117,7 @@ class Evaluator:
             distinct=distinct,
         )
 
-    def _measure(self, version: int) -> tuple[float, int, int]:
+    def _measure(self, version: int, stop: threading.Event | None) -> tuple[float, int, int]:
         self.report(f"evaluating version {version} on {len(self.prompts)} held-out prompts ...")
         t0 = time.perf_counter()
         requests = [
@@ -130,7 +132,7 @@ class Evaluator:
         ]
         # A version that is not a multiple of η (the final one) is loaded for this only.
         evaluation = not self.schedule.policy.is_loadable(version)
-        rollouts = self.pool.generate(requests, version, evaluation=evaluation)
+        rollouts = self.pool.generate(requests, version, evaluation=evaluation, stop=stop)
         items: list[tuple[Any, dict[str, Any]]] = [
             (p.record, rollout_record(-1, rollouts[q.request_id]))
             for p, q in zip(self.prompts, requests, strict=True)

@@ -126,6 +126,16 @@ class _Job:
     evaluation: bool = dataclasses.field(compare=False, default=False)  # any version
 
 
+# How long a stopping pool waits for its threads, and how long a progress line waits for a
+# worker's status.
+STOP_JOIN_S = 5.0
+PROGRESS_STATUS_TIMEOUT_S = 2.0
+
+
+class Stopped(Exception):
+    """The run was stopped (SIGTERM / Ctrl-C) while the controller waited for generation."""
+
+
 _STOP = _Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
 
 
@@ -166,8 +176,10 @@ class GenerationPool:
         liveness_s: float = 0.0,
         decode_step_deadline_s: float = 0.0,
         decode_slots: int = 1,
+        progress_every_s: float = 10.0,
     ) -> None:
         self.workers = list(workers)
+        self.progress_every_s = progress_every_s  # 0: no progress lines while waiting
         # Liveness (rpc/liveness.py): with liveness_s > 0, every Load and Generate is watched
         # by health checks, and a Generate has a deadline from the tokens it carries.
         self.liveness_s = liveness_s
@@ -204,11 +216,15 @@ class GenerationPool:
             self._threads.append(thread)
 
     def stop(self) -> None:
+        """Stop the worker threads. One in a call still running is not waited for beyond
+        STOP_JOIN_S: a run that stops stops its workers next, which ends the call, and what
+        the thread receives after this is dropped (generated again on resume, the same)."""
         self._closing.set()
         for _ in self._threads:
             self._jobs.put(_STOP)
+        deadline = time.monotonic() + STOP_JOIN_S
         for thread in self._threads:
-            thread.join(timeout=60)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._threads = []
 
     def _work(self, i: int) -> None:
@@ -288,10 +304,10 @@ class GenerationPool:
                     retry.append(rollout.request_id)
                 else:
                     job.fail(f"request {rollout.request_id} failed on worker {i}: {rollout.error}")
-        finally:  # what finished before a lost connection is kept
+        finally:  # what finished before a lost connection is kept (unless stopping)
             t_generated = time.perf_counter()
             job.timing["generate_s"] += t_generated - t_loaded
-            if finished:
+            if finished and not self._closing.is_set():
                 job.deliver(finished)
                 done.update(r.request_id for r in finished)
             job.timing["log_s"] += time.perf_counter() - t_generated
@@ -469,14 +485,42 @@ class GenerationPool:
         batch.done.set()
 
     def wait(self, batch: BatchState, stop: threading.Event) -> bool:
-        """Until all of `batch`'s rollouts are in (True), or the run is stopped (False)."""
+        """Until all of `batch`'s rollouts are in (True), or the run is stopped (False).
+        Every `progress_every_s` of waiting it reports how far generation is."""
+        started = last = time.monotonic()
         while not batch.done.wait(0.5):
             if stop.is_set():
                 return False
             self._raise_on_failure()
+            if self.progress_every_s > 0 and time.monotonic() - last >= self.progress_every_s:
+                last = time.monotonic()
+                rollouts = len(batch.rollouts)
+                self.report(
+                    f"batch {batch.index}: {rollouts} of {batch.expected} rollouts in after "
+                    f"{last - started:.0f}s; {self.progress()}"
+                )
         if batch.error:
             raise ControllerError(f"batch {batch.index}: {batch.error}")
         return True
+
+    def progress(self) -> str:
+        """What each worker is doing, from its status: compiling (for how long), or tokens
+        generated and sequences live; "silent" for one that does not answer."""
+        parts = []
+        for i, client in enumerate(self.workers):
+            try:
+                details = client.status_details(PROGRESS_STATUS_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a worker lost or busy: the pool handles it
+                parts.append(f"worker {i} silent")
+                continue
+            compiling = float(details.get("compiling_s", 0))
+            if compiling > 0:
+                parts.append(f"worker {i} compiling for {compiling:.0f}s")
+            else:
+                tokens = int(details.get("tokens_generated", 0))
+                live = int(details.get("active_slots", 0))
+                parts.append(f"worker {i}: {tokens:,} tokens generated, {live} sequences live")
+        return "; ".join(parts)
 
     def _raise_on_failure(self) -> None:
         if self.failure:
@@ -484,11 +528,17 @@ class GenerationPool:
 
     # -- one-off generation (evaluation) -------------------------------------------------------
     def generate(
-        self, requests: list[GenerationRequest], version: int, *, evaluation: bool = False
+        self,
+        requests: list[GenerationRequest],
+        version: int,
+        *,
+        evaluation: bool = False,
+        stop: threading.Event | None = None,
     ) -> dict[str, Rollout]:
         """The rollouts of `requests` generated with `version`, by request id, ahead of every
-        batch in the queue; spread over the workers. Blocks until all are in. `evaluation`:
-        `version` may be any published one (workers load it for this only)."""
+        batch in the queue; spread over the workers. Blocks until all are in, or raises
+        Stopped once `stop` is set. `evaluation`: `version` may be any published one
+        (workers load it for this only)."""
         if not requests:
             return {}
         done = threading.Event()
@@ -511,6 +561,8 @@ class GenerationPool:
             job.evaluation = evaluation
             self._jobs.put(job)
         while not done.wait(0.5):
+            if stop is not None and stop.is_set():
+                raise Stopped(f"stopped while generating {len(requests)} requests")
             self._raise_on_failure()
         if errors:
             raise ControllerError(errors[0])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, DatasetConfig, RunConfig, load_config
+from rlax_tpu.run_dir import SUMMARY_FILE, TOKENIZER, finished_summary, prepare_run_dir
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +90,6 @@ def materialise(config: RunConfig) -> RunConfig:
     model, controller = config.model, config.controller
     if model.tokenizer == BUILTIN_CHAR_TOKENIZER:
         from rlax_tpu.models.char_tokenizer import write_char_tokenizer
-        from rlax_tpu.run_dir import TOKENIZER
 
         directory = storage.join(run_dir, TOKENIZER)
         if not storage.exists(storage.join(directory, "tokenizer.json")):
@@ -162,7 +163,9 @@ def _progress(row: dict[str, Any], num_steps: int) -> None:
     if "reward_mean" not in row:  # the evaluation before the first step
         print(f"step {row['step']:>4}/{num_steps}  held-out {_held_out(row)}", flush=True)
         return
-    tokens_per_s = row["response_tokens"] / max(row.get("train/time/step_s", 0) or 1e-9, 1e-9)
+    # Over the trainer's step without its compile (a first step compiles for a while).
+    run_s = row.get("train/time/step_s", 0) - row.get("train/time/compile_s", 0)
+    tokens_per_s = row["response_tokens"] / max(run_s, 1e-9)
     line = (
         f"step {row['step']:>4}/{num_steps}  reward {row['reward_mean']:.3f}  "
         f"acc {row['accuracy']:.3f}  staleness {row['staleness_mean']:.2f}  "
@@ -327,11 +330,18 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
         LocalCluster,
         check_colocated_gpu_memory,
     )
-    from rlax_tpu.run_dir import prepare_run_dir
 
     stop = stop or threading.Event()
     check_colocated_gpu_memory(config)  # before the run directory exists
     config, effective, tokenizer, sources, scans = _inputs(config)
+    finished = finished_summary(config)
+    if finished is not None:  # nothing to do: no component is started
+        print(
+            f"run {config.name!r}: already done, {finished['end_step']} steps in "
+            f"{config.storage.run_dir}; raise controller.num_steps to train further",
+            flush=True,
+        )
+        return finished
     run_dir = prepare_run_dir(config)
     _write_scans(run_dir, scans)
     digest = config.digest()
@@ -385,7 +395,7 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
         finally:
             failure = cluster.failure
         components.param_server.close()
-    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+    storage.write_text(storage.join(run_dir, SUMMARY_FILE), json.dumps(summary, indent=2))
     if failure and summary["end_step"] < effective.controller.num_steps:
         failed = ComponentFailed(failure)
         failed.run_dir = run_dir
@@ -416,8 +426,6 @@ def run_connected(
         token = auth_token_from_env(config.param_server.auth_token_env)
     except AuthTokenError as e:
         raise ConnectError(str(e)) from None
-
-    from rlax_tpu.run_dir import prepare_run_dir
 
     stop = stop or threading.Event()
     config, effective, tokenizer, sources, scans = _inputs(config)
@@ -454,7 +462,7 @@ def run_connected(
             components.param_server.close()
     finally:
         probe.close()
-    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+    storage.write_text(storage.join(run_dir, SUMMARY_FILE), json.dumps(summary, indent=2))
     if failure:
         raise ConnectError(failure)
     return summary
@@ -465,7 +473,17 @@ def main(config: RunConfig, *, addresses: Any = None, ready_timeout_s: float = 1
     With `addresses` (`--connect`) the components run elsewhere and are left running."""
     from rlax_tpu.rpc.process import stop_on_signals
 
-    stop = stop_on_signals()
+    def announce(signum: int) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(
+            f"\n{name}: stopping — the run finishes the call in flight, writes a snapshot and "
+            f"stops its components; `rlax-tpu resume {config.storage.run_dir}` continues it. "
+            f"{name} again stops at once (the resume then starts from the last snapshot)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    stop = stop_on_signals(announce, again_exits=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if addresses is None:
         summary = run(config, stop=stop)

@@ -162,6 +162,9 @@ class Child:
             stderr=self._log,
             env={**env, PARENT_PID_ENV: str(os.getpid())},
             text=True,
+            # Its own session: a terminal's Ctrl-C reaches the run, which stops its
+            # components in order (a snapshot first), not every process at once.
+            start_new_session=True,
         )
         self.pid = self.process.pid
         self.address: str | None = None

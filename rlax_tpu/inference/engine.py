@@ -590,6 +590,11 @@ class Engine:
         since = self._compiling_since
         return self._compile_s + (time.monotonic() - since if since is not None else 0.0)
 
+    def compiling_seconds(self) -> float:
+        """Seconds the compile running now has taken (0.0 when none runs)."""
+        since = self._compiling_since
+        return time.monotonic() - since if since is not None else 0.0
+
     def _append(self, seq: _Sequence, token: int, logprob: float) -> bool:
         """Record a sampled token; finish the sequence if it ends it. Returns whether it did."""
         seq.tokens.append(token)

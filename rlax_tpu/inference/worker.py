@@ -301,6 +301,8 @@ class InferenceWorker:
                 # Read live (not the engine thread's last report): a watched call's deadline
                 # leaves out a compile while it runs.
                 "compile_s": round(self._engine.compile_seconds(), 3),
+                # The compile running now, if any (progress lines say the worker compiles).
+                "compiling_s": round(self._engine.compiling_seconds(), 3),
             }
 
     def close(self) -> None:

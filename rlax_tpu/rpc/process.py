@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from rlax_tpu.config import RunConfig, load_config
@@ -31,8 +32,13 @@ CHILD_LAUNCHER = (
 )
 
 
-def stop_on_signals() -> threading.Event:
-    """An event that SIGTERM or SIGINT sets (call from the main thread).
+def stop_on_signals(
+    announce: Callable[[int], None] | None = None, *, again_exits: bool = False
+) -> threading.Event:
+    """An event that SIGTERM or SIGINT sets (call from the main thread). `announce(signum)`
+    is called at once when it is set (to say what stopping will do); with `again_exits`, a
+    second signal ends the process at once (exit code 130), its children told by their
+    PR_SET_PDEATHSIG.
 
     The Python-level handler does nothing itself: it runs between two bytecodes of the main
     thread, which may hold the event's lock at that moment (inside `Event.wait`, or inside
@@ -47,10 +53,20 @@ def stop_on_signals() -> threading.Event:
     for sig in stopping:
         signal.signal(sig, lambda *_: None)
 
-    def watch() -> None:
-        while os.read(read, 1)[0] not in stopping:  # another handled signal: not ours
+    def next_stop_signal() -> int:
+        while (signum := os.read(read, 1)[0]) not in stopping:  # another handled signal
             pass
+        return signum
+
+    def watch() -> None:
+        signum = next_stop_signal()
         stop.set()
+        if announce is not None:
+            announce(signum)
+        if again_exits:
+            next_stop_signal()
+            print("stopping now", file=sys.stderr, flush=True)
+            os._exit(130)
 
     threading.Thread(target=watch, name="stop-on-signal", daemon=True).start()
     return stop

@@ -1,5 +1,6 @@
-"""Throughput figures of the trainer: a measured matmul peak of the mesh and the MFU
-estimate (model FLOPs per second / that peak).
+"""Throughput figures of the trainer: a measured matmul peak of the mesh, the MFU
+estimate (model FLOPs per second / that peak), and the seconds spent compiling (so that a
+step's throughput leaves its compile out).
 
 The peak is measured, not looked up, so the estimate means the same thing on a CPU
 with virtual devices, a GPU or a TPU slice: a large matmul sharded over every device
@@ -9,6 +10,7 @@ of the mesh, in the model's compute dtype.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import jax
@@ -45,3 +47,33 @@ def matmul_peak_flops(mesh: Mesh, dtype: str = "float32") -> float:
 def mfu(model_flops: float, seconds: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: (model_flops / seconds) / peak_flops."""
     return model_flops / max(seconds, 1e-12) / peak_flops
+
+
+# JAX's own events (jax.monitoring) of compiling a program: tracing it, lowering it to MLIR,
+# and the backend compile (a compilation-cache read included).
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compile_lock = threading.Lock()
+_compile_s = 0.0
+_listening = False
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling since its first call (which starts the
+    count); the difference over a step is that step's compile time."""
+    global _listening
+    with _compile_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _listening = True
+        return _compile_s
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    global _compile_s
+    if event in COMPILE_EVENTS:
+        with _compile_lock:
+            _compile_s += duration

@@ -365,7 +365,7 @@ class Trainer:
         self._check_inputs(batch)
         batch = jax.tree.map(self._place_rows, batch)
         first = self._first_of_shape("train step", rows, seq)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), perf.compile_seconds()
         needs_values = self.objective.needs_rollout_values
         recompute = self._recompute_due(step)
         with use_mesh(self.mesh, self.rules):
@@ -403,7 +403,10 @@ class Trainer:
             self.progress(f"train step {rows}x{seq}: compiled and ran in {step_s:.1f}s")
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["time/recompute_s"] = recompute_s
-        return self._finish(step, metrics, tokens=rows * seq, step_s=step_s, digest=digest)
+        compile_s = perf.compile_seconds() - compiled
+        return self._finish(
+            step, metrics, tokens=rows * seq, step_s=step_s, compile_s=compile_s, digest=digest
+        )
 
     def _recompute_due(self, step: int) -> bool:
         """Whether train step `step` recomputes π_old: when the objective reads it (recomputed
@@ -485,7 +488,7 @@ class Trainer:
         targets = self._place_rows(targets, jnp.int32)
         loss_mask = self._place_rows(loss_mask, jnp.float32)
         first = self._first_of_shape("SFT step", rows, seq)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), perf.compile_seconds()
         with use_mesh(self.mesh, self.rules):
             self._params, self._sft_opt_state, metrics = self._sft_step(
                 self._params, self._sft_opt_state, tokens, targets, loss_mask
@@ -494,7 +497,8 @@ class Trainer:
         if first:
             seconds = time.perf_counter() - start
             self.progress(f"SFT step {rows}x{seq}: compiled and ran in {seconds:.1f}s")
-        metrics.update(self._speed(rows * seq, time.perf_counter() - start))
+        compile_s = perf.compile_seconds() - compiled
+        metrics.update(self._speed(rows * seq, time.perf_counter() - start, compile_s))
         self.warm_start_step = step + 1
         last = self.warm_start_step == total
         every = self.config.controller.sft_checkpoint_every
@@ -520,19 +524,30 @@ class Trainer:
         self.progress(f"compiling the {program} for batches of {rows}x{seq} tokens ...")
         return True
 
-    def _speed(self, tokens: int, step_s: float) -> dict[str, float]:
+    def _speed(self, tokens: int, step_s: float, compile_s: float) -> dict[str, float]:
+        """The step's figures: its wall time, the part of it spent compiling, and throughput
+        and MFU over the rest (a first step's compile is not its speed)."""
         if self._peak_flops is None:
             self._peak_flops = perf.matmul_peak_flops(self.mesh, self.config.model.dtype)
+        run_s = max(step_s - compile_s, 1e-9)
         return {
             "time/step_s": step_s,
-            "tokens_per_s": tokens / step_s,
-            "mfu": perf.mfu(train_flops(self.num_params, tokens), step_s, self._peak_flops),
+            "time/compile_s": compile_s,
+            "tokens_per_s": tokens / run_s,
+            "mfu": perf.mfu(train_flops(self.num_params, tokens), run_s, self._peak_flops),
         }
 
     def _finish(
-        self, step: int, metrics: dict[str, float], *, tokens: int, step_s: float, digest: str
+        self,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        tokens: int,
+        step_s: float,
+        compile_s: float,
+        digest: str,
     ):
-        metrics.update(self._speed(tokens, step_s))
+        metrics.update(self._speed(tokens, step_s, compile_s))
         self.step = step + 1
         if self._keeps_reference and reference_reset_due(self.config.trainer.algorithm, self.step):
             _log.info("resetting the reference policy to version %d", self.step)
