@@ -126,12 +126,16 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     assert step["extra_flops"]["reference"] == step["extra_flops"]["pi_old"]  # a KL term here
     assert step["mfu_estimated"] == pytest.approx(step["mfu_at_roofline"] * 0.4)
     assert "train step (recompute × calls + rl_step), per chip: model" in proc.stdout
-    # The trainer's executables, kept for a run on this topology (trainer.compiled_dir).
+    # The executables, kept for a run on this topology (trainer.compiled_dir and
+    # inference.compiled_dir): the inference programs at each of their buckets.
     manifest = json.loads((tmp_path / "compiled" / "manifest.json").read_text())
-    assert set(manifest) == {"init", "init_opt", "rl_step", "recompute"}
+    trainer = {"init", "init_opt", "rl_step", "recompute"}
+    inference = {"prefill@32", "decode@8", "swap_out@4", "swap_in@4"}
+    assert set(manifest) == trainer | inference
     rl_entry = manifest["rl_step"]
     assert (rl_entry["platform"], rl_entry["num_devices"]) == ("tpu", 4)
     assert rl_entry["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert manifest["decode@8"]["platform"] == "tpu"
     assert (tmp_path / "compiled" / rl_entry["file"]).stat().st_size > 0
     # Training attention is the splash kernel, its matmuls counted from its shapes.
     assert programs["rl_step"]["hlo"]["splash_kernels"] >= 1

@@ -16,10 +16,11 @@ import pytest
 from trainer_helpers import rollout_batch, run_config, with_trainer
 
 from rlax_tpu.compile import executables
+from rlax_tpu.compile.executables import SavedProgram
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.trainer import Trainer
-from rlax_tpu.trainer.programs import SavedProgram, TrainerPrograms
+from rlax_tpu.trainer.programs import TrainerPrograms
 
 MESH = MeshConfig(data=2, fsdp=2, tensor=2)
 SEQ = 32  # trainer.max_seq_len: the shape the programs are compiled at
@@ -130,3 +131,59 @@ def test_an_executable_saved_after_the_compilation_cache_holds_it_still_runs(tmp
         ran, expected = map(float, done.stdout.split())
         assert ran == expected
     assert any((tmp_path / "cache").iterdir())  # the second process could have used it
+
+
+def test_an_inference_engine_runs_the_saved_programs_of_its_mesh(tmp_path):
+    """`--save-compiled` keeps the engine's programs too (prefill and decode at each bucket,
+    the swap copies): an engine on the same mesh runs them and generates what one that
+    compiles does; one on another mesh refuses them, naming the mesh."""
+    from rlax_tpu.config import InferenceConfig, ModelConfig
+    from rlax_tpu.inference.engine import Engine
+    from rlax_tpu.inference.sampling import SamplingParams
+    from rlax_tpu.inference.types import GenerationRequest
+    from rlax_tpu.models import Transformer
+
+    model = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=4)
+    inference = InferenceConfig(
+        max_decode_slots=2,
+        page_size=4,
+        kv_cache_bytes=2**20,
+        prefill_buckets=(16,),
+        max_prompt_len=16,
+        max_new_tokens=6,
+    )
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=jax.devices()[:2])
+    directory = tmp_path / "compiled"
+    compiling = Engine(model, inference, seed=0, mesh=mesh)
+    for key in compiling.lowerings():
+        lowered = compiling.lower(key)
+        compiled = executables.compile_to_save(lowered)
+        executables.save(directory, key, lowered, compiled, mesh, config_digest="test")
+
+    saved = Engine(model, inference, seed=0, mesh=mesh)
+    assert sorted(saved.use_saved_executables(str(directory))) == sorted(compiling.lowerings())
+    from flax import nnx
+
+    params = nnx.to_pure_dict(nnx.state(Transformer(model, rngs=nnx.Rngs(4)), nnx.Param))
+    rng = np.random.default_rng(0)
+    requests = [
+        GenerationRequest(
+            f"r{i}",
+            f"p{i}",
+            0,
+            tuple(int(t) for t in rng.integers(0, 128, 5 + 3 * i)),
+            SamplingParams(temperature=1.0 if i % 2 else 0.0, max_new_tokens=6),
+        )
+        for i in range(3)
+    ]
+    results = {}
+    for name, engine in (("saved", saved), ("compiling", compiling)):
+        engine.load(0, params)
+        results[name] = [(r.tokens, r.logprobs) for r in engine.run(requests)]
+    assert results["saved"] == results["compiling"]  # the same programs, the same machine
+    programs = saved.saved_programs
+    assert programs["prefill@16"].calls > 0 and programs["decode@2"].calls > 0
+
+    other = build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    with pytest.raises(executables.CompiledMismatchError, match="mesh"):
+        Engine(model, inference, seed=0, mesh=other).use_saved_executables(str(directory))

@@ -34,9 +34,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--save-compiled",
         metavar="DIR",
-        help="keep the trainer's compiled executables in DIR (local) with a manifest: a run "
-        "with --set trainer.compiled_dir=DIR on this topology loads them instead of "
-        "compiling at start-up",
+        help="keep the compiled executables in DIR (local) with a manifest: a run with "
+        "--set trainer.compiled_dir=DIR --set inference.compiled_dir=DIR on this topology "
+        "loads them instead of compiling at start-up",
     )
     parser.add_argument(
         "--find-max",

@@ -117,3 +117,27 @@ def load(
     return serialize_executable.deserialize_and_load(
         payload, in_tree, out_tree, execution_devices=list(mesh.devices.flat)
     )
+
+
+class SavedProgram:
+    """A saved executable (rlax-tpu compile --save-compiled) in place of a jitted program:
+    it runs the calls at the shapes and static arguments it was compiled for, the jitted
+    program (compiling as usual) every other call."""
+
+    def __init__(self, executable: Any, jitted: Any, args: tuple, static: tuple[int, ...]):
+        self.executable, self.jitted, self.static = executable, jitted, static
+        self._static_values = tuple(args[i] for i in static)
+        self._signature = self._shapes([a for i, a in enumerate(args) if i not in static])
+        self.calls = 0  # calls the saved executable ran
+
+    @staticmethod
+    def _shapes(args: Any) -> Any:
+        return [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]
+
+    def __call__(self, *args: Any) -> Any:
+        dynamic = [a for i, a in enumerate(args) if i not in self.static]
+        same = tuple(args[i] for i in self.static) == self._static_values
+        if same and self._shapes(dynamic) == self._signature:
+            self.calls += 1
+            return self.executable(*dynamic)
+        return self.jitted(*args)

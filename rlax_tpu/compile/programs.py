@@ -79,6 +79,12 @@ class Program:
     # The shape as numbers: rows, seq_len (tokens per row), micro_batch, updates (trainer);
     # rows, seq_len (prefill); slots, steps, max_seq_len (decode).
     dims: dict[str, int] = dataclasses.field(default_factory=dict)
+    # What `--save-compiled` saves it as, and the run looks it up by: the name, with the
+    # bucket of a program compiled at several ("prefill@128"; Engine.lowerings).
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.name
 
 
 def per_chip_bytes(tree: Any) -> int:
@@ -260,6 +266,7 @@ def inference_programs(
                     functools.partial(engine.lower_prefill, bucket),
                     arguments,
                     dims={"rows": engine.prefill_rows, "seq_len": bucket},
+                    key=f"prefill@{bucket}",
                 )
             )
     if "decode" in names:
@@ -277,6 +284,7 @@ def inference_programs(
                     functools.partial(engine.lower_decode, rows),
                     arguments,
                     dims={"slots": rows, "steps": steps, "max_seq_len": engine.max_seq_len},
+                    key=f"decode@{rows}",
                 )
             )
     pages = engine.swap_pages
@@ -297,6 +305,7 @@ def inference_programs(
                     {"kv_cache": arguments["kv_cache"]},
                     resident={"params": arguments["params"]},
                     dims={"pages": pages},
+                    key=f"{name}@{pages}",
                 )
             )
     return out

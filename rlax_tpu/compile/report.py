@@ -240,8 +240,8 @@ def compile_config(
     """Compile `programs` (default: all the run executes) of `config` for its topologies.
 
     progress: called with each ProgramReport as it completes (the CLI prints a line).
-    save_dir: keep the trainer's compiled executables there, for `trainer.compiled_dir`
-    (rlax_tpu.compile.executables)."""
+    save_dir: keep the compiled executables there, for `trainer.compiled_dir` and
+    `inference.compiled_dir` (rlax_tpu.compile.executables)."""
     names = set(programs or PROGRAMS)
     unknown = names - set(PROGRAMS)
     if unknown:
@@ -255,11 +255,11 @@ def compile_config(
         components[component] = target
         for program in build(config, mesh, names):
             keep = None
-            if save_dir and component == "trainer":
+            if save_dir and program.lower is not None:
                 keep = functools.partial(
                     executables.save,
                     save_dir,
-                    program.name,
+                    program.key,
                     mesh=mesh,
                     config_digest=config.digest(),
                 )

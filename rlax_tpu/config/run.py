@@ -566,6 +566,11 @@ class InferenceConfig(ConfigBase):
     # + η) into host memory, the moment the parameter server commits it; its next load then
     # only places it on the devices. Costs one version of host memory per worker.
     prefetch_weights: bool = True
+    # Executables `rlax-tpu compile CONFIG --save-compiled DIR` saved for this config's
+    # topology (as trainer.compiled_dir): each worker runs those of its mesh (prefill and
+    # decode at their buckets, the swap copies) instead of compiling them on first use, and
+    # refuses to start on ones compiled for another program or mesh. "" = compile on use.
+    compiled_dir: str = ""
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
@@ -1090,6 +1095,7 @@ RESUMABLE_FIELDS = (
     "inference.gpu",
     "inference.gpu_memory_fraction",
     "inference.prefetch_weights",  # when the weights move, not which
+    "inference.compiled_dir",
     "verifiers.address",
     "deploy",
     "logging",

@@ -199,6 +199,8 @@ class Engine:
         mesh_key = None if mesh is None else (mesh, self._rules)
         treedef = jax.tree.structure(abstract_state)
         self._static = (_StaticKey.of(graphdef, treedef, mesh_key),)
+        # Saved executables in place of jitted steps, by program key (`use_saved_executables`).
+        self._programs: dict[str, Any] = {}
 
     # -- public API ----------------------------------------------------------------------
     def load(self, version: int, params: Mapping[str, Any]) -> list[Rollout]:
@@ -410,7 +412,8 @@ class Engine:
         index = np.zeros(_pow2(len(pages)), np.int32)  # padded with the padding page
         index[: len(pages)] = pages
         with self._mesh_context():
-            keys, values = jax.device_get(_read_pages(self._cache, self._put(index)))
+            read = self._program(f"swap_out@{len(index)}", _read_pages)
+            keys, values = jax.device_get(read(self._cache, self._put(index)))
         n = len(pages)
         return tuple(k[:, :n].copy() for k in keys), tuple(v[:, :n].copy() for v in values)
 
@@ -430,7 +433,8 @@ class Engine:
         pool = self.abstract_cache.keys[0].sharding
         keys, values = jax.device_put((keys, values), pool)
         with self._mesh_context():
-            self._cache = _write_pages(self._cache, self._put(index), keys, values)
+            write = self._program(f"swap_in@{size}", _write_pages)
+            self._cache = write(self._cache, self._put(index), keys, values)
 
     def _prefill(self, batch: list[_Sequence]) -> None:
         """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts,
@@ -475,12 +479,15 @@ class Engine:
         (PADDING_PAGE; writes there are dropped) and non-truncating sampling params."""
         args = self._prefill_args(bucket, seqs)
         what = f"prefill for {self.prefill_rows}x{bucket} prompt tokens"
-        first = self._first_call(f"prefill:{self.prefill_rows}x{bucket}", what)
+        step = self._program(f"prefill@{bucket}", _prefill_step)
+        first = (
+            None
+            if step is not _prefill_step
+            else self._first_call(f"prefill:{self.prefill_rows}x{bucket}", what)
+        )
         self._counters["prefill_calls"] += 1
         with self._mesh_context():
-            packed, self._cache = _prefill_step(
-                *self._static, self._params, self._cache, *self._put(args)
-            )
+            packed, self._cache = step(*self._static, self._params, self._cache, *self._put(args))
         if first is not None:  # the call returns once compiled; it runs asynchronously
             seconds = first()
             if self.progress is not None:
@@ -529,9 +536,10 @@ class Engine:
             self._carry_dirty = False
         k = self.decode_steps_per_call
         what = f"decode for {rows} slots, {k} steps a call"
-        first = self._first_call(f"decode:{rows}x{k}", what)
+        step = self._program(f"decode@{rows}", _decode_step)
+        first = None if step is not _decode_step else self._first_call(f"decode:{rows}x{k}", what)
         with self._mesh_context():
-            self._cache, self._device_carry, out = _decode_step(
+            self._cache, self._device_carry, out = step(
                 *self._static,
                 k,
                 self._params,
@@ -792,30 +800,87 @@ class Engine:
             tree,
         )
 
-    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
-        """The prefill step of `prefill_rows` prompts of `bucket` tokens, lowered on abstract
+    # Each jitted step as (the jitted function, its abstract arguments, the static argnums):
+    # what `rlax-tpu compile` lowers, what `--save-compiled` saves under the program's key
+    # ("prefill@128", "decode@64", "swap_out@8", "swap_in@8"), and what a worker with
+    # `inference.compiled_dir` loads in place of compiling.
+    def _prefill_lowering(self, bucket: int) -> tuple[Any, tuple, tuple[int, ...]]:
+        """The prefill step of `prefill_rows` prompts of `bucket` tokens, on abstract
         weights, cache and arguments (those `_prefill_call` builds)."""
         args = self._abstract_host(self._prefill_args(bucket, []))
-        with self._mesh_context():
-            return _prefill_step.lower(
-                *self._static, self.abstract_params(), self.abstract_cache, *args
+        return (
+            _prefill_step,
+            (*self._static, self.abstract_params(), self.abstract_cache, *args),
+            (0,),
+        )
+
+    def _decode_lowering(self, rows: int) -> tuple[Any, tuple, tuple[int, ...]]:
+        """The decode step of `rows` live slots for `decode_steps_per_call` tokens."""
+        carry = (self._last_token, self._position, self._index, self._active)
+        args = (
+            *self._static,
+            self.decode_steps_per_call,
+            self.abstract_params(),
+            self.abstract_cache,
+            self._abstract_host(carry),
+            self._abstract_host(self._sampling_arrays()),
+            self._abstract_host(np.zeros(rows, np.int32)),
+        )
+        return _decode_step, args, (0, 1)
+
+    def _swap_out_lowering(self, pages: int) -> tuple[Any, tuple, tuple[int, ...]]:
+        """The copy of `pages` pages out of the pool (`_read_pages`: what a swap-out runs
+        before its device-to-host transfer)."""
+        return (
+            _read_pages,
+            (self.abstract_cache, self._abstract_host(np.zeros(pages, np.int32))),
+            (),
+        )
+
+    def _swap_in_lowering(self, pages: int) -> tuple[Any, tuple, tuple[int, ...]]:
+        """The write of `pages` swapped pages back into the pool (`_write_pages`, the pool
+        donated)."""
+        pool = self.abstract_cache.keys[0]
+
+        def page_block(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(
+                (x.shape[0], pages, *x.shape[2:]), x.dtype, sharding=pool.sharding
             )
 
-    def lower_decode(self, rows: int | None = None) -> jax.stages.Lowered:
-        """The decode step of `rows` live slots (default: the largest decode bucket,
-        max_decode_slots) for `decode_steps_per_call` tokens, lowered abstract."""
-        carry = (self._last_token, self._position, self._index, self._active)
-        live = np.zeros(rows or self.decode_rows[-1], np.int32)
+        keys = tuple(page_block(k) for k in self.abstract_cache.keys)
+        values = tuple(page_block(v) for v in self.abstract_cache.values)
+        index = self._abstract_host(np.zeros(pages, np.int32))
+        return _write_pages, (self.abstract_cache, index, keys, values), ()
+
+    def lowerings(self) -> dict[str, tuple[Any, tuple, tuple[int, ...]]]:
+        """Every program of the engine at every bucket, by its key."""
+        out = {f"prefill@{b}": self._prefill_lowering(b) for b in self.config.prefill_buckets}
+        out.update({f"decode@{r}": self._decode_lowering(r) for r in self.decode_rows})
+        out[f"swap_out@{self.swap_pages}"] = self._swap_out_lowering(self.swap_pages)
+        out[f"swap_in@{self.swap_pages}"] = self._swap_in_lowering(self.swap_pages)
+        return out
+
+    def lower(self, key: str) -> jax.stages.Lowered:
+        """The program of `key` (one of `lowerings()`), lowered abstract."""
+        return self._lower(self.lowerings()[key])
+
+    @property
+    def saved_programs(self) -> dict[str, Any]:
+        """The saved executables this engine runs (`use_saved_executables`), by key; each
+        counts the calls it ran (`calls`)."""
+        return dict(self._programs)
+
+    def _lower(self, lowering: tuple[Any, tuple, tuple[int, ...]]) -> jax.stages.Lowered:
+        jitted, args, _ = lowering
         with self._mesh_context():
-            return _decode_step.lower(
-                *self._static,
-                self.decode_steps_per_call,
-                self.abstract_params(),
-                self.abstract_cache,
-                self._abstract_host(carry),
-                self._abstract_host(self._sampling_arrays()),
-                self._abstract_host(live),
-            )
+            return jitted.lower(*args)
+
+    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
+        return self._lower(self._prefill_lowering(bucket))
+
+    def lower_decode(self, rows: int | None = None) -> jax.stages.Lowered:
+        """Default: the largest decode bucket (max_decode_slots)."""
+        return self._lower(self._decode_lowering(rows or self.decode_rows[-1]))
 
     @property
     def swap_pages(self) -> int:
@@ -824,28 +889,33 @@ class Engine:
         return _pow2(self._allocator.pages_per_seq)
 
     def lower_swap_out(self, pages: int | None = None) -> jax.stages.Lowered:
-        """The copy of `pages` pages (default `swap_pages`) out of the pool, lowered abstract
-        (`_read_pages`: what a swap-out runs before its device-to-host transfer)."""
-        index = np.zeros(pages or self.swap_pages, np.int32)
-        with self._mesh_context():
-            return _read_pages.lower(self.abstract_cache, self._abstract_host(index))
+        return self._lower(self._swap_out_lowering(pages or self.swap_pages))
 
     def lower_swap_in(self, pages: int | None = None) -> jax.stages.Lowered:
-        """The write of `pages` swapped pages (default `swap_pages`) back into the pool,
-        lowered abstract (`_write_pages`, the pool donated)."""
-        n = pages or self.swap_pages
-        pool = self.abstract_cache.keys[0]
+        return self._lower(self._swap_in_lowering(pages or self.swap_pages))
 
-        def page_block(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(
-                (x.shape[0], n, *x.shape[2:]), x.dtype, sharding=pool.sharding
+    def use_saved_executables(self, directory: str) -> list[str]:
+        """Run the executables `directory` holds (`rlax-tpu compile --save-compiled`) in
+        place of compiling, for the programs and shapes they were compiled for; returns their
+        keys. CompiledMismatchError when one was compiled for another program or mesh."""
+        from rlax_tpu.compile import executables
+
+        if self._mesh is None:
+            raise executables.CompiledMismatchError(
+                "saved executables are compiled for a mesh; this engine has none"
             )
+        loaded = []
+        for key, lowering in self.lowerings().items():
+            executable = executables.load(directory, key, self._lower(lowering), self._mesh)
+            if executable is not None:
+                jitted, args, static = lowering
+                self._programs[key] = executables.SavedProgram(executable, jitted, args, static)
+                loaded.append(key)
+        return loaded
 
-        keys = tuple(page_block(k) for k in self.abstract_cache.keys)
-        values = tuple(page_block(v) for v in self.abstract_cache.values)
-        index = self._abstract_host(np.zeros(n, np.int32))
-        with self._mesh_context():
-            return _write_pages.lower(self.abstract_cache, index, keys, values)
+    def _program(self, key: str, jitted: Any) -> Any:
+        """The saved executable of `key` if one was loaded, else the jitted step."""
+        return self._programs.get(key, jitted)
 
     def _put(self, tree: Any) -> Any:
         """Host arrays to the device (replicated over the mesh, if any). Copied first: on

@@ -152,6 +152,14 @@ class InferenceWorker:
         self._engine = engine or Engine(
             config.model, config.inference, seed=config.seed, mesh=mesh, progress=progress
         )
+        if engine is None and config.inference.compiled_dir:
+            loaded = self._engine.use_saved_executables(config.inference.compiled_dir)
+            _log.info(
+                "%s runs the saved executables of %s from %s",
+                consumer_id,
+                ", ".join(loaded) or "no program",
+                config.inference.compiled_dir,
+            )
         self._progress = progress
         self._max_recorded = max_recorded
         self._like: Any = None  # the param tree's shapes and shardings, built on first pull

@@ -43,30 +43,6 @@ SENT_FIELDS = ("token_rewards", "token_advantages", "returns", "baseline_rewards
 _NEEDS_FLAG = {"values": "needs_rollout_values"}  # else the objective's needs_<field>
 
 
-class SavedProgram:
-    """A saved executable (rlax-tpu compile --save-compiled) in place of a jitted program:
-    it runs the calls at the shapes and static arguments it was compiled for, the jitted
-    program (compiling as usual) every other call."""
-
-    def __init__(self, executable: Any, jitted: Any, args: tuple, static: tuple[int, ...]):
-        self.executable, self.jitted, self.static = executable, jitted, static
-        self._static_values = tuple(args[i] for i in static)
-        self._signature = self._shapes([a for i, a in enumerate(args) if i not in static])
-        self.calls = 0  # calls the saved executable ran
-
-    @staticmethod
-    def _shapes(args: Any) -> Any:
-        return [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]
-
-    def __call__(self, *args: Any) -> Any:
-        dynamic = [a for i, a in enumerate(args) if i not in self.static]
-        same = tuple(args[i] for i in self.static) == self._static_values
-        if same and self._shapes(dynamic) == self._signature:
-            self.calls += 1
-            return self.executable(*dynamic)
-        return self.jitted(*args)
-
-
 def cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
     """Every floating leaf of `tree` cast to `dtype` (round to nearest even); an elementwise
     op, so under jit each output keeps its input's sharding."""
@@ -328,6 +304,7 @@ class TrainerPrograms:
         --save-compiled) by it, for calls at the shapes it was compiled for; returns their
         names. CompiledMismatchError when one was compiled for another program or mesh."""
         from rlax_tpu.compile import executables
+        from rlax_tpu.compile.executables import SavedProgram
         from rlax_tpu.sharding import use_mesh
 
         loaded = []
