@@ -272,3 +272,40 @@ def test_one_slice_keeps_the_digest_of_a_config_without_the_multi_slice_fields()
     two = base.apply_overrides(["trainer.mesh.data=2", "trainer.mesh.num_slices=2"])
     assert two.identity()["trainer"]["mesh"]["num_slices"] == 2
     assert two.digest() != base.apply_overrides(["trainer.mesh.data=2"]).digest()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_overrides_are_validated_once_as_a_whole_so_their_order_does_not_matter(reverse):
+    """Fields valid only together: each --set alone would be refused (a function verifier
+    needs its reward function and a reward function needs the function verifier; a batch
+    of 16 does not hold the demo's mini-batch of 64, nor 64 a mini-batch of 16)."""
+    pairs = [
+        ("qwen2_5_0_5b_gsm8k_gpu.py", ["data.verifier=function", "data.reward_function=m.py:f"]),
+        (
+            "tiny_cpu.py",
+            [
+                "controller.prompts_per_batch=4",
+                "controller.samples_per_prompt=4",
+                "trainer.mini_batch_size=16",
+                "trainer.micro_batch_size=16",
+            ],
+        ),
+    ]
+    for recipe, overrides in pairs:
+        path = str(ROOT / "configs" / recipe)
+        config = load_config(path, overrides[::-1] if reverse else overrides)
+        for item in overrides:
+            key, _, value = item.partition("=")
+            section, field = key.split(".")
+            assert str(getattr(getattr(config, section), field)) == value
+    # The whole is still validated: a batch its mini-batch does not divide is refused.
+    with pytest.raises(ConfigError, match="trainer.mini_batch_size: must divide"):
+        load_config(str(ROOT / "configs" / "tiny_cpu.py"), pairs[1][1][:2])
+
+
+@pytest.mark.parametrize("text", ["128", "128,", "(128,)", "[128]"])
+def test_a_tuple_field_reads_one_item_with_or_without_its_comma(text):
+    config = load_config(
+        str(ROOT / "configs" / "tiny_cpu.py"), [f"inference.prefill_buckets={text}"]
+    )
+    assert config.inference.prefill_buckets == (128,)

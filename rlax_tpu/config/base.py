@@ -11,6 +11,7 @@ decides how JAX should start.
 from __future__ import annotations
 
 import ast
+import contextvars
 import dataclasses
 import difflib
 import json
@@ -178,7 +179,9 @@ def _literal(text: str, hint: Any) -> Any:
             return False
         raise ValueError(f"not a boolean: {text!r} (use true or false)")
     try:
-        return ast.literal_eval(text)
+        value = ast.literal_eval(text)
+        # One item of a tuple field: "128" reads as (128,), as "128," does.
+        return (value,) if origin is tuple and not isinstance(value, (list, tuple)) else value
     except (ValueError, SyntaxError):
         try:
             return json.loads(text)
@@ -187,6 +190,14 @@ def _literal(text: str, hint: Any) -> Any:
             if origin is tuple:
                 return tuple(p.strip() for p in text.strip("()[] ").split(",") if p.strip())
             raise ValueError(f"cannot parse {text!r}") from None
+
+
+# Set while `apply_overrides` applies a command line's overrides one by one: sections skip
+# their `validate` until the whole result is validated once (the order of the overrides then
+# never matters, and fields valid only together can be set).
+_VALIDATION_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "rlax_tpu_config_validation_deferred", default=False
+)
 
 
 def _unknown_key(cls: type, key: str, path: str) -> ConfigError:
@@ -224,6 +235,8 @@ class ConfigBase:
                         e.detail, field=_join(f.name, e.field), section=_cls_name(self)
                     ) from None
                 object.__setattr__(self, f.name, coerced)
+        if _VALIDATION_DEFERRED.get():
+            return
         try:
             self.validate()
         except ConfigError as e:
@@ -297,14 +310,23 @@ class ConfigBase:
             raise _relocate(e, _path) from None
 
     def apply_overrides(self, overrides: list[str] | tuple[str, ...]) -> Self:
-        """Apply "key=value" strings in order (as given by `--set`)."""
-        config = self
-        for item in overrides:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-            config = config.override(key.strip(), value.strip())
-        return config
+        """Apply "key=value" strings (as given by `--set`; a later one of the same key wins),
+        then validate the result once, as a whole: the order never matters, and fields that
+        are only valid together (a verifier and its reward function, a batch and its
+        mini-batch) can be set at once."""
+        if not overrides:
+            return self
+        token = _VALIDATION_DEFERRED.set(True)
+        try:
+            config = self
+            for item in overrides:
+                key, sep, value = item.partition("=")
+                if not sep or not key.strip():
+                    raise ConfigError(f"override {item!r} is not of the form key=value")
+                config = config.override(key.strip(), value.strip())
+        finally:
+            _VALIDATION_DEFERRED.reset(token)
+        return type(config).from_dict(config.to_dict())
 
     # -- text form ----------------------------------------------------------------
     def flat_items(self, prefix: str = "") -> list[tuple[str, Any]]:
