@@ -49,6 +49,21 @@ def test_config_show_prints_the_resolved_config_with_overrides(capsys):
     assert "paradigm: one_step_off_policy" in out
 
 
+def test_config_show_prints_the_algorithm_that_runs_and_hides_what_is_unset(capsys):
+    config = load_config(TINY)
+    assert config.trainer.algorithm.advantage == ""  # left to the preset
+    assert main(["config", "show", TINY]) == 0
+    shown = capsys.readouterr().out
+    resolved = config.trainer.algorithm.resolved()
+    assert f'trainer.algorithm.advantage = "{resolved.advantage}"\n' in shown
+    assert "= null\n" not in shown and '= ""\n' not in shown
+    assert "unset fields (null or empty) hidden: --all" in shown
+    assert main(["config", "show", TINY, "--all"]) == 0
+    everything = capsys.readouterr().out
+    assert "data = null\n" in everything and "data = null" not in shown
+    assert f"digest: {config.digest()}" in shown and f"digest: {config.digest()}" in everything
+
+
 def test_config_show_json_round_trips(capsys):
     assert main(["config", "show", TINY, "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == load_config(TINY).to_dict()

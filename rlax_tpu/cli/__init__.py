@@ -13,6 +13,7 @@ The parser reads only the config here; each command imports JAX and its componen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -245,9 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
             _add_verifier_args(p)
         elif name == "config":
             action = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-            show = action.add_parser("show", help="print the resolved config")
+            show = action.add_parser(
+                "show",
+                help="print the effective config: the algorithm with its preset's values "
+                "filled in, unset (null or empty) fields hidden",
+            )
             _add_config_args(show)
             show.add_argument("--format", choices=("text", "json"), default="text")
+            show.add_argument(
+                "--all", action="store_true", help="every field, the unset ones included"
+            )
         elif name == "deploy":
             target = p.add_subparsers(dest="target", metavar="TARGET", required=True)
             gke = target.add_parser("gke", help="GKE JobSet manifests (docs/deploy.md)")
@@ -323,14 +331,28 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _unset(line: str) -> bool:
+    """Whether a `key = value` line of `to_text` holds no value (null or empty)."""
+    return line.partition(" = ")[2] in ("null", '""', "[]", "{}")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
         config = load_config(args.config, args.overrides)
-        if args.format == "json":
+        if args.format == "json":  # the config as given (it loads back as it is)
             print(json.dumps(config.to_dict(), indent=2))
-        else:
-            sys.stdout.write(config.to_text())
-            print(f"# paradigm: {config.staleness.paradigm}; digest: {config.digest()}")
+            return 0
+        algorithm = config.trainer.algorithm
+        effective = dataclasses.replace(
+            config, trainer=dataclasses.replace(config.trainer, algorithm=algorithm.resolved())
+        )
+        lines = effective.to_text().splitlines()
+        shown = lines if args.all else [line for line in lines if not _unset(line)]
+        sys.stdout.write("".join(line + "\n" for line in shown))
+        print(f"# trainer.algorithm: preset {algorithm.name!r}, its values filled in")
+        if len(shown) < len(lines):
+            print(f"# {len(lines) - len(shown)} unset fields (null or empty) hidden: --all")
+        print(f"# paradigm: {config.staleness.paradigm}; digest: {config.digest()}")
         return 0
     if args.command == "run":
         from rlax_tpu.cli.run import run
