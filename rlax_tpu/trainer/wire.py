@@ -27,7 +27,8 @@ CHUNK_OVERHEAD_BYTES = 64
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a train step reports: `version` = step + 1 was published."""
+    """What a train step reports: `version` = step + 1, the version it made (published when
+    a worker may load it, every η-th, or when it is the run's last)."""
 
     step: int
     version: int
