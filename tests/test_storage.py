@@ -215,3 +215,21 @@ def test_unsupported_scheme_is_rejected_with_the_alternatives():
         storage.read_bytes("s3://bucket/key")
     with pytest.raises(ValueError, match="names no bucket"):
         storage.read_bytes("gs:///key")
+
+
+@pytest.mark.slow  # gcsfs retries a refused connection for about 35 s before it gives up
+def test_an_unreachable_bucket_is_one_error_naming_the_url_and_what_to_check(monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(gcs_backend.EMULATOR_ENV, f"http://127.0.0.1:{port}")
+    with pytest.raises(storage.StorageUnreachableError) as info:
+        storage.read_text("gs://some-bucket/run/config.json")
+    message = str(info.value)
+    assert message.startswith("cannot reach gs://some-bucket/run/config.json: ")
+    assert "credentials" in message and gcs_backend.EMULATOR_ENV in message
+    # A local path keeps its own errors.
+    with pytest.raises(FileNotFoundError):
+        storage.read_text("/nonexistent/dir/file")

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 
 from rlax_tpu.config import ConfigError, load_config
+from rlax_tpu.storage import StorageUnreachableError
 
 # Command -> its help line.
 _COMMANDS = {
@@ -305,11 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # gcsfs logs its last retry's error with a traceback; the storage API reports it as
+    # StorageUnreachableError, said below in one line.
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     try:
         return _dispatch(args)
     except ConfigError as e:
         print(f"rlax-tpu: config error: {e}", file=sys.stderr)
         return 2
+    except StorageUnreachableError as e:
+        print(f"rlax-tpu {args.command}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         # The run's own failures (a component died or stayed unreachable, no usable
         # snapshot, ...) end with their message, not a traceback; anything else is a bug

@@ -5,6 +5,7 @@ Set STORAGE_EMULATOR_HOST to send gs:// traffic to a GCS emulator.
 """
 
 from rlax_tpu.storage.api import (
+    StorageUnreachableError,
     copy,
     copy_tree,
     exists,
@@ -22,6 +23,7 @@ from rlax_tpu.storage.api import (
 )
 
 __all__ = [
+    "StorageUnreachableError",
     "copy",
     "copy_tree",
     "exists",

@@ -1,7 +1,9 @@
 """The storage API every component uses: the same calls on local paths, file:// and gs:// URLs.
 
 Each function takes a URL, picks the backend by its scheme and reports a missing file as
-FileNotFoundError naming that URL.
+FileNotFoundError naming that URL, and a gs:// URL that cannot be reached (no network, no
+credentials, after the client's own retries) as StorageUnreachableError naming the URL and
+what to check.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from types import ModuleType
 from rlax_tpu.storage import gcs, local
 
 _GS, _FILE = "gs://", "file://"
+
+
+class StorageUnreachableError(OSError):
+    """A gs:// URL could not be reached; the message names it and what to check."""
 
 
 def is_remote(url: str) -> bool:
@@ -37,7 +43,8 @@ def join(base: str, *parts: str) -> str:
 def exists(url: str) -> bool:
     """Whether a file, or a directory (gs://: any object under the prefix), exists at `url`."""
     backend, path = _resolve(url)
-    return backend.exists(path)
+    with _named(url):
+        return backend.exists(path)
 
 
 def size(url: str) -> int:
@@ -77,7 +84,8 @@ def write_bytes(url: str, data: bytes) -> None:
     """Write `data` to `url` atomically (readers see the old file or the new one, never a part);
     missing parent directories are created."""
     backend, path = _resolve(url)
-    backend.write_bytes(path, bytes(data))
+    with _named(url):
+        backend.write_bytes(path, bytes(data))
 
 
 def read_text(url: str, encoding: str = "utf-8") -> str:
@@ -98,7 +106,8 @@ def listdir(url: str) -> list[str]:
 def makedirs(url: str) -> None:
     """Create the directory `url` and its parents (no-op on gs://: directories are implicit)."""
     backend, path = _resolve(url)
-    backend.makedirs(path)
+    with _named(url):
+        backend.makedirs(path)
 
 
 def remove(url: str, *, recursive: bool = False) -> None:
@@ -155,10 +164,22 @@ def _resolve(url: str) -> tuple[ModuleType, str]:
 
 @contextlib.contextmanager
 def _named(url: str) -> Iterator[None]:
-    """Re-raise FileNotFoundError with `url` (not a backend-internal path) as its filename."""
+    """Re-raise FileNotFoundError with `url` (not a backend-internal path) as its filename,
+    and a remote URL's connection failure as StorageUnreachableError."""
     try:
         yield
     except FileNotFoundError as e:
         if e.filename == url:
             raise
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", url) from e
+    except (PermissionError, StorageUnreachableError):
+        raise
+    except OSError as e:  # aiohttp's connection errors are OSErrors
+        if not is_remote(url):
+            raise
+        raise StorageUnreachableError(
+            f"cannot reach {url}: {type(e).__name__}: {e}. Check this host's network, its "
+            "Google credentials (`gcloud auth application-default login`, or the service "
+            f"account of the VM or pod) and the bucket's name; {gcs.EMULATOR_ENV} sends "
+            "gs:// to an emulator"
+        ) from e
