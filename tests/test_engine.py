@@ -10,13 +10,9 @@ import pytest
 from flax import nnx
 
 from rlax_tpu.config import ConfigError, InferenceConfig, MeshConfig, ModelConfig
-from rlax_tpu.inference.engine import (
-    Engine,
-    EngineNotLoadedError,
-    GenerationRequest,
-    ParamsMismatchError,
-)
+from rlax_tpu.inference.engine import Engine, EngineNotLoadedError, GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
+from rlax_tpu.inference.weights import ParamsMismatchError
 from rlax_tpu.models import Transformer
 from rlax_tpu.sharding import build_mesh
 
@@ -241,9 +237,9 @@ def test_slots_and_pages_are_all_freed_at_the_end():
     stats = engine.stats()
     assert stats["active_slots"] == 0 and stats["waiting"] == 0
     assert stats["free_pages"] == stats["total_pages"]
-    assert engine._allocator.used_pages == 0
-    assert not engine._allocator.page_table.any()
-    assert engine._in_flight == {} and all(s is None for s in engine._slots)
+    paging = engine.paging_state()
+    assert paging.used_pages == 0 and not paging.page_table.any()
+    assert paging.in_flight == () and all(s is None for s in paging.slots)
 
 
 def test_compiled_shapes_stay_one_per_bucket_plus_decode():
@@ -323,8 +319,8 @@ def test_padding_rows_write_nothing_to_other_slots_or_the_padding_page():
     # Batched with others instead of padding: bitwise the same rollout.
     mixed = make_engine().run([request(5, 20), b, request(6, 2), request(7, 7)])
     assert mixed[1] == finished["r1"]
-    for pool in engine._cache.keys + engine._cache.values:
-        assert not np.asarray(pool[:, 0]).any()  # page 0 (padding) is never written
+    keys, values = engine.read_kv_pages([0])  # page 0 (padding) is never written
+    assert not any(np.asarray(x).any() for x in keys + values)
 
 
 def test_out_of_pages_admission_stays_first_in_first_out_in_a_batch():
@@ -336,9 +332,9 @@ def test_out_of_pages_admission_stays_first_in_first_out_in_a_batch():
     for r in requests:
         engine.submit(r)
     engine.step()
-    running = {s.request.request_id for s in engine._slots if s is not None}
-    assert running == {"r0", "r1"}
-    assert [s.request.request_id for s in engine._waiting] == ["r2", "r3"]
+    paging = engine.paging_state()
+    assert {s for s in paging.slots if s is not None} == {"r0", "r1"}
+    assert paging.waiting == ("r2", "r3")
     assert engine.stats()["prefill_calls"] == 1  # r0 and r1 share the 32 bucket
     finished = []
     while engine.has_work():

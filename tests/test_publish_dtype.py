@@ -158,7 +158,7 @@ def test_published_params_keep_the_master_shardings(run):
 def test_worker_serves_bfloat16_weights_and_generates(served):
     worker = served["worker"]
     assert {x.dtype for x in jax.tree.leaves(worker.param_like())} == {BF16}
-    assert {x.dtype for x in worker._engine._params} == {BF16}
+    assert {x.dtype for x in worker.engine.served_params()} == {BF16}
     rollouts = served["rollouts"]
     assert len(rollouts) == 8 and all(r.version == 0 and r.tokens for r in rollouts)
     assert all(np.isfinite(r.logprobs).all() for r in rollouts)
@@ -173,7 +173,7 @@ def test_bfloat16_weights_serve_what_the_float32_master_serves(served):
     float32_served = dataclasses.replace(config.model, publish_dtype="")
     engine = Engine(float32_served, config.inference, seed=config.seed)
     engine.load(0, served["master"])
-    assert {x.dtype for x in engine._params} == {np.dtype("float32")}
+    assert {x.dtype for x in engine.served_params()} == {np.dtype("float32")}
     reference = {r.request_id: r for r in engine.run(_requests())}
     for r in served["rollouts"]:
         assert r.tokens == reference[r.request_id].tokens

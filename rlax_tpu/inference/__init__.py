@@ -44,7 +44,7 @@ _EXPORTS = {
     "Engine": "engine",
     "EngineNotLoadedError": "engine",
     "GenerationRequest": "types",
-    "ParamsMismatchError": "engine",
+    "ParamsMismatchError": "weights",
     "Rollout": "types",
     "SamplingParams": "types",
     "request_key": "sampling",

@@ -23,26 +23,42 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.inference.page_allocator import PADDING_PAGE
 from rlax_tpu.inference.paged_cache import PagedKVCache
-from rlax_tpu.inference.sampling import request_key_data, sample_tokens
+from rlax_tpu.inference.sampling import request_key_data
+from rlax_tpu.inference.steps import (
+    StaticKey,
+    decode_step,
+    pow2,
+    prefill_step,
+    read_pages,
+    write_pages,
+)
 from rlax_tpu.inference.types import FinishReason, GenerationRequest, Rollout, SamplingParams
-from rlax_tpu.models import Transformer
-from rlax_tpu.sharding import logical_to_spec, state_shardings, use_mesh
+from rlax_tpu.inference.weights import ServedWeights
+from rlax_tpu.sharding import logical_to_spec, use_mesh
 
 
 class EngineNotLoadedError(RuntimeError):
     """The engine has no weights yet: call `load(version, params)` first."""
 
 
-class ParamsMismatchError(ValueError):
-    """A params tree given to `load` does not match the model config (names or shapes)."""
+@dataclasses.dataclass(frozen=True)
+class PagingState:
+    """A snapshot of the engine's scheduling (`Engine.paging_state`): request ids in flight
+    (submission order), in each decode slot (None: free), waiting and swapped out; the
+    pages in use and the page table (one row of page ids per slot, 0 = padding)."""
+
+    in_flight: tuple[str, ...]
+    slots: tuple[str | None, ...]
+    waiting: tuple[str, ...]
+    swapped: tuple[str, ...]
+    used_pages: int
+    page_table: np.ndarray
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,39 +78,6 @@ class _Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """One leaf of the model state: its keys in a params tree, shape, dtype, placement."""
-
-    keys: tuple
-    shape: tuple[int, ...]
-    dtype: Any
-    sharding: Any  # None without a mesh
-
-
-def _on_mesh(value: Any, leaf: _Leaf) -> jax.Array:
-    """`value` in `leaf`'s dtype and sharding. A device array is cast where it lies (an
-    elementwise op keeps its sharding) and moved only if its sharding differs; a host array
-    is sliced per device and each slice cast on the host (jnp.asarray of the whole would put
-    it on one device first)."""
-    if isinstance(value, jax.Array):
-        return jax.device_put(jnp.asarray(value, leaf.dtype), leaf.sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(
-        leaf.shape,
-        leaf.sharding,
-        lambda index: np.asarray(host[index]).astype(leaf.dtype),
-        dtype=leaf.dtype,
-    )
-
-
-class _Tag:
-    """A placeholder leaf that remembers its keys (not a pytree, so it stays a leaf)."""
-
-    def __init__(self, keys: tuple) -> None:
-        self.keys = keys
 
 
 class Engine:
@@ -161,8 +144,7 @@ class Engine:
         self.max_stop_tokens = max(max_stop_tokens, len(self.defaults.stop_token_ids))
         self._mesh = mesh
         self._rules = inference_config.mesh.logical_axis_rules
-        graphdef, abstract_state = nnx.split(self._abstract_model())
-        self._leaves = self._param_leaves(abstract_state)
+        self._weights = ServedWeights(model_config, inference_config, mesh)
         self._params: list[jax.Array] | None = None  # leaves of the model state, placed
         # The platform the steps are compiled for picks the attention kernel (TPU for a mesh
         # of abstract TPU devices on any host).
@@ -197,8 +179,7 @@ class Engine:
         # constraints are read from the active mesh at trace time. Params travel as a flat
         # list of arrays (flattening an nnx.State on every call costs about a millisecond).
         mesh_key = None if mesh is None else (mesh, self._rules)
-        treedef = jax.tree.structure(abstract_state)
-        self._static = (_StaticKey.of(graphdef, treedef, mesh_key),)
+        self._static = (StaticKey.of(self._weights.graphdef, self._weights.treedef, mesh_key),)
         # Saved executables in place of jitted steps, by program key (`use_saved_executables`).
         self._programs: dict[str, Any] = {}
 
@@ -212,7 +193,7 @@ class Engine:
         """
         if version == self.version:
             return []
-        leaves = self._placed_params(params)  # validate first: a bad tree changes nothing
+        leaves = self._weights.place(params)  # validate first: a bad tree changes nothing
         aborted = [
             self._finish(seq, "aborted", report=False) for seq in self._in_flight.copy().values()
         ]
@@ -291,6 +272,30 @@ class Engine:
             "slot_utilization": self._counters["slot_tokens"]
             / max(1, self._counters["decode_rows"]),
         }
+
+    def paging_state(self) -> PagingState:
+        """Where every request in flight is and what the pool holds, as a snapshot."""
+
+        def ids(seqs: Iterable[_Sequence]) -> tuple[str, ...]:
+            return tuple(seq.request.request_id for seq in seqs)
+
+        return PagingState(
+            in_flight=tuple(self._in_flight),
+            slots=tuple(None if s is None else s.request.request_id for s in self._slots),
+            waiting=ids(self._waiting),
+            swapped=ids(self._swapped),
+            used_pages=self._allocator.used_pages,
+            page_table=self._allocator.page_table.copy(),
+        )
+
+    def read_kv_pages(self, pages: list[int]) -> tuple[tuple[np.ndarray, ...], ...]:
+        """The keys and values of `pages` of the pool, every layer, on the host: (keys,
+        values), each per layer [kv_heads, len(pages), page_size, head_dim]."""
+        return self._read_pages(pages)
+
+    def served_params(self) -> list[jax.Array]:
+        """The weights the engine serves now, as placed leaves (empty before any load)."""
+        return list(self._params or [])
 
     # -- admission and prefill -------------------------------------------------------------
     def _problem(self, request: GenerationRequest, sampling: SamplingParams, limit: int) -> str:
@@ -409,17 +414,17 @@ class Engine:
     def _read_pages(self, pages: list[int]) -> tuple[tuple[np.ndarray, ...], ...]:
         """The keys and values of `pages` (every layer) copied to the host: per layer
         [kv_heads, len(pages), page_size, head_dim]."""
-        index = np.zeros(_pow2(len(pages)), np.int32)  # padded with the padding page
+        index = np.zeros(pow2(len(pages)), np.int32)  # padded with the padding page
         index[: len(pages)] = pages
         with self._mesh_context():
-            read = self._program(f"swap_out@{len(index)}", _read_pages)
+            read = self._program(f"swap_out@{len(index)}", read_pages)
             keys, values = jax.device_get(read(self._cache, self._put(index)))
         n = len(pages)
         return tuple(k[:, :n].copy() for k in keys), tuple(v[:, :n].copy() for v in values)
 
     def _write_pages(self, pages: list[int], data: tuple[tuple[np.ndarray, ...], ...]) -> None:
         """Copy a swapped-out sequence's keys and values (`_read_pages`) into `pages`."""
-        n, size = len(pages), _pow2(len(pages))
+        n, size = len(pages), pow2(len(pages))
         index = np.full(size, self._allocator.num_pages, np.int32)  # padding: dropped
         index[:n] = pages
 
@@ -433,7 +438,7 @@ class Engine:
         pool = self.abstract_cache.keys[0].sharding
         keys, values = jax.device_put((keys, values), pool)
         with self._mesh_context():
-            write = self._program(f"swap_in@{size}", _write_pages)
+            write = self._program(f"swap_in@{size}", write_pages)
             self._cache = write(self._cache, self._put(index), keys, values)
 
     def _prefill(self, batch: list[_Sequence]) -> None:
@@ -479,10 +484,10 @@ class Engine:
         (PADDING_PAGE; writes there are dropped) and non-truncating sampling params."""
         args = self._prefill_args(bucket, seqs)
         what = f"prefill for {self.prefill_rows}x{bucket} prompt tokens"
-        step = self._program(f"prefill@{bucket}", _prefill_step)
+        step = self._program(f"prefill@{bucket}", prefill_step)
         first = (
             None
-            if step is not _prefill_step
+            if step is not prefill_step
             else self._first_call(f"prefill:{self.prefill_rows}x{bucket}", what)
         )
         self._counters["prefill_calls"] += 1
@@ -536,8 +541,8 @@ class Engine:
             self._carry_dirty = False
         k = self.decode_steps_per_call
         what = f"decode for {rows} slots, {k} steps a call"
-        step = self._program(f"decode@{rows}", _decode_step)
-        first = None if step is not _decode_step else self._first_call(f"decode:{rows}x{k}", what)
+        step = self._program(f"decode@{rows}", decode_step)
+        first = None if step is not decode_step else self._first_call(f"decode:{rows}x{k}", what)
         with self._mesh_context():
             self._cache, self._device_carry, out = step(
                 *self._static,
@@ -688,74 +693,6 @@ class Engine:
             self._stop_ids,
         )
 
-    # -- weights and placement -------------------------------------------------------------
-    def _param_leaves(self, abstract_state: nnx.State) -> list[_Leaf]:
-        """Where each leaf of the model state (in `jax.tree.leaves` order, the order the
-        jitted steps take params in) comes from in a params tree, its shape, dtype and
-        placement. Computed once: tracing the model's construction on every load would cost
-        more than the load itself."""
-        _, state = nnx.split(self._abstract_model())  # a copy to tag; abstract_state stays
-        flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
-        tagged: dict = {}
-        for path, _ in flat:
-            keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
-            node = tagged
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = _Tag(keys)
-        nnx.replace_by_pure_dict(state, tagged)
-        order = [tag.keys for tag in jax.tree.leaves(state)]
-        abstract = jax.tree.leaves(abstract_state)
-        if self._mesh is None:
-            shardings = [None] * len(abstract)
-        else:
-            rules = self._rules
-            shardings = jax.tree.leaves(state_shardings(abstract_state, self._mesh, rules))
-        return [
-            _Leaf(keys, tuple(a.shape), a.dtype, sharding)
-            for keys, a, sharding in zip(order, abstract, shardings, strict=True)
-        ]
-
-    def _placed_params(self, params: Mapping[str, Any]) -> list[jax.Array]:
-        """`params` as the model state's leaves, cast to the served param dtype (the published
-        one, `ModelConfig.served`) and placed on the mesh (ParamsMismatchError naming what is
-        missing or misshapen). Pulled params already have that dtype and placement; a float32
-        master tree given in-process is rounded to it as the trainer's publish rounds it. On a
-        mesh, a host array goes to each device as that device's slice (`_on_mesh`): no device
-        holds more of it than its shard."""
-        missing, wrong, values = [], [], []
-        for leaf in self._leaves:
-            node: Any = params
-            for k in leaf.keys:
-                if isinstance(node, Mapping) and k in node:
-                    node = node[k]
-                elif isinstance(node, Mapping) and str(k) in node:
-                    node = node[str(k)]
-                else:
-                    node = None
-                    break
-            name = ".".join(map(str, leaf.keys))
-            if node is None:
-                missing.append(name)
-            elif tuple(np.shape(node)) != leaf.shape:
-                wrong.append(f"{name}: {list(np.shape(node))} != {list(leaf.shape)}")
-            values.append(node)
-        if missing or wrong:
-            raise ParamsMismatchError(
-                f"params do not match the model config: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
-            )
-        if self._mesh is None:
-            leaves = zip(values, self._leaves, strict=True)
-            return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
-        return [_on_mesh(v, leaf) for v, leaf in zip(values, self._leaves, strict=True)]
-
-    def _abstract_model(self) -> Transformer:
-        # Weights in the published dtype (what the parameter server holds); the KV cache and
-        # compute stay in model_config.dtype.
-        served = self.model_config.served()
-        return nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
-
     def _cache_layout(self, cache: PagedKVCache) -> PagedKVCache:
         """The abstract `cache` (ShapeDtypeStructs) with its placement: pools sharded over kv
         heads like the model's activations, the page table replicated; unplaced without a
@@ -788,9 +725,8 @@ class Engine:
 
     # -- lowering without hardware (rlax-tpu compile) -------------------------------------
     def abstract_params(self) -> list[jax.ShapeDtypeStruct]:
-        """The served weights as the jitted steps take them (leaves in the served dtype,
-        placed on the mesh), abstract."""
-        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._leaves]
+        """The served weights as the jitted steps take them, abstract (`ServedWeights`)."""
+        return self._weights.abstract()
 
     def _abstract_host(self, tree: Any) -> Any:
         """Host arrays as `_put` would place them (replicated), abstract."""
@@ -809,7 +745,7 @@ class Engine:
         weights, cache and arguments (those `_prefill_call` builds)."""
         args = self._abstract_host(self._prefill_args(bucket, []))
         return (
-            _prefill_step,
+            prefill_step,
             (*self._static, self.abstract_params(), self.abstract_cache, *args),
             (0,),
         )
@@ -826,13 +762,13 @@ class Engine:
             self._abstract_host(self._sampling_arrays()),
             self._abstract_host(np.zeros(rows, np.int32)),
         )
-        return _decode_step, args, (0, 1)
+        return decode_step, args, (0, 1)
 
     def _swap_out_lowering(self, pages: int) -> tuple[Any, tuple, tuple[int, ...]]:
         """The copy of `pages` pages out of the pool (`_read_pages`: what a swap-out runs
         before its device-to-host transfer)."""
         return (
-            _read_pages,
+            read_pages,
             (self.abstract_cache, self._abstract_host(np.zeros(pages, np.int32))),
             (),
         )
@@ -850,7 +786,7 @@ class Engine:
         keys = tuple(page_block(k) for k in self.abstract_cache.keys)
         values = tuple(page_block(v) for v in self.abstract_cache.values)
         index = self._abstract_host(np.zeros(pages, np.int32))
-        return _write_pages, (self.abstract_cache, index, keys, values), ()
+        return write_pages, (self.abstract_cache, index, keys, values), ()
 
     def lowerings(self) -> dict[str, tuple[Any, tuple, tuple[int, ...]]]:
         """Every program of the engine at every bucket, by its key."""
@@ -886,7 +822,7 @@ class Engine:
     def swap_pages(self) -> int:
         """The most pages one swap copy moves (a whole sequence's, rounded up to the power of
         two the copies compile at)."""
-        return _pow2(self._allocator.pages_per_seq)
+        return pow2(self._allocator.pages_per_seq)
 
     def lower_swap_out(self, pages: int | None = None) -> jax.stages.Lowered:
         return self._lower(self._swap_out_lowering(pages or self.swap_pages))
@@ -932,140 +868,3 @@ class Engine:
 
 
 # -- the jitted steps: module-level so engines of the same model share compilations ----------
-class _StaticKey:
-    """The static part of a jitted step (model graphdef, state treedef, mesh): hashed once,
-    compared by identity.
-
-    jit hashes static arguments on every call, and hashing an nnx GraphDef walks the whole
-    module graph (~0.6 ms for a 4-layer model). Interning makes engines of the same model
-    and mesh share one key, hence one compilation cache entry.
-    """
-
-    _interned: dict = {}
-
-    def __init__(self, graphdef: nnx.GraphDef, treedef: Any, mesh_key: Any):
-        self.graphdef, self.treedef, self.mesh_key = graphdef, treedef, mesh_key
-
-    @classmethod
-    def of(cls, graphdef: nnx.GraphDef, treedef: Any, mesh_key: Any) -> _StaticKey:
-        key = (graphdef, treedef, mesh_key)
-        return cls._interned.setdefault(key, cls(*key))
-
-    def model(self, params: list[jax.Array]) -> Transformer:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
-
-    def __hash__(self) -> int:
-        return id(self)
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _prefill_step(
-    static, params, cache, rows, tokens, lengths, key_data, temperature, top_k, top_p, lp
-):
-    """Prefill a batch of prompts and sample each one's first response token (t = 0).
-
-    rows: int32[batch, pages_per_seq], each prompt's page-table row; tokens: int32[batch,
-    bucket] (right-padded); lengths: int32[batch] prompt lengths (0 = a padding row: it
-    writes nothing and its output is garbage); key_data: uint32[batch, 2]; temperature,
-    top_p: float32[batch]; top_k: int32[batch]; lp: bool[batch] ("sampled" log-probs).
-    Returns (packed int32[2, batch]: tokens and log-probs as float32 bits, so the host
-    fetches them in one transfer; cache with the prompts' keys/values written).
-    """
-    model = static.model(params)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    table = cache.page_table
-    logits, cache = model.decode(
-        tokens,
-        positions,
-        positions < lengths[:, None],
-        cache.for_prefill(rows),
-        logits_index=jnp.maximum(lengths - 1, 0),
-    )
-    token, logprob = sample_tokens(
-        logits,
-        key_data,
-        jnp.zeros(lengths.shape, jnp.int32),
-        temperature,
-        top_k,
-        top_p,
-        lp,
-    )
-    packed = jnp.stack([token, jax.lax.bitcast_convert_type(logprob, jnp.int32)])
-    return packed, cache.with_page_table(table)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _decode_step(static, num_steps, params, cache, carry, sampling, live):
-    """`num_steps` decode steps of the slots `live`, sampling on device.
-
-    carry: (last token, position, response index t of the next token: int32[slots],
-    active: bool[slots]); sampling: Engine._sampling_arrays (per-slot key data, temperature,
-    top_k, top_p, "sampled" flag, response limit, stop ids int32[slots, max_stop_tokens]);
-    live: int32[rows], the slot of each row (`slots` = a padding row: inactive, no page).
-    The rows' state is gathered from the slots', stepped, and written back. A slot stops
-    (active = False, no more cache writes) at a stop token or its limit. Returns (cache,
-    carry, out: int32[3, steps, rows]): out packs the sampled tokens, their log-probs
-    (float32 bits) and whether each was emitted (1) or the row was idle (0), so the host
-    fetches them in one transfer.
-    """
-    model = static.model(params)
-    slots = carry[0].shape[0]
-    present = live < slots
-    index_of = jnp.where(present, live, 0)
-    tokens, positions, index, active = (x[index_of] for x in carry)
-    active = active & present
-    key_data, temperature, top_k, top_p, lp, limit, stop_ids = (x[index_of] for x in sampling)
-    table = cache.page_table
-    rows_table = jnp.where(present[:, None], table[index_of], PADDING_PAGE)
-
-    def one_step(c, _):
-        cache, tokens, positions, index, active = c
-        logits, cache = model.decode(tokens[:, None], positions[:, None], active[:, None], cache)
-        new, logprobs = sample_tokens(logits[:, 0], key_data, index, temperature, top_k, top_p, lp)
-        emitted = active
-        index = index + emitted
-        stopped = jnp.any(new[:, None] == stop_ids, axis=-1)
-        active = active & ~stopped & (index < limit)
-        tokens = jnp.where(emitted, new, tokens)
-        positions = positions + emitted
-        return (cache, tokens, positions, index, active), (new, logprobs, emitted)
-
-    (cache, *rows), (tokens, logprobs, emitted) = jax.lax.scan(
-        one_step,
-        (cache.with_page_table(rows_table), tokens, positions, index, active),
-        length=num_steps,
-    )
-    back = jnp.where(present, live, slots)  # padding rows write out of range: dropped
-    carry = tuple(x.at[back].set(r, mode="drop") for x, r in zip(carry, rows, strict=True))
-    logprob_bits = jax.lax.bitcast_convert_type(logprobs, jnp.int32)
-    out = jnp.stack([tokens, logprob_bits, emitted.astype(jnp.int32)])
-    return cache.with_page_table(table), carry, out
-
-
-@jax.jit
-def _read_pages(cache, pages):
-    """Keys and values of `pages` (int32[n]) in every layer: per layer [kv_heads, n,
-    page_size, head_dim]."""
-    return tuple(k[:, pages] for k in cache.keys), tuple(v[:, pages] for v in cache.values)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_pages(cache, pages, keys, values):
-    """`cache` with `keys` / `values` (as `_read_pages` returns) written into `pages`; an
-    out-of-range page (padding) is dropped."""
-
-    def write(pool, new):
-        return pool.at[:, pages].set(new.astype(pool.dtype), mode="drop")
-
-    return cache.replace(
-        keys=tuple(write(k, x) for k, x in zip(cache.keys, keys, strict=True)),
-        values=tuple(write(v, x) for v, x in zip(cache.values, values, strict=True)),
-    )
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (swap copies compile once per such size)."""
-    return 1 << max(0, n - 1).bit_length()

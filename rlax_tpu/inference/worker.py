@@ -285,6 +285,12 @@ class InferenceWorker:
         """Wait until every load so far is confirmed to the parameter server (or failed to)."""
         self._confirmations.submit(lambda: None).result()
 
+    @property
+    def engine(self) -> Engine:
+        """The engine this worker drives (touched only by the worker's engine thread while
+        the worker runs: read-only queries from elsewhere)."""
+        return self._engine
+
     def stats(self) -> dict[str, Any]:
         """The engine's last reported stats plus the worker's counters (for Health)."""
         with self._lock:

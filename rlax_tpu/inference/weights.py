@@ -1,0 +1,145 @@
+"""The served weights of an inference engine: where each leaf of the model state comes from
+in a params tree, in which dtype and placement the jitted steps take it, and the placement
+of a version's params (a mesh's devices each get their own shard of a host array, no
+device ever the whole of it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from rlax_tpu.config import InferenceConfig, ModelConfig
+from rlax_tpu.models import Transformer
+from rlax_tpu.sharding import state_shardings
+
+
+class ParamsMismatchError(ValueError):
+    """A params tree given to `load` does not match the model config (names or shapes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One leaf of the model state: its keys in a params tree, shape, dtype, placement."""
+
+    keys: tuple
+    shape: tuple[int, ...]
+    dtype: Any
+    sharding: Any  # None without a mesh
+
+
+def _on_mesh(value: Any, leaf: _Leaf) -> jax.Array:
+    """`value` in `leaf`'s dtype and sharding. A device array is cast where it lies (an
+    elementwise op keeps its sharding) and moved only if its sharding differs; a host array
+    is sliced per device and each slice cast on the host (jnp.asarray of the whole would put
+    it on one device first)."""
+    if isinstance(value, jax.Array):
+        return jax.device_put(jnp.asarray(value, leaf.dtype), leaf.sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(
+        leaf.shape,
+        leaf.sharding,
+        lambda index: np.asarray(host[index]).astype(leaf.dtype),
+        dtype=leaf.dtype,
+    )
+
+
+class _Tag:
+    """A placeholder leaf that remembers its keys (not a pytree, so it stays a leaf)."""
+
+    def __init__(self, keys: tuple) -> None:
+        self.keys = keys
+
+
+class ServedWeights:
+    """The model state's leaves as the jitted steps take them (in `jax.tree.leaves` order),
+    in the served dtype (the published one, `ModelConfig.served`) and placed on `mesh` (none:
+    the default device). `graphdef` and `treedef` rebuild the model from the leaves."""
+
+    def __init__(
+        self, model_config: ModelConfig, inference_config: InferenceConfig, mesh: Mesh | None
+    ):
+        self.model_config = model_config
+        self._mesh = mesh
+        self._rules = inference_config.mesh.logical_axis_rules
+        self.graphdef, abstract_state = nnx.split(self._abstract_model())
+        self.treedef = jax.tree.structure(abstract_state)
+        self._leaves = self._param_leaves(abstract_state)
+
+    def _param_leaves(self, abstract_state: nnx.State) -> list[_Leaf]:
+        """Where each leaf of the model state (in `jax.tree.leaves` order, the order the
+        jitted steps take params in) comes from in a params tree, its shape, dtype and
+        placement. Computed once: tracing the model's construction on every load would cost
+        more than the load itself."""
+        _, state = nnx.split(self._abstract_model())  # a copy to tag; abstract_state stays
+        flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+        tagged: dict = {}
+        for path, _ in flat:
+            keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
+            node = tagged
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = _Tag(keys)
+        nnx.replace_by_pure_dict(state, tagged)
+        order = [tag.keys for tag in jax.tree.leaves(state)]
+        abstract = jax.tree.leaves(abstract_state)
+        if self._mesh is None:
+            shardings = [None] * len(abstract)
+        else:
+            rules = self._rules
+            shardings = jax.tree.leaves(state_shardings(abstract_state, self._mesh, rules))
+        return [
+            _Leaf(keys, tuple(a.shape), a.dtype, sharding)
+            for keys, a, sharding in zip(order, abstract, shardings, strict=True)
+        ]
+
+    def place(self, params: Mapping[str, Any]) -> list[jax.Array]:
+        """`params` as the model state's leaves, cast to the served param dtype (the published
+        one, `ModelConfig.served`) and placed on the mesh (ParamsMismatchError naming what is
+        missing or misshapen). Pulled params already have that dtype and placement; a float32
+        master tree given in-process is rounded to it as the trainer's publish rounds it. On a
+        mesh, a host array goes to each device as that device's slice (`_on_mesh`): no device
+        holds more of it than its shard."""
+        missing, wrong, values = [], [], []
+        for leaf in self._leaves:
+            node: Any = params
+            for k in leaf.keys:
+                if isinstance(node, Mapping) and k in node:
+                    node = node[k]
+                elif isinstance(node, Mapping) and str(k) in node:
+                    node = node[str(k)]
+                else:
+                    node = None
+                    break
+            name = ".".join(map(str, leaf.keys))
+            if node is None:
+                missing.append(name)
+            elif tuple(np.shape(node)) != leaf.shape:
+                wrong.append(f"{name}: {list(np.shape(node))} != {list(leaf.shape)}")
+            values.append(node)
+        if missing or wrong:
+            raise ParamsMismatchError(
+                f"params do not match the model config: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
+            )
+        if self._mesh is None:
+            leaves = zip(values, self._leaves, strict=True)
+            return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
+        return [_on_mesh(v, leaf) for v, leaf in zip(values, self._leaves, strict=True)]
+
+    def _abstract_model(self) -> Transformer:
+        # Weights in the published dtype (what the parameter server holds); the KV cache and
+        # compute stay in model_config.dtype.
+        served = self.model_config.served()
+        return nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
+
+    def abstract(self) -> list[jax.ShapeDtypeStruct]:
+        """The served weights as the jitted steps take them (leaves in the served dtype,
+        placed on the mesh), abstract."""
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._leaves]
