@@ -42,7 +42,9 @@ def trial(config: RunConfig, user_set: Collection[str] = ()) -> tuple[RunConfig,
     keys of the command line's --set) keep their value."""
     c = config
     rows = PROMPTS * SAMPLES
-    new_tokens = min(c.inference.max_new_tokens, MAX_NEW_TOKENS)
+    new_tokens = c.inference.max_new_tokens
+    if not _set_by_user("inference.max_new_tokens", user_set):
+        new_tokens = min(new_tokens, MAX_NEW_TOKENS)
     sizes: dict[str, Any] = {
         # The accelerator: one process of each component, on this host's devices.
         "libtpu_flags": "",
@@ -60,7 +62,8 @@ def trial(config: RunConfig, user_set: Collection[str] = ()) -> tuple[RunConfig,
         "trainer.mini_batch_size": rows,
         "trainer.micro_batch_size": rows,
         "inference.max_new_tokens": new_tokens,
-        "trainer.max_seq_len": min(c.trainer.max_seq_len, c.inference.max_prompt_len + new_tokens),
+        # Exactly a prompt and a response (the trainer trains nothing cut).
+        "trainer.max_seq_len": c.inference.max_prompt_len + new_tokens,
         "inference.max_decode_slots": min(c.inference.max_decode_slots, rows),
         "inference.prefill_batch_size": min(c.inference.prefill_batch_size, PREFILL_BATCH),
         "inference.decode_buckets": [],
@@ -98,7 +101,7 @@ def _apply(
         new = value.to_dict() if isinstance(value, MeshConfig) else value
         if old != new:
             _put(data, key, new)
-            changes.append(f"{key}: {_show(old)} -> {_show(new)}")
+            changes.append(f"{key}: {_show(key, old)} -> {_show(key, new)}")
     return RunConfig.from_dict(data)
 
 
@@ -154,10 +157,10 @@ def _put(data: dict[str, Any], key: str, value: Any) -> None:
     data[last] = value
 
 
-def _show(value: Any) -> str:
+def _show(key: str, value: Any) -> str:
     if isinstance(value, dict):  # a mesh: its axes (and topology)
         axes = ",".join(f"{k}={value[k]}" for k in ("data", "fsdp", "tensor"))
         return axes + (f" on {value['topology']}" if value["topology"] else "")
-    if isinstance(value, int) and value >= 2**20:
-        return f"{value / 2**20:,.0f} MiB"
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{value / 2**20:,.0f} MiB" if value >= 2**20 else f"{value / 2**10:,.0f} KiB"
     return repr(value) if isinstance(value, str) else str(value)
