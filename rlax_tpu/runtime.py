@@ -34,9 +34,10 @@ def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) ->
     libtpu = _joined(environ.get("LIBTPU_INIT_ARGS", ""), config.libtpu_flags)
     if libtpu:
         out["LIBTPU_INIT_ARGS"] = libtpu
-    if "JAX_PLATFORMS" not in environ and not _accelerator_present():
-        # No TPU chip and no GPU: the CPU alone. JAX would otherwise start an installed TPU
-        # plugin (jax[tpu]), which prints pages of warnings on a host without one.
+    if "JAX_PLATFORMS" not in environ and _targets_cpu(config) and not _accelerator_present():
+        # A config for no TPU slice or GPU, on a host with neither: the CPU alone. JAX would
+        # otherwise start an installed TPU plugin (jax[tpu]), which prints pages of warnings
+        # on a host without a TPU.
         out["JAX_PLATFORMS"] = "cpu"
     cache = compilation_cache_dir(config)
     if cache and "JAX_COMPILATION_CACHE_DIR" not in environ:
@@ -48,6 +49,12 @@ def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) ->
             environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
         )
     return out
+
+
+def _targets_cpu(config: RunConfig) -> bool:
+    """Whether `config` names no accelerator: no mesh topology, no GPU."""
+    t, i = config.trainer, config.inference
+    return not (t.mesh.topology or i.mesh.topology or t.gpu or i.gpu)
 
 
 def _accelerator_present() -> bool:

@@ -274,6 +274,11 @@ def test_a_host_without_an_accelerator_starts_jax_on_the_cpu_alone(monkeypatch, 
     monkeypatch.setattr(runtime, "_accelerator_present", lambda: accelerator)
     env = runtime.jax_environment(RunConfig(compilation_cache="off"), {})
     assert env == ({} if accelerator else {"JAX_PLATFORMS": "cpu"})
+    # A config for a TPU slice or a GPU is never pinned to the CPU: JAX looks for its chips.
+    configs = Path(TINY).parent
+    tpu = load_config(str(configs / "qwen2_5_0_5b_gsm8k_tpu.py"), ["compilation_cache=off"])
+    gpu = load_config(str(configs / "qwen2_5_0_5b_gsm8k_gpu.py"), ["compilation_cache=off"])
+    assert runtime.jax_environment(tpu, {}) == runtime.jax_environment(gpu, {}) == {}
 
 
 def test_jax_starts_on_a_cpu_host_without_tpu_plugin_noise():
