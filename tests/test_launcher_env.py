@@ -351,7 +351,7 @@ def test_the_resume_command_names_the_run_directory(monkeypatch, capsys, tmp_pat
         raise failed
 
     monkeypatch.setattr(job, "main", dies)
-    assert main(["run", "configs/tiny_cpu.py", "--set", f"storage.run_dir={tmp_path}"]) == 1
+    assert main(["run", TINY, "--set", f"storage.run_dir={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert "rlax-tpu run: ComponentFailed: trainer-0 (pid 7) was killed by SIGKILL" in err
     assert f"`rlax-tpu resume {tmp_path / 'run'}` continues from there" in err
