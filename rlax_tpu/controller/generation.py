@@ -240,6 +240,8 @@ class GenerationPool:
                 with self._lock:
                     self._down_since.pop(i, None)
             except Exception as e:  # noqa: BLE001 - lost: move its work; else the run stops
+                if self._closing.is_set():  # the run is stopping its workers: not a loss
+                    return
                 if getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND and self._found_again(
                     job.version, t0
                 ):
