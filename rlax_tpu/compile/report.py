@@ -422,7 +422,7 @@ def format_report(report: CompileReport) -> str:
             f"at {step['efficiency']:.0%} of it: MFU {step['mfu_estimated']:.1%} "
             f"({step['mfu_at_roofline']:.1%} at the roofline)"
         )
-    lines.extend(notes)
+    lines.extend(dict.fromkeys(notes))  # a note of every bucket of a program once
     lines.append("")
     share = (
         " (a GPU process: of its share)"
