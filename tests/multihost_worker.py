@@ -55,13 +55,14 @@ def main() -> int:
     import numpy as np
     from trainer_helpers import rollout_batch
 
-    from rlax_tpu.param_server.client import ParamServerClient, replica_plan_for_model
+    from rlax_tpu.param_server.trees import TreeClient
     from rlax_tpu.trainer import Trainer
+    from rlax_tpu.trainer.server import replica_plan_for_model
 
     data, fsdp, tensor = (int(n) for n in args.mesh.split(","))
     config = config_for(args.run_dir, data=data, fsdp=fsdp, tensor=tensor)
     rules = config.trainer.mesh.logical_axis_rules
-    client = ParamServerClient(
+    client = TreeClient(
         args.param_server,
         auth_token=os.environ[config.param_server.auth_token_env],
         plan=replica_plan_for_model(config.model, rules, len(args.param_server)),

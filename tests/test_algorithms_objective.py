@@ -31,7 +31,6 @@ from rlax_tpu.algorithms import (
     REQUIRED_METRICS,
     MissingInputError,
     build_objective,
-    dynamic_sampling_keep,
     gae,
     kl_beta_at,
     objective,
@@ -40,6 +39,7 @@ from rlax_tpu.algorithms import (
 from rlax_tpu.algorithms import groups as G
 from rlax_tpu.algorithms.parts import PartInputs
 from rlax_tpu.config import AlgorithmConfig
+from rlax_tpu.controller.filters import dynamic_sampling_keep
 
 
 @functools.cache

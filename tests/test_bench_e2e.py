@@ -193,7 +193,7 @@ def test_the_demo_size_keeps_the_single_size_keys_at_the_top_level():
         {"sft_s": 1.0, "reused": True},
     )
     report = bench_e2e.report_for({"demo": demo}, {"quick": True, "num_rounds": 1})
-    from rlax_tpu.simulator.model import benchmark_kind
+    from rlax_tpu.simulator.calibration import benchmark_kind
 
     assert benchmark_kind(report) == "e2e"
     assert report["on_policy"]["steps_per_s"] == pytest.approx(2.0)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlax_tpu.models.char_tokenizer import PRINTABLE_ASCII, write_char_tokenizer
-from rlax_tpu.models.tokenizer import Tokenizer
+from rlax_tpu.data.char_tokenizer import PRINTABLE_ASCII, write_char_tokenizer
+from rlax_tpu.data.tokenizer import Tokenizer
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True)
 printable_text = st.text(alphabet=PRINTABLE_ASCII, max_size=60)

@@ -150,9 +150,9 @@ def _always_seven(config, out_dir: Path) -> str:
     of the LM head is non-zero (e itself)."""
     from model_helpers import model_params
 
-    from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+    from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+    from rlax_tpu.data.tokenizer import Tokenizer
     from rlax_tpu.models.hf import save_hf
-    from rlax_tpu.models.tokenizer import Tokenizer
 
     write_char_tokenizer(str(out_dir / "tokenizer"))
     (seven,) = Tokenizer.load(str(out_dir / "tokenizer")).encode("7", add_special_tokens=False)

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.config.run import VerifierConfig
 from rlax_tpu.verifiers.code import CodeVerifier, compare_output
 from rlax_tpu.verifiers.languages import LANGUAGES, UnknownLanguage, extract_code, get_language
@@ -19,7 +20,6 @@ from rlax_tpu.verifiers.problems import (
     write_problem,
 )
 from rlax_tpu.verifiers.sandbox import RunLimits, Sandbox
-from rlax_tpu.verifiers.types import Verdict
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None,

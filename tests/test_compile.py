@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.cli import main
-from rlax_tpu.compile.hardware import CHIPS, FIT_FRACTION, GiB
 from rlax_tpu.compile.hlo_cost import analyze, mean_taps
 from rlax_tpu.compile.measure import ProgramReport, refusal
 from rlax_tpu.compile.report import CompileReport, ComponentTarget, format_report
 from rlax_tpu.config import TPU_CHIPS, ConfigError, load_config
+from rlax_tpu.hardware import CHIPS, FIT_FRACTION, GiB
 from rlax_tpu.inference.capacity import kv_capacity
 from rlax_tpu.simulator.model import train_flops_per_token
 
@@ -243,7 +243,7 @@ def test_tiny_model_compiles_for_two_slices_with_data_across_them(tmp_path):
 MESH_SLICES = """
 import json
 import numpy as np
-from rlax_tpu.compile.hardware import prepare_environment
+from rlax_tpu.hardware import prepare_environment
 prepare_environment()
 from rlax_tpu.compile.topology import topology_mesh
 from rlax_tpu.config import MeshConfig

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from test_compile import TINY, _compile
 
-from rlax_tpu.compile.hardware import GPUS, compile_target, parse_gpu
 from rlax_tpu.compile.hlo_cost import analyze
 from rlax_tpu.config import ConfigError, InferenceConfig, MeshConfig, TrainerConfig, load_config
+from rlax_tpu.hardware import GPUS, compile_target, parse_gpu
 from rlax_tpu.simulator import Calibration, CalibrationError, calibrate
 
 HLO = Path(__file__).resolve().parent / "hlo"

@@ -137,10 +137,10 @@ def test_an_inference_engine_runs_the_saved_programs_of_its_mesh(tmp_path):
     """`--save-compiled` keeps the engine's programs too (prefill and decode at each bucket,
     the swap copies): an engine on the same mesh runs them and generates what one that
     compiles does; one on another mesh refuses them, naming the mesh."""
+    from rlax_tpu.api.inference import GenerationRequest
     from rlax_tpu.config import InferenceConfig, ModelConfig
     from rlax_tpu.inference.engine import Engine
     from rlax_tpu.inference.sampling import SamplingParams
-    from rlax_tpu.inference.types import GenerationRequest
     from rlax_tpu.models import Transformer
 
     model = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=4)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.config import StalenessConfig, load_config
 from rlax_tpu.controller.assembly import assemble_batch, group_has_signal, select_groups
 from rlax_tpu.controller.errors import ControllerError, UnjudgedError
@@ -23,7 +24,6 @@ from rlax_tpu.controller.scoring import Scorer, ServiceVerifier
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.verifiers.service import VerificationService
 from rlax_tpu.verifiers.tasks import score_arithmetic
-from rlax_tpu.verifiers.types import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("on_policy", "one_step_off_policy", "off_policy")
@@ -238,13 +238,13 @@ def test_the_controller_and_the_clients_it_uses_import_no_jax():
     modules = [
         "rlax_tpu.controller",
         "rlax_tpu.controller.controller",
-        "rlax_tpu.controller.job",
-        "rlax_tpu.controller.prefilter",
-        "rlax_tpu.param_server.client",
+        "rlax_tpu.launch.job",
+        "rlax_tpu.launch.prefilter",
+        "rlax_tpu.api.param_server",
         "rlax_tpu.verifiers.service",
-        "rlax_tpu.trainer.client",
-        "rlax_tpu.inference.client",
-        "rlax_tpu.models.tokenizer",
+        "rlax_tpu.api.trainer",
+        "rlax_tpu.api.inference",
+        "rlax_tpu.data.tokenizer",
     ]
     code = (
         "import importlib, sys\n"
@@ -276,9 +276,9 @@ def test_runs_sharing_a_verifier_send_request_ids_in_their_own_namespace():
 def one_sample_pool(workers, tmp_path, **kwargs):
     """A started GenerationPool of `workers` (clients, or stand-ins answering as clients do),
     one sample per prompt, logging under `tmp_path`."""
+    from rlax_tpu.api.inference import SamplingParams
     from rlax_tpu.controller.generation import GenerationPool
     from rlax_tpu.controller.snapshots import RolloutLog
-    from rlax_tpu.inference.types import SamplingParams
 
     pool = GenerationPool(
         workers,
@@ -294,7 +294,7 @@ def one_sample_pool(workers, tmp_path, **kwargs):
 
 def finished_rollouts(requests, version):
     """What a worker's Generate yields for `requests`: each finished ("stop")."""
-    from rlax_tpu.inference.types import Rollout
+    from rlax_tpu.api.inference import Rollout
 
     for r in requests:
         yield Rollout(
@@ -307,8 +307,7 @@ def test_with_every_worker_silent_the_pool_waits_its_bound_then_stops_naming_the
     while the pool waits for a worker, then the run stops with a message naming the wait."""
     import socket
 
-    from rlax_tpu.inference.client import InferenceWorkerClient
-    from rlax_tpu.inference.types import GenerationRequest
+    from rlax_tpu.api.inference import GenerationRequest, InferenceWorkerClient
 
     with socket.socket() as s:  # a free port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -335,8 +334,7 @@ def test_a_version_the_parameter_server_lost_is_published_again_once_and_loaded(
     and generated; a version still missing after that stops the run."""
     import grpc
 
-    from rlax_tpu.inference.client import InferenceCallError
-    from rlax_tpu.inference.types import GenerationRequest, LoadResult
+    from rlax_tpu.api.inference import GenerationRequest, InferenceCallError, LoadResult
 
     class Worker:  # the worker's answers, as its client returns them
         def __init__(self, held):
@@ -379,8 +377,7 @@ def test_a_worker_restarted_between_two_jobs_loads_its_version_again(tmp_path):
     does not stop the run. A worker that refuses again after the reload does."""
     import grpc
 
-    from rlax_tpu.inference.client import InferenceCallError
-    from rlax_tpu.inference.types import GenerationRequest, LoadResult
+    from rlax_tpu.api.inference import GenerationRequest, InferenceCallError, LoadResult
 
     class Worker:  # the worker's answers, as its client returns them
         address = "worker"
@@ -430,9 +427,9 @@ def test_a_long_generation_reports_progress_and_a_stop_ends_the_wait(tmp_path):
     generation at once."""
     import threading
 
-    from rlax_tpu.controller.datasets import PromptRecord
+    from rlax_tpu.api.inference import GenerationRequest, LoadResult
     from rlax_tpu.controller.generation import BatchState, Prompt, Stopped
-    from rlax_tpu.inference.types import GenerationRequest, LoadResult
+    from rlax_tpu.data.datasets import PromptRecord
 
     release = threading.Event()
 

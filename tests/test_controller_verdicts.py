@@ -20,9 +20,9 @@ from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu.config import ControllerConfig, DatasetConfig
 from rlax_tpu.controller import UnjudgedError
-from rlax_tpu.controller.job import run_connected
-from rlax_tpu.controller.remote import ComponentAddresses
 from rlax_tpu.controller.snapshots import RolloutLog
+from rlax_tpu.launch.job import run_connected
+from rlax_tpu.launch.remote import ComponentAddresses
 from rlax_tpu.verifiers.tasks import arithmetic_problems
 
 TOKEN = "verdicts-token"

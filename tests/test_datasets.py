@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rlax_tpu import storage
 from rlax_tpu.config import DatasetConfig
-from rlax_tpu.controller.datasets import (
+from rlax_tpu.data.datasets import (
     DatasetError,
     PromptMixture,
     PromptRecord,

@@ -19,15 +19,15 @@ import yaml
 
 from rlax_tpu.cli import main as cli_main
 from rlax_tpu.config import ConfigError, RunConfig, TpuSliceConfig, load_config
-from rlax_tpu.controller.remote import (
+from rlax_tpu.deploy import DeployError, check_deployable, problems
+from rlax_tpu.deploy.gke import render
+from rlax_tpu.launch.remote import (
     ComponentAddresses,
     ConnectError,
     HealthProbe,
     Watchdog,
     wait_until_serving,
 )
-from rlax_tpu.deploy import DeployError, check_deployable, problems
-from rlax_tpu.deploy.gke import render
 
 ROOT = Path(__file__).resolve().parents[1]
 TPU_CONFIGS = sorted((ROOT / "configs").glob("*tpu*.py"))
@@ -750,7 +750,7 @@ def test_a_connected_controller_drives_running_components_and_resumes(tmp_path, 
     from tiny_job import tiny_job_config
 
     from rlax_tpu.config import ControllerConfig, DatasetConfig
-    from rlax_tpu.controller.launcher import LocalCluster
+    from rlax_tpu.launch.launcher import LocalCluster
 
     steps = 6
     config = tiny_job_config(

@@ -28,10 +28,10 @@ from trainer_helpers import ENGINE, rollout_batch, run_config
 from rlax_tpu import storage
 from rlax_tpu.cli import main
 from rlax_tpu.config import MeshConfig
-from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+from rlax_tpu.data.tokenizer import Tokenizer
 from rlax_tpu.models.export import export_hf, generation_config
 from rlax_tpu.models.hf import build_model, load_hf_config, load_hf_params
-from rlax_tpu.models.tokenizer import Tokenizer
 from rlax_tpu.run_dir import prepare_run_dir
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import Trainer

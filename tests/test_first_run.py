@@ -15,7 +15,8 @@ from hf_fixtures import save_qwen_checkpoint
 from rlax_tpu.cli import main as cli_main
 from rlax_tpu.config import ConfigError, DatasetConfig, RunConfig, load_config
 from rlax_tpu.config.checkpoint import resolve_checkpoint_model
-from rlax_tpu.controller.datasets import (
+from rlax_tpu.controller.warm_start import sft_rows
+from rlax_tpu.data.datasets import (
     DatasetError,
     encode_prompt,
     load_dataset,
@@ -24,8 +25,7 @@ from rlax_tpu.controller.datasets import (
     prompt_tokens,
     stop_tokens,
 )
-from rlax_tpu.controller.warm_start import sft_rows
-from rlax_tpu.models.tokenizer import Tokenizer
+from rlax_tpu.data.tokenizer import Tokenizer
 from rlax_tpu.run_dir import prepare_run_dir
 
 GSM8K_ROWS = [
@@ -277,7 +277,7 @@ def test_run_dir_takes_an_extension_and_a_correction_before_progress(tmp_path):
 
 def test_sft_rows_shape_is_unchanged_for_plain_prompts(tmp_path):
     """The demo's character tokenizer has no template: its rows stay plain text."""
-    from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+    from rlax_tpu.data.char_tokenizer import write_char_tokenizer
 
     write_char_tokenizer(str(tmp_path / "tok"))
     char = Tokenizer.load(str(tmp_path / "tok"))
@@ -316,7 +316,7 @@ def test_a_spelled_out_architecture_needs_no_reachable_checkpoint(tmp_path, chec
 
 
 def test_connect_takes_the_configs_verifier_address_after_flags_and_environment():
-    from rlax_tpu.controller.remote import ADDRESS_ENV, ComponentAddresses
+    from rlax_tpu.launch.remote import ADDRESS_ENV, ComponentAddresses
 
     given = dict(param_server=["ps:1"], trainer="tr:2", inference=["in:3"])
     fallback = {

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.verifiers import function_harness as fh
 from rlax_tpu.verifiers.code import CodeVerifier, harness_report
 from rlax_tpu.verifiers.function_problems import (
@@ -32,7 +33,6 @@ from rlax_tpu.verifiers.function_problems import (
 )
 from rlax_tpu.verifiers.problems import ProblemFormatError, load_problem, write_function_problem
 from rlax_tpu.verifiers.sandbox import RunLimits
-from rlax_tpu.verifiers.types import Verdict
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None,

@@ -13,8 +13,8 @@ import pytest
 
 from rlax_tpu.cli import main
 from rlax_tpu.config import load_config
-from rlax_tpu.controller import job
-from rlax_tpu.controller.datasets import (
+from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+from rlax_tpu.data.datasets import (
     DatasetError,
     PromptRecord,
     check_eval_overlap,
@@ -22,8 +22,8 @@ from rlax_tpu.controller.datasets import (
     load_dataset,
     normalised_problem,
 )
-from rlax_tpu.models.char_tokenizer import write_char_tokenizer
-from rlax_tpu.models.tokenizer import Tokenizer
+from rlax_tpu.data.tokenizer import Tokenizer
+from rlax_tpu.launch import job
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_WITH_BUILTIN_HELD_OUT = sorted(

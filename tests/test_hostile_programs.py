@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from rlax_tpu.api.verifier import Verdict, VerificationResult
 from rlax_tpu.verifiers.code import CodeVerifier
 from rlax_tpu.verifiers.problems import write_problem
 from rlax_tpu.verifiers.sandbox import NOBODY_GID, NOBODY_UID, RunLimits
-from rlax_tpu.verifiers.types import Verdict, VerificationResult
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None,

@@ -11,11 +11,11 @@ import pytest
 from model_helpers import model_params
 from processes import ProcessGroup
 
+from rlax_tpu.api.inference import InferenceCallError, InferenceWorkerClient
 from rlax_tpu.config import load_config
-from rlax_tpu.inference.client import InferenceCallError, InferenceWorkerClient
 from rlax_tpu.inference.engine import Engine, GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
-from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.param_server.trees import TreeClient
 
 TOKEN = "inference-test-token"
 TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
@@ -70,7 +70,7 @@ def group():
 def param_server(group, params):
     """A memory-only parameter server holding version 0."""
     server = group.start_param_server(None, token=TOKEN)
-    with ParamServerClient([server.address], auth_token=TOKEN) as client:
+    with TreeClient([server.address], auth_token=TOKEN) as client:
         client.publish(0, params)
     return server
 
@@ -113,7 +113,7 @@ def test_load_pulls_the_version_and_confirms_it_to_the_param_server(
 ):
     assert (first_load.version, first_load.already_loaded, first_load.aborted) == (0, False, ())
     assert client.status().version == 0
-    with ParamServerClient([param_server.address], auth_token=TOKEN) as ps:
+    with TreeClient([param_server.address], auth_token=TOKEN) as ps:
         assert ps.list_versions().consumers["inference_worker-test"] == 0
 
 

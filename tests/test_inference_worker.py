@@ -10,10 +10,7 @@ import pytest
 from model_helpers import model_params
 from processes import ProcessGroup
 
-from rlax_tpu.config import load_config
-from rlax_tpu.inference.engine import Engine, GenerationRequest
-from rlax_tpu.inference.worker import (
-    InferenceWorker,
+from rlax_tpu.api.inference import (
     InvalidRequestError,
     NoParamServerError,
     NotLoadableError,
@@ -22,7 +19,11 @@ from rlax_tpu.inference.worker import (
     VersionMismatchError,
     WorkerClosedError,
 )
-from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
+from rlax_tpu.api.param_server import ParamServerCallError
+from rlax_tpu.config import load_config
+from rlax_tpu.inference.engine import Engine, GenerationRequest
+from rlax_tpu.inference.worker import InferenceWorker
+from rlax_tpu.param_server.trees import TreeClient
 
 TINY = str(Path(__file__).resolve().parent / "tiny_components_config.py")
 # A tiny engine: 4 slots, one prefill bucket, 8 greedy tokens; compiles in about 2 s.
@@ -268,7 +269,7 @@ def test_the_next_version_is_fetched_while_generating_and_loads_from_it(config, 
     token = "prefetch-test-token"
     try:
         address = group.start_param_server(None, token=token).address
-        with ParamServerClient([address], auth_token=token) as client:
+        with TreeClient([address], auth_token=token) as client:
             client.publish(0, params[0])
             for prefetch in (True, False):
                 run = config.apply_overrides([f"inference.prefetch_weights={prefetch}"])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.config import ConfigError, InferenceConfig, RunConfig, TrainerConfig, load_config
-from rlax_tpu.controller import launcher
-from rlax_tpu.controller.launcher import (
+from rlax_tpu.launch import launcher
+from rlax_tpu.launch.launcher import (
     LocalCluster,
     check_colocated_gpu_memory,
     component_env,
@@ -343,7 +343,7 @@ def test_a_stop_names_the_process_that_died_how_and_its_last_log_lines():
 
 def test_the_resume_command_names_the_run_directory(monkeypatch, capsys, tmp_path):
     from rlax_tpu.cli import main
-    from rlax_tpu.controller import job
+    from rlax_tpu.launch import job
 
     def dies(config, **kwargs):
         failed = launcher.ComponentFailed("trainer-0 (pid 7) was killed by SIGKILL; ...")

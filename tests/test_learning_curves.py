@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlax_tpu.controller.datasets import PromptRecord
 from rlax_tpu.controller.evaluation import EvalResult, accuracy_over_problems, wilson_interval
+from rlax_tpu.data.datasets import PromptRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from rlax_tpu.api.verifier import Verdict, VerificationRequest, VerificationResult
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.verifiers.local import (
     POOL_PRELOAD,
@@ -15,7 +16,6 @@ from rlax_tpu.verifiers.local import (
     truncate_response,
 )
 from rlax_tpu.verifiers.pool import WorkerPool
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
 _HOSTILE = r"\boxed{((x+y)(x-y)+(z+w)(z-w))^{60}}"
 _HOSTILE_REFERENCE = "(x^2-y^2+z^2-w^2)^{60}"

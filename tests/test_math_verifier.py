@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.verifiers import math as math_verifier
 from rlax_tpu.verifiers.math import (
     compare_answers,
@@ -20,7 +21,6 @@ from rlax_tpu.verifiers.math import (
     verify_math_in_pool,
 )
 from rlax_tpu.verifiers.pool import WorkerPool
-from rlax_tpu.verifiers.types import Verdict
 
 # --- extraction ---------------------------------------------------------------------------
 

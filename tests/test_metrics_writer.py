@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlax_tpu import storage
-from rlax_tpu.controller.metrics import MetricsWriter, read_metrics
+from rlax_tpu.launch.metrics import MetricsWriter, read_metrics
 from rlax_tpu.rpc.protos import tensorboard_pb2
 
 

@@ -27,6 +27,7 @@ from multihost_worker import config_for
 from processes import ProcessGroup
 from trainer_helpers import rollout_batch
 
+from rlax_tpu.api.param_server import ParamServerClient
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.distributed import (
     DistributedConfigError,
@@ -34,8 +35,9 @@ from rlax_tpu.distributed import (
     DistributedInitError,
     initialize,
 )
-from rlax_tpu.param_server.client import ParamServerClient, replica_plan_for_model
+from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.trainer import Trainer
+from rlax_tpu.trainer.server import replica_plan_for_model
 from rlax_tpu.tree import flatten
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -307,7 +309,7 @@ def single_process(cluster):
 def _client(cluster: Cluster) -> ParamServerClient:
     config = _config(cluster.run_dir)
     plan = replica_plan_for_model(config.model, config.trainer.mesh.logical_axis_rules, 2)
-    return ParamServerClient(cluster.param_servers, auth_token=cluster.token, plan=plan)
+    return TreeClient(cluster.param_servers, auth_token=cluster.token, plan=plan)
 
 
 def test_processes_form_one_mesh_over_both_hosts(cluster):
@@ -383,10 +385,10 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
     from test_trainer_service import SEQ
     from test_trainer_service import rollout_batch as service_batch
 
+    from rlax_tpu.api.trainer import TrainerClient
     from rlax_tpu.config import load_config
     from rlax_tpu.rpc.process import CHILD_LAUNCHER
     from rlax_tpu.trainer.checkpoints import CheckpointStore
-    from rlax_tpu.trainer.client import TrainerClient
 
     token = secrets.token_hex(16)
     run_dir = str(tmp_path / "run")
@@ -435,7 +437,7 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
                         got.metrics[key], want.metrics[key], rtol=RTOL, atol=ATOL, err_msg=key
                     )
             assert client.status().version == STEPS
-        with ParamServerClient([param_server], auth_token=token) as ps:
+        with TreeClient([param_server], auth_token=token) as ps:
             published = ps.pull_arrays(STEPS)
         for path, expected in _host_params(reference).items():
             np.testing.assert_allclose(published[path], expected, rtol=RTOL, atol=ATOL)

@@ -14,17 +14,17 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from processes import ProcessGroup
 
-from rlax_tpu.config import DEFAULT_LOGICAL_AXIS_RULES, MeshConfig, ModelConfig
-from rlax_tpu.models import Transformer
-from rlax_tpu.models.transformer import param_logical_axes
-from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.client import (
+from rlax_tpu.api import tensors as layout
+from rlax_tpu.api.param_server import (
     ParamServerCallError,
-    ParamServerClient,
     ReplicaPlan,
     VersionsMissingError,
     split_dims_from_logical,
 )
+from rlax_tpu.config import DEFAULT_LOGICAL_AXIS_RULES, MeshConfig, ModelConfig
+from rlax_tpu.models import Transformer
+from rlax_tpu.models.transformer import param_logical_axes
+from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.sharding import build_mesh, shard_model, state_shardings
 from rlax_tpu.tree import flatten
 
@@ -63,7 +63,7 @@ def test_sharded_publish_then_pull_into_another_sharding(servers):
     shard_model(model, trainer_mesh, DEFAULT_LOGICAL_AXIS_RULES)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     (address,) = servers()
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         client.publish(0, params)
         worker_mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=-1))
         shardings = nnx.to_pure_dict(
@@ -82,7 +82,7 @@ def test_sharded_publish_then_pull_into_another_sharding(servers):
 def test_pull_onto_one_device(servers):
     params = _params()
     (address,) = servers()
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         client.publish(0, params)
         device = jax.devices()[3]
         like = jax.tree.map(
@@ -102,7 +102,7 @@ def test_a_waiting_pull_gets_the_version_as_it_commits(servers):
     (address,) = servers()
     device = SingleDeviceSharding(jax.devices()[0])
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         client.publish(0, params)  # the layout the pull needs
         with pytest.raises(ParamServerCallError) as info:
             client.pull(1, like)
@@ -123,7 +123,7 @@ def test_a_waiting_pull_gets_the_version_as_it_commits(servers):
 
 def test_republish_is_a_no_op_and_different_content_is_refused(servers):
     (address,) = servers()
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         first = client.publish(0, _params(0))
         assert not first.already_present
         assert client.publish(0, _params(0)).already_present
@@ -139,7 +139,7 @@ def test_replicas_split_along_the_tensor_dimension(servers):
     assert split["layers/0/attn/wq"] == 1 and split["layers/0/mlp/w_down"] == 0
     plan = ReplicaPlan(num_replicas=2, split_dims=split)
     addresses = servers(2)
-    with ParamServerClient(addresses, auth_token=TOKEN, plan=plan) as client:
+    with TreeClient(addresses, auth_token=TOKEN, plan=plan) as client:
         client.publish(0, params)
         held = client.held_pieces()
         assert held[0]["layers/0/attn/wq"].domain == ((0, 32), (0, 2), (0, 8))
@@ -165,7 +165,7 @@ def test_replicas_split_along_the_tensor_dimension(servers):
 def test_retention_through_the_client(servers, tmp_path):
     (address,) = servers(storage=str(tmp_path / "params"))
     tree = {"w": np.arange(6, dtype=np.float32)}
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         for version in range(4):
             client.publish(version, {"w": tree["w"] + version})
         client.confirm("worker-0", 1)  # worker-0 still needs version 1
@@ -185,7 +185,7 @@ def test_wait_persisted_returns_once_versions_are_on_storage_and_names_what_is_n
 ):
     (address,) = servers(storage=str(tmp_path / "params"))
     (memory_only,) = servers()
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         for version in range(2):
             client.publish(version, {"w": np.arange(6, dtype=np.float32) + version})
         client.wait_persisted([0, 1], timeout_s=30)
@@ -194,7 +194,7 @@ def test_wait_persisted_returns_once_versions_are_on_storage_and_names_what_is_n
         with pytest.raises(VersionsMissingError, match=r"versions \[5\] are not held") as info:
             client.wait_persisted([1, 5], timeout_s=5)
         assert info.value.missing == [5] and info.value.code == grpc.StatusCode.NOT_FOUND
-    with ParamServerClient([memory_only], auth_token=TOKEN) as client:
+    with TreeClient([memory_only], auth_token=TOKEN) as client:
         client.publish(0, {"w": np.zeros(3, np.float32)})
         client.wait_persisted([0, 1])  # no storage: nothing to wait for
 
@@ -205,7 +205,7 @@ def test_bfloat16_round_trip_is_bit_exact(servers):
         "b": np.arange(10, dtype=np.int32),
     }
     (address,) = servers()
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         client.publish(0, tree)
         out = client.pull_arrays(0)
     assert out["a"].dtype == jnp.bfloat16
@@ -215,18 +215,18 @@ def test_bfloat16_round_trip_is_bit_exact(servers):
 
 def test_wrong_token_is_rejected_by_the_client(servers):
     (address,) = servers()
-    with ParamServerClient([address], auth_token="wrong") as client:
+    with TreeClient([address], auth_token="wrong") as client:
         with pytest.raises(ParamServerCallError) as info:
             client.publish(0, {"w": np.zeros(3, np.float32)})
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         assert client.versions() == []
 
 
 def test_repeated_pulls_are_identical_and_gc_ends_them(servers, tmp_path):
     (address,) = servers(storage=str(tmp_path / "params"))
     trees = [{"w": np.arange(12, dtype=np.float32).reshape(3, 4) * (v + 1)} for v in range(3)]
-    with ParamServerClient([address], auth_token=TOKEN) as client:
+    with TreeClient([address], auth_token=TOKEN) as client:
         client.publish(0, trees[0])
         client.publish(1, trees[1])
         first = client.pull_arrays(1)["w"]
@@ -245,9 +245,10 @@ def test_repeated_pulls_are_identical_and_gc_ends_them(servers, tmp_path):
 
 def test_inference_server_builds_its_client_with_the_configured_chunk_bytes(monkeypatch):
     """`serve inference` passes param_server.chunk_bytes to its ParamServerClient."""
+    from rlax_tpu.api import param_server as api_module
     from rlax_tpu.cli import build_parser
     from rlax_tpu.inference import server as inference_server
-    from rlax_tpu.param_server import client as client_module
+    from rlax_tpu.param_server import trees as client_module
 
     class Built(Exception):
         """Stops the server right after it made its client."""
@@ -258,10 +259,10 @@ def test_inference_server_builds_its_client_with_the_configured_chunk_bytes(monk
         made.update(kwargs, addresses=list(addresses))
         raise Built
 
-    monkeypatch.setattr(client_module, "ParamServerClient", make_client)
+    monkeypatch.setattr(client_module, "TreeClient", make_client)
     monkeypatch.setenv("RLAX_TPU_AUTH_TOKEN", TOKEN)
     chunk_bytes = 64 * 2**10
-    assert chunk_bytes != client_module.DEFAULT_CHUNK_BYTES
+    assert chunk_bytes != api_module.DEFAULT_CHUNK_BYTES
     args = build_parser().parse_args(
         [
             "serve",

@@ -12,10 +12,12 @@ import pytest
 from processes import ProcessGroup
 
 from rlax_tpu import storage
+from rlax_tpu.api import param_server as wire
+from rlax_tpu.api import tensors as layout
+from rlax_tpu.api.param_server import decode_pull_chunks
 from rlax_tpu.cli import build_parser
 from rlax_tpu.cli import main as cli_main
 from rlax_tpu.config import ConfigError, load_config
-from rlax_tpu.param_server import decode_pull_chunks, layout, wire
 from rlax_tpu.param_server.server import options_from_args
 from rlax_tpu.rpc import get_status, make_channel
 from rlax_tpu.rpc.protos import param_server_pb2 as pb

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 
 from rlax_tpu import storage
-from rlax_tpu.param_server import (
+from rlax_tpu.api import tensors as layout
+from rlax_tpu.api.param_server import (
     InvalidPublishError,
     InvalidReadError,
     LayoutMismatchError,
-    Piece,
     PublishInProgressError,
     StorageFailedError,
     VersionConflictError,
     VersionNotFoundError,
-    VersionStore,
-    layout,
 )
+from rlax_tpu.api.tensors import Piece
+from rlax_tpu.param_server import VersionStore
 
 
 def tree(seed: int = 0) -> dict[str, np.ndarray]:

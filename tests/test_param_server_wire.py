@@ -1,4 +1,4 @@
-"""The hand-built Publish and Pull messages (rlax_tpu.param_server.wire) against protobuf's
+"""The hand-built Publish and Pull messages (rlax_tpu.api.param_server) against protobuf's
 own classes, and how bytes are packed into messages."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlax_tpu.param_server import wire
+from rlax_tpu.api import param_server as wire
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 
 

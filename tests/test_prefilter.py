@@ -20,7 +20,7 @@ import pytest
 from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu.config import ControllerConfig, DatasetConfig, RunConfig
-from rlax_tpu.controller.prefilter import Band, pass_rates
+from rlax_tpu.launch.prefilter import Band, pass_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 8
@@ -45,8 +45,8 @@ def fixed_distribution_checkpoint(config: RunConfig, path: Path) -> None:
     import numpy as np
     from flax import nnx
 
+    from rlax_tpu.data.char_tokenizer import write_char_tokenizer
     from rlax_tpu.models import Tokenizer, Transformer, save_hf
-    from rlax_tpu.models.char_tokenizer import write_char_tokenizer
     from rlax_tpu.tree import flatten, unflatten_like
 
     write_char_tokenizer(str(path.parent / "tokenizer"))
@@ -182,8 +182,8 @@ def test_a_dataset_that_holds_the_held_out_problems_is_refused_before_anything_s
     workspace, tmp_path
 ):
     """Rows pre-filtered here are for training: held out means held out for them too."""
-    from rlax_tpu.controller.datasets import DatasetError
-    from rlax_tpu.controller.prefilter import Band, prefilter
+    from rlax_tpu.data.datasets import DatasetError
+    from rlax_tpu.launch.prefilter import Band, prefilter
 
     config = prefilter_config(tmp_path / "unused", workspace / "sums.jsonl")
     config = config.override("controller.eval_dataset", str(workspace / "sums.jsonl"))

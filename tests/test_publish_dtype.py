@@ -15,12 +15,14 @@ from flax import nnx
 from trainer_helpers import ENGINE, MODEL, run_config
 
 from rlax_tpu.algorithms import RolloutBatch
+from rlax_tpu.api.inference import PullFailedError
+from rlax_tpu.api.param_server import ParamServerCallError, PullMismatchError
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.inference.engine import Engine, GenerationRequest
-from rlax_tpu.inference.worker import InferenceWorker, PullFailedError
+from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.models import Transformer
-from rlax_tpu.param_server import PullMismatchError, ServeOptions, start_server
-from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
+from rlax_tpu.param_server import ServeOptions, start_server
+from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.trainer import Trainer
 from rlax_tpu.trainer.step import recompute_logprobs
 from rlax_tpu.tree import flatten
@@ -75,7 +77,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("publish_dtype")
     storage = str(root / "params")
     server = start_server(ServeOptions(storage_url=storage, hot_versions=2), auth_token=TOKEN)
-    client = ParamServerClient([server.address], auth_token=TOKEN)
+    client = TreeClient([server.address], auth_token=TOKEN)
     config = run_config(str(root / "run"), model=MIXED, inference=ENGINE)
     trainer = Trainer(config, param_server=client)
     trainer.initialize()
@@ -138,7 +140,7 @@ def test_trainer_publishes_its_float32_master_cast_to_bfloat16(run):
         ServeOptions(storage_url=run["storage"], hot_versions=1), auth_token=TOKEN
     )
     try:
-        with ParamServerClient([restarted.address], auth_token=TOKEN) as cold:
+        with TreeClient([restarted.address], auth_token=TOKEN) as cold:
             _assert_master_cast(cold.pull_arrays(0), run["master"])
     finally:
         restarted.stop()

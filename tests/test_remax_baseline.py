@@ -13,6 +13,8 @@ import threading
 import numpy as np
 import pytest
 
+from rlax_tpu.api.inference import LoadResult, Rollout, SamplingParams
+from rlax_tpu.api.verifier import Verdict, VerificationResult
 from rlax_tpu.config import AlgorithmConfig, ConfigError, ControllerConfig, RunConfig, TrainerConfig
 from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import assemble_batch
@@ -21,9 +23,7 @@ from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.generation import GREEDY_SAMPLE, BatchState, GenerationPool, Prompt
 from rlax_tpu.controller.scoring import Scorer
 from rlax_tpu.controller.snapshots import RolloutLog
-from rlax_tpu.inference.types import LoadResult, Rollout, SamplingParams
 from rlax_tpu.staleness import StalenessPolicy
-from rlax_tpu.verifiers.types import Verdict, VerificationResult
 
 SAMPLES = 2
 CONFIG = RunConfig(

@@ -21,6 +21,16 @@ import grpc
 import pytest
 from processes import ProcessGroup
 
+from rlax_tpu.api.verifier import (
+    RequestIdReusedError,
+    Verdict,
+    VerificationRequest,
+    VerificationResult,
+    VerifierCallError,
+    VerifierClient,
+    request_from_proto,
+    request_to_proto,
+)
 from rlax_tpu.config import (
     ConfigError,
     ControllerConfig,
@@ -28,9 +38,9 @@ from rlax_tpu.config import (
     RunConfig,
     VerifierConfig,
 )
-from rlax_tpu.controller.launcher import ComponentFailed, LocalCluster
-from rlax_tpu.controller.remote import ConnectError
 from rlax_tpu.controller.scoring import Scorer
+from rlax_tpu.launch.launcher import ComponentFailed, LocalCluster
+from rlax_tpu.launch.remote import ConnectError
 from rlax_tpu.verifiers import functions
 from rlax_tpu.verifiers.functions import (
     RewardFunctionError,
@@ -39,15 +49,7 @@ from rlax_tpu.verifiers.functions import (
     result_from_return,
 )
 from rlax_tpu.verifiers.local import LocalVerifier, pool_for
-from rlax_tpu.verifiers.service import (
-    RequestIdReusedError,
-    VerificationService,
-    VerifierCallError,
-    VerifierClient,
-    request_from_proto,
-    request_to_proto,
-)
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
+from rlax_tpu.verifiers.service import VerificationService
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "reward-functions-test-token"

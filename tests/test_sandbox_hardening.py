@@ -22,6 +22,7 @@ import grpc
 import pytest
 from processes import ProcessGroup
 
+from rlax_tpu.api.verifier import Verdict, VerificationRequest, VerifierClient
 from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.verifiers import cgroups
 from rlax_tpu.verifiers.code import CodeVerifier
@@ -36,8 +37,6 @@ from rlax_tpu.verifiers.sandbox import (
     reset_probe_cache,
     sandbox_available,
 )
-from rlax_tpu.verifiers.service import VerifierClient
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None,

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.verifiers.code import CodeVerifier
 from rlax_tpu.verifiers.function_problems import write_humaneval_problem
 from rlax_tpu.verifiers.problems import write_problem
 from rlax_tpu.verifiers.sandbox import RunLimits
-from rlax_tpu.verifiers.types import Verdict
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None,

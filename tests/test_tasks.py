@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.verifiers.tasks import (
     ReasoningGymMissing,
     arithmetic_problems,
@@ -22,7 +23,6 @@ from rlax_tpu.verifiers.tasks import (
     score_reasoning_gym,
     write_jsonl,
 )
-from rlax_tpu.verifiers.types import Verdict
 
 _PROMPT = re.compile(r"What is (\d+) ([-+*/]) (\d+)\? Answer with just the number\.")
 _OPS = st.lists(st.sampled_from(["+", "-", "*", "/"]), min_size=1, max_size=4, unique=True)

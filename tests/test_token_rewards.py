@@ -12,6 +12,16 @@ import json
 import numpy as np
 import pytest
 
+from rlax_tpu.api.verifier import (
+    RequestIdReusedError,
+    Verdict,
+    VerificationRequest,
+    VerificationResult,
+    request_from_proto,
+    request_to_proto,
+    result_from_proto,
+    result_to_proto,
+)
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.controller.assembly import assemble_batch
 from rlax_tpu.controller.errors import ControllerError
@@ -23,15 +33,7 @@ from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.verifiers import functions
 from rlax_tpu.verifiers.functions import result_from_return
 from rlax_tpu.verifiers.local import LocalVerifier, pool_for
-from rlax_tpu.verifiers.service import (
-    RequestIdReusedError,
-    VerificationService,
-    request_from_proto,
-    request_to_proto,
-    result_from_proto,
-    result_to_proto,
-)
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
+from rlax_tpu.verifiers.service import VerificationService
 
 DENSE = """
 def dense(prompt, response, reference, metadata, response_tokens):

@@ -1,4 +1,4 @@
-"""rlax_tpu.models.tokenizer against transformers' PreTrainedTokenizerFast on the same files.
+"""rlax_tpu.data.tokenizer against transformers' PreTrainedTokenizerFast on the same files.
 
 A tiny byte-level BPE is trained in the test (deterministic), wrapped in transformers with a
 Llama-3-style template (BOS from the post-processor, whitespace shaped by trim_blocks and
@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from rlax_tpu import storage
-from rlax_tpu.models.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+from rlax_tpu.data.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -15,13 +15,13 @@ import pytest
 from trainer_helpers import rollout_batch, run_config
 
 from rlax_tpu.algorithms import Objective, build_objective
+from rlax_tpu.api.trainer import BatchFormatError
 from rlax_tpu.config import AlgorithmConfig, ConfigError, MeshConfig
 from rlax_tpu.config.run import needs_rollout_logprobs
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.trainer import Trainer
 from rlax_tpu.trainer import programs as programs_module
 from rlax_tpu.trainer.programs import TrainerPrograms
-from rlax_tpu.trainer.wire import BatchFormatError
 
 ONE_DEVICE = MeshConfig(data=1, fsdp=1, tensor=1)
 

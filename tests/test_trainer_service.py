@@ -15,9 +15,9 @@ import pytest
 from processes import ProcessGroup
 
 from rlax_tpu.algorithms import RolloutBatch
+from rlax_tpu.api.trainer import TrainerCallError, TrainerClient
 from rlax_tpu.config import load_config
-from rlax_tpu.param_server.client import ParamServerClient
-from rlax_tpu.trainer.client import TrainerCallError, TrainerClient
+from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.trainer.server import connect_param_server
 
 TOKEN = "trainer-test-token"
@@ -86,7 +86,7 @@ def param_server(group):
 
 @pytest.fixture(scope="module")
 def ps_client(param_server):
-    with ParamServerClient([param_server.address], auth_token=TOKEN) as client:
+    with TreeClient([param_server.address], auth_token=TOKEN) as client:
         yield client
 
 
@@ -263,7 +263,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(
     with TrainerClient(process.address, auth_token=TOKEN, timeout_s=300) as client:
         done = [client.train_step(s, rollout_batch(config, s)) for s in range(2)]
         assert_same_training(done[0].metrics, first_step.metrics)
-        with ParamServerClient([param_server.address], auth_token=TOKEN) as own:
+        with TreeClient([param_server.address], auth_token=TOKEN) as own:
             mine, theirs = own.pull_arrays(1), ps_client.pull_arrays(1)
         for path, array in theirs.items():
             np.testing.assert_allclose(mine[path], array, rtol=1e-6, atol=1e-8, err_msg=path)

@@ -15,24 +15,24 @@ import pytest
 from processes import ProcessGroup
 from test_trainer_service import OVERRIDES, SEQ, TINY, TOKEN, call_error, rollout_batch
 
-from rlax_tpu.config import load_config
-from rlax_tpu.rpc import make_channel
-from rlax_tpu.rpc.protos import trainer_pb2 as pb
-from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
-from rlax_tpu.trainer.client import TrainerClient
-from rlax_tpu.trainer.service import batch_from_arrays
-from rlax_tpu.trainer.wire import (
+from rlax_tpu.api.trainer import (
     SFT_STEP,
     TRAIN_STEP,
     BatchFormatError,
     BatchLimits,
     BatchReceiver,
+    TrainerClient,
     TruncatedStreamError,
     batch_digest,
     batch_stream,
     pack_batch,
     unpack_batch,
 )
+from rlax_tpu.config import load_config
+from rlax_tpu.rpc import make_channel
+from rlax_tpu.rpc.protos import trainer_pb2 as pb
+from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
+from rlax_tpu.trainer.service import batch_from_arrays
 
 LIMIT = 1024  # bytes: the tiny config's train batch is ~2.6 KB, its SFT batch 2.3 KB
 LIMITS = BatchLimits(max_rows=8, max_seq_len=SEQ, vocab_size=512)

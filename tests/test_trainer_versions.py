@@ -18,12 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from processes import ProcessGroup
 from trainer_helpers import assert_trees_close, rollout_batch, run_config
 
+from rlax_tpu.api.trainer import batch_digest
 from rlax_tpu.config import AlgorithmConfig, MeshConfig
-from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import BatchMismatchError, OutOfOrderStepError, Trainer
 from rlax_tpu.trainer.checkpoints import COMMIT_MARKER, checksums
-from rlax_tpu.trainer.wire import batch_digest
 
 TOKEN = secrets.token_hex(8)
 FOUR_DEVICES = MeshConfig(data=1, fsdp=2, tensor=2)
@@ -42,7 +42,7 @@ def run(tmp_path_factory):
     step, after steps 0 and 1. Yields (trainer, client, params after step 0, results)."""
     group = ProcessGroup()
     address = group.start_param_server(None, token=TOKEN).address
-    client = ParamServerClient([address], auth_token=TOKEN)
+    client = TreeClient([address], auth_token=TOKEN)
     run_dir = tmp_path_factory.mktemp("run")
     trainer = Trainer(run_config(str(run_dir), mini=4, checkpoint_every=1), param_server=client)
     assert trainer.initialize() == 0
@@ -119,7 +119,7 @@ def test_a_version_whose_publish_failed_is_published_before_the_next_answer(tmp_
         first = group.start_param_server(None, token=TOKEN)
         port = first.address.rsplit(":", 1)[1]
         # Waits 2 s for a server that does not answer (the config's component_wait_s).
-        client = ParamServerClient([first.address], auth_token=TOKEN, reconnect_s=2.0)
+        client = TreeClient([first.address], auth_token=TOKEN, reconnect_s=2.0)
         config = run_config(str(tmp_path), mini=4, checkpoint_every=100, mesh=ONE_DEVICE)
         trainer = Trainer(config, param_server=client, mesh=_one_device_mesh())
         assert trainer.initialize() == 0

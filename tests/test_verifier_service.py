@@ -10,21 +10,14 @@ import grpc
 import pytest
 from processes import ProcessGroup
 
-from rlax_tpu.cli import build_parser
-from rlax_tpu.cli import main as cli_main
-from rlax_tpu.config import RunConfig
-from rlax_tpu.rpc import make_channel
-from rlax_tpu.rpc.protos import verifier_pb2 as pb
-from rlax_tpu.rpc.protos import verifier_pb2_grpc as pb_grpc
-from rlax_tpu.verifiers import types
-from rlax_tpu.verifiers.problems import write_problem
-from rlax_tpu.verifiers.repository import TestDataRepository
-from rlax_tpu.verifiers.server import options_from_args
-from rlax_tpu.verifiers.service import (
+from rlax_tpu.api import verifier as types
+from rlax_tpu.api.verifier import (
     QueueFullError,
     RequestIdReusedError,
     ServiceClosedError,
-    VerificationService,
+    Verdict,
+    VerificationRequest,
+    VerificationResult,
     VerifierCallError,
     VerifierClient,
     metrics_from_proto,
@@ -34,7 +27,16 @@ from rlax_tpu.verifiers.service import (
     result_from_proto,
     result_to_proto,
 )
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
+from rlax_tpu.cli import build_parser
+from rlax_tpu.cli import main as cli_main
+from rlax_tpu.config import RunConfig
+from rlax_tpu.rpc import make_channel
+from rlax_tpu.rpc.protos import verifier_pb2 as pb
+from rlax_tpu.rpc.protos import verifier_pb2_grpc as pb_grpc
+from rlax_tpu.verifiers.problems import write_problem
+from rlax_tpu.verifiers.repository import TestDataRepository
+from rlax_tpu.verifiers.server import options_from_args
+from rlax_tpu.verifiers.service import VerificationService
 
 
 # -- the core, with a scripted verifier --------------------------------------------------------

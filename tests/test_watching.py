@@ -29,11 +29,11 @@ from rlax_tpu.config import (
     RunConfig,
     StorageConfig,
 )
-from rlax_tpu.controller import launcher
-from rlax_tpu.controller.metrics import MetricsWriter, read_metrics
 from rlax_tpu.controller.scoring import Judgement
 from rlax_tpu.controller.snapshots import RolloutLog
-from rlax_tpu.controller.wandb_logging import (
+from rlax_tpu.launch import launcher
+from rlax_tpu.launch.metrics import MetricsWriter, read_metrics
+from rlax_tpu.launch.wandb_logging import (
     WANDB_FILE,
     WandbSink,
     WandbUnavailableError,
@@ -79,11 +79,11 @@ def test_the_launcher_echoes_a_components_progress_lines_under_its_name(
 
 
 def test_the_sft_warm_start_reports_its_first_step_then_every_tenth(tmp_path):
-    from rlax_tpu.controller.datasets import PromptMixture
+    from rlax_tpu.api.trainer import StepResult
     from rlax_tpu.controller.warm_start import run_warm_start
-    from rlax_tpu.models.char_tokenizer import write_char_tokenizer
-    from rlax_tpu.models.tokenizer import Tokenizer
-    from rlax_tpu.trainer.wire import StepResult
+    from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+    from rlax_tpu.data.datasets import PromptMixture
+    from rlax_tpu.data.tokenizer import Tokenizer
 
     data = tmp_path / "sums.jsonl"
     rows = arithmetic_problems(11, 8, max_operand=4, ops=("+",))
@@ -234,8 +234,8 @@ def test_a_trainer_reports_a_checkpoint_restore_with_its_path_and_seconds(tiny_r
 
 
 def test_verdict_records_carry_the_judged_response_text(tiny_run):
-    from rlax_tpu.controller.datasets import decode_response, stop_tokens
-    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.data.datasets import decode_response, stop_tokens
+    from rlax_tpu.data.tokenizer import Tokenizer
 
     run_dir, _, _ = tiny_run
     tokenizer = Tokenizer.load(str(run_dir / "tokenizer"))

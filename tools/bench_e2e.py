@@ -182,8 +182,8 @@ def warm_start_key(config: RunConfig) -> str:
 def warm_start(config: RunConfig, work: Path, log: Path) -> tuple[Path, float, bool]:
     """SFT once into work/warm_start-<key>, reused when it is there: (its dir, seconds,
     whether it was reused)."""
-    from rlax_tpu.controller import job
-    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.data.tokenizer import Tokenizer
+    from rlax_tpu.launch import job
 
     directory = work / f"warm_start-{warm_start_key(config)}"
     config = dataclasses.replace(
@@ -204,7 +204,7 @@ def run_mode(
 ) -> dict:
     """`name` in a fresh run directory work/<name> holding a copy of the warm start; the
     job's output goes to `log`. Returns its figures."""
-    from rlax_tpu.controller import job
+    from rlax_tpu.launch import job
 
     eta, n = MODES[name]
     run_dir = work / name
@@ -324,11 +324,11 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
-    from rlax_tpu.controller import job
-    from rlax_tpu.controller.datasets import PromptMixture
+    from rlax_tpu.data.datasets import PromptMixture
+    from rlax_tpu.data.tokenizer import Tokenizer
+    from rlax_tpu.launch import job
     from rlax_tpu.models import Transformer, grouped_attention
     from rlax_tpu.models.hf import load_hf_model
-    from rlax_tpu.models.tokenizer import Tokenizer
     from rlax_tpu.models.transformer import rope_inv_freq
     from rlax_tpu.verifiers.tasks import score_arithmetic
 

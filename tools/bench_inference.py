@@ -76,6 +76,7 @@ from rlax_tpu.config import MeshConfig, ModelConfig, RunConfig  # noqa: E402
 from rlax_tpu.inference.engine import Engine, GenerationRequest  # noqa: E402
 from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens  # noqa: E402
 from rlax_tpu.models import DenseKVCache, Transformer  # noqa: E402
+from rlax_tpu.param_server.trees import TreeClient  # noqa: E402
 from rlax_tpu.simulator import workloads as bench_workload  # noqa: E402
 from rlax_tpu.simulator.model import decode_flops_per_token  # noqa: E402
 
@@ -178,7 +179,6 @@ def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
     """Median `InferenceWorker.load` of a just-published version of `model` (pull from a
     parameter-server process + swap into the engine on the worker's mesh), and its parts."""
     from rlax_tpu.inference.worker import InferenceWorker
-    from rlax_tpu.param_server.client import ParamServerClient
 
     token = secrets.token_hex(16)
     env = dict(os.environ, RLAX_TPU_AUTH_TOKEN=token, JAX_PLATFORMS="cpu")
@@ -189,8 +189,8 @@ def worker_load(model: ModelConfig, versions: int = LOAD_VERSIONS) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         server, address = start_param_server(os.path.join(tmp, "ps"), env)
         try:
-            trainer_side = ParamServerClient([address], auth_token=token)
-            worker_side = ParamServerClient([address], auth_token=token)
+            trainer_side = TreeClient([address], auth_token=token)
+            worker_side = TreeClient([address], auth_token=token)
             worker = InferenceWorker(
                 config, param_server=worker_side, consumer_id="bench", mesh=inference_mesh()
             )
@@ -281,8 +281,7 @@ def served_worker(
     a served worker; with `generate_repeats`, also the RL batch's Generate through it (all
     rollouts streamed back, fresh request ids each call) against the same batch through an
     in-process engine built as the worker builds it, calls of the two interleaved."""
-    from rlax_tpu.inference.client import InferenceWorkerClient
-    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.api.inference import InferenceWorkerClient
 
     token = secrets.token_hex(16)
     env = dict(os.environ, RLAX_TPU_AUTH_TOKEN=token, JAX_PLATFORMS="cpu")
@@ -297,7 +296,7 @@ def served_worker(
         try:
             # _stderr: the worker's log, kept open while it runs (read only on a failed start)
             worker, worker_address, _stderr = _inference_process(config_path, address, env)
-            publisher = ParamServerClient([address], auth_token=token)
+            publisher = TreeClient([address], auth_token=token)
             client = InferenceWorkerClient(worker_address, auth_token=token)
             loads = []
             for v in range(versions + 1):

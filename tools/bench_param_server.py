@@ -55,11 +55,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from rlax_tpu.param_server import layout  # noqa: E402
-from rlax_tpu.param_server.client import (  # noqa: E402
-    ParamServerClient,
+from rlax_tpu.api import tensors as layout  # noqa: E402
+from rlax_tpu.api.param_server import (  # noqa: E402
     split_dims_from_logical,
 )
+from rlax_tpu.param_server.trees import TreeClient  # noqa: E402
 
 CHUNK_BYTES = 4 * 2**20
 REPEATS = 5  # throughputs are the best of this many runs (a 2-core machine is noisy)
@@ -206,7 +206,7 @@ def bench_size(label: str, target_bytes: int, env: dict, storage: str) -> dict:
     server, address = start_param_server(storage, env, "--chunk-bytes", str(CHUNK_BYTES))
     publishes, cold, warm = [], [], []
     try:
-        client = ParamServerClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
+        client = TreeClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
         for version in range(REPEATS + 1):
             # A new version's content (other bytes, so nothing is deduplicated anywhere).
             values = tree if version == 0 else {p: a + version for p, a in tree.items()}
@@ -296,7 +296,7 @@ def bench_small(arrays: int, env: dict, storage: str) -> dict:
     server, address = start_param_server(storage, env, "--chunk-bytes", str(CHUNK_BYTES))
     publish, first, warm = [], [], []
     try:
-        client = ParamServerClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
+        client = TreeClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
         for version in range(SMALL_REPEATS + 1):
             t0 = time.perf_counter()
             client.publish(version, tree)
@@ -344,7 +344,7 @@ def bench_demo_load(env: dict, storage: str) -> dict:
     server, address = start_param_server(storage, env, "--chunk-bytes", str(CHUNK_BYTES))
     publish, load = [], []
     try:
-        client = ParamServerClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
+        client = TreeClient([address], auth_token=token, chunk_bytes=CHUNK_BYTES)
         for version in range(SMALL_REPEATS + 1):
             values = jax.block_until_ready(jax.tree.map(lambda a, v=version: a + v, params))
             t0 = time.perf_counter()

@@ -167,7 +167,7 @@ SERVICE_CHECKPOINT_EVERY = 4
 def bench_service(steps: int) -> dict[str, float]:
     """`Trainer.train_step` end to end on the tiny model and an RL batch, publishing to a
     parameter-server process, checkpointing every SERVICE_CHECKPOINT_EVERY steps."""
-    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.param_server.trees import TreeClient
 
     token = secrets.token_hex(16)
     env = dict(os.environ, RLAX_TPU_AUTH_TOKEN=token, JAX_PLATFORMS="cpu")
@@ -185,7 +185,7 @@ def bench_service(steps: int) -> dict[str, float]:
                     f"trainer.checkpoint_every={SERVICE_CHECKPOINT_EVERY}",
                 ]
             )
-            client = ParamServerClient([address], auth_token=token)
+            client = TreeClient([address], auth_token=token)
             trainer = Trainer(config, param_server=client)
             trainer.initialize()
             rows = []

@@ -26,9 +26,9 @@ def _peak_rss_mib() -> float:
 
 def serve(limit: int, rows: int, seq: int) -> None:
     """The child: a trainer service whose trainer records nothing but its peak RSS."""
+    from rlax_tpu.api.trainer import BatchLimits, StepResult
     from rlax_tpu.rpc import make_server
     from rlax_tpu.trainer.service import TrainerServicer
-    from rlax_tpu.trainer.wire import BatchLimits, StepResult
 
     class StandIn:
         step = 0
@@ -46,8 +46,7 @@ def serve(limit: int, rows: int, seq: int) -> None:
 def bench(limit: int, rows: int, seq: int, steps: int) -> dict:
     import numpy as np
 
-    from rlax_tpu.trainer.client import TrainerClient
-    from rlax_tpu.trainer.wire import RolloutArrays
+    from rlax_tpu.api.trainer import RolloutArrays, TrainerClient
 
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(limit), "--rows", str(rows), "--seq", str(seq)],

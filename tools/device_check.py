@@ -9,7 +9,7 @@ first RL steps and the weight sync, written to one JSON report.
 
 It needs nothing but the checkout. The platform comes from `nvidia-smi` (a GPU), the TPU VM's
 environment (TPU_ACCELERATOR_TYPE, /dev/accel*, /dev/vfio/N) or --platform; the chip's peak
-figures from rlax_tpu/compile/hardware.py (CHIPS, GPUS), named by what JAX reports or
+figures from rlax_tpu/hardware.py (CHIPS, GPUS), named by what JAX reports or
 --chip. Unless JAX already runs on the platform, it first installs the package with the
 platform's extra of pyproject.toml (`pip install -e ".[cuda]"`, `".[tpu]"`).
 
@@ -219,7 +219,7 @@ def chip_from_name(platform: str, name: str) -> str | None:
 
 
 def chip_table(platform: str) -> dict:
-    from rlax_tpu.compile.hardware import CHIPS, GPUS
+    from rlax_tpu.hardware import CHIPS, GPUS
 
     return {"gpu": GPUS, "tpu": CHIPS}.get(platform, {})
 
@@ -331,7 +331,7 @@ class Target:
 
     def memory_per_device(self) -> float | None:
         """Bytes a part's process may use on each chip (None on the CPU: not checked)."""
-        from rlax_tpu.compile.hardware import FIT_FRACTION
+        from rlax_tpu.hardware import FIT_FRACTION
 
         spec = self.spec()
         if spec is None:
@@ -761,7 +761,7 @@ def plan_gsm8k(target: Target, options: Options) -> dict:
     """The recipe's run, validated as `rlax-tpu run` will load it: with the run's --set list
     on a stand-in checkpoint of the same config.json and data of the same layout."""
     from rlax_tpu.config import ConfigError
-    from rlax_tpu.controller.launcher import check_colocated_gpu_memory
+    from rlax_tpu.launch.launcher import check_colocated_gpu_memory
 
     recipe = RECIPES[target.platform]
     with tempfile.TemporaryDirectory(prefix="rlax-device-check-plan-") as tmp:
@@ -1108,7 +1108,7 @@ def run_weight_sync(plan: dict, ctx: Context) -> dict:
     from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
     from rlax_tpu.inference.worker import InferenceWorker
     from rlax_tpu.models import Transformer
-    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.param_server.trees import TreeClient
 
     model = ModelConfig.from_dict(plan["model"])
     served = model.served()
@@ -1121,8 +1121,8 @@ def run_weight_sync(plan: dict, ctx: Context) -> dict:
     publishes, loads, sent = [], [], []
     server, address = start_param_server(str(ctx.work_dir / "params"), env)
     try:
-        publisher = ParamServerClient([address], auth_token=token)
-        worker_side = ParamServerClient([address], auth_token=token)
+        publisher = TreeClient([address], auth_token=token)
+        worker_side = TreeClient([address], auth_token=token)
         worker = InferenceWorker(config, param_server=worker_side, consumer_id="device-check")
         for version in range(plan["versions"]):
             tree = jax.block_until_ready(shifted(params, jax.numpy.asarray(version)))

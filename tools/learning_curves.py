@@ -6,7 +6,7 @@
         [--work-dir DIR] [--set key=value ...]
 
 For each seed the config (default configs/tiny_cpu.py, the Quickstart demo) is warm-started
-by SFT once; then, from those weights, the whole job (`rlax_tpu.controller.job.run`:
+by SFT once; then, from those weights, the whole job (`rlax_tpu.launch.job.run`:
 launcher, parameter server, trainer, inference worker, verifiers, controller) runs its RL
 phase once per mode:
 
@@ -136,7 +136,7 @@ def final_kl(run_dir: Path, warm: Path) -> dict[str, float]:
 def run_one(base: RunConfig, mode: str, warm: Path, work: Path) -> dict[str, Any]:
     """The whole job for `mode` from the warm start, and its curve (reused from a finished
     run of the same config)."""
-    from rlax_tpu.controller import job
+    from rlax_tpu.launch import job
 
     run_dir = work / f"{mode}_s{base.seed}"
     config = run_config(base, mode, run_dir)

@@ -8,7 +8,7 @@
 Per seed, the demo (configs/tiny_cpu.py: sums and differences of numbers to 99, judged on
 held-out problems no training row holds) is warm-started by SFT once; then, from those
 weights, with that seed's prompt order and sampling, the whole job
-(`rlax_tpu.controller.job.run`: launcher, parameter server, trainer, inference worker,
+(`rlax_tpu.launch.job.run`: launcher, parameter server, trainer, inference worker,
 verifiers, controller) runs an RL phase for each objective and each acceptance staleness N
 (η = 1, deterministic schedule: batch b is generated with version max(0, b − N)). The runs
 of a seed are paired: the same warm start and prompt order at every N, so Δacc = acc(N=16)
@@ -274,8 +274,8 @@ def warm_start_key(config: RunConfig) -> str:
 
 def warm_start(config: RunConfig, work: Path) -> Path:
     """SFT once into work/warm_start-<key> (reused when it is there); returns that directory."""
-    from rlax_tpu.controller import job
-    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.data.tokenizer import Tokenizer
+    from rlax_tpu.launch import job
 
     directory = work / f"warm_start-{warm_start_key(config)}"
     config = dataclasses.replace(
@@ -376,10 +376,10 @@ def kl_to_reference(run_dir: Path, reference_dir: str) -> dict[str, float]:
     from flax import nnx
 
     from rlax_tpu.config import DatasetConfig
-    from rlax_tpu.controller import job
-    from rlax_tpu.controller.datasets import load_dataset
+    from rlax_tpu.data.datasets import load_dataset
+    from rlax_tpu.data.tokenizer import Tokenizer
+    from rlax_tpu.launch import job
     from rlax_tpu.models.hf import build_model, load_hf_config, load_hf_params
-    from rlax_tpu.models.tokenizer import Tokenizer
 
     effective = RunConfig.from_dict(json.loads((run_dir / job.EFFECTIVE_CONFIG).read_text()))
     model_config = load_hf_config(reference_dir)
@@ -421,7 +421,7 @@ def run_one(
 ) -> dict[str, Any]:
     """The whole job for (algorithm, N) from the warm start, and its figures (reused from
     `stored`, the study's JSON, or a finished run of the same config)."""
-    from rlax_tpu.controller import job
+    from rlax_tpu.launch import job
 
     run_dir = work / f"{algorithm}_n{n}_s{base.seed}"
     config = run_config(base, algorithm, n, run_dir)

@@ -45,7 +45,7 @@ FIGURES = (
     "staleness_mean",
     "wall_s",
 )
-# The demo task, from its definition (rlax_tpu/controller/job.py: arithmetic_problems with
+# The demo task, from its definition (rlax_tpu/launch/job.py: arithmetic_problems with
 # operands in [0, 99], "+" and "-"; the character tokenizer: one token per character, no
 # BOS): prompts "What is A op B? Answer with just the number." of 43-47 tokens; a response
 # is the answer's digits and the end-of-sequence token. A policy sampled at temperature 1
@@ -56,7 +56,7 @@ SEEDS = range(8)
 
 
 def demo_settings(max_new_tokens: int, length_tail: float = LENGTH_TAIL) -> dict:
-    from rlax_tpu.controller.job import ARITHMETIC_MAX_OPERAND, ARITHMETIC_OPS
+    from rlax_tpu.launch.job import ARITHMETIC_MAX_OPERAND, ARITHMETIC_OPS
     from rlax_tpu.verifiers.tasks import arithmetic_problems
 
     problems = arithmetic_problems(
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for path in args.calibration:
         data = json.loads(Path(path).read_text())
-        from rlax_tpu.simulator.model import benchmark_kind
+        from rlax_tpu.simulator.calibration import benchmark_kind
 
         if benchmark_kind(data) == "e2e":
             parser.error(f"{path} is an end-to-end result: predictions use components only")

@@ -57,7 +57,8 @@ def dapo() -> AlgorithmConfig:
     J = E_x[1/Σ_{i∈g}|y_i| Σ_i Σ_t min(r_t Â_i, clip(r_t, 1−ε_low, 1+ε_high) Â_i)],
     ε_low = 0.2, ε_high = 0.28 (clip-higher), no KL; Â as GRPO. Parts: w = token mean per
     group, then mean over groups. Dynamic sampling (keep groups with 0 < #correct < K) is
-    the controller's `filters.dynamic_sampling_keep`; overlong shaping is a reward matter.
+    the controller's `controller.filters.dynamic_sampling_keep`; overlong shaping is a reward
+    matter.
     verl implements the token mean over the whole batch: aggregation="token_mean".
     """
     return AlgorithmConfig.preset("dapo")

@@ -1,10 +1,10 @@
 """The `rlax-tpu` command line: one entry point for every job and component.
 
-`run` / `resume` (the RL job, controller/job.py), `sft` and `eval` (the warm start alone
+`run` / `resume` (the RL job, launch/job.py), `sft` and `eval` (the warm start alone
 and held-out accuracy, cli/sft_eval.py), `serve` (one component), `config show`,
 `deploy gke|xmanager` (rlax_tpu/deploy), `simulate` (cli/simulate.py), `compile`
 (cli/compile.py: the config's programs compiled for its TPU topology), `prefilter`
-(controller/prefilter.py), `export` (cli/export.py: a run's checkpoint as a Hugging Face
+(launch/prefilter.py), `export` (cli/export.py: a run's checkpoint as a Hugging Face
 model), `samples` (cli/samples.py: a batch of the rollout log as text) and `bench`
 (tools/bench_*.py, cli/bench.py).
 The parser reads only the config here; each command imports JAX and its component itself.
@@ -168,7 +168,7 @@ def _add_verifier_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_connect_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `run --connect` (rlax_tpu.controller.remote): where the components run."""
+    """Flags of `run --connect` (rlax_tpu.launch.remote): where the components run."""
     group = parser.add_argument_group("connect")
     group.add_argument(
         "--connect",
@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_config_args(p)
             add_compile_args(p)
         elif name == "prefilter":
-            from rlax_tpu.controller.prefilter import add_args as add_prefilter_args
+            from rlax_tpu.launch.prefilter import add_args as add_prefilter_args
 
             _add_config_args(p)
             add_prefilter_args(p)
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         # The run's own failures (a component died or stayed unreachable, no usable
         # snapshot, ...) end with their message, not a traceback; anything else is a bug
         # and keeps its traceback.
-        from rlax_tpu.controller.launcher import ComponentFailed
+        from rlax_tpu.launch.launcher import ComponentFailed
         from rlax_tpu.rpc.client import RpcCallError
 
         if type(e).__module__.startswith("rlax_tpu.controller") or isinstance(e, RpcCallError):
@@ -383,13 +383,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             if args.smoke:
                 return run(config)
-            from rlax_tpu.controller.job import main as run_job
-            from rlax_tpu.controller.wandb_logging import require_wandb
+            from rlax_tpu.launch.job import main as run_job
+            from rlax_tpu.launch.wandb_logging import require_wandb
 
             require_wandb(config.logging)  # before anything starts
 
             if args.connect:
-                from rlax_tpu.controller.remote import ComponentAddresses
+                from rlax_tpu.launch.remote import ComponentAddresses
 
                 addresses = ComponentAddresses.resolve(
                     param_server=args.param_server,
@@ -417,7 +417,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return compile_main(args)
     if args.command == "resume":
-        from rlax_tpu.controller.job import resume
+        from rlax_tpu.launch.job import resume
 
         return resume(args.run_dir)
     if args.command == "serve":
@@ -433,7 +433,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return eval_main(args)
     if args.command == "prefilter":
-        from rlax_tpu.controller.prefilter import main as prefilter
+        from rlax_tpu.launch.prefilter import main as prefilter
 
         return prefilter(load_config(args.config, args.overrides), args)
     if args.command == "export":

@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     programs = None
     if args.programs:
         programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    from rlax_tpu.compile.hardware import GiB, parse_gpu, prepare_environment
+    from rlax_tpu.hardware import GiB, parse_gpu, prepare_environment
 
     gpus = [parse_gpu(s.gpu)[1] for s in (config.trainer, config.inference) if s.gpu]
     prepare_environment(cpu_devices=max(gpus, default=0), on_gpu=args.on_gpu)

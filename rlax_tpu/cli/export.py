@@ -71,8 +71,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu export`: exit 0 with the export written, 2 with one line saying why not."""
+    from rlax_tpu.data.tokenizer import TokenizerError
     from rlax_tpu.models.hf import CheckpointError
-    from rlax_tpu.models.tokenizer import TokenizerError
     from rlax_tpu.trainer.checkpoints import NoValidCheckpointError
 
     try:
@@ -136,7 +136,7 @@ def locate(path: str, *, step: int | None = None) -> ExportSource:
 def run_config(run_dir: str) -> RunConfig:
     """The config the run's trainer ran: effective_config.json, else config.json; its
     storage.run_dir is `run_dir` (where the run is now, which may not be where it ran)."""
-    from rlax_tpu.controller.job import EFFECTIVE_CONFIG
+    from rlax_tpu.launch.job import EFFECTIVE_CONFIG
 
     for name in (EFFECTIVE_CONFIG, CONFIG_FILE):
         url = storage.join(run_dir, name)
@@ -157,7 +157,7 @@ def run_config(run_dir: str) -> RunConfig:
 def run_tokenizer_dir(config: RunConfig, run_dir: str) -> str:
     """The tokenizer directory of the run: the model's tokenizer (as materialised into the run
     directory, where it was moved with it), else its hf_checkpoint."""
-    from rlax_tpu.controller.job import BUILTIN_CHAR_TOKENIZER, tokenizer_path
+    from rlax_tpu.launch.job import BUILTIN_CHAR_TOKENIZER, tokenizer_path
 
     local_copy = storage.join(run_dir, TOKENIZER)
     if config.model.tokenizer == BUILTIN_CHAR_TOKENIZER:

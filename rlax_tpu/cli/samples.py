@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from rlax_tpu import storage
-from rlax_tpu.controller.job import EFFECTIVE_CONFIG
 from rlax_tpu.controller.snapshots import CONSUMED_DIR, RolloutLog
+from rlax_tpu.launch.job import EFFECTIVE_CONFIG
 
 
 class SamplesError(ValueError):
@@ -186,9 +186,9 @@ class _Fallback:
             self._tokenizer = None
             config = self.config()
             if config is not None:
-                from rlax_tpu.controller.datasets import stop_tokens
-                from rlax_tpu.controller.job import tokenizer_path
-                from rlax_tpu.models.tokenizer import Tokenizer
+                from rlax_tpu.data.datasets import stop_tokens
+                from rlax_tpu.data.tokenizer import Tokenizer
+                from rlax_tpu.launch.job import tokenizer_path
 
                 try:
                     tokenizer = Tokenizer.load(tokenizer_path(config))
@@ -198,7 +198,7 @@ class _Fallback:
                     self._tokenizer = None
         if self._tokenizer is None:
             return None
-        from rlax_tpu.controller.datasets import decode_response
+        from rlax_tpu.data.datasets import decode_response
 
         tokenizer, stops = self._tokenizer
         return decode_response(tokenizer, tokens, stops)
@@ -212,7 +212,7 @@ class _Fallback:
             self._datasets = {}
             config = self.config()
             if config is not None:
-                from rlax_tpu.controller.datasets import load_dataset
+                from rlax_tpu.data.datasets import load_dataset
 
                 for dataset in config.training_datasets:
                     try:

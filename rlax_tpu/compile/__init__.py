@@ -13,23 +13,18 @@ process's share of a GPU (`gpu_memory_fraction`).
 `rlax_tpu/cli/compile.py`, does it).
 """
 
-from rlax_tpu._lazy import lazy_exports
+from rlax_tpu.compile.measure import ProgramReport
+from rlax_tpu.compile.programs import PROGRAMS
+from rlax_tpu.compile.report import CompileReport, ComponentTarget, compile_config, format_report
+from rlax_tpu.compile.topology import TopologyError, abstract_devices
 
-# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy), so the
-# CLI can import `hardware` (no JAX) and set up the environment before JAX starts.
-_EXPORTS = {
-    "CHIPS": "hardware",
-    "ChipSpec": "hardware",
-    "FIT_FRACTION": "hardware",
-    "prepare_environment": "hardware",
-    "ProgramReport": "measure",
-    "PROGRAMS": "programs",
-    "CompileReport": "report",
-    "ComponentTarget": "report",
-    "compile_config": "report",
-    "format_report": "report",
-    "TopologyError": "topology",
-    "abstract_devices": "topology",
-}
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CompileReport",
+    "ComponentTarget",
+    "PROGRAMS",
+    "ProgramReport",
+    "TopologyError",
+    "abstract_devices",
+    "compile_config",
+    "format_report",
+]

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlax_tpu.compile.hardware import STATED_EFFICIENCY, ChipSpec
 from rlax_tpu.config import RunConfig
+from rlax_tpu.hardware import STATED_EFFICIENCY, ChipSpec
 
 # Which stated efficiency each program's time is estimated at.
 EFFICIENCY_OF = {

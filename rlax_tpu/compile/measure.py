@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 from rlax_tpu.compile.executables import compile_to_save
-from rlax_tpu.compile.hardware import FIT_FRACTION, GPUS, ChipSpec, GiB
 from rlax_tpu.compile.hlo_cost import analyze
 from rlax_tpu.compile.programs import Program
 from rlax_tpu.config import RunConfig
+from rlax_tpu.hardware import FIT_FRACTION, GPUS, ChipSpec, GiB
 
 # Config knobs that shrink each kind of memory, per component (named in the refusal).
 KNOBS = {

@@ -11,7 +11,16 @@ from jax.sharding import Mesh
 
 from rlax_tpu.compile import executables
 from rlax_tpu.compile.cost import program_cost, train_step_cost
-from rlax_tpu.compile.hardware import (
+from rlax_tpu.compile.measure import ProgramReport, compile_program, refusal
+from rlax_tpu.compile.programs import (
+    COMPONENT_OF,
+    PROGRAMS,
+    inference_programs,
+    trainer_programs,
+)
+from rlax_tpu.compile.topology import gpu_devices, topology_mesh
+from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
+from rlax_tpu.hardware import (
     CHIPS,
     FIT_FRACTION,
     GPUS,
@@ -22,15 +31,6 @@ from rlax_tpu.compile.hardware import (
     compile_target,
     parse_gpu,
 )
-from rlax_tpu.compile.measure import ProgramReport, compile_program, refusal
-from rlax_tpu.compile.programs import (
-    COMPONENT_OF,
-    PROGRAMS,
-    inference_programs,
-    trainer_programs,
-)
-from rlax_tpu.compile.topology import gpu_devices, topology_mesh
-from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
 from rlax_tpu.inference.capacity import KvCapacity, kv_capacity
 from rlax_tpu.sharding import build_mesh
 
@@ -178,7 +178,7 @@ def _gpu_target(config: RunConfig, component: str) -> tuple[ComponentTarget, Mes
     if model not in GPUS:
         raise ConfigError(
             f"unknown GPU {model!r}; rlax-tpu compile knows {', '.join(GPUS)} "
-            "(rlax_tpu/compile/hardware.py)",
+            "(rlax_tpu/hardware.py)",
             field=f"{component}.gpu",
         )
     devices, compiler = gpu_devices(count)

@@ -479,7 +479,7 @@ class TrainerConfig(ConfigBase):
     # CPU and TPU.
     gpu_memory_fraction: float = 0.55
     # The GPUs the trainer runs on when not on a TPU slice, "<model>[:<count>]" (h100,
-    # a100-80gb:2; models in rlax_tpu/compile/hardware.py): `rlax-tpu compile` checks its
+    # a100-80gb:2; models in rlax_tpu/hardware.py): `rlax-tpu compile` checks its
     # programs against gpu_memory_fraction of one such GPU. "" = a TPU slice (mesh.topology,
     # else deploy.trainer_tpu).
     gpu: str = ""

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tpu.algorithms.filters import dynamic_sampling_keep
+from rlax_tpu.api.trainer import RolloutArrays
 from rlax_tpu.controller.errors import ControllerError
+from rlax_tpu.controller.filters import dynamic_sampling_keep
 from rlax_tpu.shapes import padded_seq_len
 from rlax_tpu.staleness import StalenessPolicy
-from rlax_tpu.trainer.wire import RolloutArrays
 
 
 def group_has_signal(rewards: Sequence[float]) -> bool:

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from rlax_tpu.api.inference import SamplingParams
 from rlax_tpu.config import RunConfig
 from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import Assembled
 from rlax_tpu.controller.batches import BatchBuilder
-from rlax_tpu.controller.datasets import encode_prompt, stop_tokens
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.evaluation import EvalResult, Evaluator
 from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt, Stopped
@@ -44,7 +44,7 @@ from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer, Verifier, run_prefix
 from rlax_tpu.controller.snapshots import RolloutLog, SnapshotError, SnapshotStore
 from rlax_tpu.controller.warm_start import run_warm_start
-from rlax_tpu.inference.types import SamplingParams
+from rlax_tpu.data.datasets import encode_prompt, stop_tokens
 
 _log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ _VERIFY_METRICS = {
 class Components:
     """The clients of the passive components the controller drives."""
 
-    trainer: Any  # rlax_tpu.trainer.client.TrainerClient
-    param_server: Any  # rlax_tpu.param_server.client.ParamServerClient
-    workers: list[Any]  # rlax_tpu.inference.client.InferenceWorkerClient, one per worker
+    trainer: Any  # rlax_tpu.api.trainer.TrainerClient
+    param_server: Any  # rlax_tpu.api.param_server.ParamServerClient
+    workers: list[Any]  # rlax_tpu.api.inference.InferenceWorkerClient, one per worker
     verifier: Verifier
 
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tpu.controller.datasets import normalised_problem
+from rlax_tpu.api.inference import GenerationRequest, SamplingParams
 from rlax_tpu.controller.generation import GenerationPool, Prompt, rollout_record
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer
-from rlax_tpu.inference.types import GenerationRequest, SamplingParams
+from rlax_tpu.data.datasets import normalised_problem
 
 _log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import grpc
 
+from rlax_tpu.api.inference import GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.scoring import Judgement
 from rlax_tpu.controller.snapshots import RolloutLog
-from rlax_tpu.inference.types import GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.rpc.client import is_unreachable
 from rlax_tpu.rpc.liveness import ComponentLostError, Watch
 
@@ -56,7 +56,7 @@ class Prompt:
 
     key: str
     tokens: tuple[int, ...]
-    record: Any  # rlax_tpu.controller.datasets.PromptRecord
+    record: Any  # rlax_tpu.data.datasets.PromptRecord
 
 
 @dataclasses.dataclass

@@ -17,11 +17,11 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlax_tpu.api.param_server import VersionsMissingError
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.snapshots import Snapshot, SnapshotError, SnapshotStore
 from rlax_tpu.failpoints import failpoint
-from rlax_tpu.param_server.client import VersionsMissingError
 from rlax_tpu.rpc.client import is_unreachable, retry_unreachable
 
 _log = logging.getLogger(__name__)

@@ -25,8 +25,15 @@ from typing import Any, Protocol
 
 import grpc
 
-from rlax_tpu.controller.datasets import decode_response
+from rlax_tpu.api.verifier import (
+    Verdict,
+    VerificationRequest,
+    VerificationResult,
+    encode_metadata,
+    encode_prompt,
+)
 from rlax_tpu.controller.errors import ControllerError, UnjudgedError
+from rlax_tpu.data.datasets import decode_response
 from rlax_tpu.rpc.client import (
     ComponentUnreachableError,
     RpcCallError,
@@ -34,8 +41,6 @@ from rlax_tpu.rpc.client import (
     retry_unreachable,
 )
 from rlax_tpu.rpc.liveness import Watch
-from rlax_tpu.verifiers.functions import encode_metadata, encode_prompt
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
 _log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.controller.datasets import DatasetError, prompt_tokens
+from rlax_tpu.data.datasets import DatasetError, prompt_tokens
 
 SFT_STREAM = 7919  # the warm start's prompt stream: seed + SFT_STREAM
 

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlax_tpu.api.inference import FinishReason, GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.inference.page_allocator import PADDING_PAGE
 from rlax_tpu.inference.paged_cache import PagedKVCache
@@ -38,7 +39,6 @@ from rlax_tpu.inference.steps import (
     read_pages,
     write_pages,
 )
-from rlax_tpu.inference.types import FinishReason, GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.inference.weights import ServedWeights
 from rlax_tpu.sharding import logical_to_spec, use_mesh
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The parameters this sampler reads are the wire type (inference/types.py), named here too.
-from rlax_tpu.inference.types import LogprobsOf, SamplingParams  # noqa: F401
+from rlax_tpu.api.inference import LogprobsOf, SamplingParams  # noqa: F401
 
 # Keys are threefry2x32 whatever jax_default_prng_impl says, so they are stable everywhere.
 KEY_IMPL = "threefry2x32"

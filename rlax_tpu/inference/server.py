@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
 
     from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
     from rlax_tpu.inference.worker import InferenceWorker
-    from rlax_tpu.param_server.client import ParamServerClient
+    from rlax_tpu.param_server.trees import TreeClient
     from rlax_tpu.rpc import HealthServicer
     from rlax_tpu.sharding import build_mesh
 
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
     param_server = (
-        ParamServerClient(
+        TreeClient(
             args.param_server,
             auth_token=token,
             chunk_bytes=config.param_server.chunk_bytes,

@@ -1,7 +1,6 @@
-"""The InferenceWorker gRPC service (protos/rlax_tpu/v1/inference.proto) over an InferenceWorker,
-and the client the controller uses to drive a worker.
-
-A thin layer: messages <-> engine dataclasses, worker errors -> status codes (STATUS_CODES).
+"""The InferenceWorker gRPC servicer (protos/rlax_tpu/v1/inference.proto) over an
+InferenceWorker. A thin layer: messages <-> the types of rlax_tpu.api.inference (its codecs),
+worker errors -> status codes (its STATUS_CODES). The client is in rlax_tpu.api.inference.
 """
 
 from __future__ import annotations
@@ -10,79 +9,16 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
-import numpy as np
 
-from rlax_tpu.inference.client import FINISH_REASONS, SAMPLING_OVERRIDES
-from rlax_tpu.inference.types import GenerationRequest, Rollout, SamplingParams
-from rlax_tpu.inference.worker import (
-    InferenceWorker,
+from rlax_tpu.api.inference import (
     InferenceWorkerError,
-    InvalidRequestError,
-    NoParamServerError,
-    NotLoadableError,
-    NotLoadedError,
-    PullFailedError,
-    UnknownVersionError,
-    VersionMismatchError,
-    WorkerClosedError,
-    resolve_sampling,
+    request_from_proto,
+    rollout_to_proto,
+    status_code,
 )
+from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.rpc.protos import inference_pb2 as pb
 from rlax_tpu.rpc.protos import inference_pb2_grpc as pb_grpc
-
-STATUS_CODES: dict[type[InferenceWorkerError], grpc.StatusCode] = {
-    NotLoadedError: grpc.StatusCode.FAILED_PRECONDITION,
-    VersionMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
-    NoParamServerError: grpc.StatusCode.FAILED_PRECONDITION,
-    NotLoadableError: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    UnknownVersionError: grpc.StatusCode.NOT_FOUND,
-    PullFailedError: grpc.StatusCode.UNAVAILABLE,
-    WorkerClosedError: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-def status_code(error: BaseException) -> grpc.StatusCode:
-    for cls in type(error).__mro__:
-        if cls in STATUS_CODES:
-            return STATUS_CODES[cls]
-    return grpc.StatusCode.INTERNAL
-
-
-# -- conversions ------------------------------------------------------------------------------
-def request_from_proto(message: pb.GenerationRequest, defaults: SamplingParams):
-    """A GenerationRequest; unset sampling fields take `defaults` (the worker's config)."""
-    sampling = None
-    if message.HasField("sampling"):
-        overrides: dict[str, Any] = {
-            name: getattr(message.sampling, name)
-            for name in SAMPLING_OVERRIDES
-            if message.sampling.HasField(name)
-        }
-        if message.sampling.HasField("stop_token_ids"):
-            overrides["stop_token_ids"] = tuple(message.sampling.stop_token_ids.ids)
-        sampling = resolve_sampling(defaults, overrides)
-    return GenerationRequest(
-        request_id=message.request_id,
-        prompt_id=message.prompt_id,
-        sample_index=message.sample_index,
-        prompt_tokens=tuple(message.prompt_tokens),
-        sampling=sampling,
-    )
-
-
-def rollout_to_proto(rollout: Rollout) -> pb.RolloutMessage:
-    return pb.RolloutMessage(
-        request_id=rollout.request_id,
-        prompt_id=rollout.prompt_id,
-        sample_index=rollout.sample_index,
-        version=rollout.version,
-        prompt_tokens=np.asarray(rollout.prompt_tokens, np.int32).tolist(),
-        tokens=np.asarray(rollout.tokens, np.int32).tolist(),
-        logprobs=np.asarray(rollout.logprobs, np.float32).tolist(),
-        finish_reason=FINISH_REASONS[rollout.finish_reason],
-        error=rollout.error,
-    )
 
 
 # -- server side --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -23,12 +23,24 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from rlax_tpu.api.inference import (
+    GenerationRequest,
+    InvalidRequestError,
+    LoadResult,
+    NoParamServerError,
+    NotLoadableError,
+    NotLoadedError,
+    PullFailedError,
+    Rollout,
+    SamplingParams,
+    UnknownVersionError,
+    VersionMismatchError,
+    WorkerClosedError,
+)
+from rlax_tpu.api.param_server import ParamServerCallError, ParamServerClient, PullMismatchError
 from rlax_tpu.config import RunConfig
 from rlax_tpu.inference.engine import Engine
-from rlax_tpu.inference.types import GenerationRequest, LoadResult, Rollout, SamplingParams
 from rlax_tpu.models import Transformer
-from rlax_tpu.param_server.client import ParamServerCallError, ParamServerClient
-from rlax_tpu.param_server.errors import PullMismatchError
 from rlax_tpu.sharding import state_shardings
 from rlax_tpu.staleness import StalenessPolicy
 
@@ -43,42 +55,6 @@ PREFETCH_WAIT_S = 5.0
 _RECORDED_REASONS = ("stop", "length")
 _STOP = object()  # tells the engine thread to exit
 _CANCELLED = object()  # ends a RolloutStream early
-
-
-class InferenceWorkerError(RuntimeError):
-    """Base of the worker's errors; each subclass maps to one gRPC status (service.py)."""
-
-
-class NotLoadedError(InferenceWorkerError):
-    """Generate before any Load: the worker holds no weights."""
-
-
-class VersionMismatchError(InferenceWorkerError):
-    """The caller asked for a version other than the one the worker holds."""
-
-
-class NotLoadableError(InferenceWorkerError):
-    """The version is not a multiple of η (staleness.reload_every)."""
-
-
-class UnknownVersionError(InferenceWorkerError):
-    """The parameter server does not have the version."""
-
-
-class NoParamServerError(InferenceWorkerError):
-    """Load without weights given and without a parameter server to pull them from."""
-
-
-class PullFailedError(InferenceWorkerError):
-    """Pulling the weights failed for another reason (server unreachable, layout mismatch)."""
-
-
-class InvalidRequestError(InferenceWorkerError, ValueError):
-    """A malformed batch: empty or repeated request ids, or an id reused for another request."""
-
-
-class WorkerClosedError(InferenceWorkerError):
-    """The worker was closed, or its engine failed and it can no longer generate."""
 
 
 def _request_key(request: GenerationRequest, default: SamplingParams) -> tuple:
@@ -558,11 +534,3 @@ class InferenceWorker:
                 entry = self._in_flight.get(rid)
                 if entry is not None and inbox in entry.listeners:
                     entry.listeners.remove(inbox)
-
-
-def resolve_sampling(defaults: SamplingParams, overrides: Mapping[str, Any]) -> SamplingParams:
-    """`defaults` with the given fields replaced; bad names or values: InvalidRequestError."""
-    try:
-        return dataclasses.replace(defaults, **overrides)
-    except (TypeError, ValueError) as e:
-        raise InvalidRequestError(f"bad sampling override: {e}") from e

@@ -1,33 +1,52 @@
 """Model family (Llama 3 / Qwen2 / Qwen3), its KV-cache seam, Hugging Face checkpoints and
 tokenizers."""
 
-from rlax_tpu._lazy import lazy_exports
+from rlax_tpu.models.attention import train_attention
+from rlax_tpu.models.export import export_hf
+from rlax_tpu.models.hf import (
+    CheckpointError,
+    CheckpointMismatchError,
+    UnsupportedCheckpointError,
+    load_hf_config,
+    load_hf_model,
+    load_hf_params,
+    load_hf_sharded,
+    save_hf,
+)
+from rlax_tpu.models.kv_cache import DenseKVCache, KVCache, grouped_attention
+from rlax_tpu.models.logprobs import logprob_head
+from rlax_tpu.models.options import ForwardOptions
+from rlax_tpu.models.transformer import (
+    TrainOutput,
+    Transformer,
+    apply_rope,
+    rope_inv_freq,
+    stack_layers,
+    token_logprobs,
+    unstack_layers,
+)
 
-# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
-_EXPORTS = {
-    "CheckpointError": "hf",
-    "CheckpointMismatchError": "hf",
-    "UnsupportedCheckpointError": "hf",
-    "load_hf_config": "hf",
-    "load_hf_model": "hf",
-    "load_hf_params": "hf",
-    "load_hf_sharded": "hf",
-    "save_hf": "hf",
-    "export_hf": "export",
-    "DenseKVCache": "kv_cache",
-    "KVCache": "kv_cache",
-    "grouped_attention": "kv_cache",
-    "ForwardOptions": "options",
-    "logprob_head": "logprobs",
-    "stack_layers": "transformer",
-    "train_attention": "attention",
-    "unstack_layers": "transformer",
-    "Tokenizer": "tokenizer",
-    "TrainOutput": "transformer",
-    "Transformer": "transformer",
-    "apply_rope": "transformer",
-    "rope_inv_freq": "transformer",
-    "token_logprobs": "transformer",
-}
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "DenseKVCache",
+    "ForwardOptions",
+    "KVCache",
+    "TrainOutput",
+    "Transformer",
+    "UnsupportedCheckpointError",
+    "apply_rope",
+    "export_hf",
+    "grouped_attention",
+    "load_hf_config",
+    "load_hf_model",
+    "load_hf_params",
+    "load_hf_sharded",
+    "logprob_head",
+    "rope_inv_freq",
+    "save_hf",
+    "stack_layers",
+    "token_logprobs",
+    "train_attention",
+    "unstack_layers",
+]

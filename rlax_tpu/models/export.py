@@ -2,7 +2,7 @@
 the tokenizer's own files, and generation_config.json with its bos, eos and pad ids.
 
 `rlax-tpu export` (cli/export.py) writes one from a run's checkpoint, and the SFT warm start
-(controller/job.py) writes RUN_DIR/sft_model with it, so either loads with transformers'
+(launch/job.py) writes RUN_DIR/sft_model with it, so either loads with transformers'
 AutoModelForCausalLM and AutoTokenizer, and `generate()` stops on the tokens the run's
 rollouts stopped on.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.config import ModelConfig
+from rlax_tpu.data.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
 from rlax_tpu.models.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointError, save_hf
-from rlax_tpu.models.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
 
 # The files a tokenizer directory may hold, copied as they are when present (a checkpoint
 # directory also holds weights, so the directory is not copied whole). The chat template

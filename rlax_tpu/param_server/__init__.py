@@ -9,38 +9,23 @@ first use, so a client does not load the store and TensorStore, nor a server the
 JAX.
 """
 
-from rlax_tpu._lazy import lazy_exports
+from rlax_tpu.param_server.server import RunningServer, ServeOptions, start_server
+from rlax_tpu.param_server.service import STATUS_CODES, ParamServerServicer
+from rlax_tpu.param_server.store import (
+    PublishResult,
+    PublishTransaction,
+    VersionInfo,
+    VersionStore,
+)
 
-# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
-_EXPORTS = {
-    "Box": "layout",
-    "Piece": "layout",
-    "InvalidPublishError": "errors",
-    "InvalidReadError": "errors",
-    "LayoutMismatchError": "errors",
-    "ParamServerError": "errors",
-    "PublishInProgressError": "errors",
-    "PullMismatchError": "errors",
-    "StorageFailedError": "errors",
-    "VersionConflictError": "errors",
-    "VersionNotFoundError": "errors",
-    "decode_publish_request": "wire",
-    "decode_pull_chunks": "wire",
-    "encode_piece_chunks": "wire",
-    "RunningServer": "server",
-    "ServeOptions": "server",
-    "start_server": "server",
-    "STATUS_CODES": "service",
-    "ParamServerServicer": "service",
-    "PublishResult": "store",
-    "PublishTransaction": "store",
-    "VersionInfo": "store",
-    "VersionStore": "store",
-    "ParamServerCallError": "client",
-    "ParamServerClient": "client",
-    "PublishReceipt": "client",
-    "ReplicaPlan": "client",
-    "split_dims_from_logical": "client",
-}
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "STATUS_CODES",
+    "ParamServerServicer",
+    "PublishResult",
+    "PublishTransaction",
+    "RunningServer",
+    "ServeOptions",
+    "VersionInfo",
+    "VersionStore",
+    "start_server",
+]

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.layout import Box
+from rlax_tpu.api import tensors as layout
+from rlax_tpu.api.tensors import Box
 
 
 # -- publish: host data of each box ----------------------------------------------------------

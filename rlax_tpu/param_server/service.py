@@ -2,7 +2,7 @@
 
 A thin layer: it turns streams into store calls and store errors into status codes
 (see STATUS_CODES). Publish and Pull carry the bytes: their messages are parsed and
-serialized by hand (param_server.wire) to skip protobuf's extra copies, and hold about
+serialized by hand (api.param_server) to skip protobuf's extra copies, and hold about
 `chunk_bytes` of data each, many small arrays to a message. A pull of a version in memory
 sends views of its arrays; one only on storage is read ahead on a thread pool.
 """
@@ -19,9 +19,8 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from rlax_tpu.failpoints import failpoint
-from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.errors import (
+from rlax_tpu.api import tensors as layout
+from rlax_tpu.api.param_server import (
     InvalidPublishError,
     InvalidReadError,
     ParamServerError,
@@ -29,15 +28,15 @@ from rlax_tpu.param_server.errors import (
     StorageFailedError,
     VersionConflictError,
     VersionNotFoundError,
-)
-from rlax_tpu.param_server.layout import Box, Piece
-from rlax_tpu.param_server.store import VersionStore
-from rlax_tpu.param_server.wire import (
     decode_publish_request,
     encode_pull_chunk,
     join_pull_chunks,
     pack,
 )
+from rlax_tpu.api.tensors import Box, Piece
+from rlax_tpu.failpoints import failpoint
+from rlax_tpu.param_server.store import VersionStore
+from rlax_tpu.rpc.client import status_code_for
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 
 # Store errors -> gRPC status. A conflict is ALREADY_EXISTS: the version exists with other
@@ -64,10 +63,7 @@ def _decoded(raw: bytes) -> pb.PublishRequest | list:
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    for cls in type(error).__mro__:
-        if cls in STATUS_CODES:
-            return STATUS_CODES[cls]
-    return grpc.StatusCode.INTERNAL
+    return status_code_for(error, STATUS_CODES)
 
 
 def _abort(context: grpc.ServicerContext, error: Exception) -> None:

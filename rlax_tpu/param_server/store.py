@@ -42,9 +42,8 @@ import numpy as np
 import tensorstore as ts
 
 from rlax_tpu import storage
-from rlax_tpu.failpoints import failpoint
-from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.errors import (
+from rlax_tpu.api import tensors as layout
+from rlax_tpu.api.param_server import (
     InvalidPublishError,
     InvalidReadError,
     LayoutMismatchError,
@@ -53,7 +52,8 @@ from rlax_tpu.param_server.errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from rlax_tpu.param_server.layout import Box, Piece
+from rlax_tpu.api.tensors import Box, Piece
+from rlax_tpu.failpoints import failpoint
 
 _log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class VersionStore:
                 raise InvalidPublishError(
                     f"version {version}: version_digest {version_digest[:16]}… does not match "
                     f"its pieces ({expected[:16]}…); compute it with "
-                    "rlax_tpu.param_server.layout.version_digest over the declared pieces"
+                    "rlax_tpu.api.tensors.version_digest over the declared pieces"
                 )
         with self._commit_lock, self._lock:  # not while a GC deletes this version's files
             existing = self._versions.get(version)

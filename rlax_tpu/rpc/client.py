@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Self, TypeVar
 
 import grpc
@@ -38,6 +38,17 @@ class RpcCallError(RuntimeError):
 
 class ComponentUnreachableError(RpcCallError):
     """A component did not answer (UNAVAILABLE) for as long as its callers wait for it."""
+
+
+def status_code_for(
+    error: BaseException, codes: Mapping[type[BaseException], grpc.StatusCode]
+) -> grpc.StatusCode:
+    """The status a servicer ends a call with for `error`: that of its nearest class in
+    `codes` (a component's table of its errors), else INTERNAL."""
+    for cls in type(error).__mro__:
+        if cls in codes:
+            return codes[cls]
+    return grpc.StatusCode.INTERNAL
 
 
 def is_unreachable(error: BaseException) -> bool:

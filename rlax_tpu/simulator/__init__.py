@@ -8,9 +8,9 @@ project's benchmark JSONs, from given hardware figures and from `rlax-tpu compil
     result = simulate(workload, timing, preemption=sim.preemption, seed=sim.seed)
 """
 
+from rlax_tpu.simulator.calibration import Calibration, benchmark_kind, calibrate
 from rlax_tpu.simulator.events import WARMUP_STEPS, SimResult, simulate, split_jobs
 from rlax_tpu.simulator.model import (
-    Calibration,
     CalibrationError,
     Distribution,
     HardwareSpec,
@@ -18,8 +18,6 @@ from rlax_tpu.simulator.model import (
     SimulatorConfig,
     TimingModel,
     Workload,
-    benchmark_kind,
-    calibrate,
     count_arrays,
     count_params,
     generation_s,

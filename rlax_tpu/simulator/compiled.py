@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlax_tpu.compile.hardware import compile_target
 from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.hardware import compile_target
 from rlax_tpu.simulator.model import CalibrationError, HardwareSpec, Workload
 
 _REDO = "compile this config again: rlax-tpu compile CONFIG [--set …] --json OUT"

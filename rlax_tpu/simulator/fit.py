@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from rlax_tpu.config import RunConfig
+from rlax_tpu.simulator.calibration import Calibration, calibrate
 from rlax_tpu.simulator.events import SimResult, simulate
-from rlax_tpu.simulator.model import Calibration, calibrate
 
 # (timing field, what it is fitted to, the simulated figure, the measured figure)
 _TARGETS: tuple[tuple[str, Callable[[SimResult], float], Callable[[Mapping], float]], ...] = (

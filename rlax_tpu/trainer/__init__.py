@@ -8,24 +8,26 @@ versions published to the parameter server, and orbax checkpoints.
 `step` holds the pure jitted functions (batch levels, optimizer, recompute, updates),
 `checkpoints` the orbax store. docs/trainer.md explains batch levels and recompute."""
 
-from rlax_tpu._lazy import lazy_exports
+from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
+from rlax_tpu.trainer.step import BatchLevels, BatchSizeError
+from rlax_tpu.trainer.trainer import (
+    BatchMismatchError,
+    NotInitializedError,
+    OutOfOrderStepError,
+    StaleRolloutError,
+    Trainer,
+    WarmStartPendingError,
+)
 
-# Public name -> the submodule defining it; imported on first use (rlax_tpu._lazy).
-_EXPORTS = {
-    "CheckpointStore": "checkpoints",
-    "NoValidCheckpointError": "checkpoints",
-    "BatchLevels": "step",
-    "BatchSizeError": "step",
-    "NotInitializedError": "trainer",
-    "BatchMismatchError": "trainer",
-    "OutOfOrderStepError": "trainer",
-    "StaleRolloutError": "trainer",
-    "WarmStartPendingError": "trainer",
-    "StepResult": "wire",
-    "Trainer": "trainer",
-    "RolloutArrays": "wire",
-    "TrainerCallError": "client",
-    "TrainerClient": "client",
-}
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BatchLevels",
+    "BatchMismatchError",
+    "BatchSizeError",
+    "CheckpointStore",
+    "NoValidCheckpointError",
+    "NotInitializedError",
+    "OutOfOrderStepError",
+    "StaleRolloutError",
+    "Trainer",
+    "WarmStartPendingError",
+]

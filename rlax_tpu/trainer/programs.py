@@ -38,7 +38,7 @@ from rlax_tpu.trainer.step import (
 # RolloutBatch's optional fields the trainer computes itself before the update (π_ref, V_old,
 # and π_rollout: the cached behaviour log-probs kept next to the recomputed π_old) ...
 COMPUTED_FIELDS = ("reference_logprobs", "values", "rollout_logprobs")
-# ... and those only the sender can supply (trainer.wire.RolloutArrays, TrainStep's stream).
+# ... and those only the sender can supply (api.trainer.RolloutArrays, TrainStep's stream).
 SENT_FIELDS = ("token_rewards", "token_advantages", "returns", "baseline_rewards")
 _NEEDS_FLAG = {"values": "needs_rollout_values"}  # else the objective's needs_<field>
 
@@ -248,7 +248,7 @@ class TrainerPrograms:
 
     def abstract_rollout_batch(self, seq_len: int) -> RolloutBatch:
         """A global batch as `train_step` hands it to `rl_step`: the fields the controller
-        sends (trainer.wire.RolloutArrays) plus the optional ones the objective reads
+        sends (api.trainer.RolloutArrays) plus the optional ones the objective reads
         (`inputs`: π_ref, V_old, π_rollout computed by the trainer; dense rewards, given
         advantages and returns, baselines sent with the batch), each placed by rows."""
         rows, seq = self.levels.global_size, seq_len

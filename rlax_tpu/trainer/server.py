@@ -25,8 +25,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tpu.config import RunConfig
-from rlax_tpu.rpc import format_address
+import jax
+
+from rlax_tpu.api.param_server import ReplicaPlan, split_dims_from_logical
+from rlax_tpu.api.trainer import SFT_STEP, TRAIN_STEP, BatchLimits, pack_batch, unpack_batch
+from rlax_tpu.config import ModelConfig, RunConfig
+from rlax_tpu.distributed import broadcast_bytes
+from rlax_tpu.models.transformer import param_logical_axes
+from rlax_tpu.param_server.trees import TreeClient
+from rlax_tpu.rpc import HealthServicer, format_address
 from rlax_tpu.rpc.process import (
     announce_progress,
     announce_ready,
@@ -36,6 +43,16 @@ from rlax_tpu.rpc.process import (
     stop_on_signals,
     wait_for,
 )
+from rlax_tpu.sharding import build_mesh
+from rlax_tpu.trainer import (
+    BatchSizeError,
+    NotInitializedError,
+    NoValidCheckpointError,
+    OutOfOrderStepError,
+    StaleRolloutError,
+    Trainer,
+)
+from rlax_tpu.trainer.service import TrainerServicer, batch_from_arrays, trainer_status
 
 _log = logging.getLogger(__name__)
 
@@ -45,14 +62,15 @@ DEFAULT_INSTANCE_ID = "trainer-0"
 _MAX_WORKERS = 8
 
 
-def _replica_plan(config: RunConfig, num_replicas: int) -> Any:
-    """Split each parameter across replicas along its tensor-parallel dimension, as the
-    params are sharded, so a tensor-parallel worker pulls each slice from one replica."""
-    from rlax_tpu.param_server.client import replica_plan_for_model
-
-    return replica_plan_for_model(
-        config.model, config.trainer.mesh.logical_axis_rules, num_replicas
-    )
+def replica_plan_for_model(
+    model: ModelConfig, rules: Sequence[tuple[str, Sequence[str]]], num_replicas: int
+) -> ReplicaPlan:
+    """Split a model's parameters across parameter-server replicas along the dimension
+    `rules` shard over the tensor axis, as the params are sharded, so a tensor-parallel
+    worker pulls each slice from one replica. The trainer computes the plan (it knows the
+    model); the parameter server and its JAX-free client only follow it."""
+    split = split_dims_from_logical(param_logical_axes(model), rules)
+    return ReplicaPlan(num_replicas=num_replicas, split_dims=split)
 
 
 def connect_param_server(
@@ -62,10 +80,16 @@ def connect_param_server(
     `param_server.chunk_bytes` chunks, split across replicas as the params are sharded. A
     server that does not answer is waited for (`controller.component_wait_s`) until `stop`
     is set: a stopping trainer saves its checkpoint rather than wait for it."""
-    from rlax_tpu.param_server.client import ParamServerClient
-
-    plan = _replica_plan(config, len(addresses)) if len(addresses) > 1 else None
-    return ParamServerClient(
+    plan = (
+        (
+            replica_plan_for_model(
+                config.model, config.trainer.mesh.logical_axis_rules, len(addresses)
+            )
+        )
+        if len(addresses) > 1
+        else None
+    )
+    return TreeClient(
         addresses,
         auth_token=token,
         plan=plan,
@@ -100,18 +124,15 @@ class LeaderTrainer:
         return getattr(self._trainer, name)
 
     def _send(self, op: str, payload: Sequence[bytes | memoryview] = (), **fields: Any) -> None:
-        from rlax_tpu.distributed import broadcast_bytes
 
         broadcast_bytes(_encode(op, fields, payload))
 
     def train_step(self, step: int, batch: Any) -> Any:
-        from rlax_tpu.trainer.wire import TRAIN_STEP, pack_batch
 
         self._send("train_step", pack_batch(step, TRAIN_STEP.arrays_of(batch)), step=step)
         return self._trainer.train_step(step, batch)
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> Any:
-        from rlax_tpu.trainer.wire import pack_batch
 
         arrays = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask}
         self._send("sft_step", pack_batch(step, arrays), step=step)
@@ -142,16 +163,6 @@ def follow(trainer: Any) -> None:
     otherwise wait forever in a collective this process never joins, whereas JAX's
     coordination service takes the whole job down, to be restarted from its checkpoint.
     """
-    from rlax_tpu.distributed import broadcast_bytes
-    from rlax_tpu.trainer import (
-        BatchSizeError,
-        NotInitializedError,
-        NoValidCheckpointError,
-        OutOfOrderStepError,
-        StaleRolloutError,
-    )
-    from rlax_tpu.trainer.service import batch_from_arrays
-    from rlax_tpu.trainer.wire import SFT_STEP, TRAIN_STEP, unpack_batch
 
     refused = (
         BatchSizeError,
@@ -198,14 +209,6 @@ def main(args: argparse.Namespace) -> int:
     distributed = join_distributed_job("trainer")  # before anything touches a device
     if distributed is None:
         return 2
-
-    import jax
-
-    from rlax_tpu.rpc import HealthServicer
-    from rlax_tpu.sharding import build_mesh
-    from rlax_tpu.trainer import Trainer
-    from rlax_tpu.trainer.service import TrainerServicer, trainer_status
-    from rlax_tpu.trainer.wire import BatchLimits
 
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()

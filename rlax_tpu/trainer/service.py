@@ -18,17 +18,7 @@ import grpc
 import numpy as np
 
 from rlax_tpu.algorithms import RolloutBatch
-from rlax_tpu.rpc.protos import trainer_pb2 as pb
-from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
-from rlax_tpu.trainer import (
-    BatchSizeError,
-    NotInitializedError,
-    NoValidCheckpointError,
-    OutOfOrderStepError,
-    StaleRolloutError,
-    Trainer,
-)
-from rlax_tpu.trainer.wire import (
+from rlax_tpu.api.trainer import (
     DIGESTED_OPTIONAL_FIELDS,
     SFT_STEP,
     TRAIN_STEP,
@@ -40,6 +30,17 @@ from rlax_tpu.trainer.wire import (
     check_step,
     check_tokens,
     result_to_proto,
+)
+from rlax_tpu.rpc.client import status_code_for
+from rlax_tpu.rpc.protos import trainer_pb2 as pb
+from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
+from rlax_tpu.trainer import (
+    BatchSizeError,
+    NotInitializedError,
+    NoValidCheckpointError,
+    OutOfOrderStepError,
+    StaleRolloutError,
+    Trainer,
 )
 
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
@@ -53,10 +54,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    for cls in type(error).__mro__:
-        if cls in STATUS_CODES:
-            return STATUS_CODES[cls]
-    return grpc.StatusCode.INTERNAL
+    return status_code_for(error, STATUS_CODES)
 
 
 def receive(

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
+from rlax_tpu.api.trainer import BatchFormatError, StepResult, batch_digest
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.config.run import rollout_correction_conflict
 from rlax_tpu.failpoints import failpoint
@@ -48,7 +49,6 @@ from rlax_tpu.trainer import perf
 from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
 from rlax_tpu.trainer.programs import SENT_FIELDS, TrainerPrograms
 from rlax_tpu.trainer.step import train_flops
-from rlax_tpu.trainer.wire import BatchFormatError, StepResult, batch_digest
 
 _log = logging.getLogger(__name__)
 

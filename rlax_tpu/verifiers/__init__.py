@@ -2,6 +2,12 @@
 scorers and reward functions of the user's; a test-data repository for code problems; a
 gRPC verifier service with a pool of worker processes. Others use what is named here."""
 
+from rlax_tpu.api.verifier import (
+    TestCaseResult,
+    Verdict,
+    VerificationRequest,
+    VerificationResult,
+)
 from rlax_tpu.verifiers.functions import (
     RewardFunctionError,
     check_reward_functions,
@@ -10,12 +16,6 @@ from rlax_tpu.verifiers.functions import (
 )
 from rlax_tpu.verifiers.local import LocalVerifier
 from rlax_tpu.verifiers.pool import TaskTimeout, WorkerCrashed, WorkerPool
-from rlax_tpu.verifiers.types import (
-    TestCaseResult,
-    Verdict,
-    VerificationRequest,
-    VerificationResult,
-)
 
 __all__ = [
     "LocalVerifier",

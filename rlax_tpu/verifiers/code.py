@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from rlax_tpu.api.verifier import TestCaseResult, Verdict, VerificationResult
 from rlax_tpu.config.run import VerifierConfig
 from rlax_tpu.verifiers import function_harness
 from rlax_tpu.verifiers.languages import LANGUAGES, Language, extract_code, language_for_fence
@@ -35,7 +36,6 @@ from rlax_tpu.verifiers.problems import (
     load_problem,
 )
 from rlax_tpu.verifiers.sandbox import RunLimits, RunOutcome, Sandbox, SandboxUnavailable
-from rlax_tpu.verifiers.types import TestCaseResult, Verdict, VerificationResult
 
 _SHOW_CHARS = 40  # longest excerpt of an output shown in a reason
 _COMPILE_ERROR_CHARS = 600

@@ -33,7 +33,6 @@ last token) where the objective reads dense rewards.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import numbers
 import reprlib
@@ -41,8 +40,8 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from rlax_tpu.api.verifier import Verdict, VerificationResult
 from rlax_tpu.user_modules import describe_exception, import_user_module
-from rlax_tpu.verifiers.types import Verdict, VerificationResult
 
 # The keyword arguments every reward function is called with ...
 ARGUMENTS = ("prompt", "response", "reference", "metadata")
@@ -316,36 +315,3 @@ def _where(exc: BaseException) -> str:
         return ""
     last = frames[-1]
     return f" (at {last.filename}:{last.lineno} in {last.name})"
-
-
-# -- request fields -----------------------------------------------------------------------------
-def encode_prompt(prompt: str, messages: Sequence[Mapping[str, Any]] = ()) -> tuple[str, bool]:
-    """(prompt, chat) of a VerificationRequest: the messages as JSON text when there are
-    any (chat), else the prompt text."""
-    if messages:
-        return json.dumps([dict(m) for m in messages], ensure_ascii=False), True
-    return prompt, False
-
-
-def encode_metadata(metadata: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> str:
-    """A VerificationRequest's metadata: the fields as a JSON object, keys sorted (so the
-    same row always gives the same request)."""
-    return json.dumps(dict(metadata), sort_keys=True, ensure_ascii=False)
-
-
-def decode_arguments(prompt: str, chat: bool, metadata: str) -> tuple[str | list[Any], dict]:
-    """(prompt, metadata) as the function receives them; ValueError naming what is wrong."""
-    decoded_prompt = _json_of(prompt, list, "the chat prompt", "a list") if chat else prompt
-    fields = _json_of(metadata, dict, "the metadata", "an object") if metadata else {}
-    return decoded_prompt, fields
-
-
-def _json_of(text: str, kind: type, what: str, expected: str) -> Any:
-    """`text` parsed as JSON, which must be a `kind`; ValueError naming `what` otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} is not JSON ({exc})") from None
-    if not isinstance(value, kind):
-        raise ValueError(f"{what} is a JSON {type(value).__name__}, not {expected}")
-    return value

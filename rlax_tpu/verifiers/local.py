@@ -15,12 +15,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from rlax_tpu.api.verifier import (
+    Verdict,
+    VerificationRequest,
+    VerificationResult,
+    decode_arguments,
+)
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.verifiers import functions
 from rlax_tpu.verifiers.math import check_extraction_methods, verify_math_in_pool
 from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed, WorkerPool
 from rlax_tpu.verifiers.tasks import score_arithmetic, score_reasoning_gym
-from rlax_tpu.verifiers.types import Verdict, VerificationRequest, VerificationResult
 
 # Modules the pool's workers import before taking tasks, so no task's time limit is spent
 # importing sympy.
@@ -150,9 +155,7 @@ class LocalVerifier:
                 reason="a 'function' request names no reward function ('module:function')",
             )
         try:
-            prompt, metadata = functions.decode_arguments(
-                request.prompt, request.chat, request.metadata
-            )
+            prompt, metadata = decode_arguments(request.prompt, request.chat, request.metadata)
         except ValueError as exc:
             return VerificationResult(
                 reward=0.0,

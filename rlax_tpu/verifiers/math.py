@@ -19,7 +19,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from rlax_tpu.verifiers.types import Verdict, VerificationResult
+from rlax_tpu.api.verifier import Verdict, VerificationResult
 
 if TYPE_CHECKING:
     from rlax_tpu.verifiers.pool import WorkerPool

@@ -1,6 +1,6 @@
 """The verifier service (protos/rlax_tpu/v1/verifier.proto): batches of verification requests
 judged on a worker pool behind a bounded queue, idempotent by request id, with one deadline
-per batch, and the client the controller uses to call it.
+per batch, (the client and the codecs are in rlax_tpu.api.verifier).
 
 `VerificationService` is the core (plain Python, tested directly): admission into a bounded
 queue (a batch that does not fit is refused whole, so memory stays bounded), `concurrency`
@@ -17,51 +17,33 @@ import hashlib
 import itertools
 import threading
 import time
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 
-from rlax_tpu.rpc import MAX_MESSAGE_BYTES, get_status
-from rlax_tpu.rpc.client import ComponentClient, RpcCallError
-from rlax_tpu.rpc.liveness import Watch
-from rlax_tpu.rpc.protos import common_pb2
-from rlax_tpu.rpc.protos import verifier_pb2 as pb
-from rlax_tpu.rpc.protos import verifier_pb2_grpc as pb_grpc
-from rlax_tpu.verifiers.types import (
-    TestCaseResult,
+from rlax_tpu.api.verifier import (
+    QueueFullError,
+    RequestIdReusedError,
+    ServiceClosedError,
     Verdict,
     VerificationRequest,
     VerificationResult,
-    VerifierKind,
+    metrics_to_proto,
+    request_from_proto,
+    result_to_proto,
+    status_code,
 )
+from rlax_tpu.rpc.protos import verifier_pb2 as pb
+from rlax_tpu.rpc.protos import verifier_pb2_grpc as pb_grpc
 
-KINDS: tuple[str, ...] = typing.get_args(VerifierKind)
 DEFAULT_QUEUE_CAPACITY = 1024
 DEFAULT_RESULTS_CACHE_SIZE = 10_000
 DEFAULT_DEADLINE_S = 600.0
 # The server answers this long before the caller's gRPC deadline, so partial results of a
 # batch arrive instead of DEADLINE_EXCEEDED; the client adds the same margin the other way.
 _REPLY_MARGIN_S = 0.5
-_CLIENT_MARGIN_S = 30.0
 _LATENCY_WINDOW = 4096
-
-
-class VerifierServiceError(Exception):
-    """Base of the service's errors."""
-
-
-class QueueFullError(VerifierServiceError):
-    """The batch does not fit the bounded queue now; retry later (RESOURCE_EXHAUSTED)."""
-
-
-class RequestIdReusedError(VerifierServiceError, ValueError):
-    """A request id already used for a different request (INVALID_ARGUMENT)."""
-
-
-class ServiceClosedError(VerifierServiceError):
-    """The service is stopping (UNAVAILABLE)."""
 
 
 def _not_judged(reason: str) -> VerificationResult:
@@ -343,110 +325,6 @@ def _check_same(request_id: str, recorded: str, fingerprint: str) -> None:
         )
 
 
-# -- conversions ------------------------------------------------------------------------------
-def request_to_proto(request: VerificationRequest) -> pb.VerificationRequestMessage:
-    return pb.VerificationRequestMessage(
-        request_id=request.request_id,
-        kind=request.kind,
-        response=request.response,
-        reference=request.reference,
-        problem=request.problem,
-        language=request.language,
-        function=request.function,
-        prompt=request.prompt,
-        chat=request.chat,
-        metadata=request.metadata,
-        response_tokens=request.response_tokens,
-    )
-
-
-def request_from_proto(message: pb.VerificationRequestMessage, index: int) -> VerificationRequest:
-    if message.kind not in KINDS:
-        raise ValueError(
-            f"requests[{index}].kind is {message.kind!r}; expected one of {', '.join(KINDS)}"
-        )
-    if message.kind == "function" and not message.function:
-        raise ValueError(
-            f"requests[{index}] is of kind 'function' but names no reward function "
-            "('module:function' or 'path/to/file.py:function')"
-        )
-    return VerificationRequest(
-        kind=message.kind,
-        response=message.response,
-        reference=message.reference,
-        problem=message.problem,
-        language=message.language,
-        function=message.function,
-        prompt=message.prompt,
-        chat=message.chat,
-        metadata=message.metadata,
-        response_tokens=tuple(message.response_tokens),
-        request_id=message.request_id,
-    )
-
-
-def result_to_proto(
-    result: VerificationResult, request_id: str = "", *, cached: bool = False
-) -> pb.VerificationResultMessage:
-    return pb.VerificationResultMessage(
-        request_id=request_id,
-        reward=result.reward,
-        verdict=Verdict(result.verdict).value,
-        reason=result.reason,
-        tests=[
-            pb.TestCaseResultMessage(
-                name=t.name, verdict=Verdict(t.verdict).value, time_s=t.time_s, reason=t.reason
-            )
-            for t in result.tests
-        ],
-        cached=cached,
-        token_rewards=(
-            None if result.token_rewards is None else pb.TokenRewards(values=result.token_rewards)
-        ),
-    )
-
-
-def result_from_proto(message: pb.VerificationResultMessage) -> VerificationResult:
-    return VerificationResult(
-        reward=message.reward,
-        verdict=Verdict(message.verdict),
-        reason=message.reason,
-        tests=tuple(
-            TestCaseResult(
-                name=t.name, verdict=Verdict(t.verdict), time_s=t.time_s, reason=t.reason
-            )
-            for t in message.tests
-        ),
-        token_rewards=(
-            tuple(message.token_rewards.values) if message.HasField("token_rewards") else None
-        ),
-    )
-
-
-_MAPS = ("verdicts", "pool", "inputs", "sandbox")
-
-
-def metrics_to_proto(metrics: Mapping[str, Any]) -> pb.VerifierMetrics:
-    return pb.VerifierMetrics(
-        **{k: v for k, v in metrics.items() if k not in _MAPS},
-        verdicts=metrics["verdicts"],
-        pool={k: int(v) for k, v in metrics["pool"].items()},
-        inputs={k: int(v) for k, v in metrics.get("inputs", {}).items()},
-        sandbox={k: str(v) for k, v in metrics.get("sandbox", {}).items()},
-    )
-
-
-def metrics_from_proto(message: pb.VerifierMetrics) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        field.name: getattr(message, field.name)
-        for field in message.DESCRIPTOR.fields
-        if field.name not in _MAPS
-    }
-    for name in _MAPS:
-        out[name] = dict(getattr(message, name))
-    return out
-
-
 def verifier_status(
     service: VerificationService, *, instance_id: str, config_digest: str
 ) -> dict[str, Any]:
@@ -468,21 +346,6 @@ def verifier_status(
 
 
 # -- server side --------------------------------------------------------------------------------
-STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
-    QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RequestIdReusedError: grpc.StatusCode.INVALID_ARGUMENT,
-    ServiceClosedError: grpc.StatusCode.UNAVAILABLE,
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
-}
-
-
-def status_code(error: BaseException) -> grpc.StatusCode:
-    for cls in type(error).__mro__:
-        if cls in STATUS_CODES:
-            return STATUS_CODES[cls]
-    return grpc.StatusCode.INTERNAL
-
-
 class VerifierServicer(pb_grpc.VerifierServicer):
     """Serves one VerificationService."""
 
@@ -521,90 +384,3 @@ def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     code = status_code(error)
     message = str(error) if code != grpc.StatusCode.INTERNAL else f"{type(error).__name__}: {error}"
     context.abort(code, message)
-
-
-# -- client side --------------------------------------------------------------------------------
-class VerifierCallError(RpcCallError):
-    """A call to the verifier service failed; `code` is the gRPC status (RESOURCE_EXHAUSTED:
-    the queue is full, retry later; INVALID_ARGUMENT: a bad request)."""
-
-
-class VerifierClient(ComponentClient):
-    """Calls one verifier service. Thread-safe: batches from several threads share the channel."""
-
-    def __init__(self, address: str, *, auth_token: str, **kwargs) -> None:
-        super().__init__(address, auth_token=auth_token, **kwargs)
-        self._stub = pb_grpc.VerifierStub(self._channel)
-
-    def verify(
-        self,
-        requests: Sequence[VerificationRequest],
-        *,
-        deadline_s: float | None = None,
-        watch: Watch | None = None,
-    ) -> list[VerificationResult]:
-        """One result per request, in order. By `deadline_s` (default: the server's) the
-        server answers VERIFIER_ERROR for requests not yet judged; retrying with the same
-        request ids returns those that finished since without judging them again. With
-        `watch` (rpc/liveness.py), a service that stops answering health checks fails the
-        call with ComponentLostError (UNAVAILABLE) instead of holding it."""
-        detailed = self.verify_detailed(requests, deadline_s=deadline_s, watch=watch)
-        return [result for result, _ in detailed]
-
-    def verify_detailed(
-        self,
-        requests: Sequence[VerificationRequest],
-        *,
-        deadline_s: float | None = None,
-        watch: Watch | None = None,
-    ) -> list[tuple[VerificationResult, bool]]:
-        """As `verify`, with whether each result was recorded before the call (cached)."""
-        if deadline_s is not None and deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        message = pb.VerifyRequest(
-            requests=[request_to_proto(r) for r in requests], deadline_s=deadline_s or 0.0
-        )
-        size = message.ByteSize()
-        if size > MAX_MESSAGE_BYTES:
-            raise VerifierCallError(
-                f"Verify: the batch is {size / 2**20:.1f} MiB, over the "
-                f"{MAX_MESSAGE_BYTES // 2**20} MiB gRPC message limit; send smaller batches",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
-        timeout = self.timeout_s if deadline_s is None else deadline_s + _CLIENT_MARGIN_S
-        what = f"Verify({len(requests)} requests)"
-        reply = self._call("Verify", message, what, timeout, watch=watch)
-        return [(result_from_proto(m), m.cached) for m in reply.results]
-
-    def metrics(self) -> dict[str, Any]:
-        """The service's metrics (VerificationService.metrics)."""
-        reply = self._call("GetMetrics", pb.MetricsRequest(), "GetMetrics", 30.0)
-        return metrics_from_proto(reply)
-
-    def status(self, timeout_s: float = 10.0) -> common_pb2.ComponentStatus:
-        try:
-            return get_status(self._channel, timeout_s=timeout_s)
-        except grpc.RpcError as e:
-            raise VerifierCallError.from_rpc(e, f"GetStatus on {self.address}") from None
-
-    def status_details(self, timeout_s: float) -> dict[str, str]:
-        """The status's details (a `Watch`'s health check)."""
-        return dict(self.status(timeout_s).details)
-
-    def _call(
-        self, method: str, request: Any, what: str, timeout: float, watch: Watch | None = None
-    ) -> Any:
-        future = getattr(self._stub, method).future(request, timeout=timeout)
-        if watch is not None:
-            watch.start(future.cancel)
-        try:
-            return future.result()
-        except (grpc.RpcError, grpc.FutureCancelledError) as e:
-            if watch is not None and not watch.accepts():
-                raise watch.error() from None
-            if isinstance(e, grpc.FutureCancelledError):
-                raise
-            raise VerifierCallError.from_rpc(e, f"{what} on {self.address}") from None
-        finally:
-            if watch is not None:
-                watch.stop()

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlax_tpu.verifiers.types import Verdict, VerificationResult
+from rlax_tpu.api.verifier import Verdict, VerificationResult
 
 ARITHMETIC_OPS = ("+", "-", "*", "/")
 _PROMPT = "What is {a} {op} {b}? Answer with just the number."

@@ -2,7 +2,7 @@
 
 `write_char_tokenizer` saves a real Hugging Face tokenizer directory (tokenizer.json and
 tokenizer_config.json with a plain-text chat template), so the demo loads it like any
-checkpoint's tokenizer: with `rlax_tpu.models.tokenizer.Tokenizer` or transformers.
+checkpoint's tokenizer: with `rlax_tpu.data.tokenizer.Tokenizer` or transformers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from rlax_tpu import storage
-from rlax_tpu.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from rlax_tpu.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 # Digits, letters, punctuation and the whitespace " \t\n\r\x0b\x0c": 100 characters.
 PRINTABLE_ASCII = string.printable

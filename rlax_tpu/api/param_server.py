@@ -1,13 +1,18 @@
-"""The parameter-server client used by the trainer (publish), inference workers (pull) and
-the controller (list, confirm, garbage-collect, wait for persistence).
+"""The parameter server's face (protos/rlax_tpu/v1/param_server.proto): its errors (shared
+by the store, the service that maps them to gRPC status codes, and the client), the
+byte-carrying messages on the wire for both ends, the replica plan, and the client of the
+host side: publish host boxes, pull boxes as numpy, list, confirm, garbage-collect, wait for
+persistence. No JAX: the controller uses this client; the trainer and the inference workers
+publish and pull pytrees of (sharded) JAX arrays with its subclass
+`rlax_tpu.param_server.trees.TreeClient`.
 
-`publish(version, tree)` sends a pytree of arrays (JAX arrays, sharded or not, or numpy)
-to every replica, each getting the pieces it holds. `pull(version, like)` fills a pytree
-with the shardings of `like`, asking each replica only for the boxes this process's
-devices hold, so a tensor-parallel worker moves only its slices. Both work in a multi-host
-job (arrays spanning processes): every process calls them with the same global tree.
-Only those two load JAX (`param_server.arrays`, `rlax_tpu.tree`): the controller's process
-imports this module without it.
+The wire encoding: Publish and Pull move a version's bytes. Encoded by protobuf, each chunk's
+bytes are copied twice more than needed on each side (into the message, then out of it);
+here a chunk is serialized around a view of the array's bytes (one copy: the join into the
+message) and parsed into its header and a view of its data (no copy). Small pieces travel
+many to a message (PieceChunks, PullChunks), so a version of many small arrays costs few
+messages. The encodings are plain protobuf: the generated classes parse them, and these
+parse what the generated classes write.
 """
 
 from __future__ import annotations
@@ -17,21 +22,262 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from rlax_tpu.api import tensors
+from rlax_tpu.api.tensors import Box, Piece
 from rlax_tpu.failpoints import failpoint
-from rlax_tpu.param_server import layout
-from rlax_tpu.param_server.errors import ParamServerError, PullMismatchError
-from rlax_tpu.param_server.layout import Box, Piece
-from rlax_tpu.param_server.wire import decode_pull_chunks, encode_piece_chunks, pack
 from rlax_tpu.rpc import make_channel
 from rlax_tpu.rpc.client import RpcCallError, retry_unreachable
 from rlax_tpu.rpc.protos import param_server_pb2 as pb
 from rlax_tpu.rpc.protos import param_server_pb2_grpc as pb_grpc
 
+
+# -- errors ------------------------------------------------------------------------------------
+class ParamServerError(Exception):
+    """Base of the parameter server's errors; each message says what to do about it."""
+
+
+class InvalidPublishError(ParamServerError):
+    """A publish that cannot be accepted as sent: bytes, digests or metadata are wrong."""
+
+
+class LayoutMismatchError(InvalidPublishError):
+    """A version whose tree (paths, dtypes, shapes, boxes) differs from the first version's."""
+
+
+class VersionConflictError(ParamServerError):
+    """The version exists already with different content: the run is no longer deterministic."""
+
+
+class VersionNotFoundError(ParamServerError):
+    """The version was never published here, was garbage-collected or is not committed yet."""
+
+
+class PublishInProgressError(ParamServerError):
+    """Another publish of the same version is under way; retry when it has finished."""
+
+
+class StorageFailedError(ParamServerError):
+    """Persisting a version failed earlier; publishes are refused until a restart."""
+
+
+class PullMismatchError(ParamServerError):
+    """A pull into a tree whose arrays differ (shape, dtype) from those the server holds: pulls
+    never convert, so a worker must build its model in the published dtype."""
+
+
+class InvalidReadError(ParamServerError):
+    """A read of an array or box that this replica does not hold."""
+
+
+# -- the wire encoding of the byte-carrying messages -----------------------------------
+_LEN, _VARINT = 2, 0
+T = TypeVar("T")
+
+
+def _tag(number: int, wire: int) -> bytes:
+    return _varint(number << 3 | wire)
+
+
+# PublishRequest: oneof chunk (a PieceChunk) or chunks (PieceChunks: repeated PieceChunk).
+_REQUEST_CHUNK = pb.PublishRequest.DESCRIPTOR.fields_by_name["chunk"].number
+_REQUEST_CHUNKS = pb.PublishRequest.DESCRIPTOR.fields_by_name["chunks"].number
+_CHUNKS_ENTRY = pb.PieceChunks.DESCRIPTOR.fields_by_name["chunks"].number
+_PIECE = {f.name: f.number for f in pb.PieceChunk.DESCRIPTOR.fields}
+_PIECE_NAMES = {number: name for name, number in _PIECE.items()}
+# PullChunks: repeated PullChunk, whose `data` is the only bulk field.
+_PULL_ENTRY = pb.PullChunks.DESCRIPTOR.fields_by_name["chunks"].number
+_PULL_DATA = pb.PullChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+# -- Publish ----------------------------------------------------------------------------------
+def encode_piece_chunks(version: int, chunks: Sequence[tuple[str, int, memoryview]]) -> bytes:
+    """A serialized PublishRequest carrying `chunks`, (path, byte offset, data) each, as one
+    PieceChunks message. One copy of the data."""
+    head = _tag(_PIECE["version"], _VARINT) + _varint(version)
+    parts: list[bytes | memoryview] = []
+    for path, offset, data in chunks:
+        name = path.encode()
+        fields = [
+            head,
+            _tag(_PIECE["path"], _LEN) + _varint(len(name)) + name,
+            _tag(_PIECE["offset"], _VARINT) + _varint(offset),
+            _tag(_PIECE["data"], _LEN) + _varint(len(data)),
+        ]
+        size = sum(len(f) for f in fields) + len(data)
+        parts += [_tag(_CHUNKS_ENTRY, _LEN) + _varint(size), *fields, data]
+    size = sum(len(p) for p in parts)
+    return b"".join([_tag(_REQUEST_CHUNKS, _LEN) + _varint(size), *parts])
+
+
+Chunk = tuple[int, str, int, memoryview]  # (version, path, byte offset, data)
+
+
+def decode_publish_request(raw: bytes) -> pb.PublishRequest | list[Chunk]:
+    """A serialized PublishRequest: its chunks as [(version, path, offset, data view)] when it
+    carries bytes (chunk or chunks), else the parsed message (begin, commit).
+
+    For the server: use it as the Publish request_deserializer to skip the copies of each
+    chunk's bytes that PublishRequest.FromString and `.data` make.
+    """
+    view = memoryview(raw)
+    fields = list(_fields(view))
+    if len(fields) == 1 and fields[0][0] == _REQUEST_CHUNK:
+        return [_piece_chunk(fields[0][1])]
+    if len(fields) == 1 and fields[0][0] == _REQUEST_CHUNKS:
+        return [
+            _piece_chunk(entry)
+            for number, entry in _fields(fields[0][1])
+            if number == _CHUNKS_ENTRY
+        ]
+    return pb.PublishRequest.FromString(raw)
+
+
+def _piece_chunk(view: memoryview) -> Chunk:
+    out: dict[str, Any] = {"version": 0, "path": "", "offset": 0, "data": memoryview(b"")}
+    for number, value in _fields(view):
+        name = _PIECE_NAMES.get(number)
+        if name is None:
+            continue  # a field this version does not know: protobuf's rule is to skip it
+        if isinstance(value, int) != (name in ("version", "offset")):
+            raise ValueError(f"PieceChunk field {name!r} has the wrong wire type")
+        if name == "path":
+            out[name] = bytes(value).decode()
+        elif name == "data":
+            out[name] = value
+        else:
+            out[name] = value - (1 << 64) if value >= 1 << 63 else value  # int64
+    return out["version"], out["path"], out["offset"], out["data"]
+
+
+# -- Pull -------------------------------------------------------------------------------------
+def encode_pull_chunk(header: pb.PullChunk, data: memoryview) -> list[bytes | memoryview]:
+    """The parts of one PullChunks entry: `header`'s fields (every field but data), then
+    field `data`, still a view into the array. `join_pull_chunks` makes the message."""
+    head = header.SerializeToString()
+    body = [head, _tag(_PULL_DATA, _LEN) + _varint(len(data)), data] if len(data) else [head]
+    size = sum(len(p) for p in body)
+    return [_tag(_PULL_ENTRY, _LEN) + _varint(size), *body]
+
+
+def join_pull_chunks(entries: Sequence[Sequence[bytes | memoryview]]) -> bytes:
+    """A serialized PullChunks of entries from `encode_pull_chunk`: one copy of the data,
+    where PullChunk(data=bytes(view)).SerializeToString() makes two and runs at half speed."""
+    return b"".join(part for entry in entries for part in entry)
+
+
+def decode_pull_chunks(raw: bytes) -> list[tuple[pb.PullChunk, memoryview]]:
+    """A serialized PullChunks as [(PullChunk with every field but data, data as a view into
+    `raw`)].
+
+    For clients: use it as the Pull response_deserializer to skip the two copies of each
+    chunk's bytes that PullChunks.FromString and `.data` make.
+    """
+    out = []
+    for number, entry in _fields(memoryview(raw)):
+        if number != _PULL_ENTRY:
+            continue
+        head, data = bytearray(), memoryview(b"")
+        for field, value, start, end in _spans(entry):
+            if field == _PULL_DATA:
+                data = value
+            else:
+                head += entry[start:end]
+        out.append((pb.PullChunk.FromString(bytes(head)), data))
+    return out
+
+
+# -- protobuf's wire format -------------------------------------------------------------------
+def _fields(view: memoryview) -> Iterator[tuple[int, memoryview | int]]:
+    """(field number, value) of each field of a serialized message: a varint's value, or a
+    view of a length-delimited field's bytes."""
+    for number, value, _, _ in _spans(view):
+        yield number, value
+
+
+def _spans(view: memoryview) -> Iterator[tuple[int, memoryview | int, int, int]]:
+    """(field number, value, start, end of the whole field in `view`) of each field."""
+    pos = 0
+    while pos < len(view):
+        tag, end = _read_varint(view, pos)
+        wire = tag & 7
+        if wire == _VARINT:
+            value, end = _read_varint(view, end)
+        elif wire == _LEN:
+            length, start = _read_varint(view, end)
+            end = start + length
+            if end > len(view):
+                raise ValueError("truncated protobuf message")
+            value = view[start:end]
+        elif wire in (1, 5):  # fixed64, fixed32: not bulk, not read here
+            end += 8 if wire == 1 else 4
+            value = view[end - (8 if wire == 1 else 4) : end]
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        yield tag >> 3, value, pos, end
+        pos = end
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64  # protobuf's encoding of a negative int64
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at `pos`."""
+    value = shift = 0
+    while True:
+        if pos >= len(view):
+            raise ValueError("truncated protobuf varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+# -- packing bytes into messages ----------------------------------------------------------------
+# Counted against a message's budget for each entry's header (path, offsets, a box's info),
+# so a message of many tiny arrays stays near the budget too.
+ENTRY_BYTES = 256
+
+
+def pack(
+    items: Iterable[tuple[T, memoryview]], budget: int
+) -> Iterator[list[tuple[T, int, memoryview]]]:
+    """Cut the bytes of `items`, (key, bytes) each in order, into messages of about `budget`
+    bytes: per message [(key, offset in the item's bytes, slice)]. Small items share a
+    message; a large one is split across several. An empty item still gets an entry."""
+    batch: list[tuple[T, int, memoryview]] = []
+    room = budget
+    for key, data in items:
+        pos, size = 0, len(data)
+        while True:
+            if batch and room < ENTRY_BYTES + (1 if pos < size else 0):
+                yield batch
+                batch, room = [], budget
+            take = min(size - pos, max(1, room - ENTRY_BYTES))
+            batch.append((key, pos, data[pos : pos + take]))
+            room -= ENTRY_BYTES + take
+            pos += take
+            if pos >= size:
+                break
+    if batch:
+        yield batch
+
+
+# -- the client --------------------------------------------------------------------------------
 DEFAULT_CHUNK_BYTES = 2 * 2**20
 
 
@@ -55,7 +301,7 @@ class ReplicaPlan:
         turn = 0
         for path in sorted(shapes):
             shape = tuple(shapes[path])
-            full = layout.full_box(shape)
+            full = tensors.full_box(shape)
             dim = self.split_dims.get(path)
             r = self.num_replicas
             if r > 1 and dim is not None and shape and shape[dim] % r == 0:
@@ -68,18 +314,6 @@ class ReplicaPlan:
                 per_replica[turn % r][path] = full
                 turn += 1
         return per_replica
-
-
-def replica_plan_for_model(
-    model: Any, rules: Sequence[tuple[str, Sequence[str]]], num_replicas: int
-) -> ReplicaPlan:
-    """Split a model's parameters across replicas along the dimension `rules` shard over
-    the tensor axis, so a tensor-parallel worker pulls each slice from one replica.
-    `model` is a ModelConfig."""
-    from rlax_tpu.models.transformer import param_logical_axes
-
-    split = split_dims_from_logical(param_logical_axes(model), rules)
-    return ReplicaPlan(num_replicas=num_replicas, split_dims=split)
 
 
 def split_dims_from_logical(
@@ -161,7 +395,7 @@ class ParamServerClient:
         self._channels = [make_channel(a, auth_token=auth_token) for a in addresses]
         self._stubs = [pb_grpc.ParamServerStub(c) for c in self._channels]
         # The messages carrying bytes are serialized and parsed by hand, without copying
-        # the bytes more than once (param_server.wire).
+        # the bytes more than once (its wire encoding above).
         self._publishes = [
             c.stream_unary(
                 "/rlax_tpu.v1.ParamServer/Publish",
@@ -183,6 +417,10 @@ class ParamServerClient:
         self.bytes_pulled = 0  # payload bytes received by pulls (for benchmarks and metrics)
         self._count_lock = threading.Lock()
 
+    @property
+    def num_replicas(self) -> int:
+        return len(self.addresses)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         for channel in self._channels:
@@ -195,77 +433,7 @@ class ParamServerClient:
         self.close()
 
     # -- publish --------------------------------------------------------------------------
-    def publish(self, version: int, tree: Any) -> PublishReceipt:
-        """Publish `tree` as `version` to every replica (atomic per replica; idempotent).
-
-        Multi-host (leaves span several processes): every process of the job calls this with
-        its global arrays. Replica r's stream is sent by process r mod P, which reads its box
-        of each array from its own shards or, where they do not hold it all, from an
-        on-device gather of that box; every byte goes to each replica once. The receipt
-        covers every process's streams.
-        """
-        from rlax_tpu.param_server import arrays
-        from rlax_tpu.tree import flatten
-
-        leaves = flatten(tree)
-        shapes = {path: tuple(np.shape(leaf)) for path, leaf in leaves.items()}
-        held = self.plan.boxes(shapes)
-        if any(arrays.spans_processes(leaf) for leaf in leaves.values()):
-            return self._publish_multi_process(version, leaves, shapes, held)
-        return self._publish_replicas(
-            version,
-            range(len(self._stubs)),
-            shapes,
-            held,
-            lambda replica, path: arrays.host_box(leaves[path], held[replica][path]),
-        )
-
-    def _publish_multi_process(
-        self,
-        version: int,
-        leaves: Mapping[str, Any],
-        shapes: Mapping[str, tuple[int, ...]],
-        held: Sequence[Mapping[str, Box]],
-    ) -> PublishReceipt:
-        """Every process sends its replicas' streams; then all learn how every stream went
-        (a collective), so that publish returns in every process only once the version is
-        committed on every replica, and fails in every process if any stream failed."""
-        import jax
-        from jax.experimental import multihost_utils
-
-        from rlax_tpu.param_server import arrays
-
-        count, me = jax.process_count(), jax.process_index()
-        sender = [r % count for r in range(len(self._stubs))]
-        error: BaseException | None = None
-        receipt = PublishReceipt(version=version, already_present=True, bytes_sent=0)
-        try:
-            host = arrays.multi_process_boxes(leaves, held, sender)
-            mine = [r for r in range(len(self._stubs)) if sender[r] == me]
-            receipt = self._publish_replicas(
-                version, mine, shapes, held, lambda replica, path: host.pop((replica, path))
-            )
-        except Exception as e:  # reported to every process below, then raised here
-            error = e
-        status = np.array(
-            [error is None, receipt.already_present, receipt.bytes_sent], dtype=np.int64
-        )
-        every = np.asarray(multihost_utils.process_allgather(status)).reshape(count, 3)
-        if error is not None:
-            raise error
-        failed = [p for p in range(count) if not every[p, 0]]
-        if failed:
-            raise ParamServerCallError(
-                f"publish of version {version} failed in process(es) {failed} of this "
-                "multi-host job; their logs say why"
-            )
-        return PublishReceipt(
-            version=version,
-            already_present=bool(every[:, 1].all()),
-            bytes_sent=int(every[:, 2].sum()),
-        )
-
-    def _publish_replicas(
+    def publish_boxes(
         self,
         version: int,
         replicas: Iterable[int],
@@ -280,10 +448,10 @@ class ParamServerClient:
             pieces, payload = [], {}
             for path, box in sorted(held[replica].items()):
                 data = data_of(replica, path)
-                payload[path] = layout.to_bytes(data)
+                payload[path] = tensors.to_bytes(data)
                 # No digest: the server hashes the bytes as they arrive, so the sender's
                 # critical path does not (a version's digest is the server's).
-                dtype = layout.dtype_name(data.dtype)
+                dtype = tensors.dtype_name(data.dtype)
                 pieces.append(Piece(path=path, dtype=dtype, shape=shapes[path], domain=box))
             what = f"publish of version {version} to {self.addresses[replica]}"
 
@@ -311,7 +479,7 @@ class ParamServerClient:
         (small pieces share one), commit."""
         begin = pb.PublishBegin(version=version)
         for piece in pieces:
-            layout.piece_to_proto(piece, begin.pieces.add())
+            tensors.piece_to_proto(piece, begin.pieces.add())
         yield pb.PublishRequest(begin=begin).SerializeToString()
         items = ((piece.path, payload[piece.path]) for piece in pieces)
         for batch in pack(items, self.chunk_bytes):
@@ -326,7 +494,7 @@ class ParamServerClient:
             self._held = []
             for replica in range(len(self._stubs)):
                 reply = self._call(replica, "ListVersions", pb.ListVersionsRequest())
-                pieces = [layout.piece_from_proto(p) for p in reply.layout]
+                pieces = [tensors.piece_from_proto(p) for p in reply.layout]
                 self._held.append({p.path: p for p in pieces})
         return self._held
 
@@ -352,10 +520,10 @@ class ParamServerClient:
                 raise ParamServerCallError(f"no replica holds an array named {path!r}")
             for box in boxes:
                 out[(path, box)] = np.empty(
-                    layout.box_shape(box), dtype=layout.parse_dtype(owners[0][1].dtype)
+                    tensors.box_shape(box), dtype=tensors.parse_dtype(owners[0][1].dtype)
                 )
                 for replica, piece in owners:
-                    common = layout.intersect(piece.domain, box)
+                    common = tensors.intersect(piece.domain, box)
                     if common is not None:
                         requests[replica].setdefault(path, []).append(common)
 
@@ -365,8 +533,8 @@ class ParamServerClient:
 
         def target_for(path: str, sub_box: Box) -> tuple[np.ndarray, tuple[slice, ...]]:
             for want_box, target in targets_of[path]:
-                if layout.contains(want_box, sub_box):
-                    return target, layout.relative(sub_box, want_box)
+                if tensors.contains(want_box, sub_box):
+                    return target, tensors.relative(sub_box, want_box)
             raise ParamServerCallError(f"the server sent an unrequested box of {path!r}")
 
         replicas = [r for r in range(len(self._stubs)) if requests[r]]
@@ -407,7 +575,7 @@ class ParamServerClient:
         for path, boxes in select.items():
             selection = request.select.add(path=path)
             for box in boxes:
-                layout.box_to_proto(box, selection.domains.add())
+                tensors.box_to_proto(box, selection.domains.add())
         received = 0
         flat = None
         pending: tuple[np.ndarray, tuple[slice, ...], np.ndarray] | None = None
@@ -418,12 +586,12 @@ class ParamServerClient:
                         if pending is not None:
                             pending[0][pending[1]] = pending[2]
                             pending = None
-                        info = layout.piece_from_proto(header.info)
+                        info = tensors.piece_from_proto(header.info)
                         target, where = target_for(info.path, info.domain)
                         if target[where].shape == target.shape:
                             flat = target.reshape(-1).view(np.uint8)
                         else:
-                            box = np.empty(layout.box_shape(info.domain), dtype=target.dtype)
+                            box = np.empty(tensors.box_shape(info.domain), dtype=target.dtype)
                             pending = (target, where, box)
                             flat = box.reshape(-1).view(np.uint8)
                     assert flat is not None, "a pull stream starts with a box's info"
@@ -448,54 +616,15 @@ class ParamServerClient:
         if not shapes:
             held = self.held_pieces(refresh=True)
             shapes = {p: piece.shape for h in held for p, piece in h.items()}
-        wanted = {p: [layout.full_box(shapes[p])] for p in (paths or sorted(shapes))}
+        wanted = {p: [tensors.full_box(shapes[p])] for p in (paths or sorted(shapes))}
         return {path: array for (path, _), array in self.pull_boxes(version, wanted).items()}
-
-    def fetch(
-        self, version: int, like: Any, wait_s: float = 0.0
-    ) -> dict[tuple[str, Box], np.ndarray]:
-        """The first half of `pull`: the host bytes of every box of this process's devices
-        under `like`'s shardings ({(path, box): array}), checked against the published
-        arrays. `place` puts them on the devices. An inference worker fetches the next
-        version it will load while it generates (`wait_s`: see `pull_boxes`)."""
-        from rlax_tpu.param_server import arrays
-        from rlax_tpu.tree import flatten
-
-        targets = flatten(like)
-        self._check_like(targets)
-        wanted = {
-            path: sorted(set(arrays.device_boxes(leaf).values())) for path, leaf in targets.items()
-        }
-        return self.pull_boxes(version, wanted, wait_s)
-
-    def place(self, fetched: Mapping[tuple[str, Box], np.ndarray], like: Any) -> Any:
-        """The second half of `pull`: a tree like `like` on its devices from `fetch`'s
-        bytes."""
-        from rlax_tpu.param_server import arrays
-        from rlax_tpu.tree import flatten, unflatten_like
-
-        targets = flatten(like)
-        device_boxes = {path: arrays.device_boxes(leaf) for path, leaf in targets.items()}
-        return unflatten_like(like, arrays.assemble_all(targets, device_boxes, fetched))
-
-    def pull(self, version: int, like: Any, wait_s: float = 0.0) -> Any:
-        """A tree like `like` (leaves with .shape, .dtype, .sharding: jax arrays or
-        jax.ShapeDtypeStruct) holding `version`, placed with `like`'s shardings.
-
-        Only the boxes of this process's devices are fetched. With `wait_s` > 0, a version not
-        yet committed is waited for, that long at most (`pull_boxes`). The arrays are not converted:
-        a leaf of `like` whose shape or dtype differs from the array the server holds is a
-        PullMismatchError, before any byte moves (build the model to pull into with
-        `ModelConfig.served()`, the published dtype).
-        """
-        return self.place(self.fetch(version, like, wait_s), like)
 
     def _check_like(self, targets: Mapping[str, Any]) -> None:
         stored = {path: piece for h in self._layout() for path, piece in h.items()}
         problems = []
         for path, leaf in targets.items():
             piece = stored.get(path)  # an unknown path: pull_boxes names it
-            here = (layout.dtype_name(leaf.dtype), tuple(leaf.shape))
+            here = (tensors.dtype_name(leaf.dtype), tuple(leaf.shape))
             if piece is not None and here != (piece.dtype, piece.shape):
                 problems.append(
                     f"{path!r} is {piece.dtype}{list(piece.shape)} there, "

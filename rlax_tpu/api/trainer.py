@@ -1,8 +1,10 @@
-"""The trainer's wire format (protos/rlax_tpu/v1/trainer.proto), shared by its client and its
-servicer: a batch as a stream of chunks (a header declaring every array, the arrays' raw bytes
-cut below `trainer.max_message_bytes`, an end mark) and the receiver that reassembles and
-checks one; a rollout batch of host arrays (`RolloutArrays`, what the controller assembles);
-a step's result. No JAX: the controller builds and sends batches without loading it.
+"""The trainer's face (protos/rlax_tpu/v1/trainer.proto): a rollout batch of host arrays
+(`RolloutArrays`, what the controller assembles) and its wire format — a stream of chunks (a
+header declaring every array, the arrays' raw bytes cut below `trainer.max_message_bytes`,
+an end mark) and the receiver that reassembles and checks one —, a step's result, and the
+controller's client (train and SFT steps, save, restore, status). No JAX: the controller
+builds and sends batches without loading it; the servicer (rlax_tpu/trainer/service.py) is
+the other end of the same messages.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import struct
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+import grpc
 import numpy as np
 
+from rlax_tpu.api.tensors import dtype_name, parse_dtype, to_bytes
 from rlax_tpu.config import RunConfig, TrainerConfig
-from rlax_tpu.param_server.layout import dtype_name, parse_dtype, to_bytes
+from rlax_tpu.rpc import get_status
+from rlax_tpu.rpc.client import ComponentClient, RpcCallError
+from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import trainer_pb2 as pb
+from rlax_tpu.rpc.protos import trainer_pb2_grpc as pb_grpc
 
 # A data chunk's own bytes around its payload (oneof tag, length varint): what a chunk of
 # `max_message_bytes` leaves for data, with room to spare.
@@ -487,3 +494,83 @@ def result_from_proto(reply: pb.TrainStepReply) -> StepResult:
         metrics=dict(reply.metrics),
         already_done=reply.already_done,
     )
+
+
+# -- client side -------------------------------------------------------------------------------
+class TrainerCallError(RpcCallError):
+    """A call to the trainer failed; `code` is its gRPC status."""
+
+
+class TrainerClient(ComponentClient):
+    """Drives one trainer process: train and SFT steps, save, restore, status.
+
+    `max_message_bytes`: the largest message of a step's stream; at most the trainer's
+    `trainer.max_message_bytes` (default: the config's default)."""
+
+    def __init__(
+        self, address: str, *, max_message_bytes: int | None = None, **channel_options: Any
+    ) -> None:
+        super().__init__(address, **channel_options)
+        self.max_message_bytes = max_message_bytes or TrainerConfig.max_message_bytes
+        self._stub = pb_grpc.TrainerStub(self._channel)
+
+    def train_step(self, step: int, batch: RolloutArrays | Any) -> StepResult:
+        """Train step `step` on `batch` (making version step + 1, published when workers may
+        load it), or its recorded result."""
+        return self._stream("TrainStep", step, TRAIN_STEP.arrays_of(batch))
+
+    def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:
+        """tokens, targets: int32[batch, seq]; loss_mask: bool|float32[batch, seq]."""
+        arrays = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask}
+        return self._stream("SftStep", step, arrays)
+
+    def save(self, wait: bool = True) -> int:
+        """Checkpoint the trainer; returns the step the checkpoint holds."""
+        return self._call("Save", pb.SaveRequest(wait=wait), "Save").step
+
+    def restore(self, step: int | None = None) -> int:
+        """Restore checkpoint `step` (default: the newest complete one); returns the step."""
+        request = pb.RestoreRequest() if step is None else pb.RestoreRequest(step=step)
+        return self._call("Restore", request, f"Restore({step})").step
+
+    def republish(self, version: int) -> int:
+        """Publish `version`, the one the trainer holds, again (a restarted parameter server
+        lost it); FAILED_PRECONDITION for any other version."""
+        request = pb.RepublishRequest(version=version)
+        return self._call("Republish", request, f"Republish({version})").version
+
+    def warm_start_step(self) -> int:
+        """The SFT warm start's next step (== controller.sft_steps once version 0 exists)."""
+        return int(self.status().details.get("warm_start_step", "0"))
+
+    def status(self) -> common_pb2.ComponentStatus:
+        try:
+            return get_status(self._channel)
+        except grpc.RpcError as e:
+            raise _call_error(e, f"GetStatus on {self.address}") from None
+
+    def _stream(self, method: str, step: int, arrays: Mapping[str, Any]) -> StepResult:
+        chunks = batch_stream(step, arrays, max_message_bytes=self.max_message_bytes)
+        try:
+            reply = getattr(self._stub, method)(chunks, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            error = _call_error(e, f"{method}({step}) on {self.address}")
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a message over its limit
+                error = TrainerCallError(
+                    f"{error}; this client sends messages of up to {self.max_message_bytes} "
+                    "bytes: give the controller and `serve trainer` the same "
+                    "trainer.max_message_bytes",
+                    error.code,
+                )
+            raise error from None
+        return result_from_proto(reply)
+
+    def _call(self, method: str, request: Any, what: str) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _call_error(e, f"{what} on {self.address}") from None
+
+
+def _call_error(e: grpc.RpcError, what: str) -> TrainerCallError:
+    return TrainerCallError.from_rpc(e, what)

@@ -89,7 +89,7 @@ def materialise(config: RunConfig) -> RunConfig:
     run_dir = config.storage.run_dir
     model, controller = config.model, config.controller
     if model.tokenizer == BUILTIN_CHAR_TOKENIZER:
-        from rlax_tpu.models.char_tokenizer import write_char_tokenizer
+        from rlax_tpu.data.char_tokenizer import write_char_tokenizer
 
         directory = storage.join(run_dir, TOKENIZER)
         if not storage.exists(storage.join(directory, "tokenizer.json")):
@@ -183,7 +183,7 @@ def _prompt_sources(config: RunConfig, tokenizer: Any) -> tuple[Any, list[Any], 
     held-out prompts and the scans: every prompt measured under the tokenizer and chat
     template first (datasets.scan_datasets: rows over the limits stop the run here, or are
     dropped)."""
-    from rlax_tpu.controller.datasets import (
+    from rlax_tpu.data.datasets import (
         PromptMixture,
         held_out_overlap,
         load_eval_prompts,
@@ -225,7 +225,7 @@ def _inputs(
     its checkpoint's architecture, the effective config, the tokenizer, the prompt sources,
     the dataset scans)."""
     from rlax_tpu.config.checkpoint import resolve_checkpoint_model
-    from rlax_tpu.models.tokenizer import Tokenizer
+    from rlax_tpu.data.tokenizer import Tokenizer
 
     config = resolve_checkpoint_model(config, strict=True)
     if not config.verifiers.address:  # the verifiers this run starts import them too
@@ -257,8 +257,8 @@ def _drive(
     """The controller over `components` until done or stopped; its summary. Metrics go to
     the run directory and, with `logging.wandb_project`, to W&B."""
     from rlax_tpu.controller.controller import Controller
-    from rlax_tpu.controller.metrics import MetricsWriter
-    from rlax_tpu.controller.wandb_logging import WandbSink
+    from rlax_tpu.launch.metrics import MetricsWriter
+    from rlax_tpu.launch.wandb_logging import WandbSink
 
     mixture, eval_prompts, overlap = sources
     num_steps = config.controller.num_steps
@@ -293,12 +293,12 @@ def _connect(
     """The controller's clients of the components at these addresses (one per inference
     worker; verification spread over every verifier replica). They wait for a component
     that does not answer (controller.component_wait_s) until `stop` is set."""
+    from rlax_tpu.api.inference import InferenceWorkerClient
+    from rlax_tpu.api.param_server import ParamServerClient
+    from rlax_tpu.api.trainer import TrainerClient
+    from rlax_tpu.api.verifier import VerifierClient
     from rlax_tpu.controller.controller import Components
     from rlax_tpu.controller.scoring import ServiceVerifier
-    from rlax_tpu.inference.client import InferenceWorkerClient
-    from rlax_tpu.param_server.client import ParamServerClient
-    from rlax_tpu.trainer.client import TrainerClient
-    from rlax_tpu.verifiers.service import VerifierClient
 
     return Components(
         trainer=TrainerClient(
@@ -325,7 +325,7 @@ def _connect(
 
 def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
     """The whole job; returns the controller's summary (see Controller.run)."""
-    from rlax_tpu.controller.launcher import (
+    from rlax_tpu.launch.launcher import (
         ComponentFailed,
         LocalCluster,
         check_colocated_gpu_memory,
@@ -419,7 +419,7 @@ def run_connected(
     directory's newest snapshot, if any). A trainer that stops answering stops the run
     with ConnectError, so the cluster restarts it and the new controller resumes; the
     other components are waited for (Watchdog)."""
-    from rlax_tpu.controller.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
+    from rlax_tpu.launch.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
     from rlax_tpu.rpc import AuthTokenError, auth_token_from_env
 
     try:

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rlax_tpu.config import ConfigError, RunConfig, load_config
+from rlax_tpu.launch.remote import HealthProbe, wait_until_serving
 from rlax_tpu.rpc.process import CHILD_LAUNCHER, PARENT_PID_ENV, PROGRESS_PREFIX
 
 # Components the launcher starts again when they die: passive, with nothing a restart loses
@@ -285,8 +286,6 @@ class LocalCluster:
         verifiers.address set, no verifier is started: those services must answer first
         (within 60 s), and addresses["verifier"] names them."""
         if self.verifier_addresses:
-            from rlax_tpu.controller.remote import HealthProbe, wait_until_serving
-
             named = {f"verifier-{i}": a for i, a in enumerate(self.verifier_addresses)}
             probe = HealthProbe(named, auth_token=self.token, timeout_s=5.0)
             try:

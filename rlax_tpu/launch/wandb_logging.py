@@ -18,7 +18,7 @@ from typing import Any
 from rlax_tpu import storage
 from rlax_tpu.config import LoggingConfig, RunConfig
 from rlax_tpu.controller.errors import ControllerError
-from rlax_tpu.controller.metrics import read_metrics
+from rlax_tpu.launch.metrics import read_metrics
 
 _log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 from rlax_tpu import storage
 from rlax_tpu.config.run import DatasetConfig
 
-# What a row may name as its verifier: the kinds of rlax_tpu.verifiers.types.VerifierKind
+# What a row may name as its verifier: the kinds of rlax_tpu.api.verifier.VerifierKind
 # ("function": the dataset's reward function), and "none" for prompts generated but not scored.
 VERIFIERS = ("math", "code", "arithmetic", "reasoning_gym", "function", "none")
 # Row fields with a meaning of their own besides the configured ones; others are metadata.
