@@ -26,7 +26,7 @@ _COMMANDS = {
     "run": "start a run from a config (the main job)",
     "resume": "resume a run from its run directory after preemption",
     "serve": "serve one component over gRPC (param-server, inference, trainer, verifier)",
-    "sft": "the SFT warm start alone: train controller.sft_steps, export to RUN_DIR/sft_model",
+    "sft": "the SFT warm start alone: train trainer.warm_start.steps, export to RUN_DIR/sft_model",
     "eval": "held-out greedy accuracy of the run's newest model (or --model DIR) by the verifiers",
     "export": "a run's newest checkpoint (or --step S, or a CHECKPOINT) as a Hugging Face model "
     "directory, tokenizer included (`export RUN_DIR|CHECKPOINT OUT`)",
@@ -62,7 +62,7 @@ def _add_config_args(parser: argparse.ArgumentParser, *, optional: bool = False)
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. --set trainer.learning_rate=1e-6 "
+        help="override a config field, e.g. --set trainer.optimizer.learning_rate=1e-6 "
         "or --set staleness=one_step_off_policy (repeatable, applied in order)",
     )
 

@@ -15,7 +15,7 @@ import re
 from typing import Any, Literal
 
 from rlax_tpu.config.algorithm import AlgorithmConfig
-from rlax_tpu.config.base import ConfigBase, ConfigError, require
+from rlax_tpu.config.base import ConfigBase, ConfigError, require, unmove_renamed
 from rlax_tpu.config.distribution import Distribution
 
 DType = Literal["float32", "bfloat16"]
@@ -419,6 +419,63 @@ class StalenessConfig(ConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class OptimizerConfig(ConfigBase):
+    """AdamW behind global-norm gradient clipping, with a learning-rate schedule counted in
+    train steps (rlax_tpu.trainer.step.build_optimizer): `trainer.optimizer`."""
+
+    learning_rate: float = 1e-6  # the peak learning rate, reached after warmup_steps
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the warmup
+    warmup_steps: int = 0  # train steps of linear warmup from 0 to learning_rate
+    # Train steps over which cosine / linear decay to 0 (0 = controller.num_steps, which
+    # then becomes part of the run's identity: a run cannot be extended without changing
+    # its schedule).
+    lr_decay_steps: int = 0
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_b1: float = 0.9  # Adam's first-moment decay
+    adam_b2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's epsilon, added to the root of the second moment
+    grad_clip_norm: float = 1.0  # the gradients' global norm is clipped to this
+
+    def validate(self) -> None:
+        require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(self.lr_decay_steps >= 0, "lr_decay_steps", "must be >= 0 (0 = num_steps)")
+        require(0 <= self.adam_b1 < 1, "adam_b1", "must be in [0, 1)")
+        require(0 <= self.adam_b2 < 1, "adam_b2", "must be in [0, 1)")
+        require(self.grad_clip_norm > 0, "grad_clip_norm", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class WarmStartConfig(ConfigBase):
+    """The SFT warm start before RL (the demo), run by the trainer on the training datasets'
+    reference answers: `trainer.warm_start`. Its optimizer is trainer.optimizer's (AdamW,
+    clipping, warmup, schedule) at its own learning rate, the schedule over its own steps."""
+
+    # SFT steps before RL; version 0 is the model after them. 0 = start RL from the model
+    # as is.
+    steps: int = 0
+    learning_rate: float = 1e-3  # the warm start's peak learning rate
+    # The trainer checkpoints the warm start every this many SFT steps (and on a stop and
+    # after its last step), so a crash during it loses at most this many steps: `rlax-tpu
+    # resume` continues from the newest. 0 = only on a stop and at the end.
+    checkpoint_every: int = 200
+
+    def validate(self) -> None:
+        require(self.steps >= 0, "steps", "must be >= 0")
+        require(self.learning_rate > 0, "learning_rate", "must be > 0")
+        require(
+            self.checkpoint_every >= 0,
+            "checkpoint_every",
+            "must be >= 0 (0 = checkpoint the warm start only on a stop and at its end)",
+        )
+
+    def optimizer(self, trainer: OptimizerConfig) -> OptimizerConfig:
+        """The warm start's optimizer: `trainer`'s at this learning rate, decaying (when its
+        schedule does) over the warm start's steps."""
+        return dataclasses.replace(trainer, learning_rate=self.learning_rate, lr_decay_steps=0)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class TrainerConfig(ConfigBase):
     mesh: MeshConfig = MeshConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -426,19 +483,9 @@ class TrainerConfig(ConfigBase):
     mini_batch_size: int = 8
     # Sequences per forward/backward pass; gradients accumulate over mini/micro passes.
     micro_batch_size: int = 8
-    max_seq_len: int = 256
-    learning_rate: float = 1e-6
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = 0
-    # Train steps over which cosine / linear decay to 0 (0 = controller.num_steps, which
-    # then becomes part of the run's identity: a run cannot be extended without changing
-    # its schedule).
-    lr_decay_steps: int = 0
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip_norm: float = 1.0
+    max_seq_len: int = 256  # tokens of a training sequence: prompt and response
+    optimizer: OptimizerConfig = OptimizerConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
     # Memory of the training forward (docs/trainer.md, "Memory"). remat_policy: what each
     # decoder layer keeps for the backward pass ("none" keeps everything, "full" only the
     # layer's input, the others also keep the named matmul outputs; MaxText's names).
@@ -498,12 +545,6 @@ class TrainerConfig(ConfigBase):
             f"must divide mini_batch_size ({self.mini_batch_size}), got {self.micro_batch_size}",
         )
         require(self.max_seq_len >= 2, "max_seq_len", "must be >= 2")
-        require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
-        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        require(self.lr_decay_steps >= 0, "lr_decay_steps", "must be >= 0 (0 = num_steps)")
-        require(0 <= self.adam_b1 < 1, "adam_b1", "must be in [0, 1)")
-        require(0 <= self.adam_b2 < 1, "adam_b2", "must be in [0, 1)")
-        require(self.grad_clip_norm > 0, "grad_clip_norm", "must be > 0")
         require(
             self.logprob_chunk_size >= 0,
             "logprob_chunk_size",
@@ -798,6 +839,84 @@ class DatasetConfig(ConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class DynamicSamplingConfig(ConfigBase):
+    """DAPO's dynamic sampling: a prompt group whose rewards are all equal carries no signal;
+    it is dropped and the batch draws more prompts (its own snapshotted stream):
+    `controller.dynamic_sampling`."""
+
+    enabled: bool = False  # drop flat groups and draw more prompts
+    # At most this many extra rounds of prompts per batch (then flat groups fill it).
+    max_rounds: int = 3
+
+    def validate(self) -> None:
+        require(self.max_rounds >= 0, "max_rounds", "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ReplayConfig(ConfigBase):
+    """TBA's replay buffer: `controller.replay`. Train on batches sampled from verified
+    rollouts kept per prompt (each prompt: with probability recency_prob one that got data at
+    the latest sync, else by softmax(mean reward / reward_temperature); 0 = uniform). New
+    rollouts enter every sync_every steps; only rollouts with b - version <= N are ever
+    sampled."""
+
+    enabled: bool = False  # train on batches sampled from the buffer
+    per_prompt_cap: int = 16  # rollouts kept per prompt (the oldest go first)
+    global_cap: int = 4096  # rollouts kept in all
+    # The chance that a batch's prompt is drawn among those that got data at the latest sync.
+    recency_prob: float = 0.5
+    # Otherwise prompts are drawn by softmax(mean reward / this); 0 = uniformly.
+    reward_temperature: float = 1.0
+    sync_every: int = 1  # new rollouts enter the buffer every this many steps
+    # Replay mode generates batch b with version b - lag (not b - N), so a rollout stays
+    # acceptable for N - lag more steps of reuse.
+    generation_lag: int = 1
+    # Batches generated with version 0 into the buffer before the first step (TBA pre-fill).
+    prefill_batches: int = 0
+
+    def validate(self) -> None:
+        require(self.per_prompt_cap >= 1, "per_prompt_cap", "must be >= 1")
+        require(
+            self.global_cap >= self.per_prompt_cap,
+            "global_cap",
+            "must be >= per_prompt_cap",
+        )
+        require(0 <= self.recency_prob <= 1, "recency_prob", "must be in [0, 1]")
+        require(self.reward_temperature >= 0, "reward_temperature", "must be >= 0")
+        require(self.sync_every >= 1, "sync_every", "must be >= 1")
+        require(self.generation_lag >= 0, "generation_lag", "must be >= 0")
+        require(self.prefill_batches >= 0, "prefill_batches", "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class VerifyConfig(ConfigBase):
+    """How the controller gets verdicts: `controller.verify`. A sample the verifiers could not
+    judge (a verifier error, a missed deadline) is sent again up to `retries` times, after
+    `retry_backoff_s`, doubling. Still unjudged, it is never trained on: its group is dropped
+    (and replaced from the refill stream). More than `max_unjudged_fraction` of a round's
+    samples unjudged stops the run. A verifier that does not answer at all is waited for
+    instead (controller.component_wait_s): its verdicts, once back, are the same."""
+
+    retries: int = 2  # times an unjudged sample is sent again
+    retry_backoff_s: float = 1.0  # seconds before the first retry, doubling after each
+    # The share of a round's samples that may stay unjudged before the run stops.
+    max_unjudged_fraction: float = 0.1
+    # A Verify call's batch deadline: what the service has not judged by then is answered
+    # VERIFIER_ERROR (retried).
+    deadline_s: float = 600.0
+
+    def validate(self) -> None:
+        require(self.retries >= 0, "retries", "must be >= 0")
+        require(self.retry_backoff_s >= 0, "retry_backoff_s", "must be >= 0")
+        require(
+            0 <= self.max_unjudged_fraction <= 1,
+            "max_unjudged_fraction",
+            "must be in [0, 1] (0: stop at the first sample left unjudged)",
+        )
+        require(self.deadline_s > 0, "deadline_s", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ControllerConfig(ConfigBase):
     num_steps: int = 10
     prompts_per_batch: int = 4
@@ -822,45 +941,9 @@ class ControllerConfig(ConfigBase):
     # normalising whitespace and case), checked before anything runs: over it the run, eval
     # or prefilter stops and names the datasets. 0: held out means held out.
     max_eval_overlap: float = 0.0
-    # SFT warm start before RL (the demo): steps on the training datasets' reference
-    # answers at this learning rate, driven through the trainer; version 0 is the model
-    # after them. 0 = start RL from the model as is.
-    sft_steps: int = 0
-    sft_learning_rate: float = 1e-3
-    # The trainer checkpoints the warm start every this many SFT steps (and on a stop and
-    # after its last step), so a crash during it loses at most this many steps: `rlax-tpu
-    # resume` continues from the newest. 0 = only on a stop and at the end.
-    sft_checkpoint_every: int = 200
-    # DAPO's dynamic sampling: a prompt group whose rewards are all equal carries no
-    # signal; it is dropped and the batch draws more prompts (its own snapshotted stream),
-    # at most this many extra rounds (then flat groups fill the batch).
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 3
-    # TBA's replay buffer: train on batches sampled from verified rollouts kept per prompt
-    # (each prompt: with probability replay_recency_prob one that got data at the latest
-    # sync, else by softmax(mean reward / replay_reward_temperature); 0 = uniform). New
-    # rollouts enter every replay_sync_every steps; only rollouts with b - version <= N
-    # are ever sampled.
-    replay: bool = False
-    replay_per_prompt_cap: int = 16
-    replay_global_cap: int = 4096
-    replay_recency_prob: float = 0.5
-    replay_reward_temperature: float = 1.0
-    replay_sync_every: int = 1
-    # Replay mode generates batch b with version b - lag (not b - N), so a rollout stays
-    # acceptable for N - lag more steps of reuse.
-    replay_generation_lag: int = 1
-    # Batches generated with version 0 into the buffer before the first step (TBA pre-fill).
-    replay_prefill_batches: int = 0
-    # Rewards carry verdicts: a sample the verifiers could not judge (a verifier error, a
-    # missed deadline) is sent again up to verify_retries times, after
-    # verify_retry_backoff_s, doubling. Still unjudged, it is never trained on: its group
-    # is dropped (and replaced from the refill stream). More than max_unjudged_fraction of
-    # a round's samples unjudged stops the run. A verifier that does not answer at all is
-    # waited for instead (component_wait_s): its verdicts, once back, are the same.
-    verify_retries: int = 2
-    verify_retry_backoff_s: float = 1.0
-    max_unjudged_fraction: float = 0.1
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    replay: ReplayConfig = ReplayConfig()
+    verify: VerifyConfig = VerifyConfig()
     # Elastic recovery (docs/controller.md): a lost inference worker, verifier or parameter
     # server costs a wait, not a restart. Its work goes to the others, and every caller
     # waits up to component_wait_s for it (or a replacement) to answer again before the run
@@ -877,11 +960,11 @@ class ControllerConfig(ConfigBase):
     # that refuses connections is lost). A Generate is also lost past its deadline: this
     # plus, for each wave of inference.max_decode_slots requests, max_new_tokens decode
     # steps at decode_step_deadline_s each (the worker's compile time not counted; 0 = no
-    # deadline). A Verify call's batch deadline is verify_deadline_s: what the service has
-    # not judged by then is answered VERIFIER_ERROR (retried).
+    # deadline). A Verify call's batch deadline is verify.deadline_s.
     liveness_timeout_s: float = 60.0
+    # Seconds each decode step of a Generate call may take before the call is lost (its
+    # deadline: see liveness_timeout_s; 0 = no deadline).
     decode_step_deadline_s: float = 1.0
-    verify_deadline_s: float = 600.0
 
     def validate(self) -> None:
         require(self.num_steps >= 1, "num_steps", "must be >= 1")
@@ -892,42 +975,13 @@ class ControllerConfig(ConfigBase):
             "max_eval_overlap",
             f"must be a fraction in [0, 1], got {self.max_eval_overlap}",
         )
-        require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
         for name in ("liveness_timeout_s", "decode_step_deadline_s"):
             require(getattr(self, name) >= 0, name, "must be >= 0 (0 = off)")
-        require(self.verify_deadline_s > 0, "verify_deadline_s", "must be > 0")
-        require(
-            self.sft_checkpoint_every >= 0,
-            "sft_checkpoint_every",
-            "must be >= 0 (0 = checkpoint the warm start only on a stop and at its end)",
-        )
-        require(
-            self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0"
-        )
-        require(self.replay_per_prompt_cap >= 1, "replay_per_prompt_cap", "must be >= 1")
-        require(
-            self.replay_global_cap >= self.replay_per_prompt_cap,
-            "replay_global_cap",
-            "must be >= replay_per_prompt_cap",
-        )
-        require(0 <= self.replay_recency_prob <= 1, "replay_recency_prob", "must be in [0, 1]")
-        require(self.replay_reward_temperature >= 0, "replay_reward_temperature", "must be >= 0")
-        require(self.replay_sync_every >= 1, "replay_sync_every", "must be >= 1")
-        require(self.replay_generation_lag >= 0, "replay_generation_lag", "must be >= 0")
-        require(self.replay_prefill_batches >= 0, "replay_prefill_batches", "must be >= 0")
-        require(self.sft_learning_rate > 0, "sft_learning_rate", "must be > 0")
         require(self.prompts_per_batch >= 1, "prompts_per_batch", "must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
         require(self.keep_snapshots >= 1, "keep_snapshots", "must be >= 1")
-        require(self.verify_retries >= 0, "verify_retries", "must be >= 0")
-        require(self.verify_retry_backoff_s >= 0, "verify_retry_backoff_s", "must be >= 0")
         require(self.component_wait_s >= 0, "component_wait_s", "must be >= 0 (0: no wait)")
         require(self.component_restarts >= 0, "component_restarts", "must be >= 0")
-        require(
-            0 <= self.max_unjudged_fraction <= 1,
-            "max_unjudged_fraction",
-            "must be in [0, 1] (0: stop at the first sample left unjudged)",
-        )
 
     @property
     def global_batch_size(self) -> int:
@@ -1083,9 +1137,9 @@ RESUMABLE_FIELDS = (
     "controller.component_restarts",
     "controller.liveness_timeout_s",  # when a silent component is given up, not results
     "controller.decode_step_deadline_s",
-    "controller.verify_deadline_s",
+    "controller.verify.deadline_s",
     "trainer.checkpoint_every",
-    "controller.sft_checkpoint_every",
+    "trainer.warm_start.checkpoint_every",
     "trainer.compiled_dir",
     "compilation_cache",  # where compiled programs are kept, not what they compute
     "trainer.max_checkpoints_to_keep",
@@ -1100,6 +1154,51 @@ RESUMABLE_FIELDS = (
     "deploy",
     "logging",
 )
+
+
+# Fields that moved (issue 39: knobs grouped by what owns them), old path -> new path. Old
+# paths still work for one release: `--set OLD=...` and an OLD key in a config dict or JSON
+# (an older run's config.json) set the new field with a ConfigRenamedWarning. The digest of
+# a run is of its config written with the old paths (RunConfig.identity), so the runs of an
+# older version resume.
+RENAMED_FIELDS: dict[str, str] = {
+    **{
+        f"trainer.{name}": f"trainer.optimizer.{name}"
+        for name in (
+            "learning_rate",
+            "lr_schedule",
+            "warmup_steps",
+            "lr_decay_steps",
+            "weight_decay",
+            "adam_b1",
+            "adam_b2",
+            "adam_eps",
+            "grad_clip_norm",
+        )
+    },
+    "controller.sft_steps": "trainer.warm_start.steps",
+    "controller.sft_learning_rate": "trainer.warm_start.learning_rate",
+    "controller.sft_checkpoint_every": "trainer.warm_start.checkpoint_every",
+    "controller.dynamic_sampling": "controller.dynamic_sampling.enabled",
+    "controller.dynamic_sampling_max_rounds": "controller.dynamic_sampling.max_rounds",
+    "controller.replay": "controller.replay.enabled",
+    **{
+        f"controller.replay_{name}": f"controller.replay.{name}"
+        for name in (
+            "per_prompt_cap",
+            "global_cap",
+            "recency_prob",
+            "reward_temperature",
+            "sync_every",
+            "generation_lag",
+            "prefill_batches",
+        )
+    },
+    "controller.verify_retries": "controller.verify.retries",
+    "controller.verify_retry_backoff_s": "controller.verify.retry_backoff_s",
+    "controller.max_unjudged_fraction": "controller.verify.max_unjudged_fraction",
+    "controller.verify_deadline_s": "controller.verify.deadline_s",
+}
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -1154,6 +1253,8 @@ class RunConfig(ConfigBase):
     storage: StorageConfig = StorageConfig()
     deploy: DeployConfig = DeployConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    RENAMED = RENAMED_FIELDS
 
     def validate(self) -> None:
         require(self.cpu_devices >= 0, "cpu_devices", "must be >= 0")
@@ -1220,12 +1321,12 @@ class RunConfig(ConfigBase):
             )
 
         require(
-            not (self.controller.replay and greedy_baseline(algorithm)),
-            "controller.replay",
+            not (self.controller.replay.enabled and greedy_baseline(algorithm)),
+            "controller.replay.enabled",
             "cannot go with trainer.algorithm.advantage='remax': ReMax's baseline is the reward "
             "of each prompt's greedy response under the batch's version, and the replay buffer "
-            "trains on rollouts of older batches; set controller.replay=false or pick another "
-            "advantage",
+            "trains on rollouts of older batches; set controller.replay.enabled=false or pick "
+            "another advantage",
         )
         # A rollout correction weighs π_old / π_rollout: π_old must be the trainer's recompute.
         require(
@@ -1258,16 +1359,19 @@ class RunConfig(ConfigBase):
         """The dotted fields (or whole sections) a run may change when it is resumed: how
         long it runs, how it is evaluated, checkpointed, snapshotted, logged and deployed,
         never what it computes. controller.num_steps is one unless it is the horizon of the
-        learning-rate decay (trainer.lr_schedule cosine/linear with lr_decay_steps 0)."""
+        learning-rate decay (trainer.optimizer.lr_schedule cosine/linear with lr_decay_steps
+        0)."""
         fields = RESUMABLE_FIELDS
-        if self.trainer.lr_schedule != "constant" and not self.trainer.lr_decay_steps:
+        optimizer = self.trainer.optimizer
+        if optimizer.lr_schedule != "constant" and not optimizer.lr_decay_steps:
             fields = tuple(f for f in fields if f != "controller.num_steps")
         return fields
 
     def identity(self) -> dict[str, Any]:
         """The config without its resumable fields: what decides the run's results. A mesh
         on one slice leaves out its multi-slice fields (num_slices 1, and dcn_axis, which
-        then places nothing): a config written before they existed keeps its digest."""
+        then places nothing), and moved fields are written at their old paths
+        (RENAMED_FIELDS): a config written before either keeps its digest."""
         data = self.to_dict()
         for dotted in self.resumable_fields():
             *parents, last = dotted.split(".")
@@ -1279,7 +1383,7 @@ class RunConfig(ConfigBase):
             mesh = data[component]["mesh"]
             if mesh["num_slices"] == 1:
                 del mesh["num_slices"], mesh["dcn_axis"]
-        return data
+        return unmove_renamed(data, RENAMED_FIELDS)
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form of `identity()`: the identity of this run.
