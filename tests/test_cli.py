@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.cli import main
-from rlax_tpu.config import load_config
+from rlax_tpu.config import ConfigRenamedWarning, RunConfig, field_descriptions, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
@@ -64,6 +64,22 @@ def test_config_show_prints_the_algorithm_that_runs_and_hides_what_is_unset(caps
     everything = capsys.readouterr().out
     assert "data = null\n" in everything and "data = null" not in shown
     assert f"digest: {config.digest()}" in shown and f"digest: {config.digest()}" in everything
+
+
+def test_config_show_help_fields_prints_every_field_with_its_description(capsys):
+    assert main(["config", "show", "--help-fields"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = field_descriptions(RunConfig)
+    assert len(lines) == len(rows)
+    for line, (path, _, default, text) in zip(lines, rows, strict=True):
+        assert line.startswith(f"{path} (") and f"= {default}: {text}" in line
+    assert any(line.startswith("controller.replay.global_cap (int) = 4096: ") for line in lines)
+
+
+def test_an_old_field_path_in_a_set_warns_the_cli_user_with_the_new_one(capsys):
+    with pytest.warns(ConfigRenamedWarning, match="is now controller.replay.global_cap"):
+        assert main(["config", "show", TINY, "--set", "controller.replay_global_cap=64"]) == 0
+    assert "controller.replay.global_cap = 64\n" in capsys.readouterr().out
 
 
 def test_config_show_json_round_trips(capsys):

@@ -20,6 +20,7 @@ from rlax_tpu.config import (
     TrainerConfig,
     load_config,
 )
+from rlax_tpu.config.base import field_descriptions
 from rlax_tpu.config.run import RENAMED_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -389,3 +390,13 @@ def test_the_shipped_configs_kept_their_digests_when_the_fields_moved():
     for name, digest in digests.items():
         assert load_config(str(ROOT / "configs" / f"{name}.py")).digest() == digest, name
 
+
+def test_every_field_has_a_description():
+    """`rlax-tpu config show --help-fields` prints a description of every field: the comment
+    above or after its declaration."""
+    rows = field_descriptions(RunConfig)
+    missing = [path for path, _, _, text in rows if not text]
+    assert missing == [], f"fields without a description comment: {missing}"
+    paths = [path for path, _, _, _ in rows]
+    assert "controller.replay.global_cap" in paths and "trainer.optimizer.adam_eps" in paths
+    assert "controller.datasets[].reward_function" in paths
