@@ -296,7 +296,7 @@ class ConfigBase:
 
     # -- overrides ----------------------------------------------------------------
     def override(self, dotted_key: str, value: Any, *, _path: str = "") -> Self:
-        """Return a copy with `dotted_key` (e.g. "trainer.learning_rate") set to `value`.
+        """Return a copy with `dotted_key` (e.g. "trainer.optimizer.learning_rate") set to `value`.
 
         A string value is parsed by the field's type; a section accepts a preset name. An
         old path of `RENAMED` sets its new one (with a ConfigRenamedWarning).
