@@ -17,6 +17,7 @@ from rlax_tpu.config import (
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     ParamServerConfig,
     RopeScalingConfig,
     RunConfig,
@@ -74,10 +75,9 @@ def get_config() -> RunConfig:
             remat_policy="full",
             scan_layers=True,
             logprob_chunk_size=8192,
-            learning_rate=1e-6,
-            lr_schedule="constant",
-            warmup_steps=20,
-            weight_decay=0.1,
+            optimizer=OptimizerConfig(
+                learning_rate=1e-6, lr_schedule="constant", warmup_steps=20, weight_decay=0.1
+            ),
         ),
         inference=InferenceConfig(
             mesh=MeshConfig(data=1, fsdp=1, tensor=4, topology="v5p:2x2x1"),

@@ -48,7 +48,7 @@ def get_config() -> RunConfig:
             # v5p config, a smaller log-prob chunk (docs/trainer.md, "Memory"; the figures
             # of `rlax-tpu compile` on this config are in its table).
             logprob_chunk_size=4096,
-            warmup_steps=10,
+            optimizer=replace(base.trainer.optimizer, warmup_steps=10),
         ),
         inference=replace(
             base.inference,

@@ -28,6 +28,7 @@ from rlax_tpu.config import (
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     RunConfig,
     StalenessConfig,
     StorageConfig,
@@ -97,9 +98,7 @@ def get_config() -> RunConfig:
             remat_policy="full",
             scan_layers=True,
             logprob_chunk_size=2048,
-            learning_rate=1e-6,
-            warmup_steps=10,
-            weight_decay=0.01,
+            optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=10, weight_decay=0.01),
         ),
         inference=InferenceConfig(
             mesh=MeshConfig(data=1, fsdp=1, tensor=-1),

@@ -15,6 +15,7 @@ from rlax_tpu.config import (
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     ParamServerConfig,
     RunConfig,
     StalenessConfig,
@@ -63,9 +64,7 @@ def get_config() -> RunConfig:
             remat_policy="full",
             scan_layers=True,
             logprob_chunk_size=8192,
-            learning_rate=1e-6,
-            warmup_steps=20,
-            weight_decay=0.1,
+            optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=20, weight_decay=0.1),
         ),
         inference=InferenceConfig(
             # One host's 4 chips (an inference worker runs on one host): 10 of 40 heads each.

@@ -19,7 +19,7 @@ The places, each in the middle of something whose interruption must lose nothing
   has not acted on it (`Trainer.restore`); the trainer dies.
 * `trainer.sft_step` (SFT step): the SFT warm start's step is asked for and not trained
   (`Trainer.sft_step`); the trainer dies, and a resume continues the warm start from its
-  newest checkpoint (`controller.sft_checkpoint_every`).
+  newest checkpoint (`trainer.warm_start.checkpoint_every`).
 * `trainer.publish` (version): a version's first chunks are sent, the rest and the commit
   are not (`ParamServerClient`); the trainer dies.
 * `param_server.receive` (version): a publish's first chunks are received, its commit is

@@ -23,7 +23,15 @@ from pathlib import Path
 from tiny_job import tiny_job_config
 
 from rlax_tpu import failpoints
-from rlax_tpu.config import ControllerConfig, DatasetConfig, RunConfig, StalenessConfig
+from rlax_tpu.config import (
+    ControllerConfig,
+    DatasetConfig,
+    DynamicSamplingConfig,
+    OptimizerConfig,
+    RunConfig,
+    StalenessConfig,
+    WarmStartConfig,
+)
 from rlax_tpu.verifiers.tasks import arithmetic_problems
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,16 +50,17 @@ def e2e_config(
         seed=3,
         staleness=StalenessConfig(**staleness),
         inference={"num_workers": workers, "gpu_memory_fraction": 0.2},
-        trainer={"learning_rate": 1e-3, "checkpoint_every": 2},
+        trainer={
+            "optimizer": OptimizerConfig(learning_rate=1e-3),
+            "warm_start": WarmStartConfig(steps=40, learning_rate=3e-3),
+            "checkpoint_every": 2,
+        },
         controller=ControllerConfig(
             num_steps=STEPS,
             prompts_per_batch=2,
             samples_per_prompt=4,
             datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
-            dynamic_sampling=True,
-            dynamic_sampling_max_rounds=2,
-            sft_steps=40,
-            sft_learning_rate=3e-3,
+            dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=2),
             keep_snapshots=10,
             component_restarts=restarts,
         ),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.cli import main
-from rlax_tpu.config import load_config
+from rlax_tpu.config import ConfigRenamedWarning, RunConfig, field_descriptions, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
@@ -34,7 +34,7 @@ def test_config_show_prints_the_resolved_config_with_overrides(capsys):
                 "show",
                 TINY,
                 "--set",
-                "trainer.learning_rate=3e-5",
+                "trainer.optimizer.learning_rate=3e-5",
                 "--set",
                 "staleness=one_step_off_policy",
             ]
@@ -42,9 +42,11 @@ def test_config_show_prints_the_resolved_config_with_overrides(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "trainer.learning_rate = 3e-05\n" in out
+    assert "trainer.optimizer.learning_rate = 3e-05\n" in out
     assert "staleness.max_staleness = 1\n" in out
-    expected = load_config(TINY, ["trainer.learning_rate=3e-5", "staleness=one_step_off_policy"])
+    expected = load_config(
+        TINY, ["trainer.optimizer.learning_rate=3e-5", "staleness=one_step_off_policy"]
+    )
     assert f"digest: {expected.digest()}" in out
     assert "paradigm: one_step_off_policy" in out
 
@@ -62,6 +64,22 @@ def test_config_show_prints_the_algorithm_that_runs_and_hides_what_is_unset(caps
     everything = capsys.readouterr().out
     assert "data = null\n" in everything and "data = null" not in shown
     assert f"digest: {config.digest()}" in shown and f"digest: {config.digest()}" in everything
+
+
+def test_config_show_help_fields_prints_every_field_with_its_description(capsys):
+    assert main(["config", "show", "--help-fields"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = field_descriptions(RunConfig)
+    assert len(lines) == len(rows)
+    for line, (path, _, default, text) in zip(lines, rows, strict=True):
+        assert line.startswith(f"{path} (") and f"= {default}: {text}" in line
+    assert any(line.startswith("controller.replay.global_cap (int) = 4096: ") for line in lines)
+
+
+def test_an_old_field_path_in_a_set_warns_the_cli_user_with_the_new_one(capsys):
+    with pytest.warns(ConfigRenamedWarning, match="is now controller.replay.global_cap"):
+        assert main(["config", "show", TINY, "--set", "controller.replay_global_cap=64"]) == 0
+    assert "controller.replay.global_cap = 64\n" in capsys.readouterr().out
 
 
 def test_config_show_json_round_trips(capsys):
@@ -98,7 +116,7 @@ def test_sft_writes_a_hugging_face_model_that_eval_picks_up(tmp_path, capsys):
     from rlax_tpu.models import load_hf_model
 
     run_dir = tmp_path / "run"
-    overrides = (*SMALL, "controller.sft_steps=3", f"storage.run_dir={run_dir}")
+    overrides = (*SMALL, "trainer.warm_start.steps=3", f"storage.run_dir={run_dir}")
     assert main(["sft", TINY, *_sets(*overrides)]) == 0
     out = capsys.readouterr().out
     model_dir = run_dir / "sft_model"
@@ -124,9 +142,9 @@ def test_sft_writes_a_hugging_face_model_that_eval_picks_up(tmp_path, capsys):
 
 def test_sft_with_no_steps_says_what_to_set(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    args = ["sft", TINY, *_sets("controller.sft_steps=0", f"storage.run_dir={run_dir}")]
+    args = ["sft", TINY, *_sets("trainer.warm_start.steps=0", f"storage.run_dir={run_dir}")]
     assert main(args) == 2
-    assert "--set controller.sft_steps=" in capsys.readouterr().err
+    assert "--set trainer.warm_start.steps=" in capsys.readouterr().err
     assert not run_dir.exists()
 
 
@@ -210,8 +228,8 @@ def test_eval_defaults_to_the_newest_trainer_checkpoint(tmp_path, capsys):
     save_hf(model_params(config, seed=1), config.model, str(run_dir / "sft_model"))
     seven = _always_seven(config, tmp_path)
     model = dataclasses.replace(config.model, hf_checkpoint=seven)
-    rl_only = dataclasses.replace(config.controller, sft_steps=0)  # checkpoint 0 at once
-    trainer = Trainer(dataclasses.replace(config, model=model, controller=rl_only))
+    rl_only = config.override("trainer.warm_start.steps", 0)  # checkpoint 0 at once
+    trainer = Trainer(dataclasses.replace(rl_only, model=model))
     trainer.initialize()
     trainer.save(wait=True)
     trainer.close()

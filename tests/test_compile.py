@@ -54,7 +54,7 @@ def test_tiny_model_compiles_for_v5p_with_per_chip_figures(tmp_path):
     programs = {p["name"]: p for p in report["programs"]}
     # Every program of the run: start-up, the train step's two, the worker's at every bucket
     # (one each here) and its swap copies. sft_step runs only with an SFT warm start
-    # (controller.sft_steps = 0 here); publish only when the served params differ from the
+    # (trainer.warm_start.steps = 0 here); publish only when the served params differ from the
     # params (float32 params served as float32, unstacked: not here).
     assert [p["name"] for p in report["programs"]] == [
         "init",

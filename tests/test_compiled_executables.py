@@ -5,6 +5,7 @@ does when it compiles); one on another mesh refuses to start, naming the mesh.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -81,7 +82,8 @@ def test_a_trainer_on_another_mesh_refuses_the_saved_programs(saved, tmp_path):
 
 def test_a_changed_program_is_refused_even_on_the_same_mesh(saved, tmp_path):
     config, directory, _ = saved
-    changed = with_trainer(config, learning_rate=3e-2, compiled_dir=str(directory))
+    optimizer = dataclasses.replace(config.trainer.optimizer, learning_rate=3e-2)
+    changed = with_trainer(config, optimizer=optimizer, compiled_dir=str(directory))
     with pytest.raises(executables.CompiledMismatchError, match="program_sha256"):
         Trainer(changed.override("storage.run_dir", str(tmp_path / "run")))
 

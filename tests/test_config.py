@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from rlax_tpu.config import (
     ConfigError,
+    ConfigRenamedWarning,
     MeshConfig,
     ModelConfig,
     RunConfig,
@@ -19,6 +20,8 @@ from rlax_tpu.config import (
     TrainerConfig,
     load_config,
 )
+from rlax_tpu.config.base import field_descriptions
+from rlax_tpu.config.run import RENAMED_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.py"))
@@ -54,7 +57,7 @@ def test_shipped_config_round_trips_through_json(path):
 def test_override_parses_by_field_type():
     config = RunConfig().apply_overrides(
         [
-            "trainer.learning_rate=1e-5",
+            "trainer.optimizer.learning_rate=1e-5",
             "controller.num_steps=7",
             "model.tie_word_embeddings=true",
             "inference.stop_token_ids=(3, 5)",
@@ -62,7 +65,7 @@ def test_override_parses_by_field_type():
             "model.param_dtype=bfloat16",
         ]
     )
-    assert config.trainer.learning_rate == 1e-5
+    assert config.trainer.optimizer.learning_rate == 1e-5
     assert config.controller.num_steps == 7
     assert config.model.tie_word_embeddings is True
     assert config.inference.stop_token_ids == (3, 5)
@@ -82,15 +85,19 @@ def test_overrides_apply_in_order_and_section_presets_replace_the_section():
 @pytest.mark.parametrize(
     "override, field, words",
     [
-        ("trainer.learnin_rate=1", "trainer", "did you mean 'learning_rate'"),
+        ("trainer.optimizer.learnin_rate=1", "trainer.optimizer", "did you mean 'learning_rate'"),
         ("nosuch=1", "RunConfig", "unknown key 'nosuch'"),
-        ("trainer.learning_rate=fast", "trainer.learning_rate", "cannot read 'fast' as float"),
+        (
+            "trainer.optimizer.learning_rate=fast",
+            "trainer.optimizer.learning_rate",
+            "cannot read 'fast' as float",
+        ),
         ("controller.num_steps=1.5", "controller.num_steps", "cannot read '1.5' as int"),
         ("model.tie_word_embeddings=maybe", "model.tie_word_embeddings", "bool"),
         ("model.param_dtype=float16", "model.param_dtype", "'float32' | 'bfloat16'"),
         ("staleness=sometimes", "staleness", "presets: off_policy, on_policy"),
         ("model.rope_scaling.factor=2", "model.rope_scaling", "set model.rope_scaling to a preset"),
-        ("trainer.learning_rate=0", "trainer.learning_rate", "must be > 0"),
+        ("trainer.optimizer.learning_rate=0", "trainer.optimizer.learning_rate", "must be > 0"),
         ("trainer.micro_batch_size=3", "trainer.micro_batch_size", "must divide mini_batch_size"),
         ("model.num_kv_heads=3", "model.num_kv_heads", "must divide num_heads"),
         ("trainer.mesh.fsdp=0", "trainer.mesh.fsdp", "must be >= 1 or -1"),
@@ -102,7 +109,7 @@ def test_overrides_apply_in_order_and_section_presets_replace_the_section():
             "controller.datasets[0].weight",
             "must be > 0",
         ),
-        ("trainer.learning_rate", None, "key=value"),
+        ("trainer.optimizer.learning_rate", None, "key=value"),
     ],
 )
 def test_bad_override_names_the_field_and_the_fix(override, field, words):
@@ -162,7 +169,7 @@ def test_configs_are_immutable():
 def test_digest_changes_with_any_field():
     base = RunConfig()
     assert base.digest() == RunConfig().digest()
-    assert base.digest() != base.apply_overrides(["trainer.adam_eps=1e-7"]).digest()
+    assert base.digest() != base.apply_overrides(["trainer.optimizer.adam_eps=1e-7"]).digest()
 
 
 def test_hot_versions_below_what_a_batch_may_read_is_rejected():
@@ -309,3 +316,87 @@ def test_a_tuple_field_reads_one_item_with_or_without_its_comma(text):
         str(ROOT / "configs" / "tiny_cpu.py"), [f"inference.prefill_buckets={text}"]
     )
     assert config.inference.prefill_buckets == (128,)
+
+
+# -- moved fields (issue 39) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("controller.replay_global_cap=64", "controller.replay.global_cap", 64),
+        ("controller.replay=true", "controller.replay.enabled", True),
+        ("controller.dynamic_sampling=true", "controller.dynamic_sampling.enabled", True),
+        ("controller.verify_deadline_s=30", "controller.verify.deadline_s", 30.0),
+        ("trainer.learning_rate=3e-6", "trainer.optimizer.learning_rate", 3e-6),
+        ("controller.sft_steps=7", "trainer.warm_start.steps", 7),
+        ("controller.sft_learning_rate=2e-3", "trainer.warm_start.learning_rate", 2e-3),
+    ],
+)
+def test_an_old_path_sets_its_new_field_with_a_warning_naming_it(old, new, value):
+    with pytest.warns(ConfigRenamedWarning, match=re.escape(f"is now {new}")):
+        config = RunConfig().apply_overrides([old])
+    section = config
+    for key in new.split("."):
+        section = getattr(section, key)
+    assert section == value
+    assert config == RunConfig().apply_overrides([f"{new}={old.partition('=')[2]}"])
+
+
+def test_every_old_path_names_an_existing_new_field_and_no_longer_exists():
+    leaves = {key for key, _ in RunConfig().flat_items()}
+    for old, new in RENAMED_FIELDS.items():
+        assert new in leaves, new
+        assert old not in leaves, old
+
+
+def test_a_config_json_of_an_older_version_loads_as_the_same_run(tmp_path):
+    """A run directory's config.json written before the fields moved (flat trainer optimizer,
+    controller.sft_*, replay_*, verify_*): it loads with one warning naming the new paths,
+    its values land there, and its digest is the one that older version wrote, so
+    `rlax-tpu resume` accepts its checkpoints and snapshots."""
+    old = GOLDEN / "tiny_cpu_config_before_issue_39.json"
+    assert "learning_rate" in json.loads(old.read_text())["trainer"]
+    with pytest.warns(ConfigRenamedWarning) as caught:
+        config = load_config(str(old))
+    assert len(caught) == 1
+    assert "controller.replay_global_cap -> controller.replay.global_cap" in str(caught[0].message)
+    assert config.controller.replay.enabled and config.controller.dynamic_sampling.enabled
+    assert config.trainer.warm_start.steps == 3
+    assert config.trainer.optimizer.warmup_steps == 2
+    assert config.controller.verify.retries == 1
+    # The digest that version computed for this config (`rlax-tpu config show` of it then).
+    assert config.digest() == "689f5215284b6a7c66eb25ec52a11c952ec9dba26a2d03476dfce724c19bf154"
+    new = RunConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert new == config
+
+
+def test_a_config_setting_a_field_at_both_paths_is_refused():
+    data = RunConfig().to_dict()
+    data["controller"]["verify_retries"] = 5
+    with pytest.raises(ConfigError, match="set twice, as controller.verify.retries"):
+        RunConfig.from_dict(data)
+
+
+def test_the_shipped_configs_kept_their_digests_when_the_fields_moved():
+    """Moved fields enter the digest at their old paths: the same values are the same run."""
+    digests = {
+        "tiny_cpu": "929528180c198f61177ef508f2fcadbe7acfa81d3edf0a5f68e5db88b47cbe93",
+        "qwen2_5_0_5b_gsm8k_gpu": (
+            "f4639173e64da76287f31a1bae84b69964b391a12e658c014d95beb03aa62a1d"
+        ),
+        "llama3_1_8b_tpu_v6e_16": (
+            "a00262b73ac363cd3e5a0c8b7cb32ff5edb8b82f660b967511ae38e7049f7477"
+        ),
+    }
+    for name, digest in digests.items():
+        assert load_config(str(ROOT / "configs" / f"{name}.py")).digest() == digest, name
+
+
+def test_every_field_has_a_description():
+    """`rlax-tpu config show --help-fields` prints a description of every field: the comment
+    above or after its declaration."""
+    rows = field_descriptions(RunConfig)
+    missing = [path for path, _, _, text in rows if not text]
+    assert missing == [], f"fields without a description comment: {missing}"
+    paths = [path for path, _, _, _ in rows]
+    assert "controller.replay.global_cap" in paths and "trainer.optimizer.adam_eps" in paths
+    assert "controller.datasets[].reward_function" in paths

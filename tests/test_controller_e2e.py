@@ -42,6 +42,7 @@ from tiny_job import write_config
 
 from rlax_tpu.config import (
     AlgorithmConfig,
+    ReplayConfig,
     StalenessConfig,
     StorageConfig,
 )
@@ -69,9 +70,11 @@ def start_run(
     restarts: int = 3,
     env: dict[str, str] | None = None,
     controller: dict | None = None,
+    overrides: tuple[str, ...] = (),
     **staleness,
 ) -> Job:
-    """The e2e job as `name`; `controller`: ControllerConfig fields to change."""
+    """The e2e job as `name`; `controller`: ControllerConfig fields to change; `overrides`:
+    `--set`s of any field."""
     root, data = workspace
     run_dir = root / name
     staleness = staleness or {"reload_every": 2, "max_staleness": 3}
@@ -80,15 +83,15 @@ def start_run(
         config = dataclasses.replace(
             config, controller=dataclasses.replace(config.controller, **controller)
         )
+    config = config.apply_overrides(overrides)
     if replay:  # TBA: trajectory balance trained on batches sampled from the replay buffer
         config = dataclasses.replace(
             config,
             controller=dataclasses.replace(
                 config.controller,
-                replay=True,
-                replay_sync_every=2,
-                replay_per_prompt_cap=6,
-                replay_prefill_batches=1,
+                replay=ReplayConfig(
+                    enabled=True, sync_every=2, per_prompt_cap=6, prefill_batches=1
+                ),
             ),
             trainer=dataclasses.replace(
                 config.trainer, algorithm=AlgorithmConfig(name="trajectory_balance")
@@ -166,7 +169,11 @@ def test_the_same_config_and_seed_give_the_same_weights_also_after_a_crashed_war
 
     disturbed = run_disturbed(
         lambda env: start_run(
-            workspace, "again", restarts=0, env=env, controller={"sft_checkpoint_every": 10}
+            workspace,
+            "again",
+            restarts=0,
+            env=env,
+            overrides=("trainer.warm_start.checkpoint_every=10",),
         ),
         Schedule(kills=(), failpoints=("trainer.sft_step@25",)),
         failpoint_dir=root / "again.failpoints",

@@ -18,7 +18,13 @@ import pytest
 from processes import ProcessGroup
 from tiny_job import tiny_job_config, write_config
 
-from rlax_tpu.config import ControllerConfig, DatasetConfig
+from rlax_tpu.config import (
+    ControllerConfig,
+    DatasetConfig,
+    OptimizerConfig,
+    VerifyConfig,
+    WarmStartConfig,
+)
 from rlax_tpu.controller import UnjudgedError
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.launch.job import run_connected
@@ -43,7 +49,9 @@ def workspace(tmp_path_factory):
     return root, data, env
 
 
-def connected_run(workspace, monkeypatch, name, *, fail_always="(?!)", fail_once="(?!)", **ctl):
+def connected_run(
+    workspace, monkeypatch, name, *, fail_always="(?!)", fail_once="(?!)", warm_steps=40, **ctl
+):
     """The whole run against freshly started components; (summary, run dir)."""
     root, data, env = workspace
     run_dir = root / name
@@ -52,18 +60,18 @@ def connected_run(workspace, monkeypatch, name, *, fail_always="(?!)", fail_once
         "prompts_per_batch": 2,
         "samples_per_prompt": 4,
         "datasets": (DatasetConfig(path=str(data), verifier="arithmetic"),),
-        "sft_steps": 40,
-        "sft_learning_rate": 3e-3,
-        "verify_retries": 2,
-        "verify_retry_backoff_s": 0.01,
-        "max_unjudged_fraction": 0.3,
+        "verify": VerifyConfig(retries=2, retry_backoff_s=0.01, max_unjudged_fraction=0.3),
         **ctl,
     }
     config = tiny_job_config(
         name,
         run_dir,
         seed=3,
-        trainer={"learning_rate": 1e-3, "checkpoint_every": 2},
+        trainer={
+            "optimizer": OptimizerConfig(learning_rate=1e-3),
+            "warm_start": WarmStartConfig(steps=warm_steps, learning_rate=3e-3),
+            "checkpoint_every": 2,
+        },
         controller=ControllerConfig(**controller),
     )
     path = str(write_config(config, root / f"{name}.json"))
@@ -130,7 +138,7 @@ def test_unjudged_samples_are_retried_then_dropped_never_trained_and_runs_agree(
 
 def test_a_verifier_failing_everything_stops_the_run_with_the_reason(workspace, monkeypatch):
     with pytest.raises(UnjudgedError) as info:
-        connected_run(workspace, monkeypatch, "broken", fail_always=".", sft_steps=0)
+        connected_run(workspace, monkeypatch, "broken", fail_always=".", warm_steps=0)
     message = str(info.value)
     assert "batch 0: 8 of 8 samples are unjudged after 2 retries" in message
     assert "max_unjudged_fraction = 0.3" in message and "injected fault" in message

@@ -369,14 +369,14 @@ def test_a_local_config_is_refused_with_every_reason(capsys):
     err = capsys.readouterr().err
     for reason in ("storage.run_dir", "hf_checkpoint", "trainer.mesh"):
         assert reason in err
-    assert "sft_steps" not in err  # the warm start runs on the trainer, deployed or not
+    assert "warm_start" not in err  # the warm start runs on the trainer, deployed or not
     config = load_config(str(ROOT / "configs" / "tiny_cpu.py"))
     with pytest.raises(DeployError, match="gs://"):
         check_deployable(config)
 
 
 def test_a_pod_config_with_an_sft_warm_start_is_deployable():
-    assert problems(load_config(str(TPU_CONFIGS[0]), ["controller.sft_steps=10"])) == []
+    assert problems(load_config(str(TPU_CONFIGS[0]), ["trainer.warm_start.steps=10"])) == []
 
 
 def test_a_mesh_that_does_not_fill_its_slice_is_refused():

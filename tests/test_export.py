@@ -294,9 +294,7 @@ def test_a_run_with_only_a_warm_start_exports_it(source, tmp_path, capsys):
     config = run_config(
         str(tmp_path / "run"), model=load_hf_config(source), mesh=ONE_DEVICE, inference=ENGINE
     )
-    config = dataclasses.replace(
-        config, controller=dataclasses.replace(config.controller, sft_steps=1)
-    )
+    config = config.override("trainer.warm_start.steps", 1)
     prepare_run_dir(config)
     trainer = Trainer(config, mesh=_one_device_mesh())
     trainer.initialize()
@@ -320,7 +318,7 @@ def test_sft_model_of_the_warm_start_carries_the_tokenizer(tmp_path, capsys):
         "model.intermediate_size=128",
         "model.num_layers=1",
         "model.head_dim=16",
-        "controller.sft_steps=1",
+        "trainer.warm_start.steps=1",
         "controller.eval_dataset=",
         f"storage.run_dir={run_dir}",
     ]

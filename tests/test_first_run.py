@@ -249,12 +249,12 @@ def test_resumable_knobs_leave_the_identity_and_results_knobs_do_not():
         ("inference.prefetch_weights", "false"),
     ]:
         assert base.override(key, value).digest() == base.digest(), key
-    for key, value in [("seed", "1"), ("trainer.learning_rate", "2e-6")]:
+    for key, value in [("seed", "1"), ("trainer.optimizer.learning_rate", "2e-6")]:
         assert base.override(key, value).digest() != base.digest(), key
     # num_steps is the decay horizon of a cosine schedule unless lr_decay_steps is set.
-    cosine = base.override("trainer.lr_schedule", "cosine")
+    cosine = base.override("trainer.optimizer.lr_schedule", "cosine")
     assert cosine.override("controller.num_steps", "99").digest() != cosine.digest()
-    fixed = cosine.override("trainer.lr_decay_steps", "50")
+    fixed = cosine.override("trainer.optimizer.lr_decay_steps", "50")
     assert fixed.override("controller.num_steps", "99").digest() == fixed.digest()
 
 
@@ -263,9 +263,11 @@ def test_run_dir_takes_an_extension_and_a_correction_before_progress(tmp_path):
     config = RunConfig().override("storage.run_dir", run_dir)
     prepare_run_dir(config, report=lambda _: None)
     # A failed start left only the dump: a corrected config takes the directory.
-    corrected = config.override("trainer.learning_rate", "3e-6")
+    corrected = config.override("trainer.optimizer.learning_rate", "3e-6")
     prepare_run_dir(corrected, report=lambda _: None)
-    assert json.load(open(f"{run_dir}/config.json"))["trainer"]["learning_rate"] == 3e-6
+    assert (
+        json.load(open(f"{run_dir}/config.json"))["trainer"]["optimizer"]["learning_rate"] == 3e-6
+    )
     (tmp_path / "run" / "snapshots").mkdir()
     (tmp_path / "run" / "snapshots" / "snapshot_000000000.json").write_text("{}")
     with pytest.raises(ConfigError, match="may change only controller.num_steps"):

@@ -151,8 +151,8 @@ def run_batch(tmp_path, verifier, worker=None):
 def test_remax_is_the_config_that_asks_for_a_greedy_baseline_and_refuses_replay():
     assert greedy_baseline(CONFIG.trainer.algorithm)
     assert not greedy_baseline(AlgorithmConfig(name="grpo"))
-    with pytest.raises(ConfigError, match="controller.replay: cannot go with .*'remax'"):
-        dataclasses.replace(CONFIG, controller=dataclasses.replace(CONFIG.controller, replay=True))
+    with pytest.raises(ConfigError, match="controller.replay.enabled: cannot go with .*'remax'"):
+        CONFIG.override("controller.replay.enabled", True)
 
 
 def test_each_group_gets_its_greedy_reward_as_the_baseline_of_every_row(tmp_path):

@@ -167,7 +167,7 @@ def test_the_paper_condition_variants_validate_and_keep_the_global_batch(tmp_pat
     assert 1 / algorithm.kl_beta == pytest.approx(3.33, abs=0.01)
     assert algorithm.kl_beta_final == algorithm.kl_beta
     assert algorithm.reference_reset_every == sweep.TBA_RESET_EVERY
-    assert tba.controller.replay and tba.controller.replay_recency_prob == 0.5
+    assert tba.controller.replay.enabled and tba.controller.replay.recency_prob == 0.5
     graded = sweep.run_config(base, "online_dpo_graded", 16, tmp_path)
     graded.validate()
     assert sweep.warm_start_key(graded) == sweep.warm_start_key(base)  # paired

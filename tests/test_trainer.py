@@ -27,7 +27,7 @@ from trainer_helpers import (
     run_config,
 )
 
-from rlax_tpu.config import AlgorithmConfig, MeshConfig
+from rlax_tpu.config import AlgorithmConfig, MeshConfig, WarmStartConfig
 from rlax_tpu.models import Transformer
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import BatchSizeError, Trainer, perf
@@ -321,10 +321,10 @@ def test_the_cached_path_mismatch_with_the_engine_is_reported(engine_step):
 
 
 def with_warm_start(config, steps: int, learning_rate: float = 1e-2):
-    controller = dataclasses.replace(
-        config.controller, sft_steps=steps, sft_learning_rate=learning_rate
+    warm_start = WarmStartConfig(steps=steps, learning_rate=learning_rate)
+    return dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, warm_start=warm_start)
     )
-    return dataclasses.replace(config, controller=controller)
 
 
 def test_sft_step_lowers_the_nll_on_a_repeated_batch(tmp_path):
@@ -433,9 +433,9 @@ def test_cached_mode_recomputes_pi_old_only_every_k_steps_and_trains_the_same(tm
 def test_learning_rate_schedule_counts_train_steps(kind, expected):
     from rlax_tpu.trainer.step import learning_rate_schedule
 
-    trainer = run_config("unused").trainer
-    trainer = dataclasses.replace(trainer, lr_schedule=kind, learning_rate=1.0, warmup_steps=2)
-    schedule = learning_rate_schedule(trainer, num_steps=10, updates_per_step=3)
+    optimizer = run_config("unused").trainer.optimizer
+    optimizer = dataclasses.replace(optimizer, lr_schedule=kind, learning_rate=1.0, warmup_steps=2)
+    schedule = learning_rate_schedule(optimizer, num_steps=10, updates_per_step=3)
     # Every one of a step's 3 optimizer updates uses that step's rate.
     got = [float(schedule(step * 3 + update)) for step in range(6) for update in range(3)]
     np.testing.assert_allclose(got, np.repeat(expected, 3), rtol=1e-6, atol=1e-7)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from trainer_helpers import SEQ, rollout_batch, run_config
 
-from rlax_tpu.config import MeshConfig, StalenessConfig
+from rlax_tpu.config import MeshConfig, StalenessConfig, WarmStartConfig
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import (
     OutOfOrderStepError,
@@ -78,10 +78,10 @@ def test_a_rollout_outside_the_staleness_bound_is_refused_and_changes_nothing(
 @pytest.fixture
 def warm_config(tmp_path):
     config = run_config(str(tmp_path / "warm"), mesh=ONE_DEVICE, micro=4)
-    controller = dataclasses.replace(
-        config.controller, sft_steps=WARM_STEPS, sft_learning_rate=1e-2
+    warm_start = WarmStartConfig(steps=WARM_STEPS, learning_rate=1e-2)
+    return dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, warm_start=warm_start)
     )
-    return dataclasses.replace(config, controller=controller)
 
 
 def sft_batch(step):
@@ -102,7 +102,7 @@ def test_version_0_exists_only_after_the_warm_start(warm_config):
     assert versions == [-1, -1, 0]  # version 0 is published after the last step
     again = trainer.sft_step(1, *sft_batch(1))
     assert again.already_done
-    with pytest.raises(OutOfOrderStepError, match="controller.sft_steps = 3"):
+    with pytest.raises(OutOfOrderStepError, match="trainer.warm_start.steps = 3"):
         trainer.sft_step(WARM_STEPS, *sft_batch(WARM_STEPS))
     warm = host(trainer.params())
     assert any(
@@ -155,6 +155,6 @@ def test_sft_step_without_a_warm_start_is_refused(tmp_path):
     trainer = one_device_trainer(run_config(str(tmp_path / "rl"), mesh=ONE_DEVICE, micro=4))
     trainer.initialize()
     tokens = np.ones((8, SEQ), np.int32)
-    with pytest.raises(OutOfOrderStepError, match="controller.sft_steps = 0"):
+    with pytest.raises(OutOfOrderStepError, match="trainer.warm_start.steps = 0"):
         trainer.sft_step(0, tokens, tokens, np.ones((8, SEQ), np.float32))
     trainer.close()

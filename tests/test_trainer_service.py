@@ -213,7 +213,7 @@ def test_sft_step_outside_the_warm_start_is_refused(first_step, client, config):
     mask = np.ones((size, SEQ), np.float32)
     error = call_error(client.sft_step, 0, tokens, tokens, mask)
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "controller.sft_steps = 0" in str(error)
+    assert "trainer.warm_start.steps = 0" in str(error)
     error = call_error(client.sft_step, 1, tokens, tokens[:, :-1], mask)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "targets" in str(error)
     assert client.status().version == 1

@@ -382,7 +382,7 @@ def test_an_sft_stream_reaches_the_trainer_whole_or_is_refused_truncated(first_s
     assert "(loss_mask is incomplete)" in error.details()
     error = call_error(client.sft_step, 0, *sft_arrays(0).values())
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "controller.sft_steps = 0" in str(error)
+    assert "trainer.warm_start.steps = 0" in str(error)
     assert client.status().version == 1
 
 
@@ -422,12 +422,12 @@ def test_optional_fields_train_through_the_server_and_a_repeat_must_bring_the_sa
 
 @pytest.mark.slow
 def test_sft_and_train_batches_over_the_limit_train_exactly_as_sent_whole(group, tmp_path):
-    """With a warm start (controller.sft_steps = 1): a trainer with the limit lowered and one
+    """With a warm start (trainer.warm_start.steps = 1): a trainer with the limit lowered and one
     with the default (every array in one message) train the same SFT step and train step to
     the same metrics, bit for bit; a truncated SftStep changes nothing first."""
     results = {}
     for limit in (LIMIT, None):
-        process = start_trainer(group, tmp_path / str(limit), limit, "controller.sft_steps=1")
+        process = start_trainer(group, tmp_path / str(limit), limit, "trainer.warm_start.steps=1")
         with TrainerClient(
             process.address, auth_token=TOKEN, timeout_s=300, max_message_bytes=limit
         ) as trainer:

@@ -26,8 +26,10 @@ from rlax_tpu.config import (
     ControllerConfig,
     DatasetConfig,
     LoggingConfig,
+    OptimizerConfig,
     RunConfig,
     StorageConfig,
+    WarmStartConfig,
 )
 from rlax_tpu.controller.scoring import Judgement
 from rlax_tpu.controller.snapshots import RolloutLog
@@ -97,8 +99,8 @@ def test_the_sft_warm_start_reports_its_first_step_then_every_tenth(tmp_path):
             prompts_per_batch=2,
             samples_per_prompt=4,
             datasets=(DatasetConfig(path=str(data), verifier="arithmetic"),),
-            sft_steps=25,
         ),
+        trainer={"warm_start": WarmStartConfig(steps=25)},
     )
     steps: list[int] = []
 
@@ -155,7 +157,7 @@ def tiny_run(tmp_path_factory):
         "watching",
         run_dir,
         seed=3,
-        trainer={"learning_rate": 1e-3, "checkpoint_every": 2},
+        trainer={"optimizer": OptimizerConfig(learning_rate=1e-3), "checkpoint_every": 2},
         controller=ControllerConfig(
             num_steps=STEPS,
             prompts_per_batch=2,

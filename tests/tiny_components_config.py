@@ -7,6 +7,7 @@ from rlax_tpu.config import (
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     RunConfig,
     StalenessConfig,
     StorageConfig,
@@ -35,7 +36,7 @@ def get_config() -> RunConfig:
             mini_batch_size=8,
             micro_batch_size=4,
             max_seq_len=128,
-            learning_rate=1e-4,
+            optimizer=OptimizerConfig(learning_rate=1e-4),
         ),
         inference=InferenceConfig(
             mesh=MeshConfig(data=1, fsdp=1, tensor=-1),

@@ -80,18 +80,18 @@ COMPUTE_PARTS = ("worker_generate", "trainer_jitted_step")
 # lr 1e-4, the demo's until 2026-11-28 (it is 5e-5 now, docs/learning.md): the figures in
 # docs/controller.md and the Tunix peer's optimizer were measured with it.
 QUICK = [
-    "trainer.learning_rate=1e-4",
+    "trainer.optimizer.learning_rate=1e-4",
     "model.hidden_size=64",
     "model.intermediate_size=256",
     "model.num_layers=2",
     "model.head_dim=16",
-    "controller.sft_steps=600",
+    "trainer.warm_start.steps=600",
     "controller.num_steps=40",
     "controller.eval_every=5",
     "controller.eval_size=128",
 ]
 FULL = [
-    "trainer.learning_rate=1e-4",
+    "trainer.optimizer.learning_rate=1e-4",
     "controller.num_steps=80",
     "controller.eval_every=5",
     "controller.eval_size=128",
@@ -112,7 +112,7 @@ SIZE_20M = [
     "model.head_dim=64",
     # 12 KiB of keys and values a token: 64 MiB holds a batch's 64 sequences of 64 tokens.
     "inference.kv_cache_bytes=67108864",
-    "controller.sft_steps=1",
+    "trainer.warm_start.steps=1",
     f"controller.num_steps={WARMUP_STEPS + MEASURED_STEPS_20M}",
     "controller.eval_dataset=",
 ]
@@ -165,17 +165,18 @@ def num_params(config: RunConfig) -> int:
 # -- the shared SFT warm start -------------------------------------------------------------------
 def warm_start_key(config: RunConfig) -> str:
     """What the warm start depends on (model, SFT settings, data, seed, trainer shape)."""
-    c = config.controller
+    c, w = config.controller, config.trainer.warm_start
     parts = {
         "seed": config.seed,
         "model": config.model.to_dict(),
         "trainer": config.trainer.to_dict(),
         "datasets": [d.to_dict() for d in c.datasets],
         "eval_dataset": c.eval_dataset,
-        "sft": [c.sft_steps, c.sft_learning_rate, c.prompts_per_batch, c.samples_per_prompt],
+        "sft": [w.steps, w.learning_rate, c.prompts_per_batch, c.samples_per_prompt],
     }
-    for rl_only in ("learning_rate", "algorithm", "behaviour_logprobs", "checkpoint_every"):
+    for rl_only in ("algorithm", "behaviour_logprobs", "checkpoint_every", "warm_start"):
         parts["trainer"].pop(rl_only)  # SFT has its own rate and checkpoint interval
+    parts["trainer"]["optimizer"].pop("learning_rate")
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -613,7 +614,7 @@ def size_report(
         "num_workers": config.inference.num_workers,
         "eval_every": ctl.eval_every if ctl.eval_dataset else None,
         "eval_size": ctl.eval_size if ctl.eval_dataset else None,
-        "sft_steps": ctl.sft_steps,
+        "sft_steps": config.trainer.warm_start.steps,
         "sft_s": round(warm["sft_s"], 1),
         "sft_reused": warm["reused"],
         "target_accuracy": target,
@@ -779,7 +780,7 @@ def run_size(
     ctl = config.controller
     print(
         f"{size}: {num_params(config) / 1e6:.2f}M parameters; SFT warm start "
-        f"({ctl.sft_steps} steps)",
+        f"({config.trainer.warm_start.steps} steps)",
         flush=True,
     )
     warm, sft_s, reused = warm_start(config, work, root / "warm_start.log")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["controller.sft_steps=0", "controller.eval_dataset=", "controller.num_steps=2"]
+BASE = ["trainer.warm_start.steps=0", "controller.eval_dataset=", "controller.num_steps=2"]
 
 
 def run_until(args: list[str], pattern: str, env: dict[str, str]) -> tuple[float, float, str]:

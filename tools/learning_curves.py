@@ -83,7 +83,7 @@ QUICK = [
     "model.intermediate_size=128",
     "model.num_layers=1",
     "model.head_dim=16",
-    "controller.sft_steps=2",
+    "trainer.warm_start.steps=2",
     "controller.num_steps=2",
     "controller.eval_every=1",
     "controller.eval_size=16",
@@ -347,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for seed in seeds:
         seeded = dataclasses.replace(base, seed=seed)
-        print(f"work dir {work}; seed {seed}: SFT warm start ({ctl.sft_steps} steps)", flush=True)
+        steps = base.trainer.warm_start.steps
+        print(f"work dir {work}; seed {seed}: SFT warm start ({steps} steps)", flush=True)
         warm = warm_start(seeded, work)
         for mode in modes:
             r = run_one(seeded, mode, warm, work)

@@ -64,7 +64,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlax_tpu.config import AlgorithmConfig, RunConfig, StalenessConfig, load_config  # noqa: E402
+from rlax_tpu.config import (  # noqa: E402
+    AlgorithmConfig,
+    ReplayConfig,
+    RunConfig,
+    StalenessConfig,
+    load_config,
+)
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
 ALGORITHMS = (
@@ -150,7 +156,7 @@ VARIANTS = {
             "reference_reset_every": TBA_RESET_EVERY,
         },
         {},
-        {"replay": True, "replay_recency_prob": 0.5},
+        {"replay": ReplayConfig(enabled=True, recency_prob=0.5)},
     ),
     # Online DPO with partial credit by distance to the answer (tools/graded_arithmetic.py):
     # with the task's binary reward the best and worst of a group tie whenever all its
@@ -205,7 +211,7 @@ QUICK = [
     "model.intermediate_size=256",
     "model.num_layers=2",
     "model.head_dim=16",
-    "controller.sft_steps=200",
+    "trainer.warm_start.steps=200",
     "controller.num_steps=8",
     "controller.eval_size=128",
 ]
@@ -255,8 +261,10 @@ def warm_start_key(config: RunConfig) -> str:
     """What the warm start depends on: model, SFT settings, data, seed, trainer shape."""
     c = config.controller
     trainer = config.trainer.to_dict()
-    for field in ("learning_rate", "algorithm", "behaviour_logprobs"):  # RL only
+    for field in ("algorithm", "behaviour_logprobs", "warm_start"):  # RL only, or in "sft"
         trainer.pop(field)
+    trainer["optimizer"].pop("learning_rate")  # RL's; the warm start's is in "sft"
+    w = config.trainer.warm_start
     parts = {
         "seed": config.seed,
         "model": config.model.to_dict(),
@@ -267,7 +275,7 @@ def warm_start_key(config: RunConfig) -> str:
             for d in c.datasets
         ],
         "eval_dataset": c.eval_dataset,
-        "sft": [c.sft_steps, c.sft_learning_rate, c.global_batch_size],  # its batch: all rows
+        "sft": [w.steps, w.learning_rate, c.global_batch_size],  # its batch: all rows
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -820,7 +828,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if not todo:
             continue
-        print(f"work dir {work}; seed {seed}: SFT warm start ({base.controller.sft_steps} steps)")
+        steps = base.trainer.warm_start.steps
+        print(f"work dir {work}; seed {seed}: SFT warm start ({steps} steps)")
         warm = warm_start(seeded, work)
         print(f"warm start ready in {time.perf_counter() - t0:.0f}s: {warm}", flush=True)
         for algorithm, n in todo:

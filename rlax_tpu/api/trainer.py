@@ -540,7 +540,7 @@ class TrainerClient(ComponentClient):
         return self._call("Republish", request, f"Republish({version})").version
 
     def warm_start_step(self) -> int:
-        """The SFT warm start's next step (== controller.sft_steps once version 0 exists)."""
+        """The SFT warm start's next step (== trainer.warm_start.steps once version 0 exists)."""
         return int(self.status().details.get("warm_start_step", "0"))
 
     def status(self) -> common_pb2.ComponentStatus:

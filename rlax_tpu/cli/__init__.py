@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 
-from rlax_tpu.config import ConfigError, load_config
+from rlax_tpu.config import ConfigError, RunConfig, field_descriptions, load_config
 from rlax_tpu.storage import StorageUnreachableError
 
 # Command -> its help line.
@@ -26,7 +26,7 @@ _COMMANDS = {
     "run": "start a run from a config (the main job)",
     "resume": "resume a run from its run directory after preemption",
     "serve": "serve one component over gRPC (param-server, inference, trainer, verifier)",
-    "sft": "the SFT warm start alone: train controller.sft_steps, export to RUN_DIR/sft_model",
+    "sft": "the SFT warm start alone: train trainer.warm_start.steps, export to RUN_DIR/sft_model",
     "eval": "held-out greedy accuracy of the run's newest model (or --model DIR) by the verifiers",
     "export": "a run's newest checkpoint (or --step S, or a CHECKPOINT) as a Hugging Face model "
     "directory, tokenizer included (`export RUN_DIR|CHECKPOINT OUT`)",
@@ -62,7 +62,7 @@ def _add_config_args(parser: argparse.ArgumentParser, *, optional: bool = False)
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. --set trainer.learning_rate=1e-6 "
+        help="override a config field, e.g. --set trainer.optimizer.learning_rate=1e-6 "
         "or --set staleness=one_step_off_policy (repeatable, applied in order)",
     )
 
@@ -253,10 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
                 help="print the effective config: the algorithm with its preset's values "
                 "filled in, unset (null or empty) fields hidden",
             )
-            _add_config_args(show)
+            _add_config_args(show, optional=True)
             show.add_argument("--format", choices=("text", "json"), default="text")
             show.add_argument(
                 "--all", action="store_true", help="every field, the unset ones included"
+            )
+            show.add_argument(
+                "--help-fields",
+                action="store_true",
+                help="every field of a config (no CONFIG needed): path, type, default and "
+                "what it is, one line each",
             )
         elif name == "deploy":
             target = p.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -346,6 +352,12 @@ def _unset(line: str) -> bool:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
+        if args.help_fields:
+            for path, hint, default, text in field_descriptions(RunConfig):
+                print(f"{path} ({hint}) = {default}: {text}")
+            return 0
+        if args.config is None:
+            raise ConfigError("config show needs a CONFIG (configs/*.py or a config.json)")
         config = load_config(args.config, args.overrides)
         if args.format == "json":  # the config as given (it loads back as it is)
             print(json.dumps(config.to_dict(), indent=2))

@@ -29,7 +29,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAMES",
         help="comma-separated subset of init, init_opt, rl_step, recompute, sft_step, publish, "
         "prefill, decode, swap_out, swap_in (default: every program the run executes; sft_step "
-        "only with controller.sft_steps > 0, publish only when the served params differ)",
+        "only with trainer.warm_start.steps > 0, publish only when the served params differ)",
     )
     parser.add_argument(
         "--save-compiled",

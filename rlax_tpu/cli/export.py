@@ -234,7 +234,7 @@ def _restore(
     if kind == "rl":
         description = f"RL checkpoint of step {restored.step} (version {restored.step})"
     else:
-        total = config.controller.sft_steps
+        total = config.trainer.warm_start.steps
         unfinished = (
             f", unfinished: {restored.step} of {total} steps" if restored.step < total else ""
         )

@@ -95,11 +95,11 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
 def sft_main(args: argparse.Namespace) -> int:
     """`rlax-tpu sft CONFIG`: the warm start of `rlax-tpu run`, and nothing after it."""
     config = load_config(args.config, args.overrides)
-    if not config.controller.sft_steps:
+    if not config.trainer.warm_start.steps:
         print(
-            "rlax-tpu sft: controller.sft_steps is 0 in this config, so there is nothing to "
-            "train; give the number of SFT steps, e.g. --set controller.sft_steps=800 (and "
-            "controller.sft_learning_rate)",
+            "rlax-tpu sft: trainer.warm_start.steps is 0 in this config, so there is nothing to "
+            "train; give the number of SFT steps, e.g. --set trainer.warm_start.steps=800 (and "
+            "trainer.warm_start.learning_rate)",
             file=sys.stderr,
         )
         return 2
@@ -116,7 +116,8 @@ def sft_main(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.load(tokenizer_path(effective))
     reused = storage.exists(storage.join(run_dir, SFT_MODEL_DIR, "config.json"))
     print(
-        f"sft {config.name!r}: {config.controller.sft_steps} steps, run dir {run_dir}", flush=True
+        f"sft {config.name!r}: {config.trainer.warm_start.steps} steps, run dir {run_dir}",
+        flush=True,
     )
     try:
         model_dir = warm_start(effective, tokenizer)

@@ -17,6 +17,7 @@ from typing import Any
 
 from rlax_tpu.config import MeshConfig, RunConfig
 from rlax_tpu.config.checkpoint import resolve_checkpoint_model
+from rlax_tpu.config.run import RENAMED_FIELDS
 from rlax_tpu.simulator.model import count_params
 
 # The trial's sizes: two prompts of two samples a step (a group of two is the least a
@@ -69,7 +70,7 @@ def trial(config: RunConfig, user_set: Collection[str] = ()) -> tuple[RunConfig,
         "inference.decode_buckets": [],
         # The run's length.
         "controller.num_steps": min(c.controller.num_steps, STEPS),
-        "controller.sft_steps": min(c.controller.sft_steps, SFT_STEPS),
+        "trainer.warm_start.steps": min(c.trainer.warm_start.steps, SFT_STEPS),
         "controller.eval_size": min(c.controller.eval_size, EVAL_SIZE),
         "controller.eval_every": 0,
         "controller.decode_step_deadline_s": max(
@@ -141,6 +142,8 @@ def _trial_dir(run_dir: str, name: str) -> str:
 
 
 def _set_by_user(key: str, user_set: Collection[str]) -> bool:
+    # A field the user set by its old path (RENAMED_FIELDS) is set all the same.
+    user_set = [RENAMED_FIELDS.get(k, k) for k in user_set]
     return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in user_set)
 
 

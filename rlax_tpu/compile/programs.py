@@ -13,7 +13,7 @@ compiled here are the ones the run executes, at the shapes it executes them:
                          samples_per_prompt rows of trainer.max_seq_len tokens)
              recompute   π_old (and V_old) of the global batch, micro-batch by micro-batch;
                          run again on the reference params when the objective has a KL term
-             sft_step    one SFT warm-start step (only when controller.sft_steps > 0)
+             sft_step    one SFT warm-start step (only when trainer.warm_start.steps > 0)
              publish     the params cast to model.publish_dtype (and unstacked) for the
                          parameter server (only when they are not served as they are held)
   inference  prefill     inference.prefill_rows prompts, at every prefill bucket
@@ -207,13 +207,13 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
                 dims=dims,
             )
         )
-    if "sft_step" in names and config.controller.sft_steps > 0:
+    if "sft_step" in names and config.trainer.warm_start.steps > 0:
         out.append(
             Program(
                 "sft_step",
                 "trainer",
                 batch,
-                f"once per SFT warm-start step ({config.controller.sft_steps})",
+                f"once per SFT warm-start step ({config.trainer.warm_start.steps})",
                 1,
                 lowering("sft_step"),
                 {"params": params, "optimizer_state": per_chip_bytes(tp.sft.abstract)},

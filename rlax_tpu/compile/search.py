@@ -83,7 +83,7 @@ def find_max(
     CompileReport) fits."""
     field, programs = KNOBS.get(knob, ("", ()))
     values = candidates(config, knob)
-    if config.controller.sft_steps == 0:
+    if config.trainer.warm_start.steps == 0:
         programs = tuple(p for p in programs if p != "sft_step")
 
     def fits(value: int) -> tuple[bool, str]:

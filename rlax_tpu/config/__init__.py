@@ -1,6 +1,6 @@
 """Typed, validated run configuration. Imports no JAX: the CLI reads configs first."""
 
-from rlax_tpu.config.base import ConfigBase, ConfigError
+from rlax_tpu.config.base import ConfigBase, ConfigError, ConfigRenamedWarning, field_descriptions
 from rlax_tpu.config.distribution import Distribution
 from rlax_tpu.config.loader import load_config
 from rlax_tpu.config.run import (
@@ -11,11 +11,14 @@ from rlax_tpu.config.run import (
     ControllerConfig,
     DatasetConfig,
     DeployConfig,
+    DynamicSamplingConfig,
     InferenceConfig,
     LoggingConfig,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     ParamServerConfig,
+    ReplayConfig,
     RopeScalingConfig,
     RunConfig,
     StalenessConfig,
@@ -23,6 +26,8 @@ from rlax_tpu.config.run import (
     TpuSliceConfig,
     TrainerConfig,
     VerifierConfig,
+    VerifyConfig,
+    WarmStartConfig,
     topology_chips,
 )
 
@@ -33,15 +38,19 @@ __all__ = [
     "AlgorithmConfig",
     "ConfigBase",
     "ConfigError",
+    "ConfigRenamedWarning",
     "ControllerConfig",
     "DatasetConfig",
     "DeployConfig",
     "Distribution",
+    "DynamicSamplingConfig",
     "InferenceConfig",
     "LoggingConfig",
     "MeshConfig",
     "ModelConfig",
+    "OptimizerConfig",
     "ParamServerConfig",
+    "ReplayConfig",
     "RopeScalingConfig",
     "RunConfig",
     "StalenessConfig",
@@ -49,6 +58,9 @@ __all__ = [
     "TpuSliceConfig",
     "TrainerConfig",
     "VerifierConfig",
+    "VerifyConfig",
+    "WarmStartConfig",
+    "field_descriptions",
     "load_config",
     "topology_chips",
 ]

@@ -45,6 +45,7 @@ class AlgorithmConfig(ConfigBase):
     has the table of presets × parts with formulas and sources.
     """
 
+    # the preset (PRESET_NAMES); fields left unset take its values
     name: str = "grpo"
     # -- parts ("" = the preset's choice) ---------------------------------------------
     aggregation: str = ""  # w
@@ -71,8 +72,11 @@ class AlgorithmConfig(ConfigBase):
     # DPO's β. Linear from kl_beta to kl_beta_final over kl_beta_decay_steps steps
     # (0 = constant), and kl_beta_final from kl_beta_cut_step on (0 = never).
     kl_beta: float | None = None
+    # β after the decay (see kl_beta)
     kl_beta_final: float | None = None
+    # steps of β's linear decay (see kl_beta; 0 = constant)
     kl_beta_decay_steps: int | None = None
+    # β is kl_beta_final from this step on (see kl_beta; 0 = never)
     kl_beta_cut_step: int | None = None
     # The trainer copies π_θ into π_ref every this many steps (TBA's ρ; 0 = never).
     reference_reset_every: int | None = None
@@ -97,6 +101,7 @@ class AlgorithmConfig(ConfigBase):
     # The rollout correction's upper bound C (verl's rollout_is_threshold) and MIS's lower
     # bound C_low (0 = 1/C).
     rollout_is_threshold: float | None = None
+    # MIS's lower bound C_low (see rollout_is_threshold)
     rollout_is_threshold_lower: float | None = None
     # The mismatch gate (Tunix's seq_logprob_error_threshold): drop a sequence whose
     # 1/|y| Σ_t exp(|log π_old − log π_rollout|) exceeds it (0 = off, else >= 1).
@@ -105,11 +110,15 @@ class AlgorithmConfig(ConfigBase):
     # Clip-Cov / KL-Cov: the fraction of response tokens they select (r, k), Clip-Cov's
     # covariance window (ω_low, ω_high), KL-Cov's penalty weight κ.
     cov_ratio: float | None = None
+    # Clip-Cov's covariance window, lower end ω_low (see cov_ratio)
     cov_bounds_low: float | None = None
+    # Clip-Cov's covariance window, upper end ω_high (see cov_ratio)
     cov_bounds_high: float | None = None
+    # KL-Cov's penalty weight κ (see cov_ratio)
     cov_kl_coef: float | None = None
     # M = token_soft_gate (SAPO): the gate's temperatures for A > 0 and A < 0.
     soft_gate_tau_pos: float | None = None
+    # the soft gate's temperature for A < 0 (see soft_gate_tau_pos)
     soft_gate_tau_neg: float | None = None
     # L in max-length normalisation w = 1/(B·L): the generation budget; 0 = the batch's
     # padded sequence length.

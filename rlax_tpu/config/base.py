@@ -14,9 +14,15 @@ import ast
 import contextvars
 import dataclasses
 import difflib
+import functools
+import inspect
+import io
 import json
+import textwrap
+import tokenize
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal, Self, Union
 
@@ -38,6 +44,11 @@ class ConfigError(ValueError):
         if not path:
             return self
         return ConfigError(self.detail, field=_join(path, self.field) if self.field else path)
+
+
+class ConfigRenamedWarning(FutureWarning):
+    """A config names a field by its old path (`ConfigBase.RENAMED`): it still works, for one
+    release, and the warning names the new path. A FutureWarning, so a CLI user sees it."""
 
 
 def _type_name(hint: Any) -> str:
@@ -218,6 +229,10 @@ class ConfigBase:
     # Named ready-made values of the whole section, selectable with `--set section=NAME`
     # (`from_preset_name`).
     PRESETS: ClassVar[dict[str, Callable[[], Any]]] = {}
+    # Old dotted path -> new dotted path, both from this section as the root of a config:
+    # an override or a dict key (an older run's config.json) of an old path is moved to its
+    # new one with a ConfigRenamedWarning. RunConfig holds the table (RENAMED_FIELDS).
+    RENAMED: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -265,6 +280,8 @@ class ConfigBase:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, path: str = "") -> Self:
+        if not path and cls.RENAMED:
+            data = _move_renamed(data, cls.RENAMED)
         hints = typing.get_type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {}
@@ -279,10 +296,16 @@ class ConfigBase:
 
     # -- overrides ----------------------------------------------------------------
     def override(self, dotted_key: str, value: Any, *, _path: str = "") -> Self:
-        """Return a copy with `dotted_key` (e.g. "trainer.learning_rate") set to `value`.
+        """Return a copy with `dotted_key` (e.g. "trainer.optimizer.learning_rate") set to `value`.
 
-        A string value is parsed by the field's type; a section accepts a preset name.
+        A string value is parsed by the field's type; a section accepts a preset name. An
+        old path of `RENAMED` sets its new one (with a ConfigRenamedWarning).
         """
+        if not _path and dotted_key in self.RENAMED:
+            new = self.RENAMED[dotted_key]
+            if not _is_section_value(dotted_key, new, value):
+                _warn_renamed(dotted_key, new)
+                dotted_key = new
         head, _, rest = dotted_key.partition(".")
         fields = {f.name: f for f in dataclasses.fields(self)}
         if head not in fields:
@@ -344,6 +367,191 @@ class ConfigBase:
         """One `key = value` line per leaf, in declaration order: stable, diffable text."""
         lines = [f"{key} = {json.dumps(_to_plain(v))}" for key, v in self.flat_items()]
         return "\n".join(lines) + "\n"
+
+    # -- field descriptions -------------------------------------------------------
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """Each field's one-line description: the comment block right above its declaration
+        and the comment at its end, joined (the convention every section keeps; a test checks
+        that no field lacks one)."""
+        return dict(_field_comments(cls))
+
+
+def _is_section_value(old: str, new: str, value: Any) -> bool:
+    """Whether `value` set at `old` is meant for the section that now has `old`'s name (the
+    old path of a leaf that became a section's field: controller.replay -> .replay.enabled)."""
+    if not new.startswith(old + "."):
+        return False
+    if isinstance(value, str):
+        try:
+            _literal(value, bool)
+        except ValueError:
+            return True
+        return False
+    return isinstance(value, (Mapping, ConfigBase))
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"config field {old} is now {new}; the old path works until the next release",
+        ConfigRenamedWarning,
+        stacklevel=4,
+    )
+
+
+def _move_renamed(data: Mapping[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+    """`data` (a config's dict form) with every old path of `renamed` moved to its new one.
+    All old values are taken out first, then put in: an old leaf may have become a section
+    of the same name (controller.replay)."""
+    data = _deep_copy_dicts(data)
+    moved: list[tuple[str, str, Any]] = []
+    for old, new in renamed.items():
+        *parents, last = old.split(".")
+        section = _walk(data, parents)
+        if section is None or last not in section:
+            continue
+        if _is_section_value(old, new, section[last]):
+            continue
+        moved.append((old, new, section.pop(last)))
+    for old, new, value in moved:
+        *parents, last = new.split(".")
+        section = data
+        for key in parents:
+            section = section.setdefault(key, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"cannot move {old} to {new}: {key} is not a section")
+        if last in section:
+            raise ConfigError(
+                f"is set twice, as {new} and by its old path {old}: keep only {new}", field=new
+            )
+        section[last] = value
+    if moved:
+        pairs = ", ".join(f"{old} -> {new}" for old, new, _ in moved)
+        warnings.warn(
+            f"config fields at old paths, read at their new ones (the old paths work until "
+            f"the next release): {pairs}",
+            ConfigRenamedWarning,
+            stacklevel=4,
+        )
+    return data
+
+
+def unmove_renamed(data: dict[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+    """The inverse of `_move_renamed` on a config's dict form (in place): every new path of
+    `renamed` present goes back to its old one, and a section left empty goes away."""
+    moved: list[tuple[str, Any]] = []
+    for old, new in renamed.items():
+        *parents, last = new.split(".")
+        chain = [data]
+        for key in parents:
+            nxt = chain[-1].get(key)
+            if not isinstance(nxt, dict):
+                break
+            chain.append(nxt)
+        else:
+            if last in chain[-1]:
+                moved.append((old, chain[-1].pop(last)))
+                for parent, key in zip(reversed(chain[:-1]), reversed(parents), strict=True):
+                    if parent[key]:
+                        break
+                    del parent[key]
+    for old, value in moved:
+        *parents, last = old.split(".")
+        section = data
+        for key in parents:
+            section = section.setdefault(key, {})
+        section[last] = value
+    return data
+
+
+def _walk(data: Mapping[str, Any], keys: list[str]) -> dict[str, Any] | None:
+    for key in keys:
+        data = data.get(key)
+        if not isinstance(data, dict):
+            return None
+    return data  # type: ignore[return-value]
+
+
+def _deep_copy_dicts(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy_dicts(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+@functools.cache
+def _field_comments(cls: type) -> tuple[tuple[str, str], ...]:
+    """(field, description) of each field `cls` itself declares, from its source comments."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return ()
+    lines = source.splitlines()
+    comments: dict[int, str] = {}  # line number (1-based) -> comment text
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    out = []
+    for node in body.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above: list[str] = []
+        line = node.lineno - 1
+        while line >= 1 and lines[line - 1].strip().startswith("#"):
+            above.insert(0, comments.get(line, ""))
+            line -= 1
+        # A "-- heading --" line groups fields; it describes none of them.
+        above = [c for c in above if not c.startswith("--")]
+        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        text = " ".join(c for c in above + trailing if c)
+        out.append((node.target.id, text))
+    return tuple(out)
+
+
+def field_descriptions(
+    cls: type[ConfigBase], prefix: str = "", defaults: ConfigBase | None = None
+) -> list[tuple[str, str, str, str]]:
+    """(dotted path, type, default, description) of every field of `cls` and of the sections
+    inside it (a section that may be None or a tuple of sections is walked too, `[]`
+    marking the tuple): what `rlax-tpu config show --help-fields` prints. `defaults`: the
+    instance whose values are the defaults (a section's default in its parent)."""
+    hints = typing.get_type_hints(cls)
+    helps: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if isinstance(klass, type) and issubclass(klass, ConfigBase):
+            helps.update(_field_comments(klass))
+    rows = []
+    for f in dataclasses.fields(cls):
+        path, hint = _join(prefix, f.name), hints[f.name]
+        if defaults is not None:
+            value = getattr(defaults, f.name)
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = dataclasses.MISSING
+        default = "(required)" if value is dataclasses.MISSING else json.dumps(_to_plain(value))
+        sections = _sections_of(hint)
+        if not sections or typing.get_origin(hint) in (typing.Union, types.UnionType):
+            rows.append((path, _type_name(hint), default, helps.get(f.name, "")))
+        for section, suffix in sections:
+            inner = value if isinstance(value, section) else None
+            rows.extend(field_descriptions(section, path + suffix, inner))
+    return rows
+
+
+def _sections_of(hint: Any) -> list[tuple[type[ConfigBase], str]]:
+    """The config sections a field of type `hint` holds, with the path suffix of each."""
+    origin = typing.get_origin(hint)
+    if isinstance(hint, type) and issubclass(hint, ConfigBase):
+        return [(hint, "")]
+    if origin in (typing.Union, types.UnionType):
+        return [s for a in typing.get_args(hint) for s in _sections_of(a)]
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return [(s, suffix + "[]") for s, suffix in _sections_of(args[0])]
+    return []
 
 
 def _to_plain(value: Any) -> Any:

@@ -20,11 +20,17 @@ class Distribution(ConfigBase):
     drawn uniformly from `values`. Draws are clipped to [minimum, maximum] (maximum 0 = no
     upper bound); token counts are rounded up."""
 
+    # fixed at median, lognormal around it, or empirical (drawn from values)
     kind: Literal["fixed", "lognormal", "empirical"] = "fixed"
+    # the median (the value of fixed)
     median: float = 1.0
+    # lognormal's shape (p95 = median·e^(1.645σ))
     sigma: float = 0.0
+    # draws are clipped below at this
     minimum: float = 0.0
+    # draws are clipped above at this (0 = no upper bound)
     maximum: float = 0.0
+    # empirical: the values drawn from, uniformly
     values: tuple[float, ...] = ()
 
     def validate(self) -> None:

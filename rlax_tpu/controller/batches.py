@@ -50,7 +50,7 @@ class BatchBuilder:
     ) -> None:
         self.ctl = config.controller
         self.max_seq_len = config.trainer.max_seq_len
-        self.dynamic = self.ctl.dynamic_sampling
+        self.dynamic = self.ctl.dynamic_sampling.enabled
         self.pool, self.scorer, self.log = pool, scorer, log
         self.refill, self.replay, self.policy = refill, replay, policy
         self.encode = encode
@@ -111,8 +111,8 @@ class BatchBuilder:
 
     def fill(self, batch: BatchState, stop: threading.Event) -> Selection | None:
         """Judge `batch` and choose its groups, drawing more prompts while dynamic sampling
-        wants groups with signal (at most dynamic_sampling_max_rounds extra rounds) or groups
-        dropped as unjudged leave the batch short. None if stopped meanwhile."""
+        wants groups with signal (at most controller.dynamic_sampling.max_rounds extra
+        rounds) or groups dropped as unjudged leave the batch short. None if stopped meanwhile."""
         ctl = self.ctl
         wanted = ctl.prompts_per_batch
         signal_rounds = refills = 0
@@ -124,7 +124,7 @@ class BatchBuilder:
             judged = sum(ok for _, ok, _ in groups)
             signal = sum(s for _, _, s in groups)
             more_signal = (
-                self.dynamic and signal < wanted and signal_rounds < ctl.dynamic_sampling_max_rounds
+                self.dynamic and signal < wanted and signal_rounds < ctl.dynamic_sampling.max_rounds
             )
             short = judged < wanted and self.replay is None  # the buffer needs no refill
             if not (more_signal or short):

@@ -144,15 +144,15 @@ class Controller:
             components.verifier,
             tokenizer,
             stops,
-            retries=ctl.verify_retries,
-            backoff_s=ctl.verify_retry_backoff_s,
-            max_unjudged_fraction=ctl.max_unjudged_fraction,
+            retries=ctl.verify.retries,
+            backoff_s=ctl.verify.retry_backoff_s,
+            max_unjudged_fraction=ctl.verify.max_unjudged_fraction,
             counters=self.stats,
             request_prefix=run_prefix(self.digest, config.storage.run_dir),
         )
         self.replay = (
             ReplayStage(config, log=self.log, max_staleness=self.policy.max_staleness)
-            if ctl.replay
+            if ctl.replay.enabled
             else None
         )
         self.builder = BatchBuilder(
@@ -285,7 +285,7 @@ class Controller:
 
     def _warm_start(self) -> bool:
         """The SFT warm start, through the trainer, unless it is done; False if stopped."""
-        total = self.config.controller.sft_steps
+        total = self.config.trainer.warm_start.steps
         if not total:
             return True
         next_step = self.c.trainer.warm_start_step()
@@ -346,15 +346,15 @@ class Controller:
 
     # -- replay pre-fill -----------------------------------------------------------------------
     def _prefill(self) -> None:
-        """TBA's pre-fill: before step 0, `replay_prefill_batches` batches of prompts from
-        the main stream, generated with version 0 and judged, enter the buffer. A resume
-        from step 0 restores the streams from before it and so pre-fills identically."""
+        """TBA's pre-fill: before step 0, `controller.replay.prefill_batches` batches of
+        prompts from the main stream, generated with version 0 and judged, enter the buffer. A
+        resume from step 0 restores the streams from before it and so pre-fills identically."""
         ctl = self.config.controller
-        if not ctl.replay_prefill_batches:
+        if not ctl.replay.prefill_batches:
             return
         batch = BatchState(0, 0, self.samples)  # logged under batch 0 as "pre<j>:" prompts
         prompts = []
-        for j in range(ctl.replay_prefill_batches):
+        for j in range(ctl.replay.prefill_batches):
             for r in self.mixture.draw(ctl.prompts_per_batch):
                 prompts.append(Prompt(f"pre{j}:{r.dataset}:{r.id}", self.encode(r), r))
         self.pool.submit(batch, prompts)

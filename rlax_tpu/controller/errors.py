@@ -9,4 +9,4 @@ class ControllerError(RuntimeError):
 
 class UnjudgedError(ControllerError):
     """Too much of a batch stayed unjudged after the verifier retries: training on it would
-    train on missing rewards, so the run stops (see `controller.max_unjudged_fraction`)."""
+    train on missing rewards, so the run stops (see `controller.verify.max_unjudged_fraction`)."""

@@ -208,13 +208,13 @@ class ReplayStage:
     def __init__(self, config: Any, *, log: Any, max_staleness: int) -> None:
         ctl = config.controller
         self.buffer = ReplayBuffer(
-            per_prompt_cap=ctl.replay_per_prompt_cap,
-            global_cap=ctl.replay_global_cap,
-            recency_prob=ctl.replay_recency_prob,
-            reward_temperature=ctl.replay_reward_temperature,
+            per_prompt_cap=ctl.replay.per_prompt_cap,
+            global_cap=ctl.replay.global_cap,
+            recency_prob=ctl.replay.recency_prob,
+            reward_temperature=ctl.replay.reward_temperature,
             seed=config.seed,
         )
-        self.sync_every = ctl.replay_sync_every
+        self.sync_every = ctl.replay.sync_every
         self.prompts_per_batch, self.samples = ctl.prompts_per_batch, ctl.samples_per_prompt
         self.max_staleness = max_staleness
         self.log = log  # rlax_tpu.controller.snapshots.RolloutLog

@@ -15,15 +15,15 @@ from rlax_tpu.staleness import StalenessPolicy
 class Schedule:
     """`policy` is the acceptance rule (η, N) the trainer enforces; `generation_policy` says
     which version generates batch b: the same, or in replay mode one lagging by at most
-    `replay_generation_lag` versions, leaving the rest of N for reusing rollouts."""
+    `controller.replay.generation_lag` versions, leaving the rest of N for reusing rollouts."""
 
     def __init__(self, config: RunConfig) -> None:
         ctl = config.controller
         self.policy = StalenessPolicy.from_config(config.staleness)
         self.generation_policy = self.policy
-        if ctl.replay:
+        if ctl.replay.enabled:
             eta = self.policy.reload_every
-            lag = min(self.policy.max_staleness, max(ctl.replay_generation_lag, eta - 1))
+            lag = min(self.policy.max_staleness, max(ctl.replay.generation_lag, eta - 1))
             self.generation_policy = StalenessPolicy(eta, lag, self.policy.schedule)
         self.num_steps = ctl.num_steps
         self.eval_every = ctl.eval_every

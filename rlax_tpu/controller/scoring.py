@@ -3,11 +3,11 @@ and one they could not judge is never trained as a wrong answer.
 
 A result with verdict VERIFIER_ERROR (a verifier exception, a missing sandbox, a missed batch
 deadline) or a failed call (service unavailable, queue full) is sent again, up to
-`controller.verify_retries` times with a doubling backoff; the service is idempotent by
+`controller.verify.retries` times with a doubling backoff; the service is idempotent by
 request id and keeps no error in its cache, so a retry judges again and a success returns
 the verdict the first try would have. A sample still unjudged after that is `unjudged`: the
 controller drops its group (assembly.select_groups), and when more than
-`controller.max_unjudged_fraction` of a round is unjudged it stops the run, naming the
+`controller.verify.max_unjudged_fraction` of a round is unjudged it stops the run, naming the
 verifiers' reasons — a broken sandbox must not train a model on zeros. Which samples end
 unjudged depends only on which requests the verifier fails, never on timing.
 """
@@ -299,7 +299,7 @@ class Scorer:
             distinct = list(dict.fromkeys(reasons[i] for i in pending))[:3]
             raise UnjudgedError(
                 f"{what}: {len(pending)} of {len(items)} samples are unjudged after "
-                f"{self.retries} retries, over controller.max_unjudged_fraction = "
+                f"{self.retries} retries, over controller.verify.max_unjudged_fraction = "
                 f"{self.max_unjudged_fraction}; the verifiers say: {' | '.join(distinct)}. "
                 "Fix the verifier (e.g. its sandbox), then resume the run; nothing was "
                 "trained on these samples"

@@ -1,4 +1,4 @@
-"""The SFT warm start (`controller.sft_steps` = S): S supervised steps on the training
+"""The SFT warm start (`trainer.warm_start.steps` = S): S supervised steps on the training
 datasets' reference answers before RL, after which the trainer publishes version 0.
 
 The controller drives it like RL steps, through the trainer's `SftStep` (the same service,
@@ -63,23 +63,25 @@ def run_warm_start(
     report: Callable[[str], None] = print,
     stop: threading.Event | None = None,
 ) -> None:
-    """SFT steps [next_step, sft_steps) on `trainer` (a TrainerClient, or a Trainer in this
-    process); `mixture` is the run's prompt mixture, whose sibling stream they draw from.
-    Returns early once `stop` is set (the trainer is then at a step boundary). `report`
-    gets a line after the first step, every ~10% of the steps and after the last."""
+    """SFT steps [next_step, trainer.warm_start.steps) on `trainer` (a TrainerClient, or a
+    Trainer in this process); `mixture` is the run's prompt mixture, whose sibling stream
+    they draw from. Returns early once `stop` is set (the trainer is then at a step
+    boundary). `report` gets a line after the first step, every ~10% of the steps and after
+    the last."""
     ctl = config.controller
     stream = mixture.sibling(config.seed + SFT_STREAM)
     stream.draw(next_step * ctl.global_batch_size)  # the steps the trainer has done
     t0 = time.perf_counter()
-    every = max(1, ctl.sft_steps // 10)  # a line per ~10% of the warm start
-    for step in range(next_step, ctl.sft_steps):
+    steps = config.trainer.warm_start.steps
+    every = max(1, steps // 10)  # a line per ~10% of the warm start
+    for step in range(next_step, steps):
         if stop is not None and stop.is_set():
             return
         records = stream.draw(ctl.global_batch_size)
         result = trainer.sft_step(step, *sft_rows(config, tokenizer, records))
         # The first step says the trainer compiled and runs; then every ~10% and the last.
-        if step == next_step or (step + 1) % every == 0 or step == ctl.sft_steps - 1:
+        if step == next_step or (step + 1) % every == 0 or step == steps - 1:
             report(
-                f"sft step {step + 1}/{ctl.sft_steps}: loss {result.metrics.get('loss', 0):.3f} "
+                f"sft step {step + 1}/{steps}: loss {result.metrics.get('loss', 0):.3f} "
                 f"({time.perf_counter() - t0:.0f}s)"
             )

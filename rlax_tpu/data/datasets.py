@@ -274,7 +274,7 @@ def scan_datasets(
     naming the rows and the --set that fits them, or, with controller.overlong_prompts=drop,
     left out (and counted). Nothing is ever truncated."""
     limit, seq = config.inference.max_prompt_len, config.trainer.max_seq_len
-    with_sft = sft and config.controller.sft_steps > 0
+    with_sft = sft and config.trainer.warm_start.steps > 0
     kept, scans = {}, {}
     for name, rows in records.items():
         lengths = [len(prompt_tokens(tokenizer, r)) for r in rows]

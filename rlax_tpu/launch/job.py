@@ -4,7 +4,7 @@
 2. Built-in inputs are materialised into it: `model.tokenizer = "builtin:char"` writes a
    character tokenizer, a dataset path `builtin:arithmetic` writes the arithmetic task.
 3. The local launcher starts every component; the controller runs in the foreground: the
-   SFT warm start first (`controller.sft_steps`, through the trainer's SftStep), then RL.
+   SFT warm start first (`trainer.warm_start.steps`, through the trainer's SftStep), then RL.
 Running it again on the same run directory (or `rlax-tpu resume RUN_DIR`) resumes.
 
 `rlax-tpu run CONFIG --connect` (`run_connected`) is the controller alone, driving
@@ -318,7 +318,7 @@ def _connect(
             wait_s=config.controller.component_wait_s,
             stop=stop,
             liveness_s=config.controller.liveness_timeout_s,
-            deadline_s=config.controller.verify_deadline_s,
+            deadline_s=config.controller.verify.deadline_s,
         ),
     )
 

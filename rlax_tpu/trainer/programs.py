@@ -135,21 +135,19 @@ class TrainerPrograms:
         )
         self.num_params = count_params(self.abstract_params)
 
-        ctl = config.controller
+        ctl, warm = config.controller, config.trainer.warm_start
         self.rl = self._optimizer_layout(
             *build_optimizer(
-                config.trainer,
-                num_steps=config.trainer.lr_decay_steps or ctl.num_steps,
+                config.trainer.optimizer,
+                num_steps=config.trainer.optimizer.lr_decay_steps or ctl.num_steps,
                 updates_per_step=self.levels.num_updates,
             )
         )
         # The SFT warm start's own optimizer: its learning rate, a schedule over its steps.
         self.sft = self._optimizer_layout(
             *build_optimizer(
-                dataclasses.replace(
-                    config.trainer, learning_rate=ctl.sft_learning_rate, lr_decay_steps=0
-                ),
-                num_steps=max(ctl.sft_steps, 1),
+                warm.optimizer(config.trainer.optimizer),
+                num_steps=max(warm.steps, 1),
                 updates_per_step=self.levels.num_updates,
             )
         )
@@ -281,7 +279,7 @@ class TrainerPrograms:
         of trainer.max_seq_len tokens), indices of its static arguments)."""
         seq = self.config.trainer.max_seq_len
         values = self.objective.needs_rollout_values
-        warm_start = self.config.controller.sft_steps > 0
+        warm_start = self.config.trainer.warm_start.steps > 0
         table = {
             "init": (self.random_init, (), ()),
             "init_opt": (self.init_opt, (self.abstract_params,), ()),

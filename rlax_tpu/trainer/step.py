@@ -19,7 +19,7 @@ from flax import nnx
 
 from rlax_tpu.algorithms import Objective, RolloutBatch
 from rlax_tpu.algorithms.metrics import masked_mean, masked_quantile
-from rlax_tpu.config import InferenceConfig, RunConfig, TrainerConfig
+from rlax_tpu.config import InferenceConfig, OptimizerConfig, RunConfig
 from rlax_tpu.models.options import REFERENCE, ForwardOptions
 from rlax_tpu.sharding import constrain
 
@@ -85,20 +85,20 @@ class BatchLevels:
 
 
 def learning_rate_schedule(
-    trainer: TrainerConfig, *, num_steps: int, updates_per_step: int
+    optimizer: OptimizerConfig, *, num_steps: int, updates_per_step: int
 ) -> optax.Schedule:
     """The learning rate as a function of the optimizer-update count.
 
-    Warmup and decay are counted in train steps (`warmup_steps`, and `num_steps`: the
-    trainer's lr_decay_steps, else controller.num_steps), so
+    Warmup and decay are counted in train steps (`warmup_steps`, and `num_steps`:
+    trainer.optimizer.lr_decay_steps, else controller.num_steps), so
     every update within one step uses the same rate: linear warmup from 0 to
     `learning_rate`, then constant, cosine to 0, or linear to 0 at `num_steps`.
     """
-    peak, warmup = trainer.learning_rate, trainer.warmup_steps
+    peak, warmup = optimizer.learning_rate, optimizer.warmup_steps
     decay = max(num_steps - warmup, 1)
-    if trainer.lr_schedule == "cosine":
+    if optimizer.lr_schedule == "cosine":
         after = optax.cosine_decay_schedule(peak, decay)
-    elif trainer.lr_schedule == "linear":
+    elif optimizer.lr_schedule == "linear":
         after = optax.linear_schedule(peak, 0.0, decay)
     else:
         after = optax.constant_schedule(peak)
@@ -111,23 +111,23 @@ def learning_rate_schedule(
 
 
 def build_optimizer(
-    trainer: TrainerConfig, *, num_steps: int, updates_per_step: int
+    optimizer: OptimizerConfig, *, num_steps: int, updates_per_step: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW behind clip_by_global_norm, with the schedule above."""
     schedule = learning_rate_schedule(
-        trainer, num_steps=num_steps, updates_per_step=updates_per_step
+        optimizer, num_steps=num_steps, updates_per_step=updates_per_step
     )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(trainer.grad_clip_norm),
+    transform = optax.chain(
+        optax.clip_by_global_norm(optimizer.grad_clip_norm),
         optax.adamw(
             schedule,
-            b1=trainer.adam_b1,
-            b2=trainer.adam_b2,
-            eps=trainer.adam_eps,
-            weight_decay=trainer.weight_decay,
+            b1=optimizer.adam_b1,
+            b2=optimizer.adam_b2,
+            eps=optimizer.adam_eps,
+            weight_decay=optimizer.weight_decay,
         ),
     )
-    return optimizer, schedule
+    return transform, schedule
 
 
 # -- forward passes -------------------------------------------------------------------------
