@@ -25,7 +25,7 @@ from rlax_tpu.config import (
     VerifyConfig,
     WarmStartConfig,
 )
-from rlax_tpu.controller import UnjudgedError
+from rlax_tpu.controller.errors import UnjudgedError
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.launch.job import run_connected
 from rlax_tpu.launch.remote import ComponentAddresses

@@ -46,7 +46,8 @@ def fixed_distribution_checkpoint(config: RunConfig, path: Path) -> None:
     from flax import nnx
 
     from rlax_tpu.data.char_tokenizer import write_char_tokenizer
-    from rlax_tpu.models import Tokenizer, Transformer, save_hf
+    from rlax_tpu.data.tokenizer import Tokenizer
+    from rlax_tpu.models import Transformer, save_hf
     from rlax_tpu.tree import flatten, unflatten_like
 
     write_char_tokenizer(str(path.parent / "tokenizer"))

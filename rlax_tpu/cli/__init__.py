@@ -4,8 +4,8 @@
 and held-out accuracy, cli/sft_eval.py), `serve` (one component), `config show`,
 `deploy gke|xmanager` (rlax_tpu/deploy), `simulate` (cli/simulate.py), `compile`
 (cli/compile.py: the config's programs compiled for its TPU topology), `prefilter`
-(launch/prefilter.py), `export` (cli/export.py: a run's checkpoint as a Hugging Face
-model), `samples` (cli/samples.py: a batch of the rollout log as text) and `bench`
+(cli/prefilter.py over launch/prefilter.py), `export` (cli/export.py: a run's checkpoint as
+a Hugging Face model), `samples` (cli/samples.py: a batch of the rollout log as text) and `bench`
 (tools/bench_*.py, cli/bench.py).
 The parser reads only the config here; each command imports JAX and its component itself.
 """
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_config_args(p)
             add_compile_args(p)
         elif name == "prefilter":
-            from rlax_tpu.launch.prefilter import add_args as add_prefilter_args
+            from rlax_tpu.cli.prefilter import add_args as add_prefilter_args
 
             _add_config_args(p)
             add_prefilter_args(p)
@@ -445,7 +445,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return eval_main(args)
     if args.command == "prefilter":
-        from rlax_tpu.launch.prefilter import main as prefilter
+        from rlax_tpu.cli.prefilter import main as prefilter
 
         return prefilter(load_config(args.config, args.overrides), args)
     if args.command == "export":
