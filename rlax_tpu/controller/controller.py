@@ -362,12 +362,7 @@ class Controller:
             return
         self.builder.judge(batch)
         groups = [
-            (
-                f"{p.record.dataset}:{p.record.id}",
-                [(r, j.reward, j.token_rewards) for r, j in batch.group(p)],
-            )
-            for p in batch.prompts
-            if all(j.judged for _, j in batch.group(p))
+            dataclasses.replace(batch.group(p), key=p.uid) for p in batch.prompts if batch.judged(p)
         ]
         self.replay.prefill(self.replay.entries(0, groups))
 

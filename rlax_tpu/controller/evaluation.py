@@ -133,7 +133,7 @@ class Evaluator:
         # A version that is not a multiple of η (the final one) is loaded for this only.
         evaluation = not self.schedule.policy.is_loadable(version)
         rollouts = self.pool.generate(requests, version, evaluation=evaluation, stop=stop)
-        items: list[tuple[Any, dict[str, Any]]] = [
+        items = [
             (p.record, rollout_record(-1, rollouts[q.request_id]))
             for p, q in zip(self.prompts, requests, strict=True)
         ]
