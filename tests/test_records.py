@@ -10,6 +10,7 @@ import json
 import pytest
 
 from rlax_tpu.api.records import Group, Judgement, RolloutKey, RolloutRecord, ScoredRollout
+from rlax_tpu.controller.datasets import PromptRecord
 from rlax_tpu.controller.generation import rollout_record
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.inference.types import Rollout
@@ -132,3 +133,12 @@ def test_a_group_holds_only_judged_samples():
         ScoredRollout.of(RECORD, Judgement(None, "verifier_error", "sandbox down"))
     group = Group("b3:gsm8k:17", [judged, ScoredRollout(RECORD, 0.0)], baseline=0.5)
     assert group.samples[1].reward == 0.0 and group.baseline == 0.5
+
+
+def test_the_prompts_of_a_batch_are_logged_as_before(tmp_path):
+    record = PromptRecord(dataset="gsm8k", id="17", prompt="What is 6*7?", reference="42")
+    RolloutLog(str(tmp_path)).append_prompts(3, {"b3:gsm8k:17": record})
+    assert _only_file(tmp_path / "rollouts" / "batch_000000003", "prompts-") == (
+        '{"prompt_id": "b3:gsm8k:17", "record": {"dataset": "gsm8k", "id": "17", "problem": "", '
+        '"prompt": "What is 6*7?", "reference": "42", "verifier": "math"}}\n'
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.assembly import (
@@ -20,6 +19,7 @@ from rlax_tpu.controller.assembly import (
     group_has_signal,
     select_groups,
 )
+from rlax_tpu.controller.datasets import PromptMixture, PromptRecord
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt
 from rlax_tpu.controller.replay import ReplayStage
@@ -43,11 +43,11 @@ class BatchBuilder:
         pool: GenerationPool,
         scorer: Scorer,
         log: RolloutLog,
-        refill: Any,
+        refill: PromptMixture,
         replay: ReplayStage | None,
         policy: StalenessPolicy,
-        encode: Callable[[Any], tuple[int, ...]],
-        counters: MutableMapping[str, Any],
+        encode: Callable[[PromptRecord], tuple[int, ...]],
+        counters: MutableMapping[str, int],
     ) -> None:
         self.ctl = config.controller
         self.max_seq_len = config.trainer.max_seq_len

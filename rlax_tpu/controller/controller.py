@@ -34,10 +34,11 @@ from rlax_tpu.config import RunConfig
 from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import Assembled
 from rlax_tpu.controller.batches import BatchBuilder
-from rlax_tpu.controller.datasets import encode_prompt, stop_tokens
+from rlax_tpu.controller.datasets import PromptMixture, PromptRecord, encode_prompt, stop_tokens
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.evaluation import EvalResult, Evaluator
 from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt, Stopped
+from rlax_tpu.controller.metrics import MetricsWriter
 from rlax_tpu.controller.recovery import Recovery
 from rlax_tpu.controller.replay import ReplayStage
 from rlax_tpu.controller.schedule import Schedule
@@ -67,7 +68,7 @@ class Components:
     verifier: Verifier
 
 
-def _fresh_stats() -> dict[str, Any]:
+def _fresh_stats() -> dict[str, int]:
     """The run's accounting (cumulative, snapshotted); the parts add their own counters."""
     return {
         "rejected_stale": 0,
@@ -84,10 +85,10 @@ class Controller:
         components: Components,
         *,
         tokenizer: Any,
-        mixture: Any,
-        eval_prompts: Sequence[Any] = (),
+        mixture: PromptMixture,
+        eval_prompts: Sequence[PromptRecord] = (),
         eval_overlap: float | None = None,
-        metrics: Any = None,
+        metrics: MetricsWriter | None = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
         report: Callable[[str], None] | None = None,
         stop: threading.Event | None = None,
@@ -313,7 +314,7 @@ class Controller:
             "stats": dict(self.stats),
         }
 
-    def _restore(self, mixture: Mapping[str, Any], stats: Mapping[str, Any]) -> None:
+    def _restore(self, mixture: Mapping[str, Any], stats: Mapping[str, int]) -> None:
         self.mixture.restore(mixture["main"])
         if mixture.get("refill") is None:
             raise SnapshotError("the snapshot has no refill stream state")
@@ -324,7 +325,7 @@ class Controller:
         self.stats.update({**fresh, **stats})
 
     # -- prompts -------------------------------------------------------------------------------
-    def encode(self, record: Any) -> tuple[int, ...]:
+    def encode(self, record: PromptRecord) -> tuple[int, ...]:
         return encode_prompt(self.tokenizer, record, self.config.inference.max_prompt_len)
 
     def _draw(self, b: int) -> list[Prompt]:

@@ -19,11 +19,10 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
-from rlax_tpu.controller.datasets import normalised_problem
+from rlax_tpu.controller.datasets import PromptRecord, normalised_problem
 from rlax_tpu.controller.generation import GenerationPool, Prompt, rollout_record
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer
@@ -70,7 +69,7 @@ class EvalResult:
 
 
 def accuracy_over_problems(
-    records: Sequence[Any], rewards: Sequence[float | None]
+    records: Sequence[PromptRecord], rewards: Sequence[float | None]
 ) -> tuple[float, int]:
     """(accuracy, distinct problems): each distinct problem (`normalised_problem`) among the
     judged ones (reward not None) counts once, by the fraction of its judged prompts with

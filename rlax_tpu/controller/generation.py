@@ -28,7 +28,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import grpc
@@ -188,10 +188,10 @@ class GenerationPool:
         *,
         samples: int,
         sampling: SamplingParams,
-        counters: MutableMapping[str, Any],
+        counters: MutableMapping[str, int],
         wait_s: float = 300.0,
         report: Callable[[str], None] | None = None,
-        republish: Callable[[int], Any] | None = None,
+        republish: Callable[[int], object] | None = None,
         liveness_s: float = 0.0,
         decode_step_deadline_s: float = 0.0,
         decode_slots: int = 1,
@@ -477,7 +477,7 @@ class GenerationPool:
             requests = missing[k : k + per_worker]
             # Each job logs the records of its own prompts, next to their rollouts: once per
             # prompt, not per sample.
-            job_prompts = {i: records[i].to_json() for i in {q.prompt_id for q in requests}}
+            job_prompts = {i: records[i] for i in {q.prompt_id for q in requests}}
             self._jobs.put(
                 _Job(
                     (b, batch.rounds * 2**20 + k),
@@ -490,7 +490,7 @@ class GenerationPool:
             )
 
     def _deliver(
-        self, batch: BatchState, rollouts: list[Rollout], prompts: dict[str, dict[str, Any]]
+        self, batch: BatchState, rollouts: list[Rollout], prompts: Mapping[str, PromptRecord]
     ) -> None:
         records = [rollout_record(batch.index, r) for r in rollouts]
         self.log.append_prompts(batch.index, prompts)  # for people: `rlax-tpu samples`

@@ -179,7 +179,7 @@ class Scorer:
         retries: int,
         backoff_s: float,
         max_unjudged_fraction: float,
-        counters: MutableMapping[str, Any],
+        counters: MutableMapping[str, int],
         sleep: Callable[[float], None] = time.sleep,
         request_prefix: str = "",
     ) -> None:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from rlax_tpu import storage
 from rlax_tpu.api.records import Judgement, RolloutKey, RolloutRecord
+from rlax_tpu.controller.datasets import PromptRecord
 from rlax_tpu.run_dir import ROLLOUTS, SNAPSHOTS
 
 _log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Snapshot:
     checkpoint_step: int
     config_digest: str
     mixture: dict[str, Any]
-    stats: dict[str, Any]
+    stats: dict[str, int]
     versions: dict[str, int]
 
     def to_json(self) -> str:
@@ -208,16 +209,16 @@ class RolloutLog:
                 _log.warning("rollout log entry %s of batch %d is unreadable; %s", key, batch, then)
         return out
 
-    def append_prompts(self, batch: int, records: Mapping[str, dict[str, Any]]) -> None:
-        """Persist the dataset records (PromptRecord.to_json) of `batch`'s prompts, by prompt
-        id, in one atomic write named by the ids (writing the same prompts again replaces
-        it)."""
+    def append_prompts(self, batch: int, records: Mapping[str, PromptRecord]) -> None:
+        """Persist the dataset records of `batch`'s prompts, by prompt id, in one atomic
+        write named by the ids (writing the same prompts again replaces it)."""
         if not records:
             return
         ids = sorted(records)
         name = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24]
         lines = "".join(
-            json.dumps({"prompt_id": i, "record": records[i]}, sort_keys=True) + "\n" for i in ids
+            json.dumps({"prompt_id": i, "record": records[i].to_json()}, sort_keys=True) + "\n"
+            for i in ids
         )
         storage.write_text(
             storage.join(self._batch_dir(batch), f"{PROMPTS_PREFIX}{name}.jsonl"), lines
