@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 
 from rlax_tpu.api.records import Group, Judgement, RolloutKey, RolloutRecord, ScoredRollout
 from rlax_tpu.controller.datasets import PromptRecord
 from rlax_tpu.controller.generation import rollout_record
+from rlax_tpu.controller.replay import ReplayStage
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.inference.types import Rollout
 
@@ -142,3 +144,41 @@ def test_the_prompts_of_a_batch_are_logged_as_before(tmp_path):
         '{"prompt_id": "b3:gsm8k:17", "record": {"dataset": "gsm8k", "id": "17", "problem": "", '
         '"prompt": "What is 6*7?", "reference": "42", "verifier": "math"}}\n'
     )
+
+
+def test_a_resumed_replay_stage_samples_the_same_groups_reading_the_rollout_log(tmp_path):
+    """The replay stage keeps its rollouts in memory; after a resume (its state from the
+    snapshot, nothing in memory) it reads them back from the rollout log, and samples the
+    same groups, rows and values."""
+    controller = types.SimpleNamespace(
+        replay_per_prompt_cap=4,
+        replay_global_cap=16,
+        replay_recency_prob=0.5,
+        replay_reward_temperature=1.0,
+        replay_sync_every=1,
+        prompts_per_batch=2,
+        samples_per_prompt=2,
+    )
+    config = types.SimpleNamespace(controller=controller, seed=5)
+    log = RolloutLog(str(tmp_path))
+
+    def stage() -> ReplayStage:
+        return ReplayStage(config, log=log, max_staleness=2)
+
+    groups = []
+    for p in range(3):
+        samples = []
+        for i in range(2):
+            record = dataclasses.replace(
+                RECORD, batch=0, prompt_id=f"b0:d:{p}", sample_index=i, tokens=(p, i, 2)
+            )
+            dense = None if p else (0.5, 0.25, 0.0)
+            samples.append(ScoredRollout(record, float(p + i) / 2, dense))
+        log.append(0, [s.rollout for s in samples])
+        groups.append(Group(f"d:{p}", tuple(samples)))
+    first = stage()
+    first.prefill(first.entries(0, groups))
+    state = json.loads(json.dumps(first.state()))  # as a snapshot holds it
+    resumed = stage()
+    resumed.restore(state)
+    assert resumed.groups(1, []) == first.groups(1, [])
