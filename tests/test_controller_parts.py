@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlax_tpu.api.records import Group, RolloutRecord, ScoredRollout
 from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.config import StalenessConfig, load_config
 from rlax_tpu.controller.assembly import assemble_batch, group_has_signal, select_groups
@@ -96,20 +97,29 @@ def test_group_has_signal_is_dapos_predicate():
 
 
 def rollout(prompt, sample, version, prompt_tokens, tokens):
-    return {
-        "prompt_id": prompt,
-        "sample_index": sample,
-        "version": version,
-        "prompt_tokens": prompt_tokens,
-        "tokens": tokens,
-        "logprobs": [-0.5 - i for i in range(len(tokens))],
-    }
+    return RolloutRecord(
+        batch=0,
+        prompt_id=prompt,
+        sample_index=sample,
+        version=version,
+        prompt_tokens=tuple(prompt_tokens),
+        tokens=tuple(tokens),
+        logprobs=tuple(-0.5 - i for i in range(len(tokens))),
+        finish_reason="stop",
+    )
+
+
+def group(*samples):
+    """A group of (rollout, reward) pairs."""
+    return Group(samples[0][0].prompt_id, tuple(ScoredRollout(r, w) for r, w in samples))
 
 
 def test_assemble_batch_aligns_responses_with_the_positions_that_score_them():
     groups = [
-        [(rollout("p", 0, 3, [5, 6, 7], [8, 9]), 1.0), (rollout("p", 1, 3, [5, 6, 7], [4]), 0.0)],
-        [(rollout("q", 0, 2, [1, 2], [3, 4, 5]), 0.5), (rollout("q", 1, 2, [1, 2], []), 0.0)],
+        group(
+            (rollout("p", 0, 3, [5, 6, 7], [8, 9]), 1.0), (rollout("p", 1, 3, [5, 6, 7], [4]), 0.0)
+        ),
+        group((rollout("q", 0, 2, [1, 2], [3, 4, 5]), 0.5), (rollout("q", 1, 2, [1, 2], []), 0.0)),
     ]
     policy = StalenessPolicy(reload_every=1, max_staleness=1)
     out = assemble_batch(3, groups, policy=policy, max_seq_len=64)
@@ -128,7 +138,7 @@ def test_assemble_batch_aligns_responses_with_the_positions_that_score_them():
 
 
 def test_assemble_batch_refuses_a_rollout_staler_than_n():
-    groups = [[(rollout("p", 0, 1, [1, 2], [3]), 1.0)]]
+    groups = [group((rollout("p", 0, 1, [1, 2], [3]), 1.0))]
     with pytest.raises(ControllerError, match="too stale for batch 3"):
         assemble_batch(3, groups, policy=StalenessPolicy(1, 1), max_seq_len=64)
 
@@ -263,7 +273,10 @@ def test_runs_sharing_a_verifier_send_request_ids_in_their_own_namespace():
     ids on a shared verifier service; a resumed run keeps its own."""
     from rlax_tpu.controller.scoring import request_id, run_prefix
 
-    rollout = {"prompt_id": "b0:gsm8k:7", "sample_index": 1, "version": 0}
+    rollout = RolloutRecord(
+        batch=0, prompt_id="b0:gsm8k:7", sample_index=1, version=0, prompt_tokens=(),
+        tokens=(), logprobs=(), finish_reason="stop",
+    )  # fmt: skip
     a = run_prefix("d" * 64, "gs://bucket/runs/a")
     assert a == run_prefix("d" * 64, "gs://bucket/runs/a")  # the same run, resumed
     assert a != run_prefix("d" * 64, "gs://bucket/runs/b")

@@ -1,8 +1,11 @@
 """Controller snapshots and the rollout log: atomic, verified, never silently wrong."""
 
+import dataclasses
+
 import pytest
 
 from rlax_tpu import storage
+from rlax_tpu.api.records import RolloutRecord
 from rlax_tpu.controller.snapshots import (
     RolloutLog,
     Snapshot,
@@ -72,10 +75,19 @@ def test_a_snapshot_of_another_config_is_an_error_naming_the_fix(tmp_path):
 
 def test_rollout_log_keeps_each_rollout_once_by_key_and_skips_torn_entries(tmp_path):
     log = RolloutLog(str(tmp_path))
-    record = {"prompt_id": "b0:arith:1", "sample_index": 1, "version": 0, "tokens": [5, 6]}
+    record = RolloutRecord(
+        batch=0, prompt_id="b0:arith:1", sample_index=1, version=0, prompt_tokens=(1,),
+        tokens=(5, 6), logprobs=(-0.5, -0.5), finish_reason="stop",
+    )  # fmt: skip
     log.append(0, [record])
     log.append(0, [record])  # a repeat overwrites, never duplicates
-    log.append(0, [{**record, "sample_index": 0}, {**record, "sample_index": 2, "tokens": [7]}])
+    log.append(
+        0,
+        [
+            dataclasses.replace(record, sample_index=0),
+            dataclasses.replace(record, sample_index=2, tokens=(7,)),
+        ],
+    )
     log.append(0, [])  # nothing to write
     batch_dir = tmp_path / "rollouts" / "batch_000000000"
     assert len(list(batch_dir.iterdir())) == 2  # one file per write of distinct rollouts

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu.api.inference import LoadResult, Rollout, SamplingParams
+from rlax_tpu.api.records import Group, RolloutRecord, ScoredRollout
 from rlax_tpu.api.verifier import Verdict, VerificationResult
 from rlax_tpu.config import AlgorithmConfig, ConfigError, ControllerConfig, RunConfig, TrainerConfig
 from rlax_tpu.config.run import greedy_baseline
@@ -187,25 +188,26 @@ def test_a_group_whose_greedy_response_stays_unjudged_is_not_fully_judged(tmp_pa
     assembled, batch, groups, _ = run_batch(tmp_path, verifier)
     assert assembled is None
     assert groups == [("b0:d:a", True, True), ("b0:d:b", False, False)]
-    assert not batch.baseline(batch.prompts[1])[1].judged
+    assert not batch.baseline(batch.prompts[1]).judged
 
 
 def test_assembly_repeats_each_groups_baseline_over_its_rows_and_checks_the_count():
     policy = StalenessPolicy(reload_every=1, max_staleness=0)
 
-    def rollout(prompt, sample):
-        return {
-            "prompt_id": prompt,
-            "sample_index": sample,
-            "version": 0,
-            "prompt_tokens": [1, 2],
-            "tokens": [3],
-            "logprobs": [-1.0],
-        }
+    def scored(prompt, sample, reward):
+        rollout = RolloutRecord(
+            batch=0, prompt_id=prompt, sample_index=sample, version=0, prompt_tokens=(1, 2),
+            tokens=(3,), logprobs=(-1.0,), finish_reason="stop",
+        )  # fmt: skip
+        return ScoredRollout(rollout, reward)
 
-    groups = [[(rollout("a", 0), 1.0), (rollout("a", 1), 0.0)], [(rollout("b", 0), 0.5)]]
-    batch = assemble_batch(0, groups, policy=policy, max_seq_len=16, baselines=[0.5, -1]).batch
+    def groups(*baselines):
+        a = Group("a", (scored("a", 0, 1.0), scored("a", 1, 0.0)), baselines[0])
+        return [a, Group("b", (scored("b", 0, 0.5),), baselines[1])]
+
+    batch = assemble_batch(0, groups(0.5, -1), policy=policy, max_seq_len=16).batch
     np.testing.assert_array_equal(batch.baseline_rewards, np.float32([0.5, 0.5, -1.0]))
-    assert assemble_batch(0, groups, policy=policy, max_seq_len=16).batch.baseline_rewards is None
+    plain = assemble_batch(0, groups(None, None), policy=policy, max_seq_len=16)
+    assert plain.batch.baseline_rewards is None
     with pytest.raises(ControllerError, match="1 baselines for 2 groups"):
-        assemble_batch(0, groups, policy=policy, max_seq_len=16, baselines=[0.5])
+        assemble_batch(0, groups(0.5, None), policy=policy, max_seq_len=16)

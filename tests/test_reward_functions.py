@@ -21,6 +21,7 @@ import grpc
 import pytest
 from processes import ProcessGroup
 
+from rlax_tpu.api.records import RolloutRecord
 from rlax_tpu.api.verifier import (
     RequestIdReusedError,
     Verdict,
@@ -273,7 +274,10 @@ def test_the_scorer_sends_a_reward_function_the_prompt_metadata_and_spec():
     scorer = Scorer(
         None, CharTokenizer(), (), retries=0, backoff_s=0, max_unjudged_fraction=1, counters={}
     )
-    rollout = {"prompt_id": "p0", "sample_index": 1, "version": 2, "tokens": [52, 50]}
+    rollout = RolloutRecord(
+        batch=0, prompt_id="p0", sample_index=1, version=2, prompt_tokens=(1,),
+        tokens=(52, 50), logprobs=(0.0, 0.0), finish_reason="stop",
+    )  # fmt: skip
     text = scorer.request(Record(prompt="What is 6*7?", metadata={"z": 1, "a": [2]}), rollout)
     assert (text.kind, text.function, text.response) == ("function", "my_rewards.gsm8k:score", "42")
     assert (text.prompt, text.chat, text.metadata) == ("What is 6*7?", False, '{"a": [2], "z": 1}')

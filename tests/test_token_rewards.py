@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 
+from rlax_tpu.api.records import Group, RolloutRecord, ScoredRollout
 from rlax_tpu.api.verifier import (
     RequestIdReusedError,
     Verdict,
@@ -67,15 +68,22 @@ class Record:  # the PromptRecord fields the scorer reads
     metadata: dict = dataclasses.field(default_factory=dict)
 
 
-def rollout(prompt_id: str, sample: int, tokens: list[int], prompt_len: int = 3) -> dict:
-    return {
-        "prompt_id": prompt_id,
-        "sample_index": sample,
-        "version": 0,
-        "prompt_tokens": list(range(1, prompt_len + 1)),
-        "tokens": tokens,
-        "logprobs": [-0.5] * len(tokens),
-    }
+def rollout(prompt_id: str, sample: int, tokens: list[int], prompt_len: int = 3) -> RolloutRecord:
+    return RolloutRecord(
+        batch=0,
+        prompt_id=prompt_id,
+        sample_index=sample,
+        version=0,
+        prompt_tokens=tuple(range(1, prompt_len + 1)),
+        tokens=tuple(tokens),
+        logprobs=(-0.5,) * len(tokens),
+        finish_reason="stop",
+    )
+
+
+def group(*samples) -> Group:
+    """A group of (rollout, reward[, token rewards])."""
+    return Group(samples[0][0].prompt_id, tuple(ScoredRollout(*s) for s in samples))
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +188,7 @@ def test_judgements_keep_token_rewards_through_the_rollout_log(tmp_path):
     r0, r1 = rollout("p", 0, [70, 71]), rollout("p", 1, [72])
     dense = Judgement(1.0, "accepted", "ok", response="FG", token_rewards=(0.1, 1 / 3))
     plain = Judgement(0.0, "wrong_answer", "no")
-    log.append_verdicts(4, [dense.to_json(r0), plain.to_json(r1)])
+    log.append_verdicts(4, [(r0.key, dense), (r1.key, plain)])
     logged = log.read_verdicts(4)
     assert Judgement.from_json(logged[("p", 0, 0)]) == dense
     assert Judgement.from_json(logged[("p", 0, 0)]).token_rewards == (0.1, 1 / 3)  # exact
@@ -202,7 +210,7 @@ def test_replay_entries_snapshot_their_token_rewards_only_when_present():
 def test_assembled_token_rewards_sit_where_the_behaviour_logprobs_do():
     policy = StalenessPolicy(reload_every=1, max_staleness=0)
     a, b, c = rollout("p", 0, [5, 6, 7]), rollout("p", 1, [8, 9], 5), rollout("q", 0, [4])
-    groups = [[(a, 1.0, (0.1, 0.2, 0.3)), (b, 0.0, None)], [(c, 0.5)]]
+    groups = [group((a, 1.0, (0.1, 0.2, 0.3)), (b, 0.0, None)), group((c, 0.5))]
     batch = assemble_batch(0, groups, policy=policy, max_seq_len=32).batch
     dense = batch.token_rewards
     assert dense.dtype == np.float32 and dense.shape == batch.behaviour_logprobs.shape
@@ -210,10 +218,10 @@ def test_assembled_token_rewards_sit_where_the_behaviour_logprobs_do():
     np.testing.assert_array_equal(dense[0] != 0, batch.response_mask[0])
     assert not dense[1:].any()  # rows without token rewards hold zeros
     # A batch without any sends none: it is the batch it always was.
-    plain = assemble_batch(0, [[(a, 1.0), (b, 0.0, None)]], policy=policy, max_seq_len=32)
+    plain = assemble_batch(0, [group((a, 1.0), (b, 0.0, None))], policy=policy, max_seq_len=32)
     assert plain.batch.token_rewards is None
     with pytest.raises(ControllerError, match="2 token rewards for 3 response tokens"):
-        assemble_batch(0, [[(a, 1.0, (0.1, 0.2))]], policy=policy, max_seq_len=32)
+        assemble_batch(0, [group((a, 1.0, (0.1, 0.2)))], policy=policy, max_seq_len=32)
 
 
 def test_a_reward_functions_token_rewards_reach_the_assembled_batch(module_file, tmp_path):
@@ -244,10 +252,12 @@ def test_a_reward_functions_token_rewards_reach_the_assembled_batch(module_file,
         pool.close()
     assert [j.token_rewards for j in judgements] == [(0.5, 0.51, 0.02), (0.52, 0.02), None]
     log = RolloutLog(str(tmp_path))
-    log.append_verdicts(0, [j.to_json(r) for (_, r), j in zip(items, judgements, strict=True)])
+    log.append_verdicts(0, [(r.key, j) for (_, r), j in zip(items, judgements, strict=True)])
     logged = log.read_verdicts(0)
     resumed = [Judgement.from_json(logged[("p", i, 0)]) for i in (0, 1)]
-    groups = [[(r, j.reward, j.token_rewards) for (_, r), j in zip(items, resumed, strict=False)]]
+    groups = [
+        group(*[(r, j.reward, j.token_rewards) for (_, r), j in zip(items, resumed, strict=False)])
+    ]
     policy = StalenessPolicy(reload_every=1, max_staleness=0)
     batch = assemble_batch(0, groups, policy=policy, max_seq_len=32).batch
     np.testing.assert_array_equal(batch.token_rewards[0, 2:5], np.float32([0.5, 0.51, 0.02]))

@@ -22,6 +22,7 @@ import pytest
 from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu import cli
+from rlax_tpu.api.records import RolloutKey
 from rlax_tpu.config import (
     ControllerConfig,
     DatasetConfig,
@@ -386,7 +387,7 @@ def test_old_verdict_records_without_text_still_load():
     unjudged = Judgement.from_json({**old, "reward": None, "verdict": "verifier_error"})
     assert not unjudged.judged
     with_text = Judgement(0.0, "wrong", "no number", response="41")
-    record = with_text.to_json(old)
+    record = with_text.to_json(RolloutKey("b0:a:1", 0, 0))
     assert record["response"] == "41" and Judgement.from_json(record).response == "41"
     assert Judgement.from_json(record) == with_text
 

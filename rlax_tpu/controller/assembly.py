@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from rlax_tpu.api.records import Group, RolloutKey
 from rlax_tpu.api.trainer import RolloutArrays
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.filters import dynamic_sampling_keep
@@ -66,7 +66,7 @@ class Assembled:
     """One train step's batch and what the controller logs about it."""
 
     batch: RolloutArrays
-    keys: list[tuple[str, int, int]]  # (prompt id, sample index, version) per row
+    keys: list[RolloutKey]  # per row
     rewards: np.ndarray  # float32[rows]
     staleness_mean: float
     response_tokens: int
@@ -74,15 +74,13 @@ class Assembled:
 
 def assemble_batch(
     step: int,
-    groups: Sequence[Sequence[tuple[Any, ...]]],
+    groups: Sequence[Group],
     *,
     policy: StalenessPolicy,
     max_seq_len: int,
-    baselines: Sequence[float] | None = None,
 ) -> Assembled:
-    """The batch of train step `step` from `groups`, each a list of (rollout record, reward)
-    or (rollout record, reward, token rewards): a sequence of floats, one per generated
-    token (`record["tokens"]`), or None.
+    """The batch of train step `step` from `groups`: each sample's token rewards are a
+    sequence of floats, one per generated token (`rollout.tokens`), or None.
 
     Rows are the groups' samples in order; tokens are prompt + response, padded to
     `padded_seq_len` of the longest; position t scores tokens[t + 1], so response token j of
@@ -91,53 +89,54 @@ def assemble_batch(
     dense rewards is what it always was); else rows without any hold zeros. A rollout that
     step may not train on, or token rewards that do not match its tokens, is a
     ControllerError (the schedule and the replay buffer's eviction prevent the first, the
-    verifier the second; neither is ever trained on). `baselines`: one reward per group
-    (ReMax: the reward of the prompt's greedy response), sent as every row's
-    `baseline_rewards`; None sends none."""
-    if baselines is not None and len(baselines) != len(groups):
-        raise ControllerError(f"{len(baselines)} baselines for {len(groups)} groups")
-    records, rewards, group_ids, dense = [], [], [], []
+    verifier the second; neither is ever trained on). Group baselines (ReMax: the reward of
+    the prompt's greedy response) are sent as every row's `baseline_rewards` when the groups
+    have them — all or none; with none, none is sent."""
+    with_baseline = sum(g.baseline is not None for g in groups)
+    if with_baseline not in (0, len(groups)):
+        raise ControllerError(f"{with_baseline} baselines for {len(groups)} groups")
+    samples, group_ids = [], []
     for g, group in enumerate(groups):
-        for record, reward, *rest in group:
-            if not policy.is_acceptable(step, record["version"]):
+        for sample in group.samples:
+            r = sample.rollout
+            if not policy.is_acceptable(step, r.version):
                 raise ControllerError(
-                    f"rollout {record['prompt_id']}/s{record['sample_index']} has version "
-                    f"{record['version']}, too stale for batch {step} "
+                    f"rollout {r.prompt_id}/s{r.sample_index} has version "
+                    f"{r.version}, too stale for batch {step} "
                     f"(N={policy.max_staleness})"
                 )
-            token_rewards = rest[0] if rest else None
-            if token_rewards is not None and len(token_rewards) != len(record["tokens"]):
+            if sample.token_rewards is not None and len(sample.token_rewards) != len(r.tokens):
                 raise ControllerError(
-                    f"rollout {record['prompt_id']}/s{record['sample_index']} has "
-                    f"{len(token_rewards)} token rewards for {len(record['tokens'])} response "
+                    f"rollout {r.prompt_id}/s{r.sample_index} has "
+                    f"{len(sample.token_rewards)} token rewards for {len(r.tokens)} response "
                     "tokens; a reward function gives one per generated token"
                 )
-            records.append(record)
-            rewards.append(reward)
+            samples.append(sample)
             group_ids.append(g)
-            dense.append(token_rewards)
-    if not records:
+    if not samples:
         raise ControllerError(f"batch {step} has no rollouts to train on")
-    lengths = [len(r["prompt_tokens"]) + len(r["tokens"]) for r in records]
+    records = [s.rollout for s in samples]
+    lengths = [len(r.prompt_tokens) + len(r.tokens) for r in records]
     seq = padded_seq_len(max(lengths), max_seq_len)
     rows = len(records)
     tokens = np.zeros((rows, seq), np.int32)
     mask = np.zeros((rows, seq), bool)
     behaviour = np.zeros((rows, seq), np.float32)
     token_rewards = None
-    if any(d is not None for d in dense):
+    if any(s.token_rewards is not None for s in samples):
         token_rewards = np.zeros((rows, seq), np.float32)
-    for row, r in enumerate(records):
-        p, resp = r["prompt_tokens"], r["tokens"]
+    for row, sample in enumerate(samples):
+        r = sample.rollout
+        p, resp = r.prompt_tokens, r.tokens
         full = (list(p) + list(resp))[:seq]
         tokens[row, : len(full)] = full
         n = min(len(resp), seq - len(p))
         mask[row, len(p) - 1 : len(p) - 1 + n] = True
-        behaviour[row, len(p) - 1 : len(p) - 1 + n] = r["logprobs"][:n]
-        if dense[row] is not None:
-            token_rewards[row, len(p) - 1 : len(p) - 1 + n] = dense[row][:n]
-    rewards_array = np.asarray(rewards, np.float32)
-    versions = np.asarray([r["version"] for r in records], np.int32)
+        behaviour[row, len(p) - 1 : len(p) - 1 + n] = r.logprobs[:n]
+        if sample.token_rewards is not None:
+            token_rewards[row, len(p) - 1 : len(p) - 1 + n] = sample.token_rewards[:n]
+    rewards_array = np.asarray([s.reward for s in samples], np.float32)
+    versions = np.asarray([r.version for r in records], np.int32)
     batch = RolloutArrays(
         tokens=tokens,
         response_mask=mask,
@@ -147,13 +146,13 @@ def assemble_batch(
         versions=versions,
         token_rewards=token_rewards,
         baseline_rewards=None
-        if baselines is None
-        else np.asarray([baselines[g] for g in group_ids], np.float32),
+        if not with_baseline
+        else np.asarray([groups[g].baseline for g in group_ids], np.float32),
     )
     return Assembled(
         batch=batch,
-        keys=[(r["prompt_id"], r["sample_index"], r["version"]) for r in records],
+        keys=[r.key for r in records],
         rewards=rewards_array,
         staleness_mean=float(np.mean(step - versions)),
-        response_tokens=int(sum(len(r["tokens"]) for r in records)),
+        response_tokens=int(sum(len(r.tokens) for r in records)),
     )

@@ -7,9 +7,9 @@ the chosen groups (or, in replay mode, the groups sampled from the buffer).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.assembly import (
@@ -22,8 +22,9 @@ from rlax_tpu.controller.assembly import (
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt
 from rlax_tpu.controller.replay import ReplayStage
-from rlax_tpu.controller.scoring import Judgement, Scorer
+from rlax_tpu.controller.scoring import Scorer
 from rlax_tpu.controller.snapshots import RolloutLog
+from rlax_tpu.data.datasets import PromptMixture, PromptRecord
 from rlax_tpu.staleness import StalenessPolicy
 
 # Rounds of replacements for groups dropped as unjudged, per batch, before the run stops.
@@ -42,11 +43,11 @@ class BatchBuilder:
         pool: GenerationPool,
         scorer: Scorer,
         log: RolloutLog,
-        refill: Any,
+        refill: PromptMixture,
         replay: ReplayStage | None,
         policy: StalenessPolicy,
-        encode: Callable[[Any], tuple[int, ...]],
-        counters: MutableMapping[str, Any],
+        encode: Callable[[PromptRecord], tuple[int, ...]],
+        counters: MutableMapping[str, int],
     ) -> None:
         self.ctl = config.controller
         self.max_seq_len = config.trainer.max_seq_len
@@ -72,13 +73,12 @@ class BatchBuilder:
         todo = batch.unjudged()
         if not todo:
             return
-        logged = self.log.read_verdicts(batch.index)
+        logged = self.log.judgements(batch.index)
         fresh = []
         for p, i in todo:
-            rollout = batch.rollouts[(p.key, i)]
-            record = logged.get((p.key, i, rollout["version"]))
-            if record is not None:
-                batch.judgements[(p.key, i)] = Judgement.from_json(record)
+            judgement = logged.get(batch.rollouts[(p.key, i)].key)
+            if judgement is not None:
+                batch.judgements[(p.key, i)] = judgement
             else:
                 fresh.append((p, i))
         if not fresh:
@@ -87,7 +87,7 @@ class BatchBuilder:
         judgements = self.scorer.judge(items, what=f"batch {batch.index}")
         for (p, i), judgement in zip(fresh, judgements, strict=True):
             batch.judgements[(p.key, i)] = judgement
-        verdicts = [j.to_json(r) for (_, r), j in zip(items, judgements, strict=True)]
+        verdicts = [(r.key, j) for (_, r), j in zip(items, judgements, strict=True)]
         self.log.append_verdicts(batch.index, verdicts)
 
     def _groups(self, batch: BatchState) -> list[tuple[str, bool, bool]]:
@@ -95,19 +95,10 @@ class BatchBuilder:
         greedy baseline (ReMax), a group is fully judged only with its baseline judged."""
         out = []
         for p in batch.prompts:
-            group = batch.group(p)
-            judged = self._judged(batch, p)
-            signal = judged and group_has_signal([j.reward for _, j in group])
+            judged = batch.judged(p)
+            signal = judged and group_has_signal([j.reward for j in batch.judgements_of(p)])
             out.append((p.key, judged, signal))
         return out
-
-    @staticmethod
-    def _judged(batch: BatchState, prompt: Any) -> bool:
-        """Whether the prompt's samples (and, with `batch.greedy`, its greedy baseline) are
-        all judged: a group's advantages are never computed against a missing reward."""
-        if batch.greedy and not batch.baseline(prompt)[1].judged:
-            return False
-        return all(j.judged for _, j in batch.group(prompt))
 
     def fill(self, batch: BatchState, stop: threading.Event) -> Selection | None:
         """Judge `batch` and choose its groups, drawing more prompts while dynamic sampling
@@ -149,25 +140,14 @@ class BatchBuilder:
     def assemble(self, batch: BatchState, selection: Selection) -> Assembled:
         """The training batch of step `batch.index`: its chosen groups, or (replay mode)
         groups sampled from the replay buffer after this step's sync."""
-        judged = {
-            p.key: [(rollout, j.reward, j.token_rewards) for rollout, j in batch.group(p)]
-            for p in batch.prompts
-            if self._judged(batch, p)
-        }
-        baselines = None
+        # With `batch.greedy` (ReMax) each group's greedy reward is its rows' baseline.
+        judged = {p.key: batch.group(p) for p in batch.prompts if batch.judged(p)}
         if self.replay is not None:  # (RunConfig refuses a greedy baseline with replay)
-            uids = {p.key: f"{p.record.dataset}:{p.record.id}" for p in batch.prompts}
-            new = self.replay.entries(batch.index, [(uids[k], g) for k, g in judged.items()])
+            uids = {p.key: p.uid for p in batch.prompts}
+            new = self.replay.entries(
+                batch.index, [dataclasses.replace(g, key=uids[k]) for k, g in judged.items()]
+            )
             groups = self.replay.groups(batch.index, new)
         else:
             groups = [judged[key] for key in selection.keys]
-            if batch.greedy:  # ReMax: each group's greedy reward is its rows' baseline
-                by_key = {p.key: p for p in batch.prompts}
-                baselines = [batch.baseline(by_key[k])[1].reward for k in selection.keys]
-        return assemble_batch(
-            batch.index,
-            groups,
-            policy=self.policy,
-            max_seq_len=self.max_seq_len,
-            baselines=baselines,
-        )
+        return assemble_batch(batch.index, groups, policy=self.policy, max_seq_len=self.max_seq_len)

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer, Verifier, run_prefix
 from rlax_tpu.controller.snapshots import RolloutLog, SnapshotError, SnapshotStore
 from rlax_tpu.controller.warm_start import run_warm_start
-from rlax_tpu.data.datasets import encode_prompt, stop_tokens
+from rlax_tpu.data.datasets import PromptMixture, PromptRecord, encode_prompt, stop_tokens
 
 _log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Components:
     verifier: Verifier
 
 
-def _fresh_stats() -> dict[str, Any]:
+def _fresh_stats() -> dict[str, int]:
     """The run's accounting (cumulative, snapshotted); the parts add their own counters."""
     return {
         "rejected_stale": 0,
@@ -77,6 +77,13 @@ def _fresh_stats() -> dict[str, Any]:
     }
 
 
+class MetricsSink(Protocol):
+    """Where the controller writes each step's metrics (launch.metrics.MetricsWriter: JSONL,
+    TensorBoard, W&B)."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+
+
 class Controller:
     def __init__(
         self,
@@ -84,10 +91,10 @@ class Controller:
         components: Components,
         *,
         tokenizer: Any,
-        mixture: Any,
-        eval_prompts: Sequence[Any] = (),
+        mixture: PromptMixture,
+        eval_prompts: Sequence[PromptRecord] = (),
         eval_overlap: float | None = None,
-        metrics: Any = None,
+        metrics: MetricsSink | None = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
         report: Callable[[str], None] | None = None,
         stop: threading.Event | None = None,
@@ -313,7 +320,7 @@ class Controller:
             "stats": dict(self.stats),
         }
 
-    def _restore(self, mixture: Mapping[str, Any], stats: Mapping[str, Any]) -> None:
+    def _restore(self, mixture: Mapping[str, Any], stats: Mapping[str, int]) -> None:
         self.mixture.restore(mixture["main"])
         if mixture.get("refill") is None:
             raise SnapshotError("the snapshot has no refill stream state")
@@ -324,7 +331,7 @@ class Controller:
         self.stats.update({**fresh, **stats})
 
     # -- prompts -------------------------------------------------------------------------------
-    def encode(self, record: Any) -> tuple[int, ...]:
+    def encode(self, record: PromptRecord) -> tuple[int, ...]:
         return encode_prompt(self.tokenizer, record, self.config.inference.max_prompt_len)
 
     def _draw(self, b: int) -> list[Prompt]:
@@ -362,12 +369,7 @@ class Controller:
             return
         self.builder.judge(batch)
         groups = [
-            (
-                f"{p.record.dataset}:{p.record.id}",
-                [(r, j.reward, j.token_rewards) for r, j in batch.group(p)],
-            )
-            for p in batch.prompts
-            if all(j.judged for _, j in batch.group(p))
+            dataclasses.replace(batch.group(p), key=p.uid) for p in batch.prompts if batch.judged(p)
         ]
         self.replay.prefill(self.replay.entries(0, groups))
 

@@ -19,7 +19,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from rlax_tpu.api.inference import GenerationRequest, SamplingParams
 from rlax_tpu.controller.generation import GenerationPool, Prompt, rollout_record
 from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer
-from rlax_tpu.data.datasets import normalised_problem
+from rlax_tpu.data.datasets import PromptRecord, normalised_problem
 
 _log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class EvalResult:
 
 
 def accuracy_over_problems(
-    records: Sequence[Any], rewards: Sequence[float | None]
+    records: Sequence[PromptRecord], rewards: Sequence[float | None]
 ) -> tuple[float, int]:
     """(accuracy, distinct problems): each distinct problem (`normalised_problem`) among the
     judged ones (reward not None) counts once, by the fraction of its judged prompts with
@@ -133,7 +132,7 @@ class Evaluator:
         # A version that is not a multiple of η (the final one) is loaded for this only.
         evaluation = not self.schedule.policy.is_loadable(version)
         rollouts = self.pool.generate(requests, version, evaluation=evaluation, stop=stop)
-        items: list[tuple[Any, dict[str, Any]]] = [
+        items = [
             (p.record, rollout_record(-1, rollouts[q.request_id]))
             for p, q in zip(self.prompts, requests, strict=True)
         ]

@@ -28,15 +28,16 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import grpc
 
 from rlax_tpu.api.inference import GenerationRequest, Rollout, SamplingParams
+from rlax_tpu.api.records import Group, Judgement, RolloutRecord, ScoredRollout
 from rlax_tpu.controller.errors import ControllerError
-from rlax_tpu.controller.scoring import Judgement
 from rlax_tpu.controller.snapshots import RolloutLog
+from rlax_tpu.data.datasets import PromptRecord
 from rlax_tpu.rpc.client import is_unreachable
 from rlax_tpu.rpc.liveness import ComponentLostError, Watch
 
@@ -56,7 +57,12 @@ class Prompt:
 
     key: str
     tokens: tuple[int, ...]
-    record: Any  # rlax_tpu.data.datasets.PromptRecord
+    record: PromptRecord
+
+    @property
+    def uid(self) -> str:
+        """The dataset row the prompt is drawn from: the replay buffer's prompt key."""
+        return f"{self.record.dataset}:{self.record.id}"
 
 
 @dataclasses.dataclass
@@ -69,7 +75,7 @@ class BatchState:
     version: int
     samples: int
     prompts: list[Prompt] = dataclasses.field(default_factory=list)
-    rollouts: dict[tuple[str, int], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    rollouts: dict[tuple[str, int], RolloutRecord] = dataclasses.field(default_factory=dict)
     judgements: dict[tuple[str, int], Judgement] = dataclasses.field(default_factory=dict)
     rounds: int = 1  # rounds of prompts drawn for this batch (refills add rounds)
     error: str | None = None
@@ -89,17 +95,30 @@ class BatchState:
     def expected(self) -> int:
         return len(self.prompts) * len(self.sample_indices)
 
-    def group(self, prompt: Prompt) -> list[tuple[dict[str, Any], Judgement]]:
-        """The prompt's samples in index order: (rollout record, judgement)."""
-        return [
-            (self.rollouts[(prompt.key, i)], self.judgements[(prompt.key, i)])
+    def judgements_of(self, prompt: Prompt) -> list[Judgement]:
+        """The judgements of the prompt's samples, in index order."""
+        return [self.judgements[(prompt.key, i)] for i in range(self.samples)]
+
+    def baseline(self, prompt: Prompt) -> Judgement:
+        """The judgement of the prompt's greedy response; only with `greedy`."""
+        return self.judgements[(prompt.key, GREEDY_SAMPLE)]
+
+    def judged(self, prompt: Prompt) -> bool:
+        """Whether the prompt's samples (and, with `greedy`, its greedy baseline) are all
+        judged: a group's advantages are never computed against a missing reward."""
+        if self.greedy and not self.baseline(prompt).judged:
+            return False
+        return all(j.judged for j in self.judgements_of(prompt))
+
+    def group(self, prompt: Prompt) -> Group:
+        """The prompt's scored samples in index order, with its greedy reward as the
+        baseline (with `greedy`); the prompt must be `judged`."""
+        samples = [
+            ScoredRollout.of(self.rollouts[(prompt.key, i)], self.judgements[(prompt.key, i)])
             for i in range(self.samples)
         ]
-
-    def baseline(self, prompt: Prompt) -> tuple[dict[str, Any], Judgement]:
-        """The prompt's greedy response: (rollout record, judgement); only with `greedy`."""
-        key = (prompt.key, GREEDY_SAMPLE)
-        return self.rollouts[key], self.judgements[key]
+        baseline = self.baseline(prompt).reward if self.greedy else None
+        return Group(prompt.key, tuple(samples), baseline)
 
     def unjudged(self) -> list[tuple[Prompt, int]]:
         """(prompt, sample index) of every rollout that has no judgement yet, in draw order."""
@@ -139,18 +158,18 @@ class Stopped(Exception):
 _STOP = _Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
 
 
-def rollout_record(batch: int, rollout: Rollout) -> dict[str, Any]:
-    """A rollout as the rollout log keeps it (JSON types)."""
-    return {
-        "batch": batch,
-        "prompt_id": rollout.prompt_id,
-        "sample_index": rollout.sample_index,
-        "version": rollout.version,
-        "prompt_tokens": list(rollout.prompt_tokens),
-        "tokens": list(rollout.tokens),
-        "logprobs": list(rollout.logprobs),
-        "finish_reason": rollout.finish_reason,
-    }
+def rollout_record(batch: int, rollout: Rollout) -> RolloutRecord:
+    """A worker's finished rollout of `batch` as the controller keeps it."""
+    return RolloutRecord(
+        batch=batch,
+        prompt_id=rollout.prompt_id,
+        sample_index=rollout.sample_index,
+        version=rollout.version,
+        prompt_tokens=tuple(rollout.prompt_tokens),
+        tokens=tuple(rollout.tokens),
+        logprobs=tuple(rollout.logprobs),
+        finish_reason=rollout.finish_reason,
+    )
 
 
 class GenerationPool:
@@ -169,10 +188,10 @@ class GenerationPool:
         *,
         samples: int,
         sampling: SamplingParams,
-        counters: MutableMapping[str, Any],
+        counters: MutableMapping[str, int],
         wait_s: float = 300.0,
         report: Callable[[str], None] | None = None,
-        republish: Callable[[int], Any] | None = None,
+        republish: Callable[[int], object] | None = None,
         liveness_s: float = 0.0,
         decode_step_deadline_s: float = 0.0,
         decode_slots: int = 1,
@@ -435,7 +454,7 @@ class GenerationPool:
         with self._lock:
             batch.prompts.extend(prompts)
             batch.done.clear()
-        logged = self.log.read_batch(b)
+        logged = self.log.rollouts(b)
         missing: list[GenerationRequest] = []
         indices = batch.sample_indices
         for prompt in prompts:
@@ -458,7 +477,7 @@ class GenerationPool:
             requests = missing[k : k + per_worker]
             # Each job logs the records of its own prompts, next to their rollouts: once per
             # prompt, not per sample.
-            job_prompts = {i: records[i].to_json() for i in {q.prompt_id for q in requests}}
+            job_prompts = {i: records[i] for i in {q.prompt_id for q in requests}}
             self._jobs.put(
                 _Job(
                     (b, batch.rounds * 2**20 + k),
@@ -471,14 +490,14 @@ class GenerationPool:
             )
 
     def _deliver(
-        self, batch: BatchState, rollouts: list[Rollout], prompts: dict[str, dict[str, Any]]
+        self, batch: BatchState, rollouts: list[Rollout], prompts: Mapping[str, PromptRecord]
     ) -> None:
         records = [rollout_record(batch.index, r) for r in rollouts]
         self.log.append_prompts(batch.index, prompts)  # for people: `rlax-tpu samples`
         self.log.append(batch.index, records)  # persisted before they can be trained on
         with self._lock:
             for record in records:
-                batch.rollouts[(record["prompt_id"], record["sample_index"])] = record
+                batch.rollouts[(record.prompt_id, record.sample_index)] = record
             if len(batch.rollouts) == batch.expected:
                 batch.done.set()
 

@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from rlax_tpu.api.records import Group, RolloutKey, RolloutRecord, ScoredRollout
+from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.errors import ControllerError
-from rlax_tpu.controller.snapshots import SnapshotError
+from rlax_tpu.controller.snapshots import RolloutLog, SnapshotError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +39,8 @@ class Entry:
     token_rewards: tuple[float, ...] | None = None
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.prompt_key, self.sample_index, self.version)
+    def key(self) -> RolloutKey:
+        return RolloutKey(self.prompt_key, self.sample_index, self.version)
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot's form; token_rewards only when there are some (a snapshot of a run
@@ -205,7 +207,7 @@ class ReplayStage:
     the buffer after evicting what b can no longer accept. The buffer keeps entries; the
     rollouts' tokens are looked up here (or in the rollout log after a resume)."""
 
-    def __init__(self, config: Any, *, log: Any, max_staleness: int) -> None:
+    def __init__(self, config: RunConfig, *, log: RolloutLog, max_staleness: int) -> None:
         ctl = config.controller
         self.buffer = ReplayBuffer(
             per_prompt_cap=ctl.replay.per_prompt_cap,
@@ -217,37 +219,35 @@ class ReplayStage:
         self.sync_every = ctl.replay.sync_every
         self.prompts_per_batch, self.samples = ctl.prompts_per_batch, ctl.samples_per_prompt
         self.max_staleness = max_staleness
-        self.log = log  # rlax_tpu.controller.snapshots.RolloutLog
+        self.log = log
         self._pending: list[tuple[str, Entry]] = []
-        self._records: dict[tuple[str, int, int], dict] = {}
+        self._records: dict[RolloutKey, RolloutRecord] = {}
 
-    def entries(
-        self, batch: int, groups: Sequence[tuple[str, Sequence[tuple[Any, ...]]]]
-    ) -> list[tuple[str, Entry]]:
-        """(prompt uid, entry) of `groups` — (uid, [(rollout record, reward[, token
-        rewards])]) — of `batch`, their records kept for sampling."""
+    def entries(self, batch: int, groups: Sequence[Group]) -> list[tuple[str, Entry]]:
+        """(prompt uid, entry) of `groups` of `batch` (each keyed by its prompt uid), their
+        rollouts kept for sampling."""
         out = []
-        for uid, group in groups:
-            for record, reward, *rest in group:
-                token_rewards = rest[0] if rest else None
+        for group in groups:
+            for sample in group.samples:
+                record, token_rewards = sample.rollout, sample.token_rewards
                 entry = Entry(
                     batch=batch,
-                    prompt_key=record["prompt_id"],
-                    sample_index=record["sample_index"],
-                    version=record["version"],
-                    reward=reward,
+                    prompt_key=record.prompt_id,
+                    sample_index=record.sample_index,
+                    version=record.version,
+                    reward=sample.reward,
                     added_at=batch,
                     token_rewards=None if token_rewards is None else tuple(token_rewards),
                 )
                 self._records[entry.key] = record
-                out.append((uid, entry))
+                out.append((group.key, entry))
         return out
 
     def prefill(self, items: list[tuple[str, Entry]]) -> None:
         """TBA's pre-fill before step 0."""
         self.buffer.add(0, items)
 
-    def groups(self, step: int, new: list[tuple[str, Entry]]) -> list[list[tuple[Any, ...]]]:
+    def groups(self, step: int, new: list[tuple[str, Entry]]) -> list[Group]:
         """Queue `new` (this step's batch); every `sync_every` steps add what is queued;
         evict what `step` can no longer accept; sample the step's groups."""
         self._pending.extend(new)
@@ -256,17 +256,18 @@ class ReplayStage:
             self._pending = []
         self.buffer.evict_older_than(step - self.max_staleness)
         groups = []
-        for _, entries in self.buffer.sample(self.prompts_per_batch, self.samples):
-            groups.append([(self._record(e), e.reward, e.token_rewards) for e in entries])
+        for uid, entries in self.buffer.sample(self.prompts_per_batch, self.samples):
+            samples = [ScoredRollout(self._record(e), e.reward, e.token_rewards) for e in entries]
+            groups.append(Group(uid, tuple(samples)))
         live = {e.key for u in self.buffer.prompts for e in self.buffer.entries(u)}
         live |= {e.key for _, e in self._pending}
         self._records = {k: v for k, v in self._records.items() if k in live}
         return groups
 
-    def _record(self, entry: Entry) -> dict:
+    def _record(self, entry: Entry) -> RolloutRecord:
         record = self._records.get(entry.key)
         if record is None:  # after a resume: the rollout log has it
-            for key, logged in self.log.read_batch(entry.batch).items():
+            for key, logged in self.log.rollouts(entry.batch).items():
                 self._records.setdefault(key, logged)
             record = self._records.get(entry.key)
             if record is None:

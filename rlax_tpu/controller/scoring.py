@@ -14,7 +14,6 @@ unjudged depends only on which requests the verifier fails, never on timing.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import threading
@@ -25,6 +24,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from rlax_tpu.api.records import Judgement, RolloutRecord
 from rlax_tpu.api.verifier import (
     Verdict,
     VerificationRequest,
@@ -33,7 +33,7 @@ from rlax_tpu.api.verifier import (
     encode_prompt,
 )
 from rlax_tpu.controller.errors import ControllerError, UnjudgedError
-from rlax_tpu.data.datasets import decode_response
+from rlax_tpu.data.datasets import PromptRecord, decode_response
 from rlax_tpu.rpc.client import (
     ComponentUnreachableError,
     RpcCallError,
@@ -126,62 +126,13 @@ class ServiceVerifier:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Judgement:
-    """A rollout's final verdict: `reward` is None when it stayed unjudged. `token_rewards`:
-    dense per-token rewards, one per generated token, when the verifier (a reward function
-    of the user's) gave them, else None. `response` is the decoded text that was judged,
-    kept so that people can read the rollout log (`rlax-tpu samples`); it is not part of
-    the verdict (judgements compare without it)."""
-
-    reward: float | None
-    verdict: str
-    reason: str = ""
-    response: str = dataclasses.field(default="", compare=False)
-    token_rewards: tuple[float, ...] | None = None
-
-    @property
-    def judged(self) -> bool:
-        return self.reward is not None
-
-    def with_response(self, response: str) -> Judgement:
-        return dataclasses.replace(self, response=response)
-
-    def to_json(self, rollout: dict[str, Any]) -> dict[str, Any]:
-        """The rollout log's verdict record for `rollout` (a rollout record)."""
-        return {
-            "prompt_id": rollout["prompt_id"],
-            "sample_index": rollout["sample_index"],
-            "version": rollout["version"],
-            "reward": self.reward,
-            "verdict": self.verdict,
-            "reason": self.reason,
-            "response": self.response,
-            # Only when there are some: the records of every other run stay as they were.
-            **({} if self.token_rewards is None else {"token_rewards": list(self.token_rewards)}),
-        }
-
-    @classmethod
-    def from_json(cls, record: dict[str, Any]) -> Judgement:
-        """The judgement of a verdict record; records written before verdicts carried the
-        response text load with response "" (their reward and verdict are what counts)."""
-        reward, token_rewards = record["reward"], record.get("token_rewards")
-        return cls(
-            None if reward is None else float(reward),
-            record["verdict"],
-            record.get("reason", ""),
-            response=record.get("response", ""),
-            token_rewards=None if token_rewards is None else tuple(map(float, token_rewards)),
-        )
-
-
 UNSCORED = Judgement(0.0, "unscored")  # a dataset row with verifier "none"
 
 
-def request_id(rollout: dict[str, Any], prefix: str = "") -> str:
+def request_id(rollout: RolloutRecord, prefix: str = "") -> str:
     """The verifier's idempotency key of a rollout: (prompt id, sample index, version),
     after the run's `prefix` (`run_prefix`)."""
-    return f"{prefix}{rollout['prompt_id']}/s{rollout['sample_index']}/v{rollout['version']}"
+    return f"{prefix}{rollout.prompt_id}/s{rollout.sample_index}/v{rollout.version}"
 
 
 def run_prefix(digest: str, run_dir: str) -> str:
@@ -193,9 +144,9 @@ def run_prefix(digest: str, run_dir: str) -> str:
 
 
 def verification_request(
-    record: Any, response: str, request_id: str, response_tokens: Sequence[int] = ()
+    record: PromptRecord, response: str, request_id: str, response_tokens: Sequence[int] = ()
 ) -> VerificationRequest:
-    """What the verifiers judge `response` to prompt `record` (a datasets.PromptRecord) by.
+    """What the verifiers judge `response` to prompt `record` by.
     A reward function of the user's (verifier "function") also gets the prompt (text, or
     the chat messages), the row's metadata, the function's spec and the response's token
     ids as generated (`response_tokens`: what its per-token rewards are counted against)."""
@@ -233,7 +184,7 @@ class Scorer:
         retries: int,
         backoff_s: float,
         max_unjudged_fraction: float,
-        counters: MutableMapping[str, Any],
+        counters: MutableMapping[str, int],
         sleep: Callable[[float], None] = time.sleep,
         request_prefix: str = "",
     ) -> None:
@@ -248,14 +199,16 @@ class Scorer:
             counters.setdefault(key, 0)
         self._sleep = sleep
 
-    def request(self, record: Any, rollout: dict[str, Any]) -> VerificationRequest:
-        """The verification request of `rollout` (a rollout record) for prompt `record`."""
-        response = decode_response(self.tokenizer, rollout["tokens"], self.stop_token_ids)
+    def request(self, record: PromptRecord, rollout: RolloutRecord) -> VerificationRequest:
+        """The verification request of `rollout` for prompt `record`."""
+        response = decode_response(self.tokenizer, rollout.tokens, self.stop_token_ids)
         key = request_id(rollout, self.request_prefix)
-        return verification_request(record, response, key, rollout["tokens"])
+        return verification_request(record, response, key, rollout.tokens)
 
-    def judge(self, items: Sequence[tuple[Any, dict[str, Any]]], *, what: str) -> list[Judgement]:
-        """One Judgement per (prompt record, rollout record) of `items`, in order; raises
+    def judge(
+        self, items: Sequence[tuple[PromptRecord, RolloutRecord]], *, what: str
+    ) -> list[Judgement]:
+        """One Judgement per (prompt record, rollout) of `items`, in order; raises
         UnjudgedError when more than max_unjudged_fraction of them stay unjudged. `what`
         names them in messages ("batch 7", "evaluation of version 4")."""
         requests = [self.request(record, rollout) for record, rollout in items]

@@ -17,13 +17,16 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from rlax_tpu import storage
+from rlax_tpu.api.records import Judgement, RolloutKey, RolloutRecord
+from rlax_tpu.data.datasets import PromptRecord
 from rlax_tpu.run_dir import ROLLOUTS, SNAPSHOTS
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CONSUMED_DIR = "consumed"
 ROLLOUTS_PREFIX = "rollouts-"
@@ -51,7 +54,7 @@ class Snapshot:
     checkpoint_step: int
     config_digest: str
     mixture: dict[str, Any]
-    stats: dict[str, Any]
+    stats: dict[str, int]
     versions: dict[str, int]
 
     def to_json(self) -> str:
@@ -150,11 +153,10 @@ class RolloutLog:
     def _batch_dir(self, batch: int) -> str:
         return storage.join(self.directory, f"batch_{batch:09d}")
 
-    def append(self, batch: int, records: Sequence[dict[str, Any]]) -> None:
-        """Persist rollout records (each holds prompt_id, sample_index, version) in one
-        atomic write. The file is named by the records' keys, so writing the same rollouts
-        again replaces the file instead of duplicating them."""
-        self._write(batch, ROLLOUTS_PREFIX, records)
+    def append(self, batch: int, rollouts: Sequence[RolloutRecord]) -> None:
+        """Persist rollouts in one atomic write. The file is named by the rollouts' keys, so
+        writing the same rollouts again replaces the file instead of duplicating them."""
+        self._write(batch, ROLLOUTS_PREFIX, [r.to_json() for r in rollouts])
 
     def _write(self, batch: int, prefix: str, records: Sequence[dict[str, Any]]) -> None:
         if not records:
@@ -167,30 +169,56 @@ class RolloutLog:
         storage.write_text(storage.join(self._batch_dir(batch), f"{prefix}{name}.jsonl"), lines)
 
     def read_batch(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
-        """The logged rollouts of `batch` by (prompt_id, sample_index, version); a record
-        that does not parse is ignored (with a warning) and will be regenerated."""
+        """The logged rollout lines of `batch`, as written, by (prompt_id, sample_index,
+        version): for people (`rlax-tpu samples`); the loop reads `rollouts`."""
         return self._read(batch, ROLLOUTS_PREFIX, "regenerating")
 
-    def append_verdicts(self, batch: int, verdicts: Sequence[dict[str, Any]]) -> None:
-        """Persist final verdicts (each: prompt_id, sample_index, version, reward — None when
-        unjudged —, verdict, reason) of `batch`'s rollouts, in one atomic write."""
-        self._write(batch, VERDICTS_PREFIX, verdicts)
+    def rollouts(self, batch: int) -> dict[RolloutKey, RolloutRecord]:
+        """The logged rollouts of `batch` by key; a line that does not parse is ignored
+        (with a warning), and its rollout will be regenerated."""
+        return self._typed(batch, self.read_batch(batch), RolloutRecord.from_json, "regenerating")
+
+    def append_verdicts(self, batch: int, verdicts: Sequence[tuple[RolloutKey, Judgement]]) -> None:
+        """Persist final verdicts (the rollout's key, its judgement) of `batch`'s rollouts,
+        in one atomic write."""
+        self._write(batch, VERDICTS_PREFIX, [j.to_json(key) for key, j in verdicts])
 
     def read_verdicts(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
-        """The logged verdicts of `batch` by (prompt_id, sample_index, version); one that
-        does not parse is ignored (with a warning): its rollout is judged again."""
+        """The logged verdict lines of `batch`, as written, by (prompt_id, sample_index,
+        version) (reward — None when unjudged —, verdict, reason, response); the loop reads
+        `judgements`."""
         return self._read(batch, VERDICTS_PREFIX, "judging again")
 
-    def append_prompts(self, batch: int, records: Mapping[str, dict[str, Any]]) -> None:
-        """Persist the dataset records (PromptRecord.to_json) of `batch`'s prompts, by prompt
-        id, in one atomic write named by the ids (writing the same prompts again replaces
-        it)."""
+    def judgements(self, batch: int) -> dict[RolloutKey, Judgement]:
+        """The logged verdicts of `batch` by rollout key; one that does not parse is ignored
+        (with a warning): its rollout is judged again."""
+        return self._typed(batch, self.read_verdicts(batch), Judgement.from_json, "judging again")
+
+    @staticmethod
+    def _typed(
+        batch: int,
+        lines: Mapping[tuple[str, int, int], Mapping[str, Any]],
+        parse: Callable[[Mapping[str, Any]], _T],
+        then: str,
+    ) -> dict[RolloutKey, _T]:
+        out = {}
+        for key, line in lines.items():
+            try:
+                out[RolloutKey(*key)] = parse(line)
+            except (KeyError, TypeError, ValueError):
+                _log.warning("rollout log entry %s of batch %d is unreadable; %s", key, batch, then)
+        return out
+
+    def append_prompts(self, batch: int, records: Mapping[str, PromptRecord]) -> None:
+        """Persist the dataset records of `batch`'s prompts, by prompt id, in one atomic
+        write named by the ids (writing the same prompts again replaces it)."""
         if not records:
             return
         ids = sorted(records)
         name = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24]
         lines = "".join(
-            json.dumps({"prompt_id": i, "record": records[i]}, sort_keys=True) + "\n" for i in ids
+            json.dumps({"prompt_id": i, "record": records[i].to_json()}, sort_keys=True) + "\n"
+            for i in ids
         )
         storage.write_text(
             storage.join(self._batch_dir(batch), f"{PROMPTS_PREFIX}{name}.jsonl"), lines

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.data.datasets import DatasetError, prompt_tokens
+from rlax_tpu.data.datasets import DatasetError, PromptMixture, PromptRecord, prompt_tokens
 
 SFT_STREAM = 7919  # the warm start's prompt stream: seed + SFT_STREAM
 
 
-def sft_rows(config: RunConfig, tokenizer: Any, records: list[Any]) -> tuple:
+def sft_rows(config: RunConfig, tokenizer: Any, records: list[PromptRecord]) -> tuple:
     """(tokens, targets, loss_mask) of prompt + reference + eos, the loss on the answer part:
     int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16).
 
@@ -57,7 +57,7 @@ def run_warm_start(
     config: RunConfig,
     trainer: Any,
     tokenizer: Any,
-    mixture: Any,
+    mixture: PromptMixture,
     *,
     next_step: int,
     report: Callable[[str], None] = print,
