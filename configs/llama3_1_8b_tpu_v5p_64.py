@@ -8,6 +8,9 @@ On GKE (docs/deploy.md): `rlax-tpu deploy gke configs/llama3_1_8b_tpu_v5p_64.py 
 renders the JobSet; deploy/gke/llama3_1_8b_tpu_v5p_64.yaml is this config as shipped.
 """
 
+import dataclasses
+from pathlib import Path
+
 from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
@@ -19,43 +22,23 @@ from rlax_tpu.config import (
     ModelConfig,
     OptimizerConfig,
     ParamServerConfig,
-    RopeScalingConfig,
     RunConfig,
     StalenessConfig,
     StorageConfig,
     TpuSliceConfig,
     TrainerConfig,
     VerifierConfig,
+    load_fragment,
 )
+
+MODELS = Path(__file__).with_name("models")
 
 
 def get_config() -> RunConfig:
     return RunConfig(
         name="llama3_1_8b_tpu_v5p_64",
-        model=ModelConfig(
-            architecture="LlamaForCausalLM",
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            rope_theta=500_000.0,
-            rope_scaling=RopeScalingConfig(
-                type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            rms_norm_eps=1e-5,
-            max_position_embeddings=131072,
-            # float32 master weights and Adam state; bf16 matmuls; bf16 weights published,
-            # stored by the parameter server and served by the workers (half the bytes).
-            param_dtype="float32",
-            dtype="bfloat16",
-            publish_dtype="bfloat16",
+        model=dataclasses.replace(
+            load_fragment(MODELS / "llama3_1_8b.py", ModelConfig),
             hf_checkpoint="gs://rlax-tpu-models/Llama-3.1-8B-Instruct",
         ),
         staleness=StalenessConfig.PRESETS["off_policy"](),

@@ -17,7 +17,6 @@ for it. The local launcher gives the trainer 55% and the worker 35% of the GPU's
 (XLA_PYTHON_CLIENT_MEM_FRACTION); the rest is for the two processes' CUDA contexts.
 """
 
-import os
 from pathlib import Path
 
 from rlax_tpu.config import (
@@ -34,6 +33,7 @@ from rlax_tpu.config import (
     StorageConfig,
     TrainerConfig,
     VerifierConfig,
+    load_fragment,
 )
 
 # Lengths under Qwen2.5's tokenizer and chat template with the system prompt below. GSM8K
@@ -48,22 +48,7 @@ MAX_SEQ_LEN = MAX_PROMPT_LEN + MAX_NEW_TOKENS
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-# config.json of Qwen/Qwen2.5-0.5B-Instruct, kept in the repo so that the recipe can be
-# compiled and simulated before the weights are downloaded; a run needs the real checkpoint
-# directory (--set model.hf_checkpoint=DIR): its config.json then names the architecture.
-ARCHITECTURE_ONLY = os.path.relpath(Path(__file__).parent / "models" / "Qwen2.5-0.5B-Instruct")
-
-
-def model() -> ModelConfig:
-    """Qwen2.5-0.5B-Instruct: the architecture comes from the checkpoint's config.json
-    (model.hf_checkpoint); float32 master weights, bf16 matmuls, bf16 weights published and
-    served."""
-    return ModelConfig(
-        param_dtype="float32",
-        dtype="bfloat16",
-        publish_dtype="bfloat16",
-        hf_checkpoint=ARCHITECTURE_ONLY,  # --set model.hf_checkpoint=DIR
-    )
+MODELS = Path(__file__).with_name("models")
 
 
 def gsm8k() -> DatasetConfig:
@@ -81,7 +66,7 @@ def gsm8k() -> DatasetConfig:
 def get_config() -> RunConfig:
     return RunConfig(
         name="qwen2_5_0_5b_gsm8k_gpu",
-        model=model(),
+        model=load_fragment(MODELS / "qwen2_5_0_5b.py", ModelConfig),
         staleness=StalenessConfig.PRESETS["on_policy"](),
         trainer=TrainerConfig(
             mesh=MeshConfig(data=1, fsdp=-1, tensor=1),

@@ -6,6 +6,9 @@ On GKE (docs/deploy.md): `rlax-tpu deploy gke configs/qwen2_5_32b_tpu_v5p_256.py
 renders the JobSet; deploy/gke/qwen2_5_32b_tpu_v5p_256.yaml is this config as shipped.
 """
 
+import dataclasses
+from pathlib import Path
+
 from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
@@ -23,30 +26,17 @@ from rlax_tpu.config import (
     TpuSliceConfig,
     TrainerConfig,
     VerifierConfig,
+    load_fragment,
 )
+
+MODELS = Path(__file__).with_name("models")
 
 
 def get_config() -> RunConfig:
     return RunConfig(
         name="qwen2_5_32b_tpu_v5p_256",
-        model=ModelConfig(
-            architecture="Qwen2ForCausalLM",
-            vocab_size=152064,
-            hidden_size=5120,
-            intermediate_size=27648,
-            num_layers=64,
-            num_heads=40,
-            num_kv_heads=8,
-            head_dim=128,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=32768,
-            qkv_bias=True,
-            # float32 master weights and Adam state; bf16 matmuls; bf16 weights published,
-            # stored by the parameter server and served by the workers (half the bytes).
-            param_dtype="float32",
-            dtype="bfloat16",
-            publish_dtype="bfloat16",
+        model=dataclasses.replace(
+            load_fragment(MODELS / "qwen2_5_32b.py", ModelConfig),
             hf_checkpoint="gs://rlax-tpu-models/Qwen2.5-32B-Instruct",
         ),
         staleness=StalenessConfig.PRESETS["one_step_off_policy"](),

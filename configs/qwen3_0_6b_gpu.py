@@ -7,6 +7,9 @@ Point model.hf_checkpoint at a local or gs:// copy of the Hugging Face checkpoin
   rlax-tpu run configs/qwen3_0_6b_gpu.py --set model.hf_checkpoint=gs://BUCKET/Qwen3-0.6B
 """
 
+import dataclasses
+from pathlib import Path
+
 from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
@@ -18,30 +21,17 @@ from rlax_tpu.config import (
     StalenessConfig,
     StorageConfig,
     TrainerConfig,
+    load_fragment,
 )
+
+MODELS = Path(__file__).with_name("models")
 
 
 def get_config() -> RunConfig:
     return RunConfig(
         name="qwen3_0_6b_gpu",
-        model=ModelConfig(
-            architecture="Qwen3ForCausalLM",
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_layers=28,
-            num_heads=16,
-            num_kv_heads=8,
-            head_dim=128,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=40960,
-            tie_word_embeddings=True,
-            qk_norm=True,
-            # float32 master weights; bf16 matmuls; bf16 weights published and served.
-            param_dtype="float32",
-            dtype="bfloat16",
-            publish_dtype="bfloat16",
+        model=dataclasses.replace(
+            load_fragment(MODELS / "qwen3_0_6b.py", ModelConfig),
             hf_checkpoint="/data/models/Qwen3-0.6B",
         ),
         staleness=StalenessConfig.PRESETS["one_step_off_policy"](),

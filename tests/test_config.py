@@ -400,3 +400,28 @@ def test_every_field_has_a_description():
     paths = [path for path, _, _, _ in rows]
     assert "controller.replay.global_cap" in paths and "trainer.optimizer.adam_eps" in paths
     assert "controller.datasets[].reward_function" in paths
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "models").glob("*.py")), ids=str)
+def test_a_model_fragment_loads_as_a_model_config(path):
+    """configs/models/*.py are the models recipes compose; each is a valid ModelConfig."""
+    from rlax_tpu.config import ModelConfig, load_fragment
+
+    model = load_fragment(path, ModelConfig)
+    model.validate()
+    assert model.param_dtype == "float32" and model.publish_dtype == "bfloat16"
+
+
+def test_load_fragment_names_what_is_wrong(tmp_path):
+    from rlax_tpu.config import ConfigError, ModelConfig, TrainerConfig, load_fragment
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_fragment(tmp_path / "absent.py", ModelConfig)
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        "from rlax_tpu.config import TrainerConfig\n\n"
+        "def get_config():\n    return TrainerConfig()\n"
+    )
+    assert isinstance(load_fragment(trainer, TrainerConfig), TrainerConfig)
+    with pytest.raises(ConfigError, match="returned TrainerConfig, expected ModelConfig"):
+        load_fragment(trainer, ModelConfig)

@@ -2,7 +2,7 @@
 
 from rlax_tpu.config.base import ConfigBase, ConfigError, ConfigRenamedWarning, field_descriptions
 from rlax_tpu.config.distribution import Distribution
-from rlax_tpu.config.loader import load_config
+from rlax_tpu.config.loader import load_config, load_fragment
 from rlax_tpu.config.run import (
     DEFAULT_LOGICAL_AXIS_RULES,
     TPU_ACCELERATORS,
@@ -62,5 +62,6 @@ __all__ = [
     "WarmStartConfig",
     "field_descriptions",
     "load_config",
+    "load_fragment",
     "topology_chips",
 ]

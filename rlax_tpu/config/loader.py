@@ -6,9 +6,12 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from rlax_tpu.config.base import ConfigError
 from rlax_tpu.config.run import RunConfig
+
+T = TypeVar("T")
 
 
 def load_config(
@@ -38,7 +41,31 @@ def load_config(
     return resolve_checkpoint_model(config)
 
 
+def load_fragment(source: str | Path, kind: type[T]) -> T:
+    """A part of a config from a Python file exposing `get_config()` that returns a `kind`
+    (configs/models/*.py: a ModelConfig), for recipes to compose: the same model is then
+    written once for every recipe that trains it."""
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config fragment {str(source)!r} does not exist")
+    fragment = _get_config(path)
+    if not isinstance(fragment, kind):
+        raise ConfigError(
+            f"{path}: get_config() returned {type(fragment).__name__}, expected {kind.__name__}"
+        )
+    return fragment
+
+
 def _from_python(path: Path) -> RunConfig:
+    config = _get_config(path)
+    if not isinstance(config, RunConfig):
+        raise ConfigError(
+            f"{path}: get_config() returned {type(config).__name__}, expected RunConfig"
+        )
+    return config
+
+
+def _get_config(path: Path) -> object:
     module_name = f"rlax_tpu_config_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
@@ -50,10 +77,5 @@ def _from_python(path: Path) -> RunConfig:
         sys.modules.pop(module_name, None)
     get_config = getattr(module, "get_config", None)
     if get_config is None:
-        raise ConfigError(f"{path} has no get_config() function returning a RunConfig")
-    config = get_config()
-    if not isinstance(config, RunConfig):
-        raise ConfigError(
-            f"{path}: get_config() returned {type(config).__name__}, expected RunConfig"
-        )
-    return config
+        raise ConfigError(f"{path} has no get_config() function")
+    return get_config()
