@@ -45,8 +45,8 @@ class TrainerClient(ComponentClient):
         self._stub = pb_grpc.TrainerStub(self._channel)
 
     def train_step(self, step: int, batch: RolloutArrays | Any) -> StepResult:
-        """Train step `step` on `batch` (making version step + 1, published when workers may
-        load it), or its recorded result."""
+        """Train step `step` on `batch` (making version step + 1, published only if workers
+        may load it or it is the run's last), or its recorded result."""
         return self._stream("TrainStep", step, TRAIN_STEP.arrays_of(batch))
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:

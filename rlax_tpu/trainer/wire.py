@@ -27,8 +27,9 @@ CHUNK_OVERHEAD_BYTES = 64
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a train step reports: `version` = step + 1, the version it made (published when
-    a worker may load it, every η-th, or when it is the run's last)."""
+    """What a train step reports: `version` = step + 1, the version it made; it is published
+    only if a worker may load it (a multiple of η) or it is the run's last
+    (`StalenessPolicy.publishes`)."""
 
     step: int
     version: int
