@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from rlax_tpu.algorithms import groups
 from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
-from rlax_tpu.algorithms.metrics import common_metrics, masked_mean, masked_std, no_clipping
+from rlax_tpu.algorithms.metrics import finish_metrics, no_clipping
 from rlax_tpu.algorithms.parts import part_inputs
 from rlax_tpu.algorithms.schedules import kl_beta_at
 from rlax_tpu.algorithms.trajectory_balance import sequence_logprobs
@@ -65,17 +65,8 @@ def online_dpo_loss(
         "dpo/reward_gap_mean": jnp.sum(jnp.where(pairs, reward_gap, 0.0)) / n_pairs,
         "dpo/tied_group_fraction": 1.0 - jnp.sum(pairs) / n_groups,
         "kl_beta": beta,
-        "advantage/mean": masked_mean(advantage, valid),
-        "advantage/std": masked_std(advantage, valid),
         **no_clipping(dtype),  # no clip mask: both samples of a pair keep their gradient
     }
-    metrics.update(
-        common_metrics(
-            p,
-            reference_logprobs=batch.reference_logprobs,
-            versions=batch.versions,
-            entropy=entropy,
-            step=step,
-        )
+    return loss, finish_metrics(
+        metrics, p, batch, advantage=advantage, advantage_mask=valid, entropy=entropy, step=step
     )
-    return loss, metrics

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_tpu.algorithms import groups
+from rlax_tpu.algorithms.batch import RolloutBatch
 from rlax_tpu.algorithms.parts import KL_ESTIMATORS, MAX_LOG_RATIO, PartInputs
 
 # Reported by every objective (issue 5, item 4; docs/algorithms.md "Metrics").
@@ -113,3 +114,30 @@ def common_metrics(
         out["staleness/mean"] = masked_mean(staleness, p.valid.astype(m.dtype))
         out["staleness/max"] = masked_max(staleness, p.valid.astype(m.dtype))
     return out
+
+
+def finish_metrics(
+    metrics: dict[str, jax.Array],
+    p: PartInputs,
+    batch: RolloutBatch,
+    *,
+    advantage: jax.Array,
+    advantage_mask: jax.Array,
+    entropy: jax.Array | None,
+    step,
+) -> dict[str, jax.Array]:
+    """`metrics` completed with what every objective reports: advantage/* (mean and std of
+    `advantage` over `advantage_mask`, per token or per sample as the objective applies it)
+    and `common_metrics` of `p` and `batch`. The objective's own metrics come first."""
+    return {
+        **metrics,
+        "advantage/mean": masked_mean(advantage, advantage_mask),
+        "advantage/std": masked_std(advantage, advantage_mask),
+        **common_metrics(
+            p,
+            reference_logprobs=batch.reference_logprobs,
+            versions=batch.versions,
+            entropy=entropy,
+            step=step,
+        ),
+    }

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from rlax_tpu.algorithms import dpo, trajectory_balance
 from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
 from rlax_tpu.algorithms.covariance import COVARIANCE_CONTROLS
-from rlax_tpu.algorithms.metrics import common_metrics, masked_mean, masked_std
+from rlax_tpu.algorithms.metrics import finish_metrics, masked_mean
 from rlax_tpu.algorithms.parts import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -248,13 +248,7 @@ def policy_gradient_loss(
         loss = loss + c.value_loss_coef * value_loss
         metrics["value_loss"] = value_loss
 
-    metrics.update(
-        {
-            "advantage/mean": masked_mean(adv, m),
-            "advantage/std": masked_std(adv, m),
-            **pg_metrics,
-        }
-    )
+    metrics.update(pg_metrics)
     if needs_rollout_logprobs(c):
         valid = p.valid.astype(dtype)
         metrics.update(
@@ -265,16 +259,9 @@ def policy_gradient_loss(
                 "rollout_correction/gated_sequence_fraction": masked_mean(1.0 - kept, valid),
             }
         )
-    metrics.update(
-        common_metrics(
-            p,
-            reference_logprobs=batch.reference_logprobs,
-            versions=batch.versions,
-            entropy=entropy,
-            step=step,
-        )
+    return loss, finish_metrics(
+        metrics, p, batch, advantage=adv, advantage_mask=m, entropy=entropy, step=step
     )
-    return loss, metrics
 
 
 class Objective:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from rlax_tpu.algorithms import groups
 from rlax_tpu.algorithms.batch import MissingInputError, RolloutBatch
-from rlax_tpu.algorithms.metrics import common_metrics, masked_mean, masked_std, no_clipping
+from rlax_tpu.algorithms.metrics import finish_metrics, masked_mean, no_clipping
 from rlax_tpu.algorithms.parts import part_inputs
 from rlax_tpu.algorithms.schedules import kl_beta_at
 from rlax_tpu.config import AlgorithmConfig
@@ -61,17 +61,8 @@ def trajectory_balance_loss(
         "tb/log_z_mean": masked_mean(jax.lax.stop_gradient(log_z), valid),
         "tb/sequence_kl_mean": masked_mean(jax.lax.stop_gradient(seq_lp) - seq_ref, valid),
         "kl_beta": beta,
-        "advantage/mean": masked_mean(advantage, valid),
-        "advantage/std": masked_std(advantage, valid),
         **no_clipping(p.mask.dtype),  # no clip mask: every sample keeps its gradient
     }
-    metrics.update(
-        common_metrics(
-            p,
-            reference_logprobs=batch.reference_logprobs,
-            versions=batch.versions,
-            entropy=entropy,
-            step=step,
-        )
+    return loss, finish_metrics(
+        metrics, p, batch, advantage=advantage, advantage_mask=valid, entropy=entropy, step=step
     )
-    return loss, metrics

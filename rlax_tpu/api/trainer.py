@@ -34,8 +34,9 @@ CHUNK_OVERHEAD_BYTES = 64
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a train step reports: `version` = step + 1, the version it made (published when
-    a worker may load it, every η-th, or when it is the run's last)."""
+    """What a train step reports: `version` = step + 1, the version it made; it is published
+    only if a worker may load it (a multiple of η) or it is the run's last
+    (`StalenessPolicy.publishes`)."""
 
     step: int
     version: int
@@ -515,8 +516,8 @@ class TrainerClient(ComponentClient):
         self._stub = pb_grpc.TrainerStub(self._channel)
 
     def train_step(self, step: int, batch: RolloutArrays | Any) -> StepResult:
-        """Train step `step` on `batch` (making version step + 1, published when workers may
-        load it), or its recorded result."""
+        """Train step `step` on `batch` (making version step + 1, published only if workers
+        may load it or it is the run's last), or its recorded result."""
         return self._stream("TrainStep", step, TRAIN_STEP.arrays_of(batch))
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:

@@ -26,6 +26,7 @@ from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import logical_to_spec, state_shardings
 from rlax_tpu.trainer.step import (
     BatchLevels,
+    Optimizer,
     build_optimizer,
     count_params,
     make_rl_step,
@@ -84,11 +85,11 @@ def train_model(config: RunConfig, rngs: nnx.Rngs) -> Transformer:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OptimizerLayout:
-    """An optimizer, its learning-rate schedule, and its state's shardings and abstract
-    value (sharded like the params each entry tracks; counts and schedules replicated)."""
+    """An optimizer (with its learning-rate schedule), and its state's shardings and
+    abstract value (sharded like the params each entry tracks; counts and schedules
+    replicated)."""
 
-    optimizer: optax.GradientTransformation
-    schedule: optax.Schedule
+    optimizer: Optimizer
     shardings: Any
     abstract: Any
 
@@ -135,30 +136,29 @@ class TrainerPrograms:
         )
         self.num_params = count_params(self.abstract_params)
 
-        ctl, warm = config.controller, config.trainer.warm_start
+        ctl, warm, updates = config.controller, config.trainer.warm_start, self.levels.num_updates
+        optimizer = config.trainer.optimizer
         self.rl = self._optimizer_layout(
-            *build_optimizer(
-                config.trainer.optimizer,
-                num_steps=config.trainer.optimizer.lr_decay_steps or ctl.num_steps,
-                updates_per_step=self.levels.num_updates,
+            build_optimizer(
+                optimizer,
+                num_steps=optimizer.lr_decay_steps or ctl.num_steps,
+                updates_per_step=updates,
             )
         )
         # The SFT warm start's own optimizer: its learning rate, a schedule over its steps.
         self.sft = self._optimizer_layout(
-            *build_optimizer(
-                warm.optimizer(config.trainer.optimizer),
+            build_optimizer(
+                warm.optimizer(optimizer),
                 num_steps=max(warm.steps, 1),
-                updates_per_step=self.levels.num_updates,
+                updates_per_step=updates,
             )
         )
         self._build_functions()
 
-    def _optimizer_layout(
-        self, optimizer: optax.GradientTransformation, schedule: optax.Schedule
-    ) -> OptimizerLayout:
-        abstract = jax.eval_shape(optimizer.init, self.abstract_params)
+    def _optimizer_layout(self, optimizer: Optimizer) -> OptimizerLayout:
+        abstract = jax.eval_shape(optimizer.transform.init, self.abstract_params)
         shardings = optax.tree_map_params(
-            optimizer,
+            optimizer.transform,
             lambda _, s: s,
             abstract,
             self.param_shardings,
@@ -167,14 +167,16 @@ class TrainerPrograms:
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
         )
-        return OptimizerLayout(optimizer, schedule, shardings, abstract)
+        return OptimizerLayout(optimizer, shardings, abstract)
 
     def _build_functions(self) -> None:
         p_sh = self.param_shardings
         # Metrics replicated: every process of a multi-host mesh can read them.
         replicated = self.replicated
-        self.init_opt = jax.jit(self.rl.optimizer.init, out_shardings=self.rl.shardings)
-        self.init_sft_opt = jax.jit(self.sft.optimizer.init, out_shardings=self.sft.shardings)
+        self.init_opt = jax.jit(self.rl.optimizer.transform.init, out_shardings=self.rl.shardings)
+        self.init_sft_opt = jax.jit(
+            self.sft.optimizer.transform.init, out_shardings=self.sft.shardings
+        )
         graphdef, levels, options = self.graphdef, self.levels, self.forward_options
         temperature = self.temperature
         self.recompute = jax.jit(
@@ -194,7 +196,6 @@ class TrainerPrograms:
                 graphdef,
                 self.objective,
                 self.rl.optimizer,
-                self.rl.schedule,
                 levels,
                 temperature=temperature,
                 options=options,
@@ -203,7 +204,7 @@ class TrainerPrograms:
             out_shardings=(p_sh, self.rl.shardings, replicated),
         )
         self.sft_step = jax.jit(
-            make_sft_step(graphdef, self.sft.optimizer, self.sft.schedule, levels, options=options),
+            make_sft_step(graphdef, self.sft.optimizer, levels, options=options),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, self.sft.shardings, replicated),
         )

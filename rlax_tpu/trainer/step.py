@@ -92,7 +92,8 @@ def learning_rate_schedule(
     Warmup and decay are counted in train steps (`warmup_steps`, and `num_steps`:
     trainer.optimizer.lr_decay_steps, else controller.num_steps), so
     every update within one step uses the same rate: linear warmup from 0 to
-    `learning_rate`, then constant, cosine to 0, or linear to 0 at `num_steps`.
+    `learning_rate`, then constant, cosine to 0, or linear to 0 at
+    `num_steps`.
     """
     peak, warmup = optimizer.learning_rate, optimizer.warmup_steps
     decay = max(num_steps - warmup, 1)
@@ -110,10 +111,26 @@ def learning_rate_schedule(
     return lambda count: by_step(count // updates_per_step)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Optimizer:
+    """AdamW behind clip_by_global_norm (`transform`), and the learning-rate `schedule` it
+    was built with, kept to report the rate of the last update (`last_learning_rate`)."""
+
+    transform: optax.GradientTransformation
+    schedule: optax.Schedule
+
+    def last_learning_rate(self, opt_state) -> jax.Array:
+        """The rate of the last update made to `opt_state` (the count after an update is
+        that of the update just made plus one)."""
+        return self.schedule(_update_count(opt_state) - 1)
+
+
 def build_optimizer(
     optimizer: OptimizerConfig, *, num_steps: int, updates_per_step: int
-) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW behind clip_by_global_norm, with the schedule above."""
+) -> Optimizer:
+    """AdamW behind clip_by_global_norm, at the rates of `learning_rate_schedule` (above):
+    the one place a learning rate becomes a schedule (the warm start's optimizer is
+    `trainer.warm_start.optimizer(trainer.optimizer)`, its own rate)."""
     schedule = learning_rate_schedule(
         optimizer, num_steps=num_steps, updates_per_step=updates_per_step
     )
@@ -127,7 +144,7 @@ def build_optimizer(
             weight_decay=optimizer.weight_decay,
         ),
     )
-    return transform, schedule
+    return Optimizer(transform, schedule)
 
 
 # -- forward passes -------------------------------------------------------------------------
@@ -252,13 +269,11 @@ def _mean_metrics(metrics: Metrics) -> Metrics:
     return {k: jnp.nanmean(v.astype(jnp.float32)) for k, v in metrics.items()}
 
 
-def _apply(optimizer, schedule, params, opt_state, grads):
+def _apply(optimizer: Optimizer, params, opt_state, grads):
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    updates, opt_state = optimizer.transform.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    # The count after this update is that of the update just made plus one.
-    lr = schedule(_update_count(opt_state) - 1)
-    return params, opt_state, grad_norm, lr
+    return params, opt_state, grad_norm
 
 
 def _update_count(opt_state) -> jax.Array:
@@ -272,8 +287,7 @@ def _update_count(opt_state) -> jax.Array:
 def make_rl_step(
     graphdef: nnx.GraphDef,
     objective: Objective,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
+    optimizer: Optimizer,
     levels: BatchLevels,
     *,
     temperature: float = 1.0,
@@ -370,15 +384,15 @@ def make_rl_step(
             mini, mini_behaviour = xs
             mini = mini.replace(group_ids=_dense_group_ids(mini.group_ids))
             (loss, metrics), grads, lp = grads_of(params, mini, step)
-            params, opt_state, grad_norm, lr = _apply(optimizer, schedule, params, opt_state, grads)
+            params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
             metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
-            metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=lr)
+            metrics.update(loss=loss, grad_norm=grad_norm)
             metrics.update(behaviour_diff_metrics(lp, mini_behaviour, mini.response_mask))
             return (params, opt_state), metrics
 
         (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), minis)
         out = _mean_metrics(metrics)
-        out["learning_rate"] = metrics["learning_rate"][-1]
+        out["learning_rate"] = optimizer.last_learning_rate(opt_state)
         return params, opt_state, out
 
     return rl_step
@@ -416,8 +430,7 @@ def mismatch_metrics(recomputed: jax.Array, cached: jax.Array, response_mask: ja
 
 def make_sft_step(
     graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
+    optimizer: Optimizer,
     levels: BatchLevels,
     *,
     options: ForwardOptions = REFERENCE,
@@ -459,12 +472,11 @@ def make_sft_step(
             (zeros, jnp.zeros((), jnp.float32)),
             (_chunks(tokens, m), _chunks(targets, m), _chunks(mask, m)),
         )
-        params, opt_state, grad_norm, lr = _apply(optimizer, schedule, params, opt_state, grads)
+        params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
         return (params, opt_state), {
             "loss": nll,
             "nll": nll,
             "grad_norm": grad_norm,
-            "learning_rate": lr,
             "tokens": total,
         }
 
@@ -473,7 +485,7 @@ def make_sft_step(
         xs = (_chunks(tokens, n), _chunks(targets, n), _chunks(loss_mask, n))
         (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), xs)
         out = _mean_metrics(metrics)
-        out["learning_rate"] = metrics["learning_rate"][-1]
+        out["learning_rate"] = optimizer.last_learning_rate(opt_state)
         out["tokens"] = jnp.sum(metrics["tokens"])
         return params, opt_state, out
 
