@@ -50,8 +50,10 @@ class EngineNotLoadedError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class PagingState:
     """A snapshot of the engine's scheduling (`Engine.paging_state`): request ids in flight
-    (submission order), in each decode slot (None: free), waiting and swapped out; the
-    pages in use and the page table (one row of page ids per slot, 0 = padding)."""
+    (submission order), in each decode slot (None: free; a slot holds a live sequence
+    between steps), waiting and swapped out (by admission order); the pages in use, the
+    page table (one row of page ids per slot, 0 = padding), the host bytes swapped-out
+    sequences hold and what is wrong with the page bookkeeping (() when sound)."""
 
     in_flight: tuple[str, ...]
     slots: tuple[str | None, ...]
@@ -59,6 +61,8 @@ class PagingState:
     swapped: tuple[str, ...]
     used_pages: int
     page_table: np.ndarray
+    swapped_bytes: int = 0
+    problems: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -286,12 +290,20 @@ class Engine:
             swapped=ids(self._swapped),
             used_pages=self._allocator.used_pages,
             page_table=self._allocator.page_table.copy(),
+            swapped_bytes=self._allocator.swapped_bytes,
+            problems=tuple(self._allocator.invariant_problems()),
         )
 
     def read_kv_pages(self, pages: list[int]) -> tuple[tuple[np.ndarray, ...], ...]:
         """The keys and values of `pages` of the pool, every layer, on the host: (keys,
         values), each per layer [kv_heads, len(pages), page_size, head_dim]."""
         return self._read_pages(pages)
+
+    @property
+    def kv_cache(self) -> PagedKVCache | None:
+        """The KV cache on its devices (None with allocate=False): read it, do not keep it
+        (each step donates it and makes a new one)."""
+        return self._cache
 
     def served_params(self) -> list[jax.Array]:
         """The weights the engine serves now, as placed leaves (empty before any load)."""
