@@ -54,7 +54,8 @@ def assert_clean(e: Engine) -> None:
     """Nothing in flight, every page back, no host copy left, bookkeeping sound."""
     stats = e.stats()
     assert stats["free_pages"] == stats["total_pages"] and stats["swapped"] == 0
-    assert e._allocator.swapped == {} and e._allocator.invariant_problems() == []
+    state = e.paging_state()
+    assert state.swapped_bytes == 0 and state.problems == ()
 
 
 @pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
@@ -74,8 +75,8 @@ def test_swapping_holds_with_several_decode_steps_per_call_and_bfloat16():
     config = dataclasses.replace(LLAMA, dtype="bfloat16", publish_dtype="bfloat16")
     small = dataclasses.replace(SMALL, kv_cache_bytes=13 * BYTES_PER_PAGE // 2)  # bf16 pages
     e = engine(small, config, decode_steps_per_call=3)
-    assert e._cache.keys[0].dtype == np.dtype("bfloat16")
-    assert {x.dtype for x in e._params} == {np.dtype("bfloat16")}
+    assert e.kv_cache.keys[0].dtype == np.dtype("bfloat16")
+    assert {x.dtype for x in e.served_params()} == {np.dtype("bfloat16")}
     got = e.run(requests(SAMPLED))
     assert e.stats()["preemptions"] > 0
     assert got == engine(LARGE, config, decode_steps_per_call=3).run(requests(SAMPLED))
@@ -87,7 +88,7 @@ def test_swapping_on_a_tensor_parallel_mesh_gives_the_large_pools_rollouts():
     """Swapped pages leave and return sharded over kv heads, as the pool holds them."""
     mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=jax.devices()[:2])
     small = engine(SMALL, mesh=mesh)
-    assert small._cache.keys[0].sharding.spec[0] is not None  # kv heads split
+    assert small.kv_cache.keys[0].sharding.spec[0] is not None  # kv heads split
     got = small.run(requests(SAMPLED))
     assert small.stats()["preemptions"] > 0
     assert got == engine(LARGE, mesh=mesh).run(requests(SAMPLED))
@@ -110,15 +111,18 @@ def swapping_engine() -> Engine:
     e = engine(SMALL)
     for r in requests(GREEDY):
         e.submit(r)
-    while not e._swapped:
+    while not e.paging_state().swapped:
         e.step()
     return e
 
 
 def test_preempting_takes_the_most_recently_admitted_sequence():
     e = swapping_engine()
-    live_orders = [s.order for s in e._live()]
-    assert all(s.order > max(live_orders) for s in e._swapped)
+    state = e.paging_state()
+    # Requests are admitted first in, first out: the admission order is the submission order.
+    admitted = {request_id: n for n, request_id in enumerate(state.in_flight)}
+    live = [admitted[request_id] for request_id in state.slots if request_id is not None]
+    assert all(admitted[request_id] > max(live) for request_id in state.swapped)
     while e.has_work():
         e.step()
     assert_clean(e)
@@ -126,7 +130,7 @@ def test_preempting_takes_the_most_recently_admitted_sequence():
 
 def test_load_aborts_swapped_sequences_and_frees_their_host_copies():
     e = swapping_engine()
-    swapped = {s.request.request_id for s in e._swapped}
+    swapped = set(e.paging_state().swapped)
     aborted = e.load(1, init_params(LLAMA, seed=1))
     assert {r.request_id for r in aborted} == {r.request_id for r in requests(GREEDY)}
     assert all(r.tokens for r in aborted if r.request_id in swapped)
@@ -200,7 +204,7 @@ def test_whole_generations_through_the_pallas_kernels_match_the_jax_path():
     greedy = dataclasses.replace(GREEDY, max_new_tokens=30)
     with interpret_kernels():
         kernels = engine(dataclasses.replace(inference, attention_backend="pallas"), config)
-        assert kernels._cache.backend == "pallas_tpu"
+        assert kernels.kv_cache.backend == "pallas_tpu"
         got = kernels.run(requests(greedy, [12, 9, 14]))
     want = engine(dataclasses.replace(inference, attention_backend="jax"), config).run(
         requests(greedy, [12, 9, 14])

@@ -54,7 +54,7 @@ LOCAL_IMPORTS = {
     "distributed.py": "sets up the JAX environment, so it must run before JAX is imported",
     "runtime.py": "sets up the JAX environment, so it must run before JAX is imported",
     "rpc/process.py": "a child process sets up its environment before anything loads JAX",
-    "inference/engine.py": "compile/programs lowers the engine's steps: the engine reaches the "
+    "inference/steps.py": "compile/programs lowers the engine's steps: the engine reaches the "
     "saved executables only when asked to load them",
     "trainer/programs.py": "compile/programs lowers the trainer's steps: the trainer reaches the "
     "saved executables only when asked to load them",

@@ -10,9 +10,12 @@ for a step that starts fresh sequences.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.inference.attention import (
@@ -22,7 +25,7 @@ from rlax_tpu.inference.attention import (
     resolve_backend,
 )
 from rlax_tpu.inference.page_allocator import PADDING_PAGE, PageAllocator, num_pages_for_budget
-from rlax_tpu.sharding import constrain
+from rlax_tpu.sharding import constrain, logical_to_spec
 
 _POOL_AXES = ("act_kv_heads", None, None, "head_dim")
 
@@ -194,3 +197,24 @@ class PagedKVCache:
             values=self.values[:layer] + (values,) + self.values[layer + 1 :],
         )
         return out, cache
+
+
+def placed_layout(cache: PagedKVCache, mesh: Mesh | None, rules: Any) -> PagedKVCache:
+    """The abstract `cache` (ShapeDtypeStructs) with its placement on `mesh`: pools sharded
+    over kv heads like the model's activations, the page table replicated; unplaced without
+    a mesh."""
+    if mesh is None:
+        return cache
+    pool = cache.keys[0]
+    spec = logical_to_spec(_POOL_AXES, rules, shape=pool.shape, mesh=mesh)
+    pools = NamedSharding(mesh, spec)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def placed(x: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return cache.replace(
+        keys=tuple(placed(k, pools) for k in cache.keys),
+        values=tuple(placed(v, pools) for v in cache.values),
+        page_table=placed(cache.page_table, replicated),
+    )

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The parameters this sampler reads are the wire type (inference/types.py), named here too.
+# The parameters this sampler reads are the wire type (api/inference.py), named here too.
 from rlax_tpu.api.inference import LogprobsOf, SamplingParams  # noqa: F401
 
 # Keys are threefry2x32 whatever jax_default_prng_impl says, so they are stable everywhere.

@@ -1,20 +1,33 @@
 """The jitted steps of the inference engine: prefill (a batch of prompts of one bucket, their
 first tokens sampled), decode (`num_steps` tokens of the live slots) and the page copies of a
 swap, with the static key that names the model and mesh they run. Pure functions of
-(weights, cache, host arrays): the engine (engine.py) schedules, these compute."""
+(weights, cache, host arrays): the scheduler (scheduler.py) decides, these compute.
+`StepPrograms` runs them for one engine: on its mesh, with saved executables in their place
+where loaded, counting first calls (compiles), and lowers them on abstract arguments."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.inference.page_allocator import PADDING_PAGE
+from rlax_tpu.inference.paged_cache import PagedKVCache
 from rlax_tpu.inference.sampling import sample_tokens
 from rlax_tpu.models import Transformer
+from rlax_tpu.sharding import use_mesh
+
+# A jitted step as `rlax-tpu compile` lowers it: (the jitted function, its abstract arguments,
+# the static argnums).
+Lowering = tuple[Any, tuple, tuple[int, ...]]
 
 
 class StaticKey:
@@ -87,8 +100,9 @@ def decode_step(static, num_steps, params, cache, carry, sampling, live):
     """`num_steps` decode steps of the slots `live`, sampling on device.
 
     carry: (last token, position, response index t of the next token: int32[slots],
-    active: bool[slots]); sampling: Engine._sampling_arrays (per-slot key data, temperature,
-    top_k, top_p, "sampled" flag, response limit, stop ids int32[slots, max_stop_tokens]);
+    active: bool[slots]); sampling: `scheduler.SlotArrays.sampling` (per-slot key data,
+    temperature, top_k, top_p, "sampled" flag, response limit, stop ids int32[slots,
+    max_stop_tokens]);
     live: int32[rows], the slot of each row (`slots` = a padding row: inactive, no page).
     The rows' state is gathered from the slots', stepped, and written back. A slot stops
     (active = False, no more cache writes) at a stop token or its limit. Returns (cache,
@@ -139,8 +153,8 @@ def read_pages(cache, pages):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def write_pages(cache, pages, keys, values):
-    """`cache` with `keys` / `values` (as `_read_pages` returns) written into `pages`; an
-    out-of-range page (padding) is dropped."""
+    """`cache` with `keys` / `values` (as `StepPrograms.read_pages` returns) written into
+    `pages`; an out-of-range page (padding) is dropped."""
 
     def write(pool, new):
         return pool.at[:, pages].set(new.astype(pool.dtype), mode="drop")
@@ -154,3 +168,227 @@ def write_pages(cache, pages, keys, values):
 def pow2(n: int) -> int:
     """The smallest power of two >= n (swap copies compile once per such size)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+class StepPrograms:
+    """The jitted steps as one engine runs them: on its mesh (none: the default device), with
+    host arguments placed replicated, a saved executable in place of a step where
+    `use_saved_executables` loaded one, and the first call of each shape counted as its
+    compile. Also lowers each step on abstract arguments (`rlax-tpu compile`).
+
+    `static` names the model and mesh (`StaticKey`); `abstract_cache` is the KV cache's
+    layout; `progress` hears of each compile and how long it took."""
+
+    def __init__(
+        self,
+        static: StaticKey,
+        abstract_cache: PagedKVCache,
+        mesh: Mesh | None,
+        rules: Any,
+        *,
+        prefill_rows: int,
+        decode_steps_per_call: int,
+        progress: Callable[[str], None] | None = None,
+    ):
+        self.static, self.abstract_cache = static, abstract_cache
+        self.mesh, self.rules, self.progress = mesh, rules, progress
+        self.prefill_rows, self.decode_steps_per_call = prefill_rows, decode_steps_per_call
+        self.programs: dict[str, Any] = {}  # saved executables, by program key
+        self.shapes: set[str] = set()  # jitted signatures used: "prefill:<rows>x<bucket>", ...
+        # Seconds spent in first calls (compiles) so far, and when the one running began:
+        # the worker's status reports them, so a watched call's deadline leaves them out.
+        self._compile_s = 0.0
+        self._compiling_since: float | None = None
+
+    # -- running ---------------------------------------------------------------------------
+    def prefill(
+        self, bucket: int, params: list, cache: PagedKVCache, args: tuple[np.ndarray, ...]
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """Dispatch one prefill call (`args`: `scheduler.prefill_args`); returns its packed
+        int32[2, prefill_rows] (first tokens, log-prob bits), still on the device, and the
+        cache."""
+        what = f"prefill for {self.prefill_rows}x{bucket} prompt tokens"
+        step = self.programs.get(f"prefill@{bucket}", prefill_step)
+        first = None
+        if step is prefill_step:
+            first = self._first_call(f"prefill:{self.prefill_rows}x{bucket}", what)
+        with self.mesh_context():
+            packed, cache = step(self.static, params, cache, *self.put(args))
+        if first is not None:  # the call returns once compiled; it runs asynchronously
+            seconds = first()
+            if self.progress is not None:
+                self.progress(f"{what}: compiled in {seconds:.1f}s")
+        return packed, cache
+
+    def decode(
+        self, params: list, cache: PagedKVCache, carry: Any, sampling: Any, live: jax.Array
+    ) -> tuple[PagedKVCache, Any, np.ndarray]:
+        """One decode call of the slots `live` (`decode_step`); returns the cache, the carry
+        and its output on the host (the one device-to-host transfer of the call)."""
+        rows, k = live.shape[0], self.decode_steps_per_call
+        what = f"decode for {rows} slots, {k} steps a call"
+        step = self.programs.get(f"decode@{rows}", decode_step)
+        first = None if step is not decode_step else self._first_call(f"decode:{rows}x{k}", what)
+        with self.mesh_context():
+            cache, carry, out = step(self.static, k, params, cache, carry, sampling, live)
+        packed = np.asarray(out)
+        if first is not None:
+            seconds = first()
+            if self.progress is not None:
+                self.progress(f"{what}: compiled and ran in {seconds:.1f}s")
+        return cache, carry, packed
+
+    def read_pages(self, cache: PagedKVCache, pages: list[int]) -> tuple[tuple, tuple]:
+        """The keys and values of `pages` (every layer) copied to the host: per layer
+        [kv_heads, len(pages), page_size, head_dim]."""
+        index = np.zeros(pow2(len(pages)), np.int32)  # padded with the padding page
+        index[: len(pages)] = pages
+        with self.mesh_context():
+            read = self.programs.get(f"swap_out@{len(index)}", read_pages)
+            keys, values = jax.device_get(read(cache, self.put(index)))
+        n = len(pages)
+        return tuple(k[:, :n].copy() for k in keys), tuple(v[:, :n].copy() for v in values)
+
+    def write_pages(self, cache: PagedKVCache, pages: list[int], data: Any) -> PagedKVCache:
+        """`cache` with a swapped-out sequence's keys and values (`read_pages`) in `pages`."""
+        n, size = len(pages), pow2(len(pages))
+        index = np.full(size, cache.num_pages, np.int32)  # padding: dropped
+        index[:n] = pages
+
+        def padded(x: np.ndarray) -> np.ndarray:
+            out = np.zeros((x.shape[0], size, *x.shape[2:]), x.dtype)
+            out[:, :n] = x
+            return out
+
+        keys, values = (tuple(padded(x) for x in part) for part in data)
+        # Each device receives only its own kv heads of the pages, as the pool holds them.
+        pool = self.abstract_cache.keys[0].sharding
+        keys, values = jax.device_put((keys, values), pool)
+        with self.mesh_context():
+            write = self.programs.get(f"swap_in@{size}", write_pages)
+            return write(cache, self.put(index), keys, values)
+
+    def put(self, tree: Any) -> Any:
+        """Host arrays to the device (replicated over the mesh, if any). Copied first: on
+        CPU a device array may alias the numpy buffer, and the host mirrors change."""
+        tree = jax.tree.map(np.array, tree)
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return use_mesh(self.mesh, self.rules)
+
+    # -- compile accounting ----------------------------------------------------------------
+    def _first_call(self, shape: str, what: str) -> Callable[[], float] | None:
+        """Record `shape` ("decode:<rows>x<steps>") as used. The first time, say that `what`
+        compiles (with a `progress` to tell) and return a clock of the seconds since;
+        reading it ends the compile's count in `compile_seconds`."""
+        if shape in self.shapes:
+            return None
+        self.shapes.add(shape)
+        if self.progress is not None:
+            self.progress(f"compiling the {what} ...")
+        t0 = self._compiling_since = time.monotonic()
+
+        def done() -> float:
+            seconds = time.monotonic() - t0
+            if self._compiling_since == t0:
+                self._compile_s += seconds
+                self._compiling_since = None
+            return seconds
+
+        return done
+
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling so far, a compile in progress included (any thread may
+        ask: two plain reads)."""
+        since = self._compiling_since
+        return self._compile_s + (time.monotonic() - since if since is not None else 0.0)
+
+    def compiling_seconds(self) -> float:
+        """Seconds the compile running now has taken (0.0 when none runs)."""
+        since = self._compiling_since
+        return time.monotonic() - since if since is not None else 0.0
+
+    # -- lowering without hardware (rlax-tpu compile) and saved executables ----------------
+    # Each program is lowered on abstract weights, cache and host arguments (the host arrays
+    # the engine passes, as `put` places them): what `rlax-tpu compile` lowers, what
+    # `--save-compiled` saves under the program's key ("prefill@128", "decode@64",
+    # "swap_out@8", "swap_in@8"), and what a worker with `inference.compiled_dir` loads in
+    # place of compiling.
+    def _abstract_host(self, tree: Any) -> Any:
+        """Host arrays as `put` would place them (replicated), abstract."""
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
+            tree,
+        )
+
+    def prefill_lowering(self, params: list, args: tuple[np.ndarray, ...]) -> Lowering:
+        """The prefill step on `params` (abstract) and host `args` of one bucket."""
+        args = self._abstract_host(args)
+        return prefill_step, (self.static, params, self.abstract_cache, *args), (0,)
+
+    def decode_lowering(self, params: list, carry: tuple, sampling: tuple, rows: int) -> Lowering:
+        """The decode step of `rows` live slots for `decode_steps_per_call` tokens."""
+        args = (
+            self.static,
+            self.decode_steps_per_call,
+            params,
+            self.abstract_cache,
+            self._abstract_host(carry),
+            self._abstract_host(sampling),
+            self._abstract_host(np.zeros(rows, np.int32)),
+        )
+        return decode_step, args, (0, 1)
+
+    def swap_out_lowering(self, pages: int) -> Lowering:
+        """The copy of `pages` pages out of the pool (`read_pages`: what a swap-out runs
+        before its device-to-host transfer)."""
+        index = self._abstract_host(np.zeros(pages, np.int32))
+        return read_pages, (self.abstract_cache, index), ()
+
+    def swap_in_lowering(self, pages: int) -> Lowering:
+        """The write of `pages` swapped pages back into the pool (`write_pages`, the pool
+        donated)."""
+        cache = self.abstract_cache
+        pool = cache.keys[0]
+
+        def page_block(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(
+                (x.shape[0], pages, *x.shape[2:]), x.dtype, sharding=pool.sharding
+            )
+
+        keys = tuple(page_block(k) for k in cache.keys)
+        values = tuple(page_block(v) for v in cache.values)
+        index = self._abstract_host(np.zeros(pages, np.int32))
+        return write_pages, (cache, index, keys, values), ()
+
+    def lower(self, lowering: Lowering) -> jax.stages.Lowered:
+        jitted, args, _ = lowering
+        with self.mesh_context():
+            return jitted.lower(*args)
+
+    def use_saved_executables(self, directory: str, lowerings: dict[str, Lowering]) -> list[str]:
+        """Run the executables `directory` holds in place of the `lowerings` of their keys;
+        returns those keys. CompiledMismatchError when one was compiled for another program
+        or mesh."""
+        # rlax_tpu.compile lowers the engine's programs: imported here, not at the top, so
+        # the inference package does not import it back.
+        from rlax_tpu.compile import executables
+
+        if self.mesh is None:
+            raise executables.CompiledMismatchError(
+                "saved executables are compiled for a mesh; this engine has none"
+            )
+        loaded = []
+        for key, lowering in lowerings.items():
+            executable = executables.load(directory, key, self.lower(lowering), self.mesh)
+            if executable is not None:
+                jitted, args, static = lowering
+                self.programs[key] = executables.SavedProgram(executable, jitted, args, static)
+                loaded.append(key)
+        return loaded

@@ -60,7 +60,9 @@ class _Tag:
 class ServedWeights:
     """The model state's leaves as the jitted steps take them (in `jax.tree.leaves` order),
     in the served dtype (the published one, `ModelConfig.served`) and placed on `mesh` (none:
-    the default device). `graphdef` and `treedef` rebuild the model from the leaves."""
+    the default device). `graphdef` and `treedef` rebuild the model from the leaves.
+    `load` places a version's params; `version` and `leaves` are what is served now (-1 and
+    None before any load)."""
 
     def __init__(
         self, model_config: ModelConfig, inference_config: InferenceConfig, mesh: Mesh | None
@@ -70,7 +72,14 @@ class ServedWeights:
         self._rules = inference_config.mesh.logical_axis_rules
         self.graphdef, abstract_state = nnx.split(self._abstract_model())
         self.treedef = jax.tree.structure(abstract_state)
-        self._leaves = self._param_leaves(abstract_state)
+        self._layout = self._param_leaves(abstract_state)  # keys, shape, dtype, placement
+        self.version = -1
+        self.leaves: list[jax.Array] | None = None
+
+    def load(self, version: int, params: Mapping[str, Any]) -> None:
+        """Serve `version` with `params` (`place`: a bad tree raises and changes nothing)."""
+        leaves = self.place(params)
+        self.leaves, self.version = leaves, int(version)
 
     def _param_leaves(self, abstract_state: nnx.State) -> list[_Leaf]:
         """Where each leaf of the model state (in `jax.tree.leaves` order, the order the
@@ -107,7 +116,7 @@ class ServedWeights:
         mesh, a host array goes to each device as that device's slice (`_on_mesh`): no device
         holds more of it than its shard."""
         missing, wrong, values = [], [], []
-        for leaf in self._leaves:
+        for leaf in self._layout:
             node: Any = params
             for k in leaf.keys:
                 if isinstance(node, Mapping) and k in node:
@@ -129,9 +138,9 @@ class ServedWeights:
                 f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
             )
         if self._mesh is None:
-            leaves = zip(values, self._leaves, strict=True)
+            leaves = zip(values, self._layout, strict=True)
             return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
-        return [_on_mesh(v, leaf) for v, leaf in zip(values, self._leaves, strict=True)]
+        return [_on_mesh(v, leaf) for v, leaf in zip(values, self._layout, strict=True)]
 
     def _abstract_model(self) -> Transformer:
         # Weights in the published dtype (what the parameter server holds); the KV cache and
@@ -142,4 +151,4 @@ class ServedWeights:
     def abstract(self) -> list[jax.ShapeDtypeStruct]:
         """The served weights as the jitted steps take them (leaves in the served dtype,
         placed on the mesh), abstract."""
-        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._leaves]
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._layout]
