@@ -7,17 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_tpu.inference import (
-    PagedKVCache,
+from rlax_tpu.inference.attention import (
     UnsupportedShapeError,
     gather_pages,
+    interpret_kernels,
     paged_attention,
     paged_attention_jax,
     paged_decode_attention_gpu,
     paged_decode_attention_tpu,
     resolve_backend,
 )
-from rlax_tpu.inference.attention import interpret_kernels
+from rlax_tpu.inference.paged_cache import PagedKVCache
 
 # bf16 keeps 8 bits of mantissa; the TPU kernel reads pages as bf16 whatever their dtype.
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from rlax_tpu.config import ConfigError
-from rlax_tpu.inference import (
+from rlax_tpu.inference.page_allocator import (
     OutOfPagesError,
     PageAllocator,
     SequenceTooLongError,

@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
-from rlax_tpu.inference import PagedKVCache, UnsupportedShapeError, num_pages_for_budget
-from rlax_tpu.inference.attention import interpret_kernels
+from rlax_tpu.inference.attention import UnsupportedShapeError, interpret_kernels
+from rlax_tpu.inference.page_allocator import num_pages_for_budget
+from rlax_tpu.inference.paged_cache import PagedKVCache
 from rlax_tpu.models import DenseKVCache, Transformer
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE_SIZE = 2, 4, 8, 4

@@ -35,7 +35,7 @@ from trainer_helpers import run_config
 from rlax_tpu import storage
 from rlax_tpu.config import AlgorithmConfig, InferenceConfig, MeshConfig
 from rlax_tpu.config.checkpoint import CheckpointMismatchError
-from rlax_tpu.inference import Engine
+from rlax_tpu.inference.engine import Engine
 from rlax_tpu.models import hf
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import Trainer

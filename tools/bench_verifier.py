@@ -32,12 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlax_tpu.api.verifier import Verdict, VerificationRequest  # noqa: E402
+from rlax_tpu.api.verifier import (  # noqa: E402
+    Verdict,
+    VerificationRequest,
+    VerifierClient,  # noqa: E402
+)
 from rlax_tpu.verifiers.languages import LANGUAGES  # noqa: E402
 from rlax_tpu.verifiers.problems import write_problem  # noqa: E402
 from rlax_tpu.verifiers.repository import TestDataRepository  # noqa: E402
 from rlax_tpu.verifiers.sandbox import SANDBOX_ENV, RunLimits, Sandbox  # noqa: E402
-from rlax_tpu.api.verifier import VerifierClient  # noqa: E402
 
 TIME_LIMIT_S = 1.0
 NUM_TESTS = 10

@@ -48,6 +48,9 @@ _SERVERS = {
     "verifier": "rlax_tpu.verifiers.server",
 }
 COMPONENTS = tuple(_SERVERS)
+# Where a run's own failures come from (a component died, no usable snapshot, a bad
+# dataset, ...): `main` ends them with their message, not a traceback.
+_RUN_ERROR_PACKAGES = ("rlax_tpu.controller.", "rlax_tpu.launch.", "rlax_tpu.data.")
 
 
 def _add_config_args(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
@@ -331,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlax_tpu.launch.launcher import ComponentFailed
         from rlax_tpu.rpc.client import RpcCallError
 
-        if type(e).__module__.startswith("rlax_tpu.controller") or isinstance(e, RpcCallError):
+        if type(e).__module__.startswith(_RUN_ERROR_PACKAGES) or isinstance(e, RpcCallError):
             print(f"rlax-tpu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
             # A component that failed or stayed unreachable loses nothing: say how to go on.
             if args.command in ("run", "resume") and isinstance(e, RpcCallError | ComponentFailed):

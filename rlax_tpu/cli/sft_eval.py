@@ -324,7 +324,7 @@ def greedy_responses(
     inference mesh (stop tokens removed, special tokens skipped)."""
     from rlax_tpu.api.inference import GenerationRequest, SamplingParams
     from rlax_tpu.data.datasets import decode_response, encode_prompt, stop_tokens
-    from rlax_tpu.inference import Engine
+    from rlax_tpu.inference.engine import Engine
     from rlax_tpu.sharding import build_mesh
 
     stops = stop_tokens(config.inference.stop_token_ids, tokenizer)
