@@ -24,6 +24,7 @@ SNAPSHOTS = "snapshots"  # the controller's
 ROLLOUTS = "rollouts"  # the rollout log
 PARAMS = "params"  # the parameter server's persistent versions
 TOKENIZER = "tokenizer"  # where a built-in tokenizer (model.tokenizer=builtin:char) is written
+EFFECTIVE_CONFIG = "effective_config.json"  # the config the components run (resolved, per role)
 SUMMARY_FILE = "summary.json"  # the controller's summary, written when a run stops or ends
 # What a run writes once it has made progress; anything else there is a config dump or logs.
 PROGRESS_DIRS = (CHECKPOINTS, WARM_START_CHECKPOINTS, SNAPSHOTS, ROLLOUTS, PARAMS)

@@ -71,6 +71,7 @@ from rlax_tpu.config import (  # noqa: E402
     StalenessConfig,
     load_config,
 )
+from rlax_tpu.run_dir import EFFECTIVE_CONFIG  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
 ALGORITHMS = (
@@ -389,7 +390,7 @@ def kl_to_reference(run_dir: Path, reference_dir: str) -> dict[str, float]:
     from rlax_tpu.launch import job
     from rlax_tpu.models.hf import build_model, load_hf_config, load_hf_params
 
-    effective = RunConfig.from_dict(json.loads((run_dir / job.EFFECTIVE_CONFIG).read_text()))
+    effective = RunConfig.from_dict(json.loads((run_dir / EFFECTIVE_CONFIG).read_text()))
     model_config = load_hf_config(reference_dir)
     reference_params = load_hf_params(reference_dir, model_config)
     version, policy_params = final_params(run_dir, reference_params)

@@ -136,7 +136,7 @@ def locate(path: str, *, step: int | None = None) -> ExportSource:
 def run_config(run_dir: str) -> RunConfig:
     """The config the run's trainer ran: effective_config.json, else config.json; its
     storage.run_dir is `run_dir` (where the run is now, which may not be where it ran)."""
-    from rlax_tpu.launch.job import EFFECTIVE_CONFIG
+    from rlax_tpu.run_dir import EFFECTIVE_CONFIG
 
     for name in (EFFECTIVE_CONFIG, CONFIG_FILE):
         url = storage.join(run_dir, name)

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.controller.snapshots import CONSUMED_DIR, RolloutLog
-from rlax_tpu.launch.job import EFFECTIVE_CONFIG
+from rlax_tpu.run_dir import EFFECTIVE_CONFIG
 
 
 class SamplesError(ValueError):

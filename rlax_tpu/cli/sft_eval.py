@@ -247,7 +247,7 @@ def checkpoint_config(config: RunConfig) -> RunConfig:
     it): the run's effective_config.json when there is one, else `config`; on this config's
     trainer mesh, since a checkpoint restores onto any mesh."""
     from rlax_tpu import storage
-    from rlax_tpu.launch.job import EFFECTIVE_CONFIG
+    from rlax_tpu.run_dir import EFFECTIVE_CONFIG
 
     url = storage.join(config.storage.run_dir, EFFECTIVE_CONFIG)
     if not storage.exists(url):

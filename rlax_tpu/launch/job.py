@@ -27,8 +27,47 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu import storage
+from rlax_tpu.api.inference import InferenceWorkerClient
+from rlax_tpu.api.param_server import ParamServerClient
+from rlax_tpu.api.trainer import TrainerClient
+from rlax_tpu.api.verifier import VerifierClient
 from rlax_tpu.config import ConfigError, DatasetConfig, RunConfig, load_config
-from rlax_tpu.run_dir import SUMMARY_FILE, TOKENIZER, finished_summary, prepare_run_dir
+from rlax_tpu.config.checkpoint import resolve_checkpoint_model
+from rlax_tpu.controller.controller import Components, Controller
+from rlax_tpu.controller.scoring import ServiceVerifier
+from rlax_tpu.controller.warm_start import run_warm_start
+from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+from rlax_tpu.data.datasets import (
+    PromptMixture,
+    held_out_overlap,
+    load_eval_prompts,
+    load_prompts,
+)
+from rlax_tpu.data.tokenizer import Tokenizer
+from rlax_tpu.launch.launcher import (
+    ComponentFailed,
+    LocalCluster,
+    check_colocated_gpu_memory,
+)
+from rlax_tpu.launch.metrics import MetricsWriter
+from rlax_tpu.launch.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
+from rlax_tpu.launch.wandb_logging import WandbSink
+from rlax_tpu.rpc import AuthTokenError, auth_token_from_env
+from rlax_tpu.rpc.client import RpcCallError
+from rlax_tpu.rpc.process import stop_on_signals
+from rlax_tpu.run_dir import (
+    EFFECTIVE_CONFIG,
+    SUMMARY_FILE,
+    TOKENIZER,
+    finished_summary,
+    prepare_run_dir,
+)
+from rlax_tpu.verifiers.functions import (
+    RewardFunctionError,
+    check_reward_functions,
+    configured_reward_functions,
+)
+from rlax_tpu.verifiers.tasks import arithmetic_problems, arithmetic_space, arithmetic_split_of
 
 _log = logging.getLogger(__name__)
 
@@ -40,7 +79,6 @@ BUILTIN_CHAR_TOKENIZER = "builtin:char"
 ARITHMETIC_MAX_OPERAND = 99
 ARITHMETIC_OPS = ("+", "-")
 ARITHMETIC_TRAIN_SIZE = 5000
-EFFECTIVE_CONFIG = "effective_config.json"
 # How long a failed call waits for the launcher to see the component's process gone (it looks
 # every 0.2 s) before the call's own error is the stop's reason.
 DEATH_NOTICE_S = 3.0
@@ -53,7 +91,6 @@ SFT_MODEL_DIR = "sft_model"
 def arithmetic_split(seed: int, split: str) -> list[dict[str, str]]:
     """The arithmetic task's rows: "train" from the task's training side, "heldout" every
     problem of its test side; the two share no problem, whatever the seed."""
-    from rlax_tpu.verifiers.tasks import arithmetic_problems, arithmetic_space, arithmetic_split_of
 
     if split == "train":
         return arithmetic_problems(
@@ -89,8 +126,6 @@ def materialise(config: RunConfig) -> RunConfig:
     run_dir = config.storage.run_dir
     model, controller = config.model, config.controller
     if model.tokenizer == BUILTIN_CHAR_TOKENIZER:
-        from rlax_tpu.data.char_tokenizer import write_char_tokenizer
-
         directory = storage.join(run_dir, TOKENIZER)
         if not storage.exists(storage.join(directory, "tokenizer.json")):
             write_char_tokenizer(directory)
@@ -127,12 +162,13 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
     warm-start checkpoint, from which a later `rlax-tpu run` starts RL), the model also
     exported in Hugging Face format (once: a finished export is reused). Returns the
     export's directory."""
+    # The job's process loads JAX only here (`rlax-tpu sft`, `eval`), never for a run.
+    from rlax_tpu.models.export import export_hf
+    from rlax_tpu.trainer import Trainer
+
     out = storage.join(config.storage.run_dir, SFT_MODEL_DIR)
     if storage.exists(storage.join(out, "config.json")):  # written last by save_hf
         return out
-    from rlax_tpu.controller.warm_start import run_warm_start
-    from rlax_tpu.models.export import export_hf
-    from rlax_tpu.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.initialize()
@@ -183,12 +219,6 @@ def _prompt_sources(config: RunConfig, tokenizer: Any) -> tuple[Any, list[Any], 
     held-out prompts and the scans: every prompt measured under the tokenizer and chat
     template first (datasets.scan_datasets: rows over the limits stop the run here, or are
     dropped)."""
-    from rlax_tpu.data.datasets import (
-        PromptMixture,
-        held_out_overlap,
-        load_eval_prompts,
-        load_prompts,
-    )
 
     records, weights, scans = load_prompts(config, tokenizer)
     limit = config.inference.max_prompt_len
@@ -224,17 +254,9 @@ def _inputs(
     stops it with nothing written that a corrected config would trip over: (the config with
     its checkpoint's architecture, the effective config, the tokenizer, the prompt sources,
     the dataset scans)."""
-    from rlax_tpu.config.checkpoint import resolve_checkpoint_model
-    from rlax_tpu.data.tokenizer import Tokenizer
 
     config = resolve_checkpoint_model(config, strict=True)
     if not config.verifiers.address:  # the verifiers this run starts import them too
-        from rlax_tpu.verifiers.functions import (
-            RewardFunctionError,
-            check_reward_functions,
-            configured_reward_functions,
-        )
-
         try:
             check_reward_functions(configured_reward_functions(config))
         except RewardFunctionError as e:
@@ -256,9 +278,6 @@ def _drive(
 ) -> dict[str, Any]:
     """The controller over `components` until done or stopped; its summary. Metrics go to
     the run directory and, with `logging.wandb_project`, to W&B."""
-    from rlax_tpu.controller.controller import Controller
-    from rlax_tpu.launch.metrics import MetricsWriter
-    from rlax_tpu.launch.wandb_logging import WandbSink
 
     mixture, eval_prompts, overlap = sources
     num_steps = config.controller.num_steps
@@ -293,12 +312,6 @@ def _connect(
     """The controller's clients of the components at these addresses (one per inference
     worker; verification spread over every verifier replica). They wait for a component
     that does not answer (controller.component_wait_s) until `stop` is set."""
-    from rlax_tpu.api.inference import InferenceWorkerClient
-    from rlax_tpu.api.param_server import ParamServerClient
-    from rlax_tpu.api.trainer import TrainerClient
-    from rlax_tpu.api.verifier import VerifierClient
-    from rlax_tpu.controller.controller import Components
-    from rlax_tpu.controller.scoring import ServiceVerifier
 
     return Components(
         trainer=TrainerClient(
@@ -325,11 +338,6 @@ def _connect(
 
 def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, Any]:
     """The whole job; returns the controller's summary (see Controller.run)."""
-    from rlax_tpu.launch.launcher import (
-        ComponentFailed,
-        LocalCluster,
-        check_colocated_gpu_memory,
-    )
 
     stop = stop or threading.Event()
     check_colocated_gpu_memory(config)  # before the run directory exists
@@ -386,7 +394,6 @@ def run(config: RunConfig, *, stop: threading.Event | None = None) -> dict[str, 
             # the controller's own account, when it gave one rather than a call's error).
             if not cluster.failed.wait(DEATH_NOTICE_S):
                 raise
-            from rlax_tpu.rpc.client import RpcCallError
 
             reason = cluster.failure if isinstance(e, RpcCallError) else f"{e}\n{cluster.failure}"
             failed = ComponentFailed(reason)
@@ -419,8 +426,6 @@ def run_connected(
     directory's newest snapshot, if any). A trainer that stops answering stops the run
     with ConnectError, so the cluster restarts it and the new controller resumes; the
     other components are waited for (Watchdog)."""
-    from rlax_tpu.launch.remote import ConnectError, HealthProbe, Watchdog, wait_until_serving
-    from rlax_tpu.rpc import AuthTokenError, auth_token_from_env
 
     try:
         token = auth_token_from_env(config.param_server.auth_token_env)
@@ -471,7 +476,6 @@ def run_connected(
 def main(config: RunConfig, *, addresses: Any = None, ready_timeout_s: float = 1800.0) -> int:
     """`rlax-tpu run`: SIGTERM / Ctrl-C write a final snapshot and stop every component.
     With `addresses` (`--connect`) the components run elsewhere and are left running."""
-    from rlax_tpu.rpc.process import stop_on_signals
 
     def announce(signum: int) -> None:
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name

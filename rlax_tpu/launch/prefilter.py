@@ -54,6 +54,7 @@ from rlax_tpu.data.datasets import (
 from rlax_tpu.data.tokenizer import Tokenizer
 from rlax_tpu.launch import job
 from rlax_tpu.launch.launcher import LocalCluster
+from rlax_tpu.run_dir import EFFECTIVE_CONFIG
 
 VERSION = 0  # the checkpoint, as the trainer publishes it
 
@@ -178,7 +179,7 @@ def prefilter(
         raise
     if overlap is not None:
         print(f"prefilter: {overlap.describe()}", file=sys.stderr, flush=True)
-    config_url = str(work / job.EFFECTIVE_CONFIG)
+    config_url = str(work / EFFECTIVE_CONFIG)
     storage.write_text(config_url, json.dumps(effective.to_dict(), indent=2))
 
     stops = stop_tokens(effective.inference.stop_token_ids, tokenizer)
