@@ -278,7 +278,7 @@ def test_the_next_version_is_fetched_while_generating_and_loads_from_it(config, 
                     worker.load(0)
                     if prefetch:
                         client.publish(1, params[1])
-                        version, pending = worker._prefetch
+                        version, pending = worker.weights.pending
                         assert version == 1
                         pending.result(timeout=60)  # arrived before the load asks for it
                     worker.load(1)

@@ -1,5 +1,6 @@
 """The inference worker (DESIGN §4): one Engine, the weights it holds by version, and the
-bookkeeping that makes generation idempotent by request id.
+bookkeeping that makes generation idempotent by request id. Its pulls and prefetches are
+inference/fetch.py (WeightFetcher).
 
 Plain Python, unit-testable in-process; rlax_tpu.inference.service puts gRPC in front of it.
 The engine is not thread-safe, so one engine thread owns it: callers' threads only queue
@@ -18,39 +19,30 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import grpc
-import jax
-from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from rlax_tpu.api.inference import (
     GenerationRequest,
     InvalidRequestError,
     LoadResult,
-    NoParamServerError,
     NotLoadableError,
     NotLoadedError,
-    PullFailedError,
     Rollout,
     SamplingParams,
-    UnknownVersionError,
     VersionMismatchError,
     WorkerClosedError,
 )
-from rlax_tpu.api.param_server import ParamServerCallError, ParamServerClient, PullMismatchError
+from rlax_tpu.api.param_server import ParamServerCallError
 from rlax_tpu.config import RunConfig
 from rlax_tpu.inference.engine import Engine
-from rlax_tpu.models import Transformer
-from rlax_tpu.sharding import state_shardings
+from rlax_tpu.inference.fetch import WeightFetcher
+from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.staleness import StalenessPolicy
 
 _log = logging.getLogger(__name__)
 
 # Completed rollouts kept for repeated request ids (per version held; a reload forgets them).
 DEFAULT_MAX_RECORDED = 8192
-# A prefetch waits for the next version in calls of this length, until the version comes or
-# the prefetch is abandoned (a load of another version), so an abandoned one ends soon.
-PREFETCH_WAIT_S = 5.0
 # Only these are final: an aborted or failed request is generated afresh when repeated.
 _RECORDED_REASONS = ("stop", "length")
 _STOP = object()  # tells the engine thread to exit
@@ -112,7 +104,7 @@ class InferenceWorker:
         self,
         config: RunConfig,
         *,
-        param_server: ParamServerClient | None,
+        param_server: TreeClient | None,
         consumer_id: str,
         mesh: Mesh | None = None,
         engine: Engine | None = None,
@@ -138,7 +130,6 @@ class InferenceWorker:
             )
         self._progress = progress
         self._max_recorded = max_recorded
-        self._like: Any = None  # the param tree's shapes and shardings, built on first pull
         # _lock guards the bookkeeping below; the engine itself is touched only by its thread.
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load at a time: pulls must not interleave
@@ -155,9 +146,10 @@ class InferenceWorker:
         self._thread.start()
         # Confirmations to the parameter server after loads: they only free memory there.
         self._confirmations = concurrent.futures.ThreadPoolExecutor(1, "inference-confirm")
-        # The next version's bytes, fetched while generating (inference.prefetch_weights):
-        # (version, future of ParamServerClient.fetch), or None.
-        self._prefetch: tuple[int, concurrent.futures.Future] | None = None
+        # Pulls, and the next version fetched while generating (inference.prefetch_weights).
+        self.weights = WeightFetcher(
+            config, param_server, mesh=mesh, stopped=lambda: self._failure is not None
+        )
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -236,11 +228,11 @@ class InferenceWorker:
                 return LoadResult(version, already_loaded=True, aborted=())
             first, t0 = self._version < 0, time.perf_counter()
             if params is None:
-                params = self._prefetched(version)
+                params = self.weights.prefetched(version)
             if params is None:
-                params = self._pull(version)
+                params = self.weights.pull(version)
             aborted = self._on_engine(lambda: self._swap(version, params)).result()
-            self._start_prefetch(version)
+            self.weights.start_prefetch(version + self.policy.reload_every)
             if first and self._progress is not None:
                 source = "the parameter server" if self.param_server is not None else "the caller"
                 self._progress(
@@ -284,9 +276,9 @@ class InferenceWorker:
                         "joined_in_flight",
                         "aborted",
                         "loads",
-                        "prefetched_loads",
                     )
                 },
+                "prefetched_loads": self.weights.prefetched_loads,
                 **({"failure": self._failure} if self._failure else {}),
                 # Read live (not the engine thread's last report): a watched call's deadline
                 # leaves out a compile while it runs.
@@ -301,97 +293,13 @@ class InferenceWorker:
             self._commands.put((_STOP, None))
             self._thread.join()
         self._confirmations.shutdown(wait=True)
-        self._prefetch = None  # a prefetch still waiting stops at its next call
+        self.weights.drop_prefetch()
 
     # -- weights ------------------------------------------------------------------------------
     def param_like(self) -> Any:
         """The served model's param pure dict (`ModelConfig.served`: the published dtype) as
-        jax.ShapeDtypeStruct leaves with the shardings the engine uses: the inference mesh's
-        (by logical axes), else the first device."""
-        if self._like is None:
-            served = self.config.model.served()
-            abstract = nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
-            state = nnx.state(abstract, nnx.Param)
-            if self.mesh is not None:
-                rules = self.config.inference.mesh.logical_axis_rules
-                shardings = nnx.to_pure_dict(state_shardings(state, self.mesh, rules))
-            else:
-                device = SingleDeviceSharding(jax.devices()[0])
-                shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(state))
-            self._like = jax.tree.map(
-                lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                nnx.to_pure_dict(state),
-                shardings,
-            )
-        return self._like
-
-    def _start_prefetch(self, held: int) -> None:
-        """Fetch the next loadable version into host memory in the background; the
-        parameter server sends it as it commits (a head start for the next load only: the
-        load pulls as usual when this fails or the controller asks for another version)."""
-        if self.param_server is None or not self.config.inference.prefetch_weights:
-            return
-        following, like = held + self.policy.reload_every, self.param_like()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def fetch() -> None:
-            while True:
-                try:
-                    fetched = self.param_server.fetch(following, like, PREFETCH_WAIT_S)
-                except ParamServerCallError as e:
-                    pending = self._prefetch  # read once: a load may take it meanwhile
-                    wanted = pending is not None and pending[1] is future
-                    if e.code == grpc.StatusCode.NOT_FOUND and wanted and self._failure is None:
-                        continue  # not published yet: wait on
-                    future.set_exception(e)
-                except BaseException as e:  # noqa: BLE001 - handed to the load that wants it
-                    future.set_exception(e)
-                else:
-                    future.set_result(fetched)
-                return
-
-        self._prefetch = (following, future)
-        # A daemon thread: a fetch still waiting for its version must not hold up the
-        # process's exit.
-        threading.Thread(target=fetch, name="inference-prefetch", daemon=True).start()
-
-    def _prefetched(self, version: int) -> Any:
-        """`version` on the devices from the prefetched bytes, if those are `version`'s
-        (waiting for a fetch still under way); else None."""
-        pending, self._prefetch = self._prefetch, None
-        if pending is None or pending[0] != version:
-            return None
-        try:
-            fetched = pending[1].result()
-        except Exception as e:  # noqa: BLE001 - the load pulls as usual and says why
-            _log.debug("prefetching version %d failed (%s); pulling it", version, e)
-            return None
-        with self._lock:
-            self._counters["prefetched_loads"] += 1
-        return self.param_server.place(fetched, self.param_like())
-
-    def _pull(self, version: int) -> Any:
-        if self.param_server is None:
-            raise NoParamServerError(
-                "this worker has no parameter server to pull weights from (start it with "
-                "--param-server ADDR)"
-            )
-        try:
-            return self.param_server.pull(version, self.param_like())
-        except PullMismatchError as e:  # this worker's config is not the trainer's
-            raise PullFailedError(f"version {version} cannot be loaded: {e}") from e
-        except ParamServerCallError as e:
-            missing = e.code == grpc.StatusCode.NOT_FOUND
-            if e.code is None:  # e.g. nothing published yet: no layout to pull from
-                try:
-                    missing = version not in self.param_server.versions()
-                except ParamServerCallError:
-                    pass
-            if missing:
-                raise UnknownVersionError(
-                    f"version {version} is not on the parameter server ({e})"
-                ) from e
-            raise PullFailedError(f"pulling version {version} failed: {e}") from e
+        jax.ShapeDtypeStruct leaves with the shardings the engine uses (WeightFetcher.like)."""
+        return self.weights.like()
 
     # -- the engine thread --------------------------------------------------------------------
     def _on_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
