@@ -11,7 +11,14 @@ import pytest
 
 from rlax_tpu import algorithms
 from rlax_tpu.algorithms import describe, presets
-from rlax_tpu.config import AlgorithmConfig, ConfigError, RunConfig
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ClipConfig,
+    ConfigError,
+    ImportanceConfig,
+    KLConfig,
+    RunConfig,
+)
 
 
 def test_config_names_agree_with_the_jax_registries():
@@ -92,7 +99,12 @@ def test_a_preset_name_alone_gives_the_papers_configuration(name):
 
 def test_ppo_preset_has_gae_and_value_head_settings():
     ppo = AlgorithmConfig.preset("ppo")
-    assert (ppo.gae_gamma, ppo.gae_lambda, ppo.value_loss_coef, ppo.value_clip_eps) == (
+    assert (
+        ppo.advantage_options.gae_gamma,
+        ppo.advantage_options.gae_lambda,
+        ppo.value.loss_coef,
+        ppo.value.clip_eps,
+    ) == (
         1.0,
         0.95,
         0.1,
@@ -101,28 +113,28 @@ def test_ppo_preset_has_gae_and_value_head_settings():
 
 
 def test_explicit_fields_override_the_preset():
-    config = AlgorithmConfig(name="grpo", clip_eps_high=0.28).resolved()
-    assert (config.clip_eps_low, config.clip_eps_high, config.kl_beta) == (0.2, 0.28, 0.04)
-    assert AlgorithmConfig(name="grpo", kl_beta=0.0).resolved().kl_beta == 0.0
+    config = AlgorithmConfig(name="grpo", clip=ClipConfig(eps_high=0.28)).resolved()
+    assert (config.clip.eps_low, config.clip.eps_high, config.kl.beta) == (0.2, 0.28, 0.04)
+    assert AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)).resolved().kl.beta == 0.0
 
 
 def test_section_preset_and_name_overrides_from_the_command_line():
     run = RunConfig().apply_overrides(["trainer.algorithm=dapo"])
     assert run.trainer.algorithm == AlgorithmConfig(name="dapo")
     run = RunConfig().apply_overrides(
-        ["trainer.algorithm.clip_eps_high=0.001", "trainer.algorithm.name=gspo"]
+        ["trainer.algorithm.clip.eps_high=0.001", "trainer.algorithm.name=gspo"]
     )
     resolved = run.trainer.algorithm.resolved()
-    assert (resolved.importance_weight, resolved.clip_eps_high) == ("sequence", 0.001)
+    assert (resolved.importance_weight, resolved.clip.eps_high) == ("sequence", 0.001)
     run = RunConfig().apply_overrides(["trainer.algorithm.gradient_mask=keep_all"])
     assert run.trainer.algorithm.resolved().gradient_mask == "keep_all"
     # "none" is the preset's value for a number, never a part name.
-    run = RunConfig().apply_overrides(["trainer.algorithm.kl_beta=none"])
-    assert run.trainer.algorithm.resolved().kl_beta == 0.04
+    run = RunConfig().apply_overrides(["trainer.algorithm.kl.beta=none"])
+    assert run.trainer.algorithm.resolved().kl.beta == 0.04
 
 
 def test_round_trips_through_dict():
-    config = AlgorithmConfig(name="cispo", rho_max=5.0)
+    config = AlgorithmConfig(name="cispo", importance=ImportanceConfig(rho_max=5.0))
     assert AlgorithmConfig.from_dict(config.to_dict()) == config
 
 
@@ -169,18 +181,32 @@ def test_unknown_part_name_lists_the_valid_choices(field, value, choices):
             "aggregation",
             "not used by trajectory_balance",
         ),
-        ({"name": "online_dpo", "clip_eps_high": 0.3}, "clip_eps_high", "not used by online_dpo"),
-        ({"name": "online_dpo", "reference_reset_every": 50}, "reference_reset_every", "frozen"),
-        ({"name": "trajectory_balance", "kl_beta": 0.0}, "kl_beta", "needs β > 0"),
-        ({"name": "grpo", "clip_eps_low": 1.5}, "clip_eps_low", "[0, 1]"),
-        ({"name": "cispo", "rho_max": 0.5}, "rho_max", ">= 1"),
-        ({"name": "ppo", "gae_lambda": 1.5}, "gae_lambda", "[0, 1]"),
-        ({"name": "grpo", "kl_beta": -0.1}, "kl_beta", ">= 0"),
+        (
+            {"name": "online_dpo", "clip": {"eps_high": 0.3}},
+            "clip.eps_high",
+            "not used by online_dpo",
+        ),
+        (
+            {"name": "online_dpo", "kl": {"reference_reset_every": 50}},
+            "kl.reference_reset_every",
+            "frozen",
+        ),
+        ({"name": "trajectory_balance", "kl": {"beta": 0.0}}, "kl.beta", "needs β > 0"),
+        ({"name": "grpo", "clip": {"eps_low": 1.5}}, "clip.eps_low", "[0, 1]"),
+        ({"name": "cispo", "importance": {"rho_max": 0.5}}, "importance.rho_max", ">= 1"),
+        (
+            {"name": "ppo", "advantage_options": {"gae_lambda": 1.5}},
+            "advantage_options.gae_lambda",
+            "[0, 1]",
+        ),
+        ({"name": "grpo", "kl": {"beta": -0.1}}, "kl.beta", ">= 0"),
     ],
 )
 def test_incompatible_combinations_fail_with_the_fix(kwargs, field, words):
+    """The error names the field by its path in trainer.algorithm (a part's knob by its
+    section: kl.beta)."""
     with pytest.raises(ConfigError) as info:
-        AlgorithmConfig(**kwargs)
+        AlgorithmConfig.from_dict(kwargs)
     assert info.value.field == field
     assert words in str(info.value)
 
@@ -203,7 +229,7 @@ def test_a_critic_without_a_value_head_names_both_fields_and_the_fix(overrides):
     assert info.value.field == "model.value_head"
     message = str(info.value)
     assert "trainer.algorithm.advantage='gae'" in message
-    assert "trainer.algorithm.value_loss_coef" in message
+    assert "trainer.algorithm.value.loss_coef" in message
     assert "set model.value_head=true" in message
 
 
