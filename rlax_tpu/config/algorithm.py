@@ -111,7 +111,7 @@ class RolloutISConfig(ConfigBase):
 class CovarianceConfig(ConfigBase):
     """Clip-Cov / KL-Cov (`covariance_control`, Cui et al. 2025)."""
 
-    # the fraction of response tokens they select (r, k)
+    # the fraction of response tokens Clip-Cov / KL-Cov select (r, k)
     ratio: float | None = None
     # Clip-Cov's covariance window, lower end ω_low
     bounds_low: float | None = None
