@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rlax_tpu.config import (
     AlgorithmConfig,
+    ClipConfig,
     ControllerConfig,
     InferenceConfig,
     MeshConfig,
@@ -38,7 +39,7 @@ def get_config() -> RunConfig:
         trainer=TrainerConfig(
             mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
             gpu="h100",
-            algorithm=AlgorithmConfig(name="grpo", clip_eps_high=0.28),
+            algorithm=AlgorithmConfig(name="grpo", clip=ClipConfig(eps_high=0.28)),
             # N > 0: ρ against the generating version's log-probs; recomputed π_old hides staleness.
             behaviour_logprobs="cached",
             mini_batch_size=64,

@@ -13,6 +13,7 @@ from rlax_tpu.config import (
     ControllerConfig,
     DatasetConfig,
     InferenceConfig,
+    KLConfig,
     MeshConfig,
     ModelConfig,
     OptimizerConfig,
@@ -43,7 +44,7 @@ def get_config() -> RunConfig:
         staleness=StalenessConfig.PRESETS["on_policy"](),
         trainer=TrainerConfig(
             mesh=MeshConfig(data=2, fsdp=1, tensor=1),
-            algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
+            algorithm=AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)),
             # The workers' log-probs of the generating version: the importance weight
             # corrects stale rollouts in the off-policy variants (docs/algorithms.md).
             behaviour_logprobs="cached",

@@ -36,7 +36,7 @@ from test_algorithms_presets import (
 from rlax_tpu.algorithms import ADVANTAGES, MissingInputError, build_objective, describe
 from rlax_tpu.algorithms import returns as R
 from rlax_tpu.algorithms.parts import part_inputs
-from rlax_tpu.config import AlgorithmConfig, ConfigError
+from rlax_tpu.config import AdvantageOptions, AlgorithmConfig, ConfigError, KLConfig, ValueConfig
 
 
 def k1(d):
@@ -205,7 +205,11 @@ def test_preset_loss_and_gradient_equal_the_published_formula(name):
 
 def test_reinforce_pp_returns_are_discounted_by_gamma():
     x = with_extras(make_inputs(seed=20), seed=20)
-    config = AlgorithmConfig.preset("reinforce_pp_return_to_go", gae_gamma=0.9, kl_beta=0.0)
+    config = AlgorithmConfig.preset(
+        "reinforce_pp_return_to_go",
+        advantage_options=AdvantageOptions(gae_gamma=0.9),
+        kl=KLConfig(beta=0.0),
+    )
     with jax.enable_x64(True):
         p = part_inputs(full_batch(x), jnp.asarray(x["logprobs"]))
         adv = np.asarray(ADVANTAGES["reinforce_pp_return_to_go"].fn(p, config))
@@ -231,7 +235,7 @@ SEQUENCE_LEVEL = [
 
 
 def _estimate(name, batch, logprobs):
-    config = AlgorithmConfig.preset("grpo", pass_at_k=2)
+    config = AlgorithmConfig.preset("grpo", advantage_options=AdvantageOptions(pass_at_k=2))
     with jax.enable_x64(True):
         return np.asarray(ADVANTAGES[name].fn(part_inputs(batch, jnp.asarray(logprobs)), config))
 
@@ -321,7 +325,9 @@ def ref_grpo_kl_in_reward(x, lp, lp_sg, whiten=True):
 
 def test_kl_in_reward_and_whitening_shape_the_advantages_and_drop_the_kl_loss():
     x = make_inputs(seed=24)
-    config = AlgorithmConfig(name="grpo", kl_in_reward=True, whiten_advantages=True)
+    config = AlgorithmConfig(
+        name="grpo", kl=KLConfig(in_reward=True), advantage_options=AdvantageOptions(whiten=True)
+    )
     metrics = assert_matches(config, x, ref_grpo_kl_in_reward)
     assert "kl_loss" not in metrics
     d = (x["behaviour"] - x["reference"])[x["mask"]]
@@ -369,7 +375,7 @@ def test_given_advantages_and_returns_are_used_as_they_are():
     x = with_extras(make_inputs(seed=27), seed=27)
     # A value loss with another advantage than GAE: it regresses the given returns.
     config = AlgorithmConfig(
-        name="reinforce", advantage="given", value_loss_coef=0.5, value_clip_eps=0.2
+        name="reinforce", advantage="given", value=ValueConfig(loss_coef=0.5, clip_eps=0.2)
     )
     assert_matches(config, x, ref_given, value_ref=lambda x, lp, v: ref_given(x, lp, lp, v))
     objective = build_objective(config)
@@ -477,7 +483,9 @@ def test_pass_at_k_degenerate_groups_get_zero():
 def test_pass_at_k_estimator_counts_rewards_above_half_as_correct():
     x = with_extras(make_inputs(seed=30), seed=30)
     del x["token_rewards"]
-    config = AlgorithmConfig.preset("grpo", advantage="pass_at_k", pass_at_k=2)
+    config = AlgorithmConfig.preset(
+        "grpo", advantage="pass_at_k", advantage_options=AdvantageOptions(pass_at_k=2)
+    )
     with jax.enable_x64(True):
         p = part_inputs(to_batch(x), jnp.asarray(x["logprobs"]))
         adv = np.asarray(ADVANTAGES["pass_at_k"].fn(p, config))
@@ -503,7 +511,11 @@ def test_pass_at_k_estimator_counts_rewards_above_half_as_correct():
             "token_advantages",
             "token_advantages",
         ),
-        (AlgorithmConfig(name="grpo", value_loss_coef=0.5), "returns", "batch.returns"),
+        (
+            AlgorithmConfig(name="grpo", value=ValueConfig(loss_coef=0.5)),
+            "returns",
+            "batch.returns",
+        ),
         (AlgorithmConfig(name="remax"), "reference_logprobs", "reference_logprobs"),
     ],
 )
@@ -520,22 +532,26 @@ def test_missing_input_names_the_field(config, drop, field):
     "kwargs, field, words",
     [
         (
-            {"name": "grpo", "advantage": "given", "kl_in_reward": True},
-            "kl_in_reward",
+            {"name": "grpo", "advantage": "given", "kl.in_reward": True},
+            "kl.in_reward",
             "advantage='given'",
         ),
-        ({"name": "grpo", "advantage": "pass_at_k", "pass_at_k": 0}, "pass_at_k", ">= 1"),
         (
-            {"name": "trajectory_balance", "whiten_advantages": True},
-            "whiten_advantages",
+            {"name": "grpo", "advantage": "pass_at_k", "advantage_options.pass_at_k": 0},
+            "advantage_options.pass_at_k",
+            ">= 1",
+        ),
+        (
+            {"name": "trajectory_balance", "advantage_options.whiten": True},
+            "advantage_options.whiten",
             "not used",
         ),
-        ({"name": "online_dpo", "kl_in_reward": True}, "kl_in_reward", "not used"),
+        ({"name": "online_dpo", "kl.in_reward": True}, "kl.in_reward", "not used"),
     ],
 )
 def test_new_fields_are_validated_with_the_fix(kwargs, field, words):
     with pytest.raises(ConfigError) as info:
-        AlgorithmConfig(**kwargs)
+        AlgorithmConfig().updated(kwargs)
     assert info.value.field == field
     assert words in str(info.value)
 
@@ -544,6 +560,6 @@ def test_only_ppo_whitens_by_default():
     whitening = {
         n
         for n in AlgorithmConfig.PRESET_NAMES
-        if AlgorithmConfig(name=n).resolved().whiten_advantages
+        if AlgorithmConfig(name=n).resolved().advantage_options.whiten
     }
     assert whitening == {"ppo"}

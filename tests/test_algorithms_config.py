@@ -6,12 +6,27 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from rlax_tpu import algorithms
 from rlax_tpu.algorithms import describe, presets
-from rlax_tpu.config import AlgorithmConfig, ConfigError, RunConfig
+from rlax_tpu.cli import main as cli_main
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ClipConfig,
+    ConfigError,
+    ConfigRenamedWarning,
+    ImportanceConfig,
+    KLConfig,
+    RunConfig,
+)
+from rlax_tpu.config.algorithm import RENAMED_ALGORITHM_FIELDS
+from rlax_tpu.config.run import RENAMED_FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_names_agree_with_the_jax_registries():
@@ -92,7 +107,12 @@ def test_a_preset_name_alone_gives_the_papers_configuration(name):
 
 def test_ppo_preset_has_gae_and_value_head_settings():
     ppo = AlgorithmConfig.preset("ppo")
-    assert (ppo.gae_gamma, ppo.gae_lambda, ppo.value_loss_coef, ppo.value_clip_eps) == (
+    assert (
+        ppo.advantage_options.gae_gamma,
+        ppo.advantage_options.gae_lambda,
+        ppo.value.loss_coef,
+        ppo.value.clip_eps,
+    ) == (
         1.0,
         0.95,
         0.1,
@@ -101,28 +121,28 @@ def test_ppo_preset_has_gae_and_value_head_settings():
 
 
 def test_explicit_fields_override_the_preset():
-    config = AlgorithmConfig(name="grpo", clip_eps_high=0.28).resolved()
-    assert (config.clip_eps_low, config.clip_eps_high, config.kl_beta) == (0.2, 0.28, 0.04)
-    assert AlgorithmConfig(name="grpo", kl_beta=0.0).resolved().kl_beta == 0.0
+    config = AlgorithmConfig(name="grpo", clip=ClipConfig(eps_high=0.28)).resolved()
+    assert (config.clip.eps_low, config.clip.eps_high, config.kl.beta) == (0.2, 0.28, 0.04)
+    assert AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)).resolved().kl.beta == 0.0
 
 
 def test_section_preset_and_name_overrides_from_the_command_line():
     run = RunConfig().apply_overrides(["trainer.algorithm=dapo"])
     assert run.trainer.algorithm == AlgorithmConfig(name="dapo")
     run = RunConfig().apply_overrides(
-        ["trainer.algorithm.clip_eps_high=0.001", "trainer.algorithm.name=gspo"]
+        ["trainer.algorithm.clip.eps_high=0.001", "trainer.algorithm.name=gspo"]
     )
     resolved = run.trainer.algorithm.resolved()
-    assert (resolved.importance_weight, resolved.clip_eps_high) == ("sequence", 0.001)
+    assert (resolved.importance_weight, resolved.clip.eps_high) == ("sequence", 0.001)
     run = RunConfig().apply_overrides(["trainer.algorithm.gradient_mask=keep_all"])
     assert run.trainer.algorithm.resolved().gradient_mask == "keep_all"
     # "none" is the preset's value for a number, never a part name.
-    run = RunConfig().apply_overrides(["trainer.algorithm.kl_beta=none"])
-    assert run.trainer.algorithm.resolved().kl_beta == 0.04
+    run = RunConfig().apply_overrides(["trainer.algorithm.kl.beta=none"])
+    assert run.trainer.algorithm.resolved().kl.beta == 0.04
 
 
 def test_round_trips_through_dict():
-    config = AlgorithmConfig(name="cispo", rho_max=5.0)
+    config = AlgorithmConfig(name="cispo", importance=ImportanceConfig(rho_max=5.0))
     assert AlgorithmConfig.from_dict(config.to_dict()) == config
 
 
@@ -169,18 +189,32 @@ def test_unknown_part_name_lists_the_valid_choices(field, value, choices):
             "aggregation",
             "not used by trajectory_balance",
         ),
-        ({"name": "online_dpo", "clip_eps_high": 0.3}, "clip_eps_high", "not used by online_dpo"),
-        ({"name": "online_dpo", "reference_reset_every": 50}, "reference_reset_every", "frozen"),
-        ({"name": "trajectory_balance", "kl_beta": 0.0}, "kl_beta", "needs β > 0"),
-        ({"name": "grpo", "clip_eps_low": 1.5}, "clip_eps_low", "[0, 1]"),
-        ({"name": "cispo", "rho_max": 0.5}, "rho_max", ">= 1"),
-        ({"name": "ppo", "gae_lambda": 1.5}, "gae_lambda", "[0, 1]"),
-        ({"name": "grpo", "kl_beta": -0.1}, "kl_beta", ">= 0"),
+        (
+            {"name": "online_dpo", "clip": {"eps_high": 0.3}},
+            "clip.eps_high",
+            "not used by online_dpo",
+        ),
+        (
+            {"name": "online_dpo", "kl": {"reference_reset_every": 50}},
+            "kl.reference_reset_every",
+            "frozen",
+        ),
+        ({"name": "trajectory_balance", "kl": {"beta": 0.0}}, "kl.beta", "needs β > 0"),
+        ({"name": "grpo", "clip": {"eps_low": 1.5}}, "clip.eps_low", "[0, 1]"),
+        ({"name": "cispo", "importance": {"rho_max": 0.5}}, "importance.rho_max", ">= 1"),
+        (
+            {"name": "ppo", "advantage_options": {"gae_lambda": 1.5}},
+            "advantage_options.gae_lambda",
+            "[0, 1]",
+        ),
+        ({"name": "grpo", "kl": {"beta": -0.1}}, "kl.beta", ">= 0"),
     ],
 )
 def test_incompatible_combinations_fail_with_the_fix(kwargs, field, words):
+    """The error names the field by its path in trainer.algorithm (a part's knob by its
+    section: kl.beta)."""
     with pytest.raises(ConfigError) as info:
-        AlgorithmConfig(**kwargs)
+        AlgorithmConfig.from_dict(kwargs)
     assert info.value.field == field
     assert words in str(info.value)
 
@@ -203,7 +237,7 @@ def test_a_critic_without_a_value_head_names_both_fields_and_the_fix(overrides):
     assert info.value.field == "model.value_head"
     message = str(info.value)
     assert "trainer.algorithm.advantage='gae'" in message
-    assert "trainer.algorithm.value_loss_coef" in message
+    assert "trainer.algorithm.value.loss_coef" in message
     assert "set model.value_head=true" in message
 
 
@@ -213,3 +247,95 @@ def test_a_critic_with_a_value_head_is_accepted():
     # Without a critic, no value head is needed (and TB/DPO have no advantage at all).
     for name in ("grpo", "trajectory_balance", "online_dpo"):
         assert not RunConfig().apply_overrides([f"trainer.algorithm={name}"]).model.value_head
+
+
+# -- each part's knobs in its section (issue 39) ------------------------------------------------
+def test_a_section_left_partly_unset_takes_the_rest_from_the_preset():
+    config = AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.1)).resolved()
+    assert config.kl.beta == 0.1  # set
+    assert config.kl.beta_final == 0.04  # the grpo preset's
+    assert config.clip == ClipConfig(eps_low=0.2, eps_high=0.2, dual_c=0.0)
+
+
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("kl_beta", "kl.beta", "0.1"),
+        ("log_reference_kl", "kl.log_reference", "true"),
+        ("clip_eps_high", "clip.eps_high", "0.28"),
+        ("dual_clip_c", "clip.dual_c", "3.0"),
+        ("rho_max", "importance.rho_max", "4.0"),
+        ("whiten_advantages", "advantage_options.whiten", "true"),
+        ("rollout_gate_threshold", "rollout_is.gate_threshold", "2.0"),
+        ("cov_kl_coef", "covariance.kl_coef", "0.5"),
+        ("soft_gate_tau_neg", "soft_gate.tau_neg", "1.2"),
+        ("value_loss_coef", "value.loss_coef", "0.0"),
+    ],
+)
+def test_an_old_algorithm_path_sets_its_section_field_with_a_warning(old, new, value):
+    warned = re.escape(f"is now trainer.algorithm.{new}")
+    with pytest.warns(ConfigRenamedWarning, match=warned):
+        config = RunConfig().apply_overrides([f"trainer.algorithm.{old}={value}"])
+    assert config == RunConfig().apply_overrides([f"trainer.algorithm.{new}={value}"])
+
+
+def test_every_moved_algorithm_field_is_in_the_run_rename_table():
+    for old, new in RENAMED_ALGORITHM_FIELDS.items():
+        assert RENAMED_FIELDS[f"trainer.algorithm.{old}"] == f"trainer.algorithm.{new}"
+
+
+def test_a_config_dict_with_flat_algorithm_fields_loads_as_the_same_run():
+    """An older run's config.json (flat kl_beta, clip_eps_high, ...) loads into the sections,
+    and its digest is the one of the same values written nested."""
+    new = RunConfig().apply_overrides(
+        ["trainer.algorithm.kl.beta=0.1", "trainer.algorithm.clip.eps_high=0.3"]
+    )
+    data = new.to_dict()
+    algorithm = data["trainer"]["algorithm"]
+    kl, clip = algorithm.pop("kl"), algorithm.pop("clip")
+    algorithm.update(kl_beta=kl["beta"], log_reference_kl=kl["log_reference"])
+    algorithm["clip_eps_high"] = clip["eps_high"]
+    with pytest.warns(
+        ConfigRenamedWarning, match="trainer.algorithm.kl_beta -> trainer.algorithm.kl.beta"
+    ):
+        old = RunConfig.from_dict(data)
+    assert old == new and old.digest() == new.digest()
+    assert "kl_beta" in new.identity()["trainer"]["algorithm"]  # the digest's form is flat
+
+
+def test_an_algorithm_config_of_its_own_reads_its_old_flat_names():
+    with pytest.warns(ConfigRenamedWarning, match="kl_beta -> kl.beta"):
+        config = AlgorithmConfig.from_dict({"name": "grpo", "kl_beta": 0.2})
+    assert config.kl.beta == 0.2
+
+
+def test_a_plugin_preset_takes_sections_dicts_or_the_old_flat_names():
+    """In a subprocess: a registered preset stays registered."""
+    code = textwrap.dedent(
+        """
+        import dataclasses, warnings
+        from rlax_tpu.config import AlgorithmConfig, ConfigRenamedWarning, KLConfig
+        register = AlgorithmConfig.register_preset
+        by_section = register("mine_a", base="grpo", values={"kl": KLConfig(beta=0.2)})
+        by_dict = register("mine_b", base="grpo", values={"kl": {"beta": 0.2}})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            by_name = register("mine_c", base="grpo", values={"kl_beta": 0.2})
+        assert caught[0].category is ConfigRenamedWarning, caught
+        print(caught[0].message)
+        want = AlgorithmConfig.preset("grpo", kl=KLConfig(beta=0.2))
+        for preset in (by_section, by_dict, by_name):
+            assert dataclasses.replace(preset, name="grpo") == want, preset
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kl_beta= is now kl.beta: pass kl={'beta': ...}" in out.stdout
+
+
+def test_config_show_prints_the_resolved_algorithm_by_section(capsys):
+    assert cli_main(["config", "show", str(ROOT / "configs" / "tiny_cpu.py")]) == 0
+    out = capsys.readouterr().out
+    assert "trainer.algorithm.kl.beta_final = 0.04" in out  # the preset's, filled in
+    assert "trainer.algorithm.clip.eps_high = 0.2" in out
+    assert "trainer.algorithm.kl_beta" not in out

@@ -38,7 +38,7 @@ from rlax_tpu.algorithms import (
 )
 from rlax_tpu.algorithms import groups as G
 from rlax_tpu.algorithms.parts import PartInputs
-from rlax_tpu.config import AlgorithmConfig
+from rlax_tpu.config import AlgorithmConfig, KLConfig
 from rlax_tpu.controller.filters import dynamic_sampling_keep
 
 
@@ -78,7 +78,7 @@ def jax_loss_fd(config, x, co_shift_behaviour: bool) -> np.ndarray:
 
 def test_grpo_clipped_tokens_carry_no_gradient():
     x = make_inputs(seed=1)
-    config = AlgorithmConfig(name="grpo", kl_beta=0.0)
+    config = AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0))
     _, grad = loss_and_grad(config, x)
     # The gradient is the derivative of the published clipped objective's value ...
     np.testing.assert_allclose(grad, jax_loss_fd(config, x, False), rtol=1e-6, atol=1e-9)
@@ -106,7 +106,7 @@ def test_importance_weights_of_aipo_and_cispo_carry_no_gradient(name):
     np.testing.assert_allclose(grad, jax_loss_fd(config, x, True), rtol=1e-6, atol=1e-9)
     # Letting ρ move with π_θ changes the derivative wherever ρ is not truncated.
     free = jax_loss_fd(config, x, False)
-    rho_max = config.resolved().rho_max
+    rho_max = config.resolved().importance.rho_max
     ratio = np.exp(x["logprobs"] - x["behaviour"])
     moving = x["mask"] & (ratio < rho_max) & (np.abs(grad) > 1e-6)
     assert moving.any() and not np.allclose(grad[moving], free[moving], rtol=1e-3)
@@ -185,7 +185,7 @@ def test_advantages_without_a_group_baseline_keep_equal_reward_groups(advantage)
 
 def test_equal_reward_group_gets_no_policy_gradient_under_grpo():
     x = make_inputs(seed=6)
-    _, grad = loss_and_grad(AlgorithmConfig(name="grpo", kl_beta=0.0), x)
+    _, grad = loss_and_grad(AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)), x)
     assert np.all(grad[x["group_ids"] == 7] == 0)
     assert np.any(grad[x["group_ids"] == 0] != 0)
 
@@ -199,7 +199,7 @@ def test_trajectory_balance_on_policy_is_reinforce_with_a_mean_baseline(beta):
     (β/2)·∇L_TB = −∇ of REINFORCE with the group-mean baseline, for every β."""
     x = make_inputs(seed=7)
     x["reference"] = x["logprobs"].copy()
-    tb = AlgorithmConfig(name="trajectory_balance", kl_beta=beta, kl_beta_final=beta)
+    tb = AlgorithmConfig(name="trajectory_balance", kl=KLConfig(beta=beta, beta_final=beta))
     _, tb_grad = loss_and_grad(tb, x)
     reinforce = AlgorithmConfig(name="reinforce", advantage="group_mean")
     _, pg_grad = loss_and_grad(reinforce, x)
@@ -210,7 +210,7 @@ def test_trajectory_balance_on_policy_is_reinforce_with_a_mean_baseline(beta):
 def test_trajectory_balance_gradient_is_reinforce_with_a_kl_shaped_reward(beta):
     """Off the reference: A = (r − r̄) − β(KL̂ − KL̄), KL̂ = log π_θ(y) − log π_ref(y)."""
     x = make_inputs(seed=8)
-    tb = AlgorithmConfig(name="trajectory_balance", kl_beta=beta, kl_beta_final=beta)
+    tb = AlgorithmConfig(name="trajectory_balance", kl=KLConfig(beta=beta, beta_final=beta))
     _, tb_grad = loss_and_grad(tb, x)
     lp, ref = np.nan_to_num(x["logprobs"]), np.nan_to_num(x["reference"])
     kl = ((lp - ref) * x["mask"]).sum(1)
@@ -270,10 +270,7 @@ def test_beta_cut_step_jumps_to_the_final_value():
     # TBA's TL;DR schedule: 1 → 0.05 nominally by step 128, cut to 0.05 at step 32.
     config = AlgorithmConfig(
         name="trajectory_balance",
-        kl_beta=1.0,
-        kl_beta_final=0.05,
-        kl_beta_decay_steps=128,
-        kl_beta_cut_step=32,
+        kl=KLConfig(beta=1.0, beta_final=0.05, beta_decay_steps=128, beta_cut_step=32),
     )
     assert float(kl_beta_at(config, 31)) == pytest.approx(1 - 0.95 * 31 / 128)
     assert float(kl_beta_at(config, 32)) == pytest.approx(0.05)
@@ -281,7 +278,7 @@ def test_beta_cut_step_jumps_to_the_final_value():
 
 
 def test_reference_reset_every_rho_steps():
-    config = AlgorithmConfig(name="trajectory_balance", reference_reset_every=50)
+    config = AlgorithmConfig(name="trajectory_balance", kl=KLConfig(reference_reset_every=50))
     assert [s for s in range(151) if reference_reset_due(config, s)] == [50, 100, 150]
     assert not any(reference_reset_due(AlgorithmConfig(name="grpo"), s) for s in range(100))
 

@@ -30,7 +30,14 @@ from test_algorithms_presets import (
 
 from rlax_tpu.algorithms import MissingInputError, RolloutBatch, build_objective, describe
 from rlax_tpu.algorithms.covariance import CLIP_COV_STREAM
-from rlax_tpu.config import AlgorithmConfig, ConfigError
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ClipConfig,
+    ConfigError,
+    CovarianceConfig,
+    KLConfig,
+    RolloutISConfig,
+)
 
 
 def k3(d):
@@ -267,7 +274,7 @@ def test_dual_clip_zeroes_the_capped_tokens_and_reports_verls_clipfrac_lower():
 
 def test_dual_clip_acts_on_the_sequence_ratio_with_the_sequence_mask():
     x = make_inputs(seed=32, spread=0.4)
-    config = AlgorithmConfig(name="proximal_rloo", dual_clip_c=1.5)
+    config = AlgorithmConfig(name="proximal_rloo", clip=ClipConfig(dual_c=1.5))
 
     def ref(x, lp, lp_sg):  # TRL/Noukhovitch's whole-sequence ratio, RLOO advantages
         total = 0.0
@@ -359,8 +366,7 @@ def test_rollout_correction_multiplies_each_tokens_term(kind, upper, lower):
     config = AlgorithmConfig(
         name="grpo",
         rollout_correction=kind,
-        rollout_is_threshold=upper,
-        rollout_is_threshold_lower=lower or 0.0,
+        rollout_is=RolloutISConfig(threshold=upper, threshold_lower=lower or 0.0),
     )
     factor = correction_factor(x, kind, upper, lower)
     metrics = assert_matches(config, x, lambda x, lp, lp_sg: grpo_reference(x, lp, factor=factor))
@@ -399,7 +405,7 @@ def test_mismatch_gate_drops_sequences_from_the_loss_and_its_denominators():
     threshold = float(np.median(error[x["mask"].any(1)]))
     kept = error <= threshold
     assert kept[0] and (~kept & x["mask"].any(1)).sum() >= 3
-    config = AlgorithmConfig(name="dapo", rollout_gate_threshold=threshold)
+    config = AlgorithmConfig(name="dapo", rollout_is=RolloutISConfig(gate_threshold=threshold))
 
     def ref(x, lp, lp_sg):  # DAPO's token mean per group, then over groups: of kept rows
         adv, total, groups = grpo_advantages(x), 0.0, {}  # Â from every row, as Tunix's
@@ -426,7 +432,7 @@ def test_rollout_inputs_are_required_and_announced():
     for config, needs in [
         (AlgorithmConfig(name="grpo"), False),
         (AlgorithmConfig(name="grpo", rollout_correction="sequence_tis"), True),
-        (AlgorithmConfig(name="gspo", rollout_gate_threshold=2.0), True),
+        (AlgorithmConfig(name="gspo", rollout_is=RolloutISConfig(gate_threshold=2.0)), True),
         (AlgorithmConfig(name="trajectory_balance"), False),
         (AlgorithmConfig(name="online_dpo"), False),
     ]:
@@ -445,7 +451,7 @@ def test_abs_kl_estimator_clamped_per_token():
     term is constant (no gradient), inside it is verl's 'abs'."""
     x = make_inputs(seed=37)
     config = AlgorithmConfig(
-        name="grpo", kl_estimator="abs", kl_clamp=0.15, kl_beta=0.5, kl_beta_final=0.5
+        name="grpo", kl_estimator="abs", kl=KLConfig(clamp=0.15, beta=0.5, beta_final=0.5)
     )
 
     def clamped_abs(d):
@@ -461,8 +467,12 @@ def test_abs_kl_estimator_clamped_per_token():
 
 def test_clip_cov_takes_the_gradient_of_a_drawn_fraction_of_the_window():
     x = make_inputs(seed=39, spread=0.4)
-    settings = {"cov_ratio": 0.1, "cov_bounds_low": 0.1, "cov_bounds_high": 5.0}
-    config = AlgorithmConfig(name="clip_cov", **settings)
+    settings = {
+        "covariance.ratio": 0.1,
+        "covariance.bounds_low": 0.1,
+        "covariance.bounds_high": 5.0,
+    }
+    config = AlgorithmConfig(name="clip_cov").updated(settings)
     lp = np.nan_to_num(x["logprobs"])
     selected, candidate = clip_cov_selection(x, lp, 0.1, 0.1, 5.0, 1.0)
     assert candidate.sum() > selected.sum() == int(0.1 * x["mask"].sum()) > 1
@@ -486,7 +496,7 @@ def test_clip_cov_takes_the_gradient_of_a_drawn_fraction_of_the_window():
 
 def test_kl_cov_penalises_the_top_covariance_tokens():
     x = make_inputs(seed=40, spread=0.4)
-    config = AlgorithmConfig(name="kl_cov", cov_ratio=0.1, cov_kl_coef=0.5)
+    config = AlgorithmConfig(name="kl_cov", covariance=CovarianceConfig(ratio=0.1, kl_coef=0.5))
     metrics = assert_matches(
         config, x, lambda x, lp, lp_sg: ref_kl_cov(x, lp, lp_sg, ratio=0.1, coef=0.5)
     )
@@ -501,7 +511,7 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
 
 def test_gmpo_clips_in_log_space_on_the_side_the_advantage_pushes():
     x = make_inputs(seed=41, spread=0.5)
-    config = AlgorithmConfig(name="gmpo", clip_eps_low=0.3, clip_eps_high=0.5)
+    config = AlgorithmConfig(name="gmpo", clip=ClipConfig(eps_low=0.3, eps_high=0.5))
     metrics = assert_matches(config, x, lambda x, lp, lp_sg: ref_gmpo_asymmetric(x, lp))
     adv, log_r = token_advantages(x), x["logprobs"] - x["behaviour"]
     high, low = (adv > 0) & (log_r > 0.5), (adv < 0) & (log_r < -0.3)
@@ -541,9 +551,9 @@ def test_published_presets_keep_the_new_options_off():
         c = AlgorithmConfig.preset(name)
         if not c.is_policy_gradient:
             continue
-        off = (c.rollout_correction, c.rollout_gate_threshold, c.kl_clamp) == ("none", 0, 0)
+        off = (c.rollout_correction, c.rollout_is.gate_threshold, c.kl.clamp) == ("none", 0, 0)
         assert off, name
-        assert (c.dual_clip_c == 0) == (name != "grpo_dual_clip"), name
+        assert (c.clip.dual_c == 0) == (name != "grpo_dual_clip"), name
         assert (c.covariance_control == "none") == (name not in ("clip_cov", "kl_cov")), name
 
 
@@ -551,8 +561,8 @@ def test_describe_names_the_options_that_are_on():
     config = AlgorithmConfig(
         name="grpo",
         rollout_correction="sequence_mis",
-        rollout_gate_threshold=1.5,
-        kl_clamp=10.0,
+        rollout_is=RolloutISConfig(gate_threshold=1.5),
+        kl=KLConfig(clamp=10.0),
     )
     line = describe(config)
     assert "rollout=sequence_mis([0.5, 2.0])" in line and "gate(error≤1.5)" in line
@@ -562,29 +572,29 @@ def test_describe_names_the_options_that_are_on():
 @pytest.mark.parametrize(
     "kwargs, field, words",
     [
-        ({"dual_clip_c": 1.0}, "dual_clip_c", "must be > 1"),
-        ({"name": "cispo", "dual_clip_c": 3.0}, "dual_clip_c", "gradient_mask='ppo_clip'"),
-        ({"rollout_is_threshold": 0.5}, "rollout_is_threshold", ">= 1"),
-        ({"rollout_is_threshold_lower": 0.5}, "rollout_is_threshold_lower", "'token_mis'"),
+        ({"clip.dual_c": 1.0}, "clip.dual_c", "must be > 1"),
+        ({"name": "cispo", "clip.dual_c": 3.0}, "clip.dual_c", "gradient_mask='ppo_clip'"),
+        ({"rollout_is.threshold": 0.5}, "rollout_is.threshold", ">= 1"),
+        ({"rollout_is.threshold_lower": 0.5}, "rollout_is.threshold_lower", "'token_mis'"),
         (
-            {"rollout_correction": "token_mis", "rollout_is_threshold_lower": 3.0},
-            "rollout_is_threshold_lower",
-            "[0, rollout_is_threshold=2.0]",
+            {"rollout_correction": "token_mis", "rollout_is.threshold_lower": 3.0},
+            "rollout_is.threshold_lower",
+            "[0, rollout_is.threshold=2.0]",
         ),
-        ({"rollout_gate_threshold": 0.5}, "rollout_gate_threshold", ">= 1"),
-        ({"kl_clamp": -1.0}, "kl_clamp", ">= 0"),
-        ({"cov_ratio": 0.0}, "cov_ratio", "(0, 1]"),
-        ({"cov_bounds_low": 5.0}, "cov_bounds_high", "is empty"),
+        ({"rollout_is.gate_threshold": 0.5}, "rollout_is.gate_threshold", ">= 1"),
+        ({"kl.clamp": -1.0}, "kl.clamp", ">= 0"),
+        ({"covariance.ratio": 0.0}, "covariance.ratio", "(0, 1]"),
+        ({"covariance.bounds_low": 5.0}, "covariance.bounds_high", "is empty"),
         ({"name": "gspo", "covariance_control": "kl_cov"}, "covariance_control", "token-level"),
         ({"name": "gspo", "gradient_mask": "token_soft_gate"}, "gradient_mask", "'token'"),
         ({"gradient_mask": "sequence_log_clip"}, "gradient_mask", "importance_weight='sequence'"),
-        ({"name": "sapo", "soft_gate_tau_neg": 0.0}, "soft_gate_tau_neg", "> 0"),
-        ({"name": "online_dpo", "dual_clip_c": 3.0}, "dual_clip_c", "not used by online_dpo"),
+        ({"name": "sapo", "soft_gate.tau_neg": 0.0}, "soft_gate.tau_neg", "> 0"),
+        ({"name": "online_dpo", "clip.dual_c": 3.0}, "clip.dual_c", "not used by online_dpo"),
     ],
 )
 def test_policy_loss_options_fail_with_the_fix(kwargs, field, words):
     with pytest.raises(ConfigError) as info:
-        AlgorithmConfig(**kwargs)
+        AlgorithmConfig().updated(kwargs)
     assert info.value.field == field
     assert words in str(info.value)
 
@@ -595,7 +605,9 @@ def test_clip_cov_with_a_rollout_correction_jits_in_float32_with_a_traced_step()
         rollout_logprobs=jnp.asarray(x["rollout"], jnp.float32)
     )
     config = AlgorithmConfig(
-        name="clip_cov", rollout_correction="token_tis", rollout_gate_threshold=2.0
+        name="clip_cov",
+        rollout_correction="token_tis",
+        rollout_is=RolloutISConfig(gate_threshold=2.0),
     )
     f = jax.jit(lambda b, lp, s: build_objective(config)(b, lp, step=s))
     loss, m = f(batch, batch.behaviour_logprobs + 0.01, jnp.int32(STEP))

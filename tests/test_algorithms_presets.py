@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu.algorithms import PRESETS, RolloutBatch, build_objective
-from rlax_tpu.config import AlgorithmConfig
+from rlax_tpu.config import AlgorithmConfig, ImportanceConfig
 
 B, S = 11, 12
 GROUP_IDS = np.array([3, 0, 3, 7, 0, 3, 7, 9, 3, 0, 5])  # sizes 4, 3, 2, 1 (+ row 10: padding)
@@ -321,7 +321,9 @@ OVERRIDE_CASES = {
     ),
     "cispo+sequence_clipped": (
         AlgorithmConfig(
-            name="cispo", importance_weight="sequence_clipped", rho_min=0.9, rho_max=1.1
+            name="cispo",
+            importance_weight="sequence_clipped",
+            importance=ImportanceConfig(rho_min=0.9, rho_max=1.1),
         ),
         ref_cispo_sequence_clipped,
     ),

@@ -147,7 +147,7 @@ def test_a_taken_name_and_a_bad_preset_are_refused(tmp_path):
     assert "token_* or sequence_*" in lines[1]
     assert "the kinds are" in lines[2]
     assert "exists already" in lines[3]
-    assert "clip_eps_low" in lines[4]
+    assert "clip.eps_low" in lines[4]  # an old flat name still reaches its field
     assert "no_such_field" in lines[5]
 
 

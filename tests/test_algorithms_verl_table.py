@@ -23,7 +23,7 @@ import pytest
 from test_algorithms_presets import STEP, B, S, finite_difference, make_inputs, to_batch
 
 from rlax_tpu.algorithms import RolloutBatch, build_objective
-from rlax_tpu.config import AlgorithmConfig
+from rlax_tpu.config import AlgorithmConfig, ClipConfig, KLConfig
 
 # -- the table, as code ---------------------------------------------------------------------
 
@@ -39,8 +39,8 @@ KL_ESTIMATOR = {
     "abs": {"kl_estimator": "abs"},
     "mse": {"kl_estimator": "k2"},
     "k2": {"kl_estimator": "k2"},
-    "low_var_kl": {"kl_estimator": "k3", "kl_clamp": 10.0},
-    "k3": {"kl_estimator": "k3", "kl_clamp": 10.0},
+    "low_var_kl": {"kl_estimator": "k3", "kl.clamp": 10.0},
+    "k3": {"kl_estimator": "k3", "kl.clamp": 10.0},
 }
 
 
@@ -52,8 +52,11 @@ def advantage_fields(v: dict) -> dict:
         return {"advantage": "group_mean_std" if norm else "group_mean"}
     return {
         "rloo": {"advantage": "leave_one_out"},
-        "reinforce_plus_plus_baseline": {"advantage": "group_mean", "whiten_advantages": True},
-        "gae": {"advantage": "gae", "whiten_advantages": True},
+        "reinforce_plus_plus_baseline": {
+            "advantage": "group_mean",
+            "advantage_options.whiten": True,
+        },
+        "gae": {"advantage": "gae", "advantage_options.whiten": True},
     }[estimator]
 
 
@@ -65,28 +68,30 @@ def from_verl(v: dict) -> AlgorithmConfig:
         "max_response_len": v.get("loss_scale_factor") or 0,
         "importance_weight": "token",  # policy_loss.loss_mode = "vanilla"
         "gradient_mask": "ppo_clip",
-        "clip_eps_low": v["clip_ratio_low"],
-        "clip_eps_high": v["clip_ratio_high"],
-        "dual_clip_c": v["clip_ratio_c"],  # always on in verl's vanilla loss
+        "clip.eps_low": v["clip_ratio_low"],
+        "clip.eps_high": v["clip_ratio_high"],
+        "clip.dual_c": v["clip_ratio_c"],  # always on in verl's vanilla loss
         "entropy_coef": v.get("entropy_coeff", 0.0),
-        "gae_gamma": v.get("gamma", 1.0),
-        "gae_lambda": v.get("lam", 1.0),
-        "kl_beta": 0.0,
-        "kl_beta_final": 0.0,
-        "kl_in_reward": False,
+        "advantage_options.gae_gamma": v.get("gamma", 1.0),
+        "advantage_options.gae_lambda": v.get("lam", 1.0),
+        "kl.beta": 0.0,
+        "kl.beta_final": 0.0,
+        "kl.in_reward": False,
     }
     if v.get("use_kl_loss"):
         beta = v["kl_loss_coef"]
-        fields.update(KL_ESTIMATOR[v["kl_loss_type"]], kl_beta=beta, kl_beta_final=beta)
+        fields.update(KL_ESTIMATOR[v["kl_loss_type"]], **{"kl.beta": beta, "kl.beta_final": beta})
     elif v.get("use_kl_in_reward"):
         beta = v["kl_coef"]
-        fields.update(KL_ESTIMATOR[v["kl_penalty"]], kl_beta=beta, kl_beta_final=beta)
-        fields["kl_in_reward"] = True
+        fields.update(KL_ESTIMATOR[v["kl_penalty"]], **{"kl.beta": beta, "kl.beta_final": beta})
+        fields["kl.in_reward"] = True
     if v["adv_estimator"] == "gae":
         # verl's critic is its own model and optimiser; our value head shares the policy's
         # loss, weighted by value_loss_coef.
-        fields.update(value_loss_coef=v["value_loss_coef"], value_clip_eps=v["cliprange_value"])
-    return AlgorithmConfig(name="grpo", **fields).resolved()
+        fields.update(
+            {"value.loss_coef": v["value_loss_coef"], "value.clip_eps": v["cliprange_value"]}
+        )
+    return AlgorithmConfig(name="grpo").updated(fields).resolved()
 
 
 VANILLA = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
@@ -450,7 +455,7 @@ def test_verls_clip_fractions_are_ours_high_plus_low_and_dual():
 
 
 def test_the_inputs_reach_low_var_kls_clamp():
-    # So the low_var_kl case checks kl_clamp = 10 against verl's fixed clamp, not only k3.
+    # So the low_var_kl case checks kl.clamp = 10 against verl's fixed clamp, not only k3.
     x = inputs()
     t = verl_side(x)
     lp, ref = np.nan_to_num(x["logprobs"]), t["reference"]
@@ -470,11 +475,10 @@ def one_token_ours(log_ratio: float, advantage: float, behaviour: float = -30.0)
         name="grpo",
         advantage="given",
         aggregation="token_mean",
-        clip_eps_low=VANILLA["clip_ratio_low"],
-        clip_eps_high=VANILLA["clip_ratio_high"],
-        dual_clip_c=0.0,
-        kl_beta=0.0,
-        kl_beta_final=0.0,
+        clip=ClipConfig(
+            eps_low=VANILLA["clip_ratio_low"], eps_high=VANILLA["clip_ratio_high"], dual_c=0.0
+        ),
+        kl=KLConfig(beta=0.0, beta_final=0.0),
     )
     objective = build_objective(config)
     with jax.enable_x64(True):

@@ -16,7 +16,14 @@ import pytest
 from rlax_tpu.api.inference import LoadResult, Rollout, SamplingParams
 from rlax_tpu.api.records import Group, RolloutRecord, ScoredRollout
 from rlax_tpu.api.verifier import Verdict, VerificationResult
-from rlax_tpu.config import AlgorithmConfig, ConfigError, ControllerConfig, RunConfig, TrainerConfig
+from rlax_tpu.config import (
+    AlgorithmConfig,
+    ConfigError,
+    ControllerConfig,
+    KLConfig,
+    RunConfig,
+    TrainerConfig,
+)
 from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import assemble_batch
 from rlax_tpu.controller.batches import BatchBuilder
@@ -32,7 +39,7 @@ CONFIG = RunConfig(
     trainer=TrainerConfig(
         mini_batch_size=4,
         micro_batch_size=4,
-        algorithm=AlgorithmConfig(name="grpo", advantage="remax", kl_beta=0.0),
+        algorithm=AlgorithmConfig(name="grpo", advantage="remax", kl=KLConfig(beta=0.0)),
     ),
 )
 

@@ -33,7 +33,7 @@ from hf_fixtures import save_qwen_checkpoint
 from trainer_helpers import run_config
 
 from rlax_tpu import storage
-from rlax_tpu.config import AlgorithmConfig, InferenceConfig, MeshConfig
+from rlax_tpu.config import AlgorithmConfig, InferenceConfig, KLConfig, MeshConfig
 from rlax_tpu.config.checkpoint import CheckpointMismatchError
 from rlax_tpu.inference.engine import Engine
 from rlax_tpu.models import hf
@@ -62,7 +62,7 @@ def _config(checkpoint: str, run_dir: str, *, scan_layers: bool, value_head: boo
         run_dir,
         mesh=MESH,
         model=model,
-        algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
+        algorithm=AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)),
         scan_layers=scan_layers,
     )
 

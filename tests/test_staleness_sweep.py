@@ -127,7 +127,7 @@ def test_the_graded_reward_ranks_wrong_answers_and_keeps_exact_ones_at_one():
 def test_the_variants_are_grpo_with_dual_clip_and_with_tis_on_a_recomputed_pi_old(tmp_path):
     base = sweep.sweep_config(quick=True, steps=None, extra=[])
     dual = sweep.run_config(base, "grpo_dual_clip", 4, tmp_path).trainer
-    assert dual.algorithm.resolved().dual_clip_c == 3.0
+    assert dual.algorithm.resolved().clip.dual_c == 3.0
     assert dual.behaviour_logprobs == "cached"
     tis = sweep.run_config(base, "grpo_tis", 4, tmp_path).trainer
     assert tis.algorithm.resolved().rollout_correction == "token_tis"
@@ -143,30 +143,30 @@ def test_the_paper_condition_variants_validate_and_keep_the_global_batch(tmp_pat
     tb = sweep.run_config(base, "tb_reset", 16, tmp_path)
     tb.validate()
     sweep.run_config(base, "tba_prime", 16, tmp_path).validate()
-    assert tb.trainer.algorithm.resolved().reference_reset_every == sweep.TBA_RESET_EVERY
+    assert tb.trainer.algorithm.resolved().kl.reference_reset_every == sweep.TBA_RESET_EVERY
     prime = sweep.run_config(base, "tba_prime", 16, tmp_path).trainer.algorithm.resolved()
-    assert (prime.importance_weight, prime.rho_max, prime.advantage) == (
+    assert (prime.importance_weight, prime.importance.rho_max, prime.advantage) == (
         "token_truncated",
         8.0,
         "group_mean",
     )
     assert prime.gradient_mask == "keep_all" and prime.aggregation == "sequence_sum"
-    assert prime.kl_in_reward and prime.kl_estimator == "k1" and prime.kl_beta == 0.005
-    assert prime.reference_reset_every == sweep.TBA_RESET_EVERY
+    assert prime.kl.in_reward and prime.kl_estimator == "k1" and prime.kl.beta == 0.005
+    assert prime.kl.reference_reset_every == sweep.TBA_RESET_EVERY
     for name, k in (("online_dpo_k4", 4), ("online_dpo_k2", 2)):
         config = sweep.run_config(base, name, 16, tmp_path)
         config.validate()
         assert config.controller.samples_per_prompt == k
         assert config.controller.global_batch_size == base.controller.global_batch_size
         assert sweep.warm_start_key(config) == sweep.warm_start_key(base)
-        assert config.trainer.algorithm.resolved().kl_beta == 0.1
+        assert config.trainer.algorithm.resolved().kl.beta == 0.1
     # TB as TBA runs it: a few nats of reward scale, the replay buffer, the reference reset.
     tba = sweep.run_config(base, "tb_tba", 16, tmp_path)
     tba.validate()
     algorithm = tba.trainer.algorithm.resolved()
-    assert 1 / algorithm.kl_beta == pytest.approx(3.33, abs=0.01)
-    assert algorithm.kl_beta_final == algorithm.kl_beta
-    assert algorithm.reference_reset_every == sweep.TBA_RESET_EVERY
+    assert 1 / algorithm.kl.beta == pytest.approx(3.33, abs=0.01)
+    assert algorithm.kl.beta_final == algorithm.kl.beta
+    assert algorithm.kl.reference_reset_every == sweep.TBA_RESET_EVERY
     assert tba.controller.replay.enabled and tba.controller.replay.recency_prob == 0.5
     graded = sweep.run_config(base, "online_dpo_graded", 16, tmp_path)
     graded.validate()

@@ -27,7 +27,7 @@ from trainer_helpers import (
     run_config,
 )
 
-from rlax_tpu.config import AlgorithmConfig, MeshConfig, WarmStartConfig
+from rlax_tpu.config import AlgorithmConfig, KLConfig, MeshConfig, WarmStartConfig
 from rlax_tpu.models import Transformer
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import BatchSizeError, Trainer, perf
@@ -447,7 +447,7 @@ def test_log_reference_kl_reports_the_kl_to_the_reference_without_training_on_it
     trains exactly as without the flag, which reports no `kl`."""
     results, params = {}, {}
     for log in (False, True):
-        algorithm = AlgorithmConfig(name="grpo", kl_beta=0.0, log_reference_kl=log)
+        algorithm = AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0, log_reference=log))
         # One update per step (mini-batch = the batch): the first step's π_θ is the reference.
         config = run_config(str(tmp_path / str(log)), mini=8, adam_eps=1e-4, algorithm=algorithm)
         trainer = Trainer(config, mesh=_one_device_mesh())

@@ -16,7 +16,7 @@ from trainer_helpers import rollout_batch, run_config
 
 from rlax_tpu.algorithms import Objective, build_objective
 from rlax_tpu.api.trainer import BatchFormatError
-from rlax_tpu.config import AlgorithmConfig, ConfigError, MeshConfig
+from rlax_tpu.config import AlgorithmConfig, ConfigError, KLConfig, MeshConfig
 from rlax_tpu.config.run import needs_rollout_logprobs
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.trainer import Trainer
@@ -30,7 +30,7 @@ def _mesh():
     return build_mesh(ONE_DEVICE, devices=jax.devices()[:1])
 
 
-TIS = AlgorithmConfig(name="grpo", kl_beta=0.04, rollout_correction="token_tis")
+TIS = AlgorithmConfig(name="grpo", rollout_correction="token_tis", kl=KLConfig(beta=0.04))
 
 
 class RecordingObjective(Objective):
@@ -114,7 +114,7 @@ def test_without_a_rollout_correction_the_update_gets_no_rollout_logprobs(tmp_pa
 
 
 def test_a_field_the_objective_needs_that_the_batch_lacks_is_refused_naming_it(tmp_path):
-    given = AlgorithmConfig(name="grpo", kl_beta=0.0, advantage="given")
+    given = AlgorithmConfig(name="grpo", advantage="given", kl=KLConfig(beta=0.0))
     config = run_config(str(tmp_path / "run"), mini=8, algorithm=given)
     trainer = Trainer(config, mesh=_mesh())
     assert trainer.programs.inputs == {"token_advantages"}
@@ -144,11 +144,11 @@ def test_the_abstract_batch_carries_what_the_objective_reads(tmp_path):
     ("correction", "named"),
     [
         ({"rollout_correction": "token_tis"}, "trainer.algorithm.rollout_correction='token_tis'"),
-        ({"rollout_gate_threshold": 2.0}, "trainer.algorithm.rollout_gate_threshold=2.0"),
+        ({"rollout_is.gate_threshold": 2.0}, "trainer.algorithm.rollout_is.gate_threshold=2.0"),
     ],
 )
 def test_a_rollout_correction_over_cached_logprobs_is_a_config_error(tmp_path, correction, named):
-    algorithm = AlgorithmConfig(name="grpo", **correction)
+    algorithm = AlgorithmConfig(name="grpo").updated(correction)
     config = run_config(str(tmp_path / "run"), mini=8, algorithm=algorithm)  # recomputed: fine
     with pytest.raises(ConfigError) as info:
         dataclasses.replace(
@@ -167,9 +167,9 @@ def test_the_config_and_the_objective_agree_on_needing_rollout_logprobs(name):
     kinds = [{}]
     if AlgorithmConfig(name=name).is_policy_gradient:
         kinds += [{"rollout_correction": c} for c in AlgorithmConfig.ROLLOUT_CORRECTIONS]
-        kinds += [{"rollout_gate_threshold": 1.5}]
+        kinds += [{"rollout_is.gate_threshold": 1.5}]
     for kw in kinds:
-        algorithm = AlgorithmConfig(name=name, **kw)
+        algorithm = AlgorithmConfig(name=name).updated(kw)
         assert needs_rollout_logprobs(algorithm) == (
             build_objective(algorithm).needs_rollout_logprobs
         ), (name, kw)

@@ -14,6 +14,7 @@ from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
     InferenceConfig,
+    KLConfig,
     MeshConfig,
     ModelConfig,
     RunConfig,
@@ -35,7 +36,7 @@ MODEL = ModelConfig(
 )
 TRAINER = TrainerConfig(
     mesh=MeshConfig(data=2, fsdp=1, tensor=1),
-    algorithm=AlgorithmConfig(name="grpo", kl_beta=0.0),
+    algorithm=AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)),
     mini_batch_size=8,
     micro_batch_size=8,
     max_seq_len=64,

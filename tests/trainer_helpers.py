@@ -15,6 +15,7 @@ from rlax_tpu.config import (
     AlgorithmConfig,
     ControllerConfig,
     InferenceConfig,
+    KLConfig,
     MeshConfig,
     ModelConfig,
     OptimizerConfig,
@@ -55,7 +56,9 @@ def run_config(
         controller=ControllerConfig(prompts_per_batch=4, samples_per_prompt=2, num_steps=10),
         trainer=TrainerConfig(
             mesh=mesh or MeshConfig(data=2, fsdp=2, tensor=2),
-            algorithm=trainer.pop("algorithm", AlgorithmConfig(name="grpo", kl_beta=0.04)),
+            algorithm=trainer.pop(
+                "algorithm", AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.04))
+            ),
             mini_batch_size=mini,
             micro_batch_size=micro or mini,
             max_seq_len=32,

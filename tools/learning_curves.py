@@ -18,7 +18,7 @@ phase once per mode:
 Each run's held-out greedy accuracy at every evaluation (`controller.eval_every`, on
 `controller.eval_size` prompts, with its 95 % Wilson interval) is read from its
 metrics.jsonl, with the trainer's per-step diagnostics (reward, policy entropy, k3 KL to the
-SFT reference when `trainer.algorithm.log_reference_kl` is on, clip fraction,
+SFT reference when `trainer.algorithm.kl.log_reference` is on, clip fraction,
 zero-variance group fraction, gradient norm), and the final policy's KL to the SFT model
 (nats per response, as tools/staleness_sweep.py measures it). The report
 gives, per mode, the curve's mean over seeds with its min–max band, and per run the two

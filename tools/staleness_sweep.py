@@ -66,6 +66,8 @@ sys.path.insert(0, str(ROOT))
 
 from rlax_tpu.config import (  # noqa: E402
     AlgorithmConfig,
+    ImportanceConfig,
+    KLConfig,
     ReplayConfig,
     RunConfig,
     StalenessConfig,
@@ -120,7 +122,12 @@ VARIANTS = {
     ),
     # The conditions of the seed papers that the published presets lack (docs/data.md):
     # TBA's reference reset π_ref ← π_θ every ρ steps, on trajectory balance ...
-    "tb_reset": ("trajectory_balance", {"reference_reset_every": TBA_RESET_EVERY}, {}, {}),
+    "tb_reset": (
+        "trajectory_balance",
+        {"kl": KLConfig(reference_reset_every=TBA_RESET_EVERY)},
+        {},
+        {},
+    ),
     # ... and TBA-PRIME (TBA Eq. 16): Σ_t sg(min(λ_t, 8)·(r − r̄ − β(log Λ − mean log Λ)))
     # ·∇log π_θ(y_t), λ_t = π_θ/μ per token, log Λ = Σ_t log π/π_ref, β = 0.005, the reference
     # reset every ρ steps. In parts: AIPO's truncated token weight at 8 (sequence sum, keep
@@ -129,12 +136,14 @@ VARIANTS = {
     "tba_prime": (
         "aipo",
         {
-            "rho_max": 8.0,
-            "kl_in_reward": True,
+            "importance": ImportanceConfig(rho_max=8.0),
             "kl_estimator": "k1",
-            "kl_beta": 0.005,
-            "kl_beta_final": 0.005,
-            "reference_reset_every": TBA_RESET_EVERY,
+            "kl": KLConfig(
+                beta=0.005,
+                beta_final=0.005,
+                in_reward=True,
+                reference_reset_every=TBA_RESET_EVERY,
+            ),
         },
         {},
         {},
@@ -151,10 +160,9 @@ VARIANTS = {
     "tb_tba": (
         "trajectory_balance",
         {
-            "kl_beta": 0.3,
-            "kl_beta_final": 0.3,
-            "kl_beta_decay_steps": 0,
-            "reference_reset_every": TBA_RESET_EVERY,
+            "kl": KLConfig(
+                beta=0.3, beta_final=0.3, beta_decay_steps=0, reference_reset_every=TBA_RESET_EVERY
+            ),
         },
         {},
         {"replay": ReplayConfig(enabled=True, recency_prob=0.5)},

@@ -58,18 +58,24 @@ def _clip_cov(
     """float[batch, seq]: 1 on the tokens Clip-Cov takes the gradient from.
 
     Candidates: response tokens the clip mask keeps (`keep` > 0; verl excludes the tokens
-    PPO's clip already flattens) with cov_bounds_low < cov_t < cov_bounds_high. Of them,
-    min(selection_size, #candidates) drawn uniformly without replacement. The draw is
-    deterministic: uniforms from jax.random.fold_in(jax.random.key(CLIP_COV_STREAM), step)
-    (step = the trainer step, 0 when None), the candidates with the smallest win. Every
-    micro-batch of a step draws the same uniform field over its [batch, seq] positions.
+    PPO's clip already flattens) with covariance.bounds_low < cov_t <
+    covariance.bounds_high. Of them, min(selection_size, #candidates) drawn uniformly without
+    replacement. The draw is deterministic: uniforms from
+    jax.random.fold_in(jax.random.key(CLIP_COV_STREAM), step) (step = the trainer step, 0 when
+    None), the candidates with the smallest win. Every micro-batch of a step draws the same
+    uniform field over its [batch, seq] positions.
     """
     cov = token_covariance(p, adv)
-    candidate = (p.mask > 0) & (keep > 0) & (cov > c.cov_bounds_low) & (cov < c.cov_bounds_high)
+    candidate = (
+        (p.mask > 0)
+        & (keep > 0)
+        & (cov > c.covariance.bounds_low)
+        & (cov < c.covariance.bounds_high)
+    )
     key = jax.random.fold_in(jax.random.key(CLIP_COV_STREAM), 0 if step is None else step)
     draw = jax.random.uniform(key, p.mask.shape, jnp.float32)
     ranks = _rank(jnp.where(candidate, draw, 2.0))
-    return jnp.where(candidate & (ranks < selection_size(p, c.cov_ratio)), 1.0, 0.0)
+    return jnp.where(candidate & (ranks < selection_size(p, c.covariance.ratio)), 1.0, 0.0)
 
 
 def _kl_cov(p: PartInputs, adv: jax.Array, keep: jax.Array, c: AlgorithmConfig, step) -> jax.Array:
@@ -77,7 +83,7 @@ def _kl_cov(p: PartInputs, adv: jax.Array, keep: jax.Array, c: AlgorithmConfig, 
     position), where KL-Cov adds its penalty."""
     cov = token_covariance(p, adv)
     ranks = _rank(jnp.where(p.mask > 0, -cov, jnp.inf))
-    return jnp.where((p.mask > 0) & (ranks < selection_size(p, c.cov_ratio)), 1.0, 0.0)
+    return jnp.where((p.mask > 0) & (ranks < selection_size(p, c.covariance.ratio)), 1.0, 0.0)
 
 
 _PARTS = (

@@ -65,7 +65,7 @@ Metrics = dict[str, jax.Array]
 
 def needs_rollout_values(c: AlgorithmConfig) -> bool:
     """Whether V_old (batch.values) is read: GAE's baseline, or the clipped value loss's centre."""
-    return c.advantage == "gae" or (c.value_loss_coef > 0 and c.value_clip_eps > 0)
+    return c.advantage == "gae" or (c.value.loss_coef > 0 and c.value.clip_eps > 0)
 
 
 def _surrogate_value(
@@ -87,8 +87,8 @@ def _surrogate_value(
         if c.gradient_mask == "keep_all":
             bounded = ratio.raw
         else:
-            bounded = jnp.clip(ratio.raw, 1 - c.clip_eps_low, 1 + c.clip_eps_high)
-        value = adv * jnp.where(dual > 0, c.dual_clip_c, jnp.where(keep > 0, ratio.raw, bounded))
+            bounded = jnp.clip(ratio.raw, 1 - c.clip.eps_low, 1 + c.clip.eps_high)
+        value = adv * jnp.where(dual > 0, c.clip.dual_c, jnp.where(keep > 0, ratio.raw, bounded))
     value = value * p.mask
     if weight_level(c.importance_weight) == "sequence" and c.sequence_ratio == "product":
         # One term per sequence: d log ρ_i / d log π_t = 1, so spread it over the tokens.
@@ -150,7 +150,7 @@ def _policy_term(
     if c.covariance_control == "kl_cov":
         drift = jnp.abs(lp - p.behaviour_logprobs) * m
         penalty = jnp.sum(w * corr * selected * drift)
-        pg = pg - c.cov_kl_coef * penalty
+        pg = pg - c.covariance.kl_coef * penalty
         metrics["covariance/kl_penalty"] = penalty
     return pg, metrics
 
@@ -167,7 +167,7 @@ def policy_gradient_loss(
     """The modular objective J (above) as a loss to minimise, and its metrics.
 
     logprobs: float[batch, seq] log π_θ(targets), differentiated; values: float[batch, seq]
-    current value-head outputs (needed when value_loss_coef > 0), differentiated;
+    current value-head outputs (needed when value.loss_coef > 0), differentiated;
     entropy: float[batch, seq] per-position policy entropies (needed when entropy_coef > 0);
     step: int or int32 scalar, the trainer step (β schedule, staleness metrics, Clip-Cov's
     random draw; None draws as step 0).
@@ -179,11 +179,11 @@ def policy_gradient_loss(
     lp = jnp.where(m > 0, logprobs.astype(dtype), 0.0)  # padding may hold -inf or NaN
     beta = kl_beta_at(c, step, dtype)
     metrics: Metrics = {}
-    if c.kl_in_reward and kl_may_be_nonzero(c):
+    if c.kl.in_reward and kl_may_be_nonzero(c):
         if batch.reference_logprobs is None:
             raise MissingInputError(
-                f"kl_in_reward with kl_beta > 0 ({c.name}) needs batch.reference_logprobs; "
-                "set kl_beta=0 to train without a reference"
+                f"kl.in_reward with kl.beta > 0 ({c.name}) needs batch.reference_logprobs; "
+                "set kl.beta=0 to train without a reference"
             )
         p, reward_kl = fold_kl_into_rewards(p, batch.reference_logprobs, beta, c)
         metrics["kl_in_reward"] = masked_mean(reward_kl, m)
@@ -193,7 +193,7 @@ def policy_gradient_loss(
     kept = mismatch_gate(p, c)
     w = AGGREGATIONS[c.aggregation].fn(gated(p, kept), c)
     estimated = jax.lax.stop_gradient(ADVANTAGES[c.advantage].fn(p, c))
-    adv = masked_whiten(estimated, m) if c.whiten_advantages else estimated
+    adv = masked_whiten(estimated, m) if c.advantage_options.whiten else estimated
     correction = jax.tree.map(
         jax.lax.stop_gradient, ROLLOUT_CORRECTIONS[c.rollout_correction].fn(p, c)
     )
@@ -201,10 +201,10 @@ def policy_gradient_loss(
     loss = -pg
     metrics["policy_loss"] = -pg
 
-    if kl_may_be_nonzero(c) and not c.kl_in_reward:
+    if kl_may_be_nonzero(c) and not c.kl.in_reward:
         if batch.reference_logprobs is None:
             raise MissingInputError(
-                f"kl_beta > 0 ({c.name}) needs batch.reference_logprobs; set kl_beta=0 to "
+                f"kl.beta > 0 ({c.name}) needs batch.reference_logprobs; set kl.beta=0 to "
                 "train without a reference"
             )
         d = jnp.where(m > 0, lp - batch.reference_logprobs.astype(dtype), 0.0)
@@ -223,10 +223,10 @@ def policy_gradient_loss(
         loss = loss - c.entropy_coef * bonus
         metrics["entropy_bonus"] = bonus
 
-    if c.value_loss_coef > 0:
+    if c.value.loss_coef > 0:
         if values is None:
             raise MissingInputError(
-                "value_loss_coef > 0 needs the current value-head outputs float[batch, seq] "
+                "value.loss_coef > 0 needs the current value-head outputs float[batch, seq] "
                 "passed as values="
             )
         v = jnp.where(m > 0, values.astype(dtype), 0.0)
@@ -236,16 +236,16 @@ def policy_gradient_loss(
             target = estimated + p.old_values  # GAE's returns, before any whitening
         else:
             raise MissingInputError(
-                f"value_loss_coef > 0 with advantage={c.advantage!r} needs batch.returns: "
+                f"value.loss_coef > 0 with advantage={c.advantage!r} needs batch.returns: "
                 "the value targets float[batch, seq] (advantage='gae' regresses A + V_old)"
             )
         error = (v - target) ** 2
-        if c.value_clip_eps > 0:
-            # value_clip_eps is verl's cliprange_value (Tunix's clip_range_value).
-            clipped = p.old_values + jnp.clip(v - p.old_values, -c.value_clip_eps, c.value_clip_eps)
+        if c.value.clip_eps > 0:
+            # value.clip_eps is verl's cliprange_value (Tunix's clip_range_value).
+            clipped = p.old_values + jnp.clip(v - p.old_values, -c.value.clip_eps, c.value.clip_eps)
             error = jnp.maximum(error, (clipped - target) ** 2)
         value_loss = 0.5 * jnp.sum(w * error * m)
-        loss = loss + c.value_loss_coef * value_loss
+        loss = loss + c.value.loss_coef * value_loss
         metrics["value_loss"] = value_loss
 
     metrics.update(pg_metrics)
@@ -272,7 +272,7 @@ class Objective:
     reference forward pass when no reference is read):
 
     needs_reference_logprobs: the batch must carry `reference_logprobs` (log π_ref): for a
-        KL term, or only for the `kl` metric (`log_reference_kl`);
+        KL term, or only for the `kl` metric (`kl.log_reference`);
     needs_rollout_values: the batch must carry `values`, V_old float[batch, seq]: the
         value head's outputs on the rollout tokens with the weights before the update
         (GAE's baseline and the value clip's centre), e.g. from the recompute pass that
@@ -289,8 +289,8 @@ class Objective:
         c = self.config
         self.kind = c.name if not c.is_policy_gradient else "policy_gradient"
         if c.is_policy_gradient:
-            self.needs_reference_logprobs = kl_may_be_nonzero(c) or c.log_reference_kl
-            self.needs_values = c.value_loss_coef > 0
+            self.needs_reference_logprobs = kl_may_be_nonzero(c) or c.kl.log_reference
+            self.needs_values = c.value.loss_coef > 0
             self.needs_rollout_values = needs_rollout_values(c)
             self.needs_entropy = c.entropy_coef > 0
             self.needs_rollout_logprobs = needs_rollout_logprobs(c)
@@ -345,47 +345,48 @@ def describe(config: AlgorithmConfig) -> str:
     """One line naming the parts, e.g. for the run log."""
     c = config.resolved()
     if not c.is_policy_gradient:
-        beta = f"β={c.kl_beta}"
-        if c.kl_beta_decay_steps:
-            beta += f"→{c.kl_beta_final} by step {c.kl_beta_decay_steps}"
-        if c.kl_beta_cut_step:
-            beta += f", {c.kl_beta_final} from step {c.kl_beta_cut_step}"
-        reset = c.reference_reset_every
+        beta = f"β={c.kl.beta}"
+        if c.kl.beta_decay_steps:
+            beta += f"→{c.kl.beta_final} by step {c.kl.beta_decay_steps}"
+        if c.kl.beta_cut_step:
+            beta += f", {c.kl.beta_final} from step {c.kl.beta_cut_step}"
+        reset = c.kl.reference_reset_every
         return f"{c.name}: {beta}, reference reset {f'every {reset}' if reset else 'never'}"
     rho = c.importance_weight
     if rho.endswith("truncated"):
-        rho += f"(ρ_max={c.rho_max})"
+        rho += f"(ρ_max={c.importance.rho_max})"
     elif rho.endswith("clipped"):
-        rho += f"(ρ∈[{c.rho_min}, {c.rho_max}])"
+        rho += f"(ρ∈[{c.importance.rho_min}, {c.importance.rho_max}])"
     if rho.startswith("sequence"):
         rho += f"[{c.sequence_ratio}]"
     mask = c.gradient_mask
     if mask == "token_soft_gate":
-        mask += f"(τ_pos={c.soft_gate_tau_pos}, τ_neg={c.soft_gate_tau_neg})"
+        mask += f"(τ_pos={c.soft_gate.tau_pos}, τ_neg={c.soft_gate.tau_neg})"
     elif mask != "keep_all":
-        mask += f"(ε_low={c.clip_eps_low}, ε_high={c.clip_eps_high})"
-    if c.dual_clip_c:
-        mask += f"+dual_clip(c={c.dual_clip_c})"
-    kl = f"{c.kl_beta}·{c.kl_estimator}" if kl_may_be_nonzero(c) else "none"
-    if c.kl_clamp and kl_may_be_nonzero(c):
-        kl += f"(clamped to ±{c.kl_clamp})"
-    if c.kl_in_reward and kl_may_be_nonzero(c):
+        mask += f"(ε_low={c.clip.eps_low}, ε_high={c.clip.eps_high})"
+    if c.clip.dual_c:
+        mask += f"+dual_clip(c={c.clip.dual_c})"
+    kl = f"{c.kl.beta}·{c.kl_estimator}" if kl_may_be_nonzero(c) else "none"
+    if c.kl.clamp and kl_may_be_nonzero(c):
+        kl += f"(clamped to ±{c.kl.clamp})"
+    if c.kl.in_reward and kl_may_be_nonzero(c):
         kl += " in the reward"
     adv = c.advantage
     if adv == "pass_at_k":
-        adv += f"(k={c.pass_at_k})"
-    if c.whiten_advantages:
+        adv += f"(k={c.advantage_options.pass_at_k})"
+    if c.advantage_options.whiten:
         adv += "[whitened]"
     line = f"{c.name}: w={c.aggregation} ρ={rho} A={adv} M={mask} R={kl}"
     if c.covariance_control == "clip_cov":
-        line += f" cov=clip_cov(ratio={c.cov_ratio}, cov∈({c.cov_bounds_low}, {c.cov_bounds_high}))"
+        cov = c.covariance
+        line += f" cov=clip_cov(ratio={cov.ratio}, cov∈({cov.bounds_low}, {cov.bounds_high}))"
     elif c.covariance_control == "kl_cov":
-        line += f" cov=kl_cov(ratio={c.cov_ratio}, κ={c.cov_kl_coef})"
+        line += f" cov=kl_cov(ratio={c.covariance.ratio}, κ={c.covariance.kl_coef})"
     if c.rollout_correction.endswith("tis"):
-        line += f" rollout={c.rollout_correction}(C={c.rollout_is_threshold})"
+        line += f" rollout={c.rollout_correction}(C={c.rollout_is.threshold})"
     elif c.rollout_correction.endswith("mis"):
-        lower = c.rollout_is_threshold_lower or 1 / c.rollout_is_threshold
-        line += f" rollout={c.rollout_correction}([{lower:g}, {c.rollout_is_threshold}])"
-    if c.rollout_gate_threshold:
-        line += f" gate(error≤{c.rollout_gate_threshold})"
+        lower = c.rollout_is.threshold_lower or 1 / c.rollout_is.threshold
+        line += f" rollout={c.rollout_correction}([{lower:g}, {c.rollout_is.threshold}])"
+    if c.rollout_is.gate_threshold:
+        line += f" gate(error≤{c.rollout_is.gate_threshold})"
     return line

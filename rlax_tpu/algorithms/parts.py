@@ -198,9 +198,9 @@ def _weight(level: str, transform: str) -> Callable:
     def fn(p: PartInputs, c: AlgorithmConfig) -> Ratio:
         raw = _level_ratio(p, c, level)
         if transform == "truncated":
-            weight = jnp.minimum(raw, c.rho_max)
+            weight = jnp.minimum(raw, c.importance.rho_max)
         elif transform == "clipped":
-            weight = jnp.clip(raw, c.rho_min, c.rho_max)
+            weight = jnp.clip(raw, c.importance.rho_min, c.importance.rho_max)
         else:
             weight = raw
         return Ratio(raw, weight * p.mask)
@@ -298,7 +298,7 @@ def fold_kl_into_rewards(
 ) -> tuple[PartInputs, jax.Array]:
     """`p` with R_t −= β·kl_t folded into its token rewards, and kl float[batch, seq].
 
-    kl_t is the configured estimator (`kl_estimate`: kl_estimator, kl_clamp) of
+    kl_t is the configured estimator (`kl_estimate`: kl_estimator, kl.clamp) of
     d = log π_behaviour − log π_ref (verl's apply_kl_penalty on old_log_prob − ref_log_prob;
     Tunix's PPO), stop-gradient: the KL is part of the reward, not of the loss.
     """
@@ -389,7 +389,14 @@ def gae(
 
 
 def _gae(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
-    return gae(p.mask, p.rewards, p.old_values, c.gae_gamma, c.gae_lambda, p.token_rewards)
+    return gae(
+        p.mask,
+        p.rewards,
+        p.old_values,
+        c.advantage_options.gae_gamma,
+        c.advantage_options.gae_lambda,
+        p.token_rewards,
+    )
 
 
 def _reward(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
@@ -406,7 +413,7 @@ def _given(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
 
 
 def _reinforce_pp_return_to_go(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
-    g = returns.returns_to_go(token_level_rewards(p), p.mask, c.gae_gamma)
+    g = returns.returns_to_go(token_level_rewards(p), p.mask, c.advantage_options.gae_gamma)
     return returns.masked_whiten(g, p.mask)
 
 
@@ -438,7 +445,7 @@ def _gpg(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
 
 def _pass_at_k(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
     correct = (sequence_rewards(p) > 0.5).astype(p.mask.dtype)
-    adv = returns.pass_at_k_advantages(correct, p.group_ids, p.valid, c.pass_at_k)
+    adv = returns.pass_at_k_advantages(correct, p.group_ids, p.valid, c.advantage_options.pass_at_k)
     return per_token(adv, p.mask)
 
 
@@ -525,8 +532,8 @@ def clip_mask(raw: jax.Array, adv: jax.Array, mask: jax.Array, c: AlgorithmConfi
     That is ρ > 1+ε_high with A > 0, or ρ < 1−ε_low with A < 0 (DAPO's clip-higher when
     ε_high > ε_low). `raw` is the ratio at the importance weight's level (token or sequence).
     """
-    high = (adv > 0) & (raw > 1 + c.clip_eps_high)
-    low = (adv < 0) & (raw < 1 - c.clip_eps_low)
+    high = (adv > 0) & (raw > 1 + c.clip.eps_high)
+    low = (adv < 0) & (raw < 1 - c.clip.eps_low)
     return jnp.where(high | low, 0.0, 1.0) * mask
 
 
@@ -544,9 +551,9 @@ def dual_clip_mask(
     so the objective folds it into M (M = 0 there). `raw` is the ratio at the weight's
     level, as for `clip_mask`. The mean over response tokens is verl's pg_clipfrac_lower.
     """
-    if not c.dual_clip_c:
+    if not c.clip.dual_c:
         return jnp.zeros_like(mask)
-    return jnp.where((adv < 0) & (raw > c.dual_clip_c), 1.0, 0.0) * mask
+    return jnp.where((adv < 0) & (raw > c.clip.dual_c), 1.0, 0.0) * mask
 
 
 def soft_gate(raw: jax.Array, adv: jax.Array, c: AlgorithmConfig) -> jax.Array:
@@ -555,13 +562,13 @@ def soft_gate(raw: jax.Array, adv: jax.Array, c: AlgorithmConfig) -> jax.Array:
     The per-token objective is f(r)·A in place of PPO's min(rA, clip(r)A); f(1) = 2/τ and
     f'(1) = 1, so near r = 1 it moves like rA and it flattens smoothly away from it.
     """
-    tau = jnp.where(adv > 0, c.soft_gate_tau_pos, c.soft_gate_tau_neg)
+    tau = jnp.where(adv > 0, c.soft_gate.tau_pos, c.soft_gate.tau_neg)
     return jax.nn.sigmoid(tau * (raw - 1)) * 4 / tau
 
 
 def _soft_gate_mask(raw, adv, mask, c) -> jax.Array:
     # d f(r)·A / d log π_θ = r·A·f'(r), f'(r) = 4σ(1 − σ): the soft mask times ρ = r.
-    tau = jnp.where(adv > 0, c.soft_gate_tau_pos, c.soft_gate_tau_neg)
+    tau = jnp.where(adv > 0, c.soft_gate.tau_pos, c.soft_gate.tau_neg)
     s = jax.nn.sigmoid(tau * (raw - 1))
     return 4 * s * (1 - s) * mask
 
@@ -574,8 +581,8 @@ def log_clip_mask(
     log_ratio: float[batch, seq] log r_t per token. Clipped: A > 0 and log r_t > ε_high,
     or A < 0 and log r_t < −ε_low (the bounds are in log space: r ∉ (e^−ε_low, e^ε_high)).
     """
-    high = (adv > 0) & (log_ratio > c.clip_eps_high)
-    low = (adv < 0) & (log_ratio < -c.clip_eps_low)
+    high = (adv > 0) & (log_ratio > c.clip.eps_high)
+    low = (adv < 0) & (log_ratio < -c.clip.eps_low)
     return jnp.where(high | low, 0.0, 1.0) * mask
 
 
@@ -597,7 +604,7 @@ def geometric_mean_clip(
     """
     log_r = token_log_ratio(p)
     keep = log_clip_mask(log_r, adv, p.mask, c)
-    clipped = jnp.where(keep > 0, log_r, jnp.clip(log_r, -c.clip_eps_low, c.clip_eps_high))
+    clipped = jnp.where(keep > 0, log_r, jnp.clip(log_r, -c.clip.eps_low, c.clip.eps_high))
     length = jnp.maximum(p.lengths, 1)
     raw = jnp.exp(jnp.sum(log_r, axis=1) / length)
     weight = jnp.exp(jnp.sum(clipped * p.mask, axis=1) / length)
@@ -651,11 +658,11 @@ KL_ESTIMATORS = _registry(
 
 
 def kl_estimate(d: jax.Array, c: AlgorithmConfig) -> jax.Array:
-    """float[batch, seq]: the kl_estimator of d, clipped to [−kl_clamp, kl_clamp] when
-    kl_clamp > 0 (Tunix's compute_kl_divergence clamp_value; verl clamps k3 to ±10)."""
+    """float[batch, seq]: the kl_estimator of d, clipped to [−kl.clamp, kl.clamp] when
+    kl.clamp > 0 (Tunix's compute_kl_divergence clamp_value; verl clamps k3 to ±10)."""
     estimate = KL_ESTIMATORS[c.kl_estimator].fn(d)
-    if c.kl_clamp:
-        estimate = jnp.clip(estimate, -c.kl_clamp, c.kl_clamp)
+    if c.kl.clamp:
+        estimate = jnp.clip(estimate, -c.kl.clamp, c.kl.clamp)
     return estimate
 
 

@@ -132,9 +132,9 @@ def reinforce_pp_return_to_go() -> AlgorithmConfig:
     over every response token of the batch (var with n − 1: verl's masked_whiten);
     J = 1/B Σ_i 1/|y_i| Σ_t min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t), ε = 0.2, no KL loss.
     Parts: w = 1/(B|y_i|), ρ = sg(r_t), A = reinforce_pp_return_to_go (whitened by the
-    estimator itself, so whiten_advantages stays off), M = PPO clip mask, R in the reward.
+    estimator itself, so advantage_options.whiten stays off), M = PPO clip mask, R in the reward.
     verl's example run keeps the reward unshaped and adds a k2 loss instead:
-    kl_in_reward=False, kl_estimator="k2", kl_beta=1e-3.
+    kl.in_reward=False, kl_estimator="k2", kl.beta=1e-3.
     """
     return AlgorithmConfig.preset("reinforce_pp_return_to_go")
 
@@ -147,11 +147,11 @@ def ppo() -> AlgorithmConfig:
     V_clip = V_old + clip(V − V_old, ±0.2), ε = 0.2, c_V = 0.1; mean over all response
     tokens. The policy sees Â whitened over the batch's response tokens,
     (Â − mean)·(var + 1e-8)^−½ with var over n − 1, as verl's compute_gae_advantage_return
-    and Tunix's compute_gae_advantages do (whiten_advantages=True; R uses Â before it).
-    Every other preset leaves whiten_advantages off: their papers' advantages are not
+    and Tunix's compute_gae_advantages do (advantage_options.whiten=True; R uses Â before it).
+    Every other preset leaves advantage_options.whiten off: their papers' advantages are not
     whitened per token, or the estimator whitens itself (reinforce_pp_return_to_go).
-    Huang et al. add a k1 KL (0.05) to the reward: kl_beta=0.05, kl_estimator="k1",
-    kl_in_reward=True (verl's use_kl_in_reward, Tunix's default); none here.
+    Huang et al. add a k1 KL (0.05) to the reward: kl.beta=0.05, kl_estimator="k1",
+    kl.in_reward=True (verl's use_kl_in_reward, Tunix's default); none here.
     """
     return AlgorithmConfig.preset("ppo")
 
@@ -273,7 +273,7 @@ def trajectory_balance() -> AlgorithmConfig:
 
     L = 1/(BK) Σ (sg[log Ẑ(x)] + log π_θ(y) − log π_ref(y) − r(y)/β)²,
     log Ẑ(x) = 1/K Σ_j [log π_ref(y_j) − log π_θ(y_j) + r_j/β]; β 0.012 → 0.004 linearly
-    by step 500 (GSM8K, Table 2); reference_reset_every = ρ (TBA-PRIME: 50, β = 0.005).
+    by step 500 (GSM8K, Table 2); kl.reference_reset_every = ρ (TBA-PRIME: 50, β = 0.005).
     A separate objective (`rlax_tpu.algorithms.trajectory_balance`).
     """
     return AlgorithmConfig.preset("trajectory_balance")

@@ -85,7 +85,9 @@ def register_part(
 
 def register_preset(name: str, *, base: str = "grpo", **values: Any) -> AlgorithmConfig:
     """Register preset `name`: preset `base`'s values with `values` replacing some of them
-    (fields of AlgorithmConfig). Returns it resolved (validated). A preset is a
+    (fields of AlgorithmConfig: a part choice, or a part's section as a section or a dict,
+    kl=KLConfig(beta=0.1); an old flat name such as kl_beta still works, with a warning).
+    Returns it resolved (validated). A preset is a
     configuration of parts, so its parts must be registered before it."""
     from rlax_tpu.algorithms import presets
 

@@ -43,7 +43,7 @@ def check_inputs(c: AlgorithmConfig, p: PartInputs) -> None:
             f"{' and '.join(users)} ({c.name}) need batch.rollout_logprobs: the inference "
             "workers' own log π_rollout(targets), float[batch, seq], next to "
             "behaviour_logprobs, the trainer's recomputed log π_old; pass them, or set "
-            "rollout_correction='none' and rollout_gate_threshold=0"
+            "rollout_correction='none' and rollout_is.gate_threshold=0"
         )
 
 
@@ -68,9 +68,9 @@ def _none(p: PartInputs, c: AlgorithmConfig) -> Correction:
 def _truncated(level: str):
     def fn(p: PartInputs, c: AlgorithmConfig) -> Correction:
         ratio = _level_ratio(p, level)
-        capped = jnp.where(ratio > c.rollout_is_threshold, 1.0, 0.0) * p.mask
+        capped = jnp.where(ratio > c.rollout_is.threshold, 1.0, 0.0) * p.mask
         return Correction(
-            jnp.minimum(ratio, c.rollout_is_threshold), capped, jnp.zeros_like(p.mask)
+            jnp.minimum(ratio, c.rollout_is.threshold), capped, jnp.zeros_like(p.mask)
         )
 
     return fn
@@ -79,8 +79,8 @@ def _truncated(level: str):
 def _masked(level: str):
     def fn(p: PartInputs, c: AlgorithmConfig) -> Correction:
         ratio = _level_ratio(p, level)
-        lower = c.rollout_is_threshold_lower or 1 / c.rollout_is_threshold
-        inside = (ratio >= lower) & (ratio <= c.rollout_is_threshold)
+        lower = c.rollout_is.threshold_lower or 1 / c.rollout_is.threshold
+        inside = (ratio >= lower) & (ratio <= c.rollout_is.threshold)
         outside = jnp.where(inside, 0.0, 1.0) * p.mask
         return Correction(jnp.where(inside, ratio, 0.0), jnp.zeros_like(p.mask), outside)
 
@@ -94,7 +94,7 @@ _PARTS = (
         _truncated("token"),
         "c_t = sg(min(π_old(y_t)/π_rollout(y_t), C))",
         "TIS (Yao et al. 2025, 'Your efficient RL framework secretly brings you off-policy "
-        "RL training'); verl's rollout_is='token', C = rollout_is_threshold = 2",
+        "RL training'); verl's rollout_is='token', C = rollout_is.threshold = 2",
     ),
     Part(
         "sequence_tis",
@@ -132,11 +132,11 @@ def mismatch_gate(p: PartInputs, c: AlgorithmConfig) -> jax.Array:
     sequence out of the aggregation's denominators as well (Tunix's loss_mask), so the
     kept sequences keep their full weight.
     """
-    if not c.rollout_gate_threshold:
+    if not c.rollout_is.gate_threshold:
         return jnp.ones_like(p.valid)
     diff = jnp.where(p.mask > 0, jnp.abs(p.behaviour_logprobs - p.rollout_logprobs), 0.0)
     error = jnp.sum(jnp.exp(diff) * p.mask, axis=1) / jnp.maximum(p.lengths, 1)
-    return (error <= c.rollout_gate_threshold) | ~p.valid
+    return (error <= c.rollout_is.gate_threshold) | ~p.valid
 
 
 def gated(p: PartInputs, keep: jax.Array) -> PartInputs:

@@ -8,7 +8,7 @@ optimum of max E[r] − β·KL(π‖π_ref) (Eq. 2), so the loss is off-policy: 
 depends on the behaviour policy. By TBA App. A, (β/2)·∇L = −1/(BK) Σ A_ij ∇log π_θ(y_ij)
 with A_ij = (r_ij − r̄_i) − β(KL̂_ij − KL̄_i), KL̂ = log π_θ − log π_ref: on-policy, REINFORCE
 with a mean baseline and a KL-shaped reward. β follows the schedule in `schedules`, and
-the trainer resets π_ref every `reference_reset_every` steps. Groups may be ragged (K_i).
+the trainer resets π_ref every `kl.reference_reset_every` steps. Groups may be ragged (K_i).
 """
 
 from __future__ import annotations

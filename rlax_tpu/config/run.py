@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any, Literal
 
-from rlax_tpu.config.algorithm import AlgorithmConfig
+from rlax_tpu.config.algorithm import RENAMED_ALGORITHM_FIELDS, AlgorithmConfig
 from rlax_tpu.config.base import ConfigBase, ConfigError, require, unmove_renamed
 from rlax_tpu.config.distribution import Distribution
 
@@ -77,7 +77,8 @@ def rollout_correction_conflict(algorithm: AlgorithmConfig) -> str:
         "workers' π_rollout itself and the correction would be 1 on every token. Set "
         "trainer.behaviour_logprobs=recomputed (the trainer recomputes π_old and keeps the "
         "workers' log-probs as π_rollout), or turn the correction off "
-        "(trainer.algorithm.rollout_correction=none, trainer.algorithm.rollout_gate_threshold=0)"
+        "(trainer.algorithm.rollout_correction=none, "
+        "trainer.algorithm.rollout_is.gate_threshold=0)"
     )
 
 
@@ -1267,6 +1268,11 @@ RENAMED_FIELDS: dict[str, str] = {
     "controller.verify_retry_backoff_s": "controller.verify.retry_backoff_s",
     "controller.max_unjudged_fraction": "controller.verify.max_unjudged_fraction",
     "controller.verify_deadline_s": "controller.verify.deadline_s",
+    # each part's knobs in its section of trainer.algorithm (clip, kl, rollout_is, ...)
+    **{
+        f"trainer.algorithm.{old}": f"trainer.algorithm.{new}"
+        for old, new in RENAMED_ALGORITHM_FIELDS.items()
+    },
 }
 
 
@@ -1380,16 +1386,16 @@ class RunConfig(ConfigBase):
         algorithm = self.trainer.algorithm.resolved()
         if algorithm.is_policy_gradient:
             # GAE's baseline V_old and the value loss both read the model's value head.
-            reads_values = algorithm.advantage == "gae" or algorithm.value_loss_coef > 0
+            reads_values = algorithm.advantage == "gae" or algorithm.value.loss_coef > 0
             require(
                 self.model.value_head or not reads_values,
                 "model.value_head",
                 f"trainer.algorithm {algorithm.name!r} has trainer.algorithm.advantage="
-                f"{algorithm.advantage!r} and trainer.algorithm.value_loss_coef="
-                f"{algorithm.value_loss_coef}, which need a value head: set "
+                f"{algorithm.advantage!r} and trainer.algorithm.value.loss_coef="
+                f"{algorithm.value.loss_coef}, which need a value head: set "
                 "model.value_head=true (with --set, before trainer.algorithm), or use an "
                 "advantage without a critic (e.g. trainer.algorithm.advantage=group_mean "
-                "and trainer.algorithm.value_loss_coef=0)",
+                "and trainer.algorithm.value.loss_coef=0)",
             )
 
         require(

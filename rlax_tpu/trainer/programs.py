@@ -71,7 +71,7 @@ def objective_inputs(objective: Any) -> frozenset[str]:
             names.add("token_advantages")
         if c.advantage == "remax":
             names.add("baseline_rewards")
-        if c.value_loss_coef > 0 and c.advantage != "gae":
+        if c.value.loss_coef > 0 and c.advantage != "gae":
             names.add("returns")
     return frozenset(names)
 
