@@ -143,10 +143,9 @@ class GenerationPool:
     """A run's batches (and evaluations) as jobs for the worker threads (`WorkerThreads`).
 
     `counters` is the run's snapshotted accounting: `reused` (rollouts taken from the log)
-    and `regenerated` (aborted by a reload and generated again) are counted into it.
-    `wait_s`: how long the pool waits with every worker silent before it fails;
-    `report(line)` hears of workers lost and back; `republish(version)` has the trainer
-    publish a version the parameter server lost again (None: such a load fails the run)."""
+    is counted into it here, `regenerated` by the threads. The workers, liveness and
+    recovery arguments are the threads' (WorkerThreads); `progress_every_s`: how often a
+    wait reports how far generation is (0: never)."""
 
     def __init__(
         self,
