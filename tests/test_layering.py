@@ -50,7 +50,6 @@ LOCAL_IMPORTS = {
     "for an in-process warm start or export",
     "inference/server.py": "entry point: the process joins its distributed job before the "
     "component (and JAX's backends) load",
-    "verifiers/server.py": "entry point: the sandbox and worker pool load only when serving",
     "distributed.py": "sets up the JAX environment, so it must run before JAX is imported",
     "runtime.py": "sets up the JAX environment, so it must run before JAX is imported",
     "rpc/process.py": "a child process sets up its environment before anything loads JAX",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.rpc import format_address
+from rlax_tpu.rpc import HealthServicer, format_address
 from rlax_tpu.rpc.process import (
     announce_ready,
     bind_server,
@@ -36,10 +36,19 @@ from rlax_tpu.rpc.process import (
     stop_on_signals,
     wait_for,
 )
+from rlax_tpu.verifiers.code import CodeVerifier
+from rlax_tpu.verifiers.functions import configured_reward_functions, loading_errors
+from rlax_tpu.verifiers.local import LocalVerifier, pool_for
+from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed
+from rlax_tpu.verifiers.repository import ProblemResolver
+from rlax_tpu.verifiers.sandbox import SandboxUnavailable
 from rlax_tpu.verifiers.service import (
     DEFAULT_DEADLINE_S,
     DEFAULT_QUEUE_CAPACITY,
     DEFAULT_RESULTS_CACHE_SIZE,
+    VerificationService,
+    VerifierServicer,
+    verifier_status,
 )
 
 DEFAULT_INSTANCE_ID = "verifier-0"
@@ -114,18 +123,6 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlax-tpu serve verifier: {e}", file=sys.stderr)
         return 2
-
-    from rlax_tpu.rpc import HealthServicer
-    from rlax_tpu.verifiers.code import CodeVerifier
-    from rlax_tpu.verifiers.functions import configured_reward_functions
-    from rlax_tpu.verifiers.local import LocalVerifier, pool_for
-    from rlax_tpu.verifiers.repository import ProblemResolver
-    from rlax_tpu.verifiers.sandbox import SandboxUnavailable
-    from rlax_tpu.verifiers.service import (
-        VerificationService,
-        VerifierServicer,
-        verifier_status,
-    )
 
     # The sandbox's self-test runs now, while this process has a single thread.
     code_verifier = CodeVerifier(config.verifiers, max_parallel_tests=options.max_parallel_tests)
@@ -215,8 +212,6 @@ def main(args: argparse.Namespace) -> int:
 def _reward_functions_problem(pool: Any, specs: list[str]) -> str:
     """Why the reward functions `specs` cannot be served ("" = they all load): imported in
     a worker of `pool`, as requests will find them."""
-    from rlax_tpu.verifiers.functions import loading_errors
-    from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed
 
     try:
         errors = pool.run(loading_errors, specs, timeout_s=_REWARD_IMPORT_TIMEOUT_S)
