@@ -1,8 +1,8 @@
-"""The Trainer gRPC service (protos/rlax_tpu/v1/trainer.proto) over a Trainer; its client is
-trainer/client.py, and both speak trainer/wire.py.
+"""The Trainer gRPC service (protos/rlax_tpu/v1/trainer.proto) over a Trainer; its client and
+wire format (the batch stream, its receiver, results) are rlax_tpu/api/trainer.py.
 
 A thin layer: a TrainStep or SftStep batch arrives as a client stream of chunks, which
-`wire.BatchReceiver` reassembles and checks (header against the config first, then every
+`api.trainer.BatchReceiver` reassembles and checks (header against the config first, then every
 declared byte and the end mark) before the trainer sees it; a malformed or truncated batch is
 INVALID_ARGUMENT naming the field or the problem, and trainer errors map to status codes.
 """
