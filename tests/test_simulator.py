@@ -599,3 +599,19 @@ def test_cli_plot_writes_a_png(tmp_path):
     path = tmp_path / "timeline.png"
     assert cli_main(["simulate", TINY, "--set", "controller.num_steps=4", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_train_step_pays_a_publish_only_for_the_versions_the_trainer_publishes():
+    """The trainer publishes version s + 1 only at multiples of η or for the run's last
+    (StalenessPolicy.publishes); a simulated step pays the publish on those steps alone."""
+    slow_publish = TimingModel(
+        train_fixed_s=0.01, train_s_per_token=0.0, decode_step_s=0.001, publish_fixed_s=5.0
+    )
+    busy = {}
+    for eta in (1, 4):
+        workload = tiny_workload(eta, eta - 1, steps=12)
+        busy[eta] = simulate(workload, slow_publish).trainer_busy_s
+        published = workload.policy.published(1, 12, 12)
+        assert len(published) == (12 if eta == 1 else 3)  # versions 4, 8, 12
+    # 12 publishes of 5 s against 3: the rest of a step costs the same in both.
+    assert busy[1] - busy[4] == pytest.approx(9 * 5.0, rel=0.02)

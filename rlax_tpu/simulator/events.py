@@ -6,9 +6,10 @@ step b (trainer at version b) every batch b' in [b, b + N] (and < num_steps) who
 `StalenessPolicy.generation_version(b', b)` is not None is launched, in order, as jobs of
 whole groups, one per worker; a worker takes the earliest job (eval jobs first, then by
 batch), loads the job's version if it holds another, generates and delivers; when batch b
-is complete it is verified, assembled and trained, and the train step publishes version
-b + 1. Held-out evaluations, snapshots at reload boundaries and preemptions (a restart
-from the newest snapshot's checkpoint, reusing the rollout log) are simulated too.
+is complete it is verified, assembled and trained, and the train step makes version b + 1,
+published when workers may load it (every η-th) or it is the run's last. Held-out
+evaluations, snapshots at reload boundaries and preemptions (a restart from the newest
+snapshot's checkpoint, reusing the rollout log) are simulated too.
 """
 
 from __future__ import annotations
@@ -399,8 +400,11 @@ class _Segment:
                 self.trainer_shapes.add(seq)
             yield self.host.work(duration, self.t.trainer_cores)
             # Around the jitted step: placement and bookkeeping, the async checkpoint's start
-            # on its steps, and the publish of version b + 1.
-            rest = self.t.train_overhead_s + publish_s(self.t, w)
+            # on its steps, and the publish of version b + 1 when the trainer publishes it
+            # (a version workers may load, every η-th, or the run's last).
+            rest = self.t.train_overhead_s
+            if self.policy.publishes(self.step + 1, w.num_steps):
+                rest += publish_s(self.t, w)
             if (self.step + 1) % w.checkpoint_every == 0:
                 rest += self.t.checkpoint_s
             yield self.host.work(rest, self.t.io_cores)
