@@ -171,3 +171,17 @@ def test_the_paper_condition_variants_validate_and_keep_the_global_batch(tmp_pat
     graded = sweep.run_config(base, "online_dpo_graded", 16, tmp_path)
     graded.validate()
     assert sweep.warm_start_key(graded) == sweep.warm_start_key(base)  # paired
+
+
+def test_warm_start_keys_are_those_of_before_the_configs_were_nested():
+    """A study resumes from its cached warm starts: the key of the demo config at seeds 0 and
+    1 is what the sweep computed before trainer.optimizer / trainer.warm_start existed
+    (the directories warm_start-<key> of a study started then), and an SFT setting still
+    changes it."""
+    from rlax_tpu.config import load_config
+
+    tiny = str(ROOT / "configs" / "tiny_cpu.py")
+    assert sweep.warm_start_key(load_config(tiny, ["seed=0"])) == "8be884569ab8"
+    assert sweep.warm_start_key(load_config(tiny, ["seed=1"])) == "2c91df6952e1"
+    longer = load_config(tiny, ["seed=0", "trainer.warm_start.steps=1601"])
+    assert sweep.warm_start_key(longer) != "8be884569ab8"

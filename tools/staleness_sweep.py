@@ -73,6 +73,8 @@ from rlax_tpu.config import (  # noqa: E402
     StalenessConfig,
     load_config,
 )
+from rlax_tpu.config.base import unmove_renamed  # noqa: E402
+from rlax_tpu.config.run import RENAMED_FIELDS  # noqa: E402
 from rlax_tpu.run_dir import EFFECTIVE_CONFIG  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
@@ -267,13 +269,14 @@ def run_config(base: RunConfig, algorithm: str, n: int, run_dir: Path) -> RunCon
 
 # -- the shared SFT warm start -------------------------------------------------------------------
 def warm_start_key(config: RunConfig) -> str:
-    """What the warm start depends on: model, SFT settings, data, seed, trainer shape."""
+    """What the warm start depends on: model, SFT settings, data, seed, trainer shape. Read
+    from the config's layout before its sections were nested (`unmove_renamed`), so the
+    keys of warm starts made before then still find them (a study resumes, not redoes)."""
     c = config.controller
-    trainer = config.trainer.to_dict()
-    for field in ("algorithm", "behaviour_logprobs", "warm_start"):  # RL only, or in "sft"
+    flat = unmove_renamed(config.to_dict(), RENAMED_FIELDS)
+    trainer = flat["trainer"]
+    for field in ("learning_rate", "algorithm", "behaviour_logprobs"):  # RL only
         trainer.pop(field)
-    trainer["optimizer"].pop("learning_rate")  # RL's; the warm start's is in "sft"
-    w = config.trainer.warm_start
     parts = {
         "seed": config.seed,
         "model": config.model.to_dict(),
@@ -284,7 +287,12 @@ def warm_start_key(config: RunConfig) -> str:
             for d in c.datasets
         ],
         "eval_dataset": c.eval_dataset,
-        "sft": [w.steps, w.learning_rate, c.global_batch_size],  # its batch: all rows
+        # its batch: all rows
+        "sft": [
+            flat["controller"]["sft_steps"],
+            flat["controller"]["sft_learning_rate"],
+            c.global_batch_size,
+        ],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
