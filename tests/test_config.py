@@ -425,3 +425,28 @@ def test_load_fragment_names_what_is_wrong(tmp_path):
     assert isinstance(load_fragment(trainer, TrainerConfig), TrainerConfig)
     with pytest.raises(ConfigError, match="returned TrainerConfig, expected ModelConfig"):
         load_fragment(trainer, ModelConfig)
+
+
+def test_a_python_config_with_a_moved_keyword_names_its_new_path(tmp_path):
+    """A configs/*.py written before the sections (TrainerConfig(learning_rate=...)) fails
+    with a ConfigError naming where the field went, not a bare TypeError."""
+    from rlax_tpu.config import ConfigError, load_config
+
+    old = tmp_path / "old.py"
+    old.write_text(
+        "from rlax_tpu.config import AlgorithmConfig, RunConfig, TrainerConfig\n\n"
+        "def get_config():\n"
+        "    return RunConfig(trainer=TrainerConfig(\n"
+        "        algorithm=AlgorithmConfig(kl_beta=0.1)))\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"trainer\.algorithm\.kl_beta is now trainer\.algorithm\.kl\.beta"
+    ):
+        load_config(str(old))
+    typo = tmp_path / "typo.py"  # a keyword no section ever had stays the TypeError it is
+    typo.write_text(
+        "from rlax_tpu.config import RunConfig, TrainerConfig\n\n"
+        "def get_config():\n    return RunConfig(trainer=TrainerConfig(learning_rat=1.0))\n"
+    )
+    with pytest.raises(TypeError, match="learning_rat"):
+        load_config(str(typo))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TypeVar
 
 from rlax_tpu.config.base import ConfigError
-from rlax_tpu.config.run import RunConfig
+from rlax_tpu.config.run import RENAMED_FIELDS, RunConfig
 
 T = TypeVar("T")
 
@@ -78,4 +79,25 @@ def _get_config(path: Path) -> object:
     get_config = getattr(module, "get_config", None)
     if get_config is None:
         raise ConfigError(f"{path} has no get_config() function")
-    return get_config()
+    try:
+        return get_config()
+    except TypeError as e:
+        moved = _renamed_keyword(str(e))
+        if moved is None:
+            raise
+        raise ConfigError(
+            f"{path}: {e}. That field moved into a section: "
+            + "; ".join(f"{old} is now {new}" for old, new in moved)
+            + " (--set and config.json files still take the old path, Python code the new one)"
+        ) from e
+
+
+def _renamed_keyword(message: str) -> list[tuple[str, str]] | None:
+    """The (old, new) paths of RENAMED_FIELDS whose old name is the keyword a config class
+    refused in `message` (a TypeError of its __init__), or None."""
+    match = re.search(r"unexpected keyword argument '(\w+)'", message)
+    if match is None:
+        return None
+    name = match.group(1)
+    moved = [(old, new) for old, new in RENAMED_FIELDS.items() if old.split(".")[-1] == name]
+    return moved or None
