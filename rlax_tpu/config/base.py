@@ -368,14 +368,6 @@ class ConfigBase:
         lines = [f"{key} = {json.dumps(_to_plain(v))}" for key, v in self.flat_items()]
         return "\n".join(lines) + "\n"
 
-    # -- field descriptions -------------------------------------------------------
-    @classmethod
-    def field_help(cls) -> dict[str, str]:
-        """Each field's one-line description: the comment block right above its declaration
-        and the comment at its end, joined (the convention every section keeps; a test checks
-        that no field lacks one)."""
-        return dict(_field_comments(cls))
-
 
 def _is_section_value(old: str, new: str, value: Any) -> bool:
     """Whether `value` set at `old` is meant for the section that now has `old`'s name (the
