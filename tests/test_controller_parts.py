@@ -292,15 +292,11 @@ def one_sample_pool(workers, tmp_path, **kwargs):
     from rlax_tpu.api.inference import SamplingParams
     from rlax_tpu.controller.generation import GenerationPool
     from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.controller.workers import WorkerThreads
 
-    pool = GenerationPool(
-        workers,
-        RolloutLog(str(tmp_path)),
-        samples=1,
-        sampling=SamplingParams(),
-        counters={},
-        **kwargs,
-    )
+    progress = {k: kwargs.pop(k) for k in ("progress_every_s",) if k in kwargs}
+    threads = WorkerThreads(workers, sampling=SamplingParams(), counters={}, **kwargs)
+    pool = GenerationPool(threads, RolloutLog(str(tmp_path)), samples=1, **progress)
     pool.start()
     return pool
 

@@ -31,6 +31,7 @@ from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.generation import GREEDY_SAMPLE, BatchState, GenerationPool, Prompt
 from rlax_tpu.controller.scoring import Scorer
 from rlax_tpu.controller.snapshots import RolloutLog
+from rlax_tpu.controller.workers import WorkerThreads
 from rlax_tpu.staleness import StalenessPolicy
 
 SAMPLES = 2
@@ -119,7 +120,9 @@ def run_batch(tmp_path, verifier, worker=None):
     worker = worker or Worker()
     log = RolloutLog(str(tmp_path))
     sampling = SamplingParams(temperature=0.7, max_new_tokens=4)
-    pool = GenerationPool([worker], log, samples=SAMPLES, sampling=sampling, counters={})
+    pool = GenerationPool(
+        WorkerThreads([worker], sampling=sampling, counters={}), log, samples=SAMPLES
+    )
     scorer = Scorer(
         verifier,
         CharTokenizer(),

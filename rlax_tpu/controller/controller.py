@@ -44,6 +44,7 @@ from rlax_tpu.controller.schedule import Schedule
 from rlax_tpu.controller.scoring import Scorer, Verifier, run_prefix
 from rlax_tpu.controller.snapshots import RolloutLog, SnapshotError, SnapshotStore
 from rlax_tpu.controller.warm_start import run_warm_start
+from rlax_tpu.controller.workers import WorkerThreads
 from rlax_tpu.data.datasets import PromptMixture, PromptRecord, encode_prompt, stop_tokens
 
 _log = logging.getLogger(__name__)
@@ -134,10 +135,8 @@ class Controller:
         )
         self.stats = _fresh_stats()
         self.log = RolloutLog(config.storage.run_dir)
-        self.pool = GenerationPool(
+        threads = WorkerThreads(
             components.workers,
-            self.log,
-            samples=self.samples,
             sampling=self.sampling,
             counters=self.stats,
             wait_s=ctl.component_wait_s,
@@ -147,6 +146,7 @@ class Controller:
             decode_step_deadline_s=ctl.decode_step_deadline_s,
             decode_slots=config.inference.max_decode_slots,
         )
+        self.pool = GenerationPool(threads, self.log, samples=self.samples)
         self.scorer = Scorer(
             components.verifier,
             tokenizer,

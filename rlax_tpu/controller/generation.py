@@ -20,10 +20,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from rlax_tpu.api.inference import GenerationRequest, Rollout, SamplingParams
+from rlax_tpu.api.inference import GenerationRequest, Rollout
 from rlax_tpu.api.records import Group, Judgement, RolloutRecord, ScoredRollout
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.snapshots import RolloutLog
@@ -142,45 +142,26 @@ def rollout_record(batch: int, rollout: Rollout) -> RolloutRecord:
 class GenerationPool:
     """A run's batches (and evaluations) as jobs for the worker threads (`WorkerThreads`).
 
-    `counters` is the run's snapshotted accounting: `reused` (rollouts taken from the log)
-    is counted into it here, `regenerated` by the threads. The workers, liveness and
-    recovery arguments are the threads' (WorkerThreads); `progress_every_s`: how often a
-    wait reports how far generation is (0: never)."""
+    The threads' `counters` are the run's snapshotted accounting: `reused` (rollouts taken
+    from the log) is counted into them here, `regenerated` by the threads.
+    `progress_every_s`: how often a wait reports how far generation is (0: never)."""
 
     def __init__(
         self,
-        workers: Sequence[Any],
+        threads: WorkerThreads,
         log: RolloutLog,
         *,
         samples: int,
-        sampling: SamplingParams,
-        counters: MutableMapping[str, int],
-        wait_s: float = 300.0,
-        report: Callable[[str], None] | None = None,
-        republish: Callable[[int], object] | None = None,
-        liveness_s: float = 0.0,
-        decode_step_deadline_s: float = 0.0,
-        decode_slots: int = 1,
         progress_every_s: float = 10.0,
     ) -> None:
-        self.threads = WorkerThreads(
-            workers,
-            sampling=sampling,
-            counters=counters,
-            wait_s=wait_s,
-            report=report,
-            republish=republish,
-            liveness_s=liveness_s,
-            decode_step_deadline_s=decode_step_deadline_s,
-            decode_slots=decode_slots,
-        )
+        self.threads = threads
         self.progress_every_s = progress_every_s  # 0: no progress lines while waiting
-        self.report = self.threads.report
+        self.report = threads.report
         self.log = log
         self.samples = samples
-        self.sampling = sampling
-        self.counters = counters
-        counters.setdefault("reused", 0)
+        self.sampling = threads.sampling
+        self.counters = threads.counters
+        self.counters.setdefault("reused", 0)
         self._lock = threading.Lock()  # batches' rollouts, filled by the worker threads
 
     # -- the worker threads ---------------------------------------------------------------------

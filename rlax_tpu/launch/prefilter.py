@@ -41,6 +41,7 @@ from rlax_tpu.config import DatasetConfig, RunConfig
 from rlax_tpu.controller.generation import GenerationPool, rollout_record
 from rlax_tpu.controller.scoring import Scorer, ServiceVerifier
 from rlax_tpu.controller.snapshots import RolloutLog
+from rlax_tpu.controller.workers import WorkerThreads
 from rlax_tpu.data import datasets
 from rlax_tpu.data.datasets import (
     DatasetError,
@@ -295,9 +296,8 @@ def _judge_samples(
             InferenceWorkerClient(a, auth_token=token)
             for a in cluster.addresses["inference_worker"]
         ]
-        pool = GenerationPool(
-            workers, RolloutLog(str(work)), samples=samples, sampling=sampling, counters=counters
-        )
+        threads = WorkerThreads(workers, sampling=sampling, counters=counters)
+        pool = GenerationPool(threads, RolloutLog(str(work)), samples=samples)
         pool.start()
         try:
             rollouts = pool.generate(requests, VERSION)
