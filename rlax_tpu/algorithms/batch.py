@@ -49,6 +49,10 @@ class RolloutBatch:
         value loss regresses them instead of A + V_old.
     baseline_rewards: float32[batch] | None — a per-sequence reward baseline b_i (ReMax: the
         reward of the prompt's greedy response), subtracted by advantage="remax".
+    token_versions: int32[batch, seq] | None — the version of each response token of a
+        mixed-version rollout (aligned like behaviour_logprobs), checked against the
+        staleness bound by the trainer before the step; no objective part reads it (the
+        per-token log-probs carry each token's version already).
     """
 
     tokens: jax.Array
@@ -64,6 +68,7 @@ class RolloutBatch:
     token_advantages: jax.Array | None = None
     returns: jax.Array | None = None
     baseline_rewards: jax.Array | None = None
+    token_versions: jax.Array | None = None
 
     @property
     def targets(self) -> jax.Array:

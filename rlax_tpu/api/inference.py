@@ -92,8 +92,11 @@ class Rollout:
     tokens: the response (a stop token that ended it included); logprobs: the behaviour
     log-prob of each response token under the distribution named by the request's
     `SamplingParams.logprobs_of` ("full": temperature-scaled full softmax; "sampled": the
-    top-k/top-p truncated, renormalised one); version: the model version that generated
-    every token. finish_reason: "stop" (a stop token), "length" (max_new_tokens or the
+    top-k/top-p truncated, renormalised one), under the version that generated it; version:
+    the version the request was submitted with (its sampling key's). token_versions: the
+    version that generated each token when the weights changed under the request in flight
+    (inference.in_flight_update "resume" / "keep"), else None (every token is `version`'s).
+    finish_reason: "stop" (a stop token), "length" (max_new_tokens or the
     slot's maximum sequence length), "aborted" (weights reloaded mid-flight; tokens so far
     are kept but must be regenerated), "error" (see `error`; nothing was generated).
     """
@@ -107,6 +110,7 @@ class Rollout:
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
     error: str = ""
+    token_versions: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +216,7 @@ def rollout_to_proto(rollout: Rollout) -> pb.RolloutMessage:
         logprobs=np.asarray(rollout.logprobs, np.float32).tolist(),
         finish_reason=FINISH_REASONS[rollout.finish_reason],
         error=rollout.error,
+        token_versions=rollout.token_versions or (),
     )
 
 
@@ -254,6 +259,7 @@ def rollout_from_proto(message: pb.RolloutMessage) -> Rollout:
         logprobs=tuple(message.logprobs),  # float32 values, as the engine's
         finish_reason=FINISH_NAMES.get(message.finish_reason, "error"),
         error=message.error,
+        token_versions=tuple(message.token_versions) or None,
     )
 
 

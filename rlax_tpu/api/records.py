@@ -29,10 +29,13 @@ class RolloutRecord:
     """A finished rollout as the controller keeps it (and logs it).
 
     batch: the batch it was generated for (-1: an evaluation's, never logged). prompt_id: the
-    request's prompt key, unique per draw. version: the model version that generated every
-    token. prompt_tokens + tokens: the sequence (tokens: the response, a stop token that ended
-    it included). logprobs: the behaviour log-prob of each response token. finish_reason:
-    "stop" or "length" (only finished rollouts are kept).
+    request's prompt key, unique per draw. version: the version the request was submitted
+    with (its identity, `key`). prompt_tokens + tokens: the sequence (tokens: the response, a
+    stop token that ended it included). logprobs: the behaviour log-prob of each response
+    token, under the version that generated it. finish_reason: "stop" or "length" (only
+    finished rollouts are kept). token_versions: the version that generated each response
+    token, for a mixed-version rollout (weights changed under it in flight), else None: every
+    token is `version`'s. Staleness is the oldest token's (`oldest_version`).
     """
 
     batch: int
@@ -43,6 +46,7 @@ class RolloutRecord:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    token_versions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Sequences arrive as lists from JSON: held as tuples (the record is immutable).
@@ -50,10 +54,44 @@ class RolloutRecord:
             value = getattr(self, field.name)
             if isinstance(value, list):
                 object.__setattr__(self, field.name, tuple(value))
+        tv = self.token_versions
+        if tv is not None:
+            if len(tv) != len(self.tokens):
+                raise ValueError(
+                    f"rollout {self.prompt_id}/s{self.sample_index}: {len(tv)} token versions "
+                    f"for {len(self.tokens)} tokens (one per generated token)"
+                )
+            if any(b < a for a, b in zip(tv, tv[1:], strict=False)) or (tv and tv[0] < 0):
+                raise ValueError(
+                    f"rollout {self.prompt_id}/s{self.sample_index}: token versions must be "
+                    f"non-negative and never decrease along the response, got {list(tv)}"
+                )
 
     @property
     def key(self) -> RolloutKey:
         return RolloutKey(self.prompt_id, self.sample_index, self.version)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The version that generated each response token."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return (self.version,) * len(self.tokens)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of its oldest token (the request's own when it generated none):
+        what the staleness bound N is checked on."""
+        return self.token_versions[0] if self.token_versions else self.version
+
+    @property
+    def newest_version(self) -> int:
+        return self.token_versions[-1] if self.token_versions else self.version
+
+    @property
+    def mixed(self) -> bool:
+        """Whether more than one version generated its tokens."""
+        return self.oldest_version != self.newest_version
 
     def to_json(self) -> dict[str, Any]:
         """The rollout log's line (JSON types): tuples as lists; a None field is left out."""

@@ -66,7 +66,13 @@ class StepResult:
 # and versions, and the recomputed ones from the weights) ...
 DIGESTED_FIELDS = ("tokens", "response_mask", "group_ids", "rewards", "versions")
 # ... and, each where the batch carries it, what the sender computed beside the rewards.
-DIGESTED_OPTIONAL_FIELDS = ("token_rewards", "token_advantages", "returns", "baseline_rewards")
+DIGESTED_OPTIONAL_FIELDS = (
+    "token_rewards",
+    "token_advantages",
+    "returns",
+    "baseline_rewards",
+    "token_versions",
+)
 
 
 def batch_digest(batch: Any) -> str:
@@ -94,11 +100,14 @@ class RolloutArrays:
     tokens: int32[batch, seq]; response_mask: bool[batch, seq]; group_ids: int32[batch];
     rewards: float32[batch]; behaviour_logprobs: float32[batch, seq] (the inference workers'
     log-probs; the trainer's π_rollout when it recomputes π_old for a rollout correction);
-    versions: int32[batch] (the version that generated each row, checked against the
+    versions: int32[batch] (the version of each row's oldest token, checked against the
     staleness bound by the trainer); reference_logprobs, values: float32[batch, seq] or None.
     What only the sender knows, None when absent (not sent): token_rewards,
     token_advantages, returns: float32[batch, seq], aligned like behaviour_logprobs;
-    baseline_rewards: float32[batch].
+    baseline_rewards: float32[batch]; token_versions: int32[batch, seq], the version of each
+    response token (mixed-version rollouts: weights changed under them in flight), aligned
+    like behaviour_logprobs, 0 off the response; absent when every token of a row is
+    `versions[row]`'s. The trainer checks the staleness bound on every response token.
     """
 
     tokens: np.ndarray
@@ -113,6 +122,7 @@ class RolloutArrays:
     token_advantages: np.ndarray | None = None
     returns: np.ndarray | None = None
     baseline_rewards: np.ndarray | None = None
+    token_versions: np.ndarray | None = None
 
 
 # -- what a stream carries ---------------------------------------------------------------------
@@ -163,6 +173,7 @@ TRAIN_STEP = StreamSchema(
         Field("token_advantages", 2, "float"),
         Field("returns", 2, "float"),
         Field("baseline_rewards", 1, "float"),
+        Field("token_versions", 2, "int"),
     ),
 )
 SFT_STEP = StreamSchema(

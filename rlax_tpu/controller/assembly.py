@@ -6,8 +6,10 @@ functions of their arguments (no threads, no servers), so each rule is tested di
   unjudged sample is dropped whole: its advantages would be computed against a reward that
   does not exist), with dynamic sampling those with signal first, in draw order.
 * `assemble_batch`: the `RolloutArrays` of step b, padded to few shapes, after checking
-  every rollout is acceptable for b (b − version ≤ N; the trainer checks it again); dense
-  per-token rewards (from a reward function of the user's) placed like the log-probs.
+  every token of every rollout is acceptable for b (b − version ≤ N for its oldest token,
+  and no token after b; the trainer checks it again); dense per-token rewards (from a
+  reward function of the user's) and, for mixed-version rollouts, per-token versions placed
+  like the log-probs.
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ class Assembled:
     batch: RolloutArrays
     keys: list[RolloutKey]  # per row
     rewards: np.ndarray  # float32[rows]
-    staleness_mean: float
+    staleness_mean: float  # of each row's oldest token
     response_tokens: int
+    version_span: int  # newest token's version - oldest token's, over the batch
+    partial_fraction: float  # rows whose tokens more than one version generated
 
 
 def assemble_batch(
@@ -99,12 +103,13 @@ def assemble_batch(
     for g, group in enumerate(groups):
         for sample in group.samples:
             r = sample.rollout
-            if not policy.is_acceptable(step, r.version):
-                raise ControllerError(
-                    f"rollout {r.prompt_id}/s{r.sample_index} has version "
-                    f"{r.version}, too stale for batch {step} "
-                    f"(N={policy.max_staleness})"
-                )
+            for version in {r.oldest_version, r.newest_version}:
+                if not policy.is_acceptable(step, version):
+                    raise ControllerError(
+                        f"rollout {r.prompt_id}/s{r.sample_index} has tokens of version "
+                        f"{version}, not acceptable for batch {step} "
+                        f"(N={policy.max_staleness})"
+                    )
             if sample.token_rewards is not None and len(sample.token_rewards) != len(r.tokens):
                 raise ControllerError(
                     f"rollout {r.prompt_id}/s{r.sample_index} has "
@@ -136,7 +141,15 @@ def assemble_batch(
         if sample.token_rewards is not None:
             token_rewards[row, len(p) - 1 : len(p) - 1 + n] = sample.token_rewards[:n]
     rewards_array = np.asarray([s.reward for s in samples], np.float32)
-    versions = np.asarray([r.version for r in records], np.int32)
+    versions = np.asarray([r.oldest_version for r in records], np.int32)
+    mixed = [r.mixed for r in records]
+    token_versions = None
+    if any(mixed):  # only then: a batch without mixed rows is what it always was
+        token_versions = np.zeros((rows, seq), np.int32)
+        for row, r in enumerate(records):
+            p = len(r.prompt_tokens)
+            n = min(len(r.tokens), seq - p)
+            token_versions[row, p - 1 : p - 1 + n] = r.versions[:n]
     batch = RolloutArrays(
         tokens=tokens,
         response_mask=mask,
@@ -148,6 +161,7 @@ def assemble_batch(
         baseline_rewards=None
         if not with_baseline
         else np.asarray([groups[g].baseline for g in group_ids], np.float32),
+        token_versions=token_versions,
     )
     return Assembled(
         batch=batch,
@@ -155,4 +169,6 @@ def assemble_batch(
         rewards=rewards_array,
         staleness_mean=float(np.mean(step - versions)),
         response_tokens=int(sum(len(r.tokens) for r in records)),
+        version_span=max(r.newest_version for r in records) - int(versions.min()),
+        partial_fraction=float(np.mean(mixed)),
     )

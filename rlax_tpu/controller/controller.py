@@ -391,6 +391,8 @@ class Controller:
             "reward_mean": float(np.mean(rewards)),
             "accuracy": float(np.mean(rewards >= 1.0)),
             "staleness_mean": assembled.staleness_mean,
+            "rollout/version_span": assembled.version_span,
+            "rollout/partial_fraction": assembled.partial_fraction,
             "response_tokens": assembled.response_tokens,
             "elapsed_s": time.perf_counter() - t0,
             **extra,

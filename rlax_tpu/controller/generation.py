@@ -136,6 +136,7 @@ def rollout_record(batch: int, rollout: Rollout) -> RolloutRecord:
         tokens=tuple(rollout.tokens),
         logprobs=tuple(rollout.logprobs),
         finish_reason=rollout.finish_reason,
+        token_versions=rollout.token_versions,
     )
 
 
