@@ -450,3 +450,13 @@ def test_a_python_config_with_a_moved_keyword_names_its_new_path(tmp_path):
     )
     with pytest.raises(TypeError, match="learning_rat"):
         load_config(str(typo))
+
+
+def test_a_field_added_since_runs_existed_changes_no_digest_at_its_old_behaviour():
+    base = load_config(str(ROOT / "configs" / "tiny_cpu.py"))
+    assert "in_flight_update" not in base.identity()["inference"]
+    keep = dataclasses.replace(
+        base, inference=dataclasses.replace(base.inference, in_flight_update="keep")
+    )
+    assert keep.identity()["inference"]["in_flight_update"] == "keep"
+    assert keep.digest() != base.digest()

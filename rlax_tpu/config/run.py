@@ -654,6 +654,15 @@ class InferenceConfig(ConfigBase):
     # decode at their buckets, the swap copies) instead of compiling them on first use, and
     # refuses to start on ones compiled for another program or mesh. "" = compile on use.
     compiled_dir: str = ""
+    # What happens to the requests in flight when a worker loads a newer version (docs/
+    # inference.md, "In-flight weight updates"). "off": they are aborted and generated
+    # again under the new version (the whole response of one version). "resume": each keeps
+    # its tokens so far and continues under the new weights after a fresh prefill of prompt
+    # + tokens so far (RLAX's reading of LlamaRL; AReaL, verl, SkyRL). "keep": each keeps
+    # its tokens and its KV pages and continues under the new weights (PipelineRL, NeMo-RL;
+    # the old tokens' keys and values stay those of the old version). Either way a rollout
+    # records the version of each token (mixed-version rollouts).
+    in_flight_update: Literal["off", "resume", "keep"] = "off"
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
@@ -1195,6 +1204,10 @@ class DeployConfig(ConfigBase):
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
 
 
+# Fields added after runs were made, with the value that does what runs did before them:
+# RunConfig.identity leaves a field out at that value, so those runs keep their digest.
+ADDED_FIELDS: dict[str, Any] = {"inference.in_flight_update": "off"}
+
 # RunConfig.resumable_fields: changing them on resume changes no result.
 RESUMABLE_FIELDS = (
     "controller.num_steps",
@@ -1448,8 +1461,9 @@ class RunConfig(ConfigBase):
     def identity(self) -> dict[str, Any]:
         """The config without its resumable fields: what decides the run's results. A mesh
         on one slice leaves out its multi-slice fields (num_slices 1, and dcn_axis, which
-        then places nothing), and moved fields are written at their old paths
-        (RENAMED_FIELDS): a config written before either keeps its digest."""
+        then places nothing), fields added since runs existed are left out at the value that
+        does what runs did before them (ADDED_FIELDS), and moved fields are written at their
+        old paths (RENAMED_FIELDS): a config written before any of these keeps its digest."""
         data = self.to_dict()
         for dotted in self.resumable_fields():
             *parents, last = dotted.split(".")
@@ -1461,6 +1475,13 @@ class RunConfig(ConfigBase):
             mesh = data[component]["mesh"]
             if mesh["num_slices"] == 1:
                 del mesh["num_slices"], mesh["dcn_axis"]
+        for dotted, default in ADDED_FIELDS.items():
+            *parents, last = dotted.split(".")
+            section = data
+            for key in parents:
+                section = section[key]
+            if section.get(last) == default:
+                del section[last]
         return unmove_renamed(data, RENAMED_FIELDS)
 
     def digest(self) -> str:
