@@ -663,6 +663,11 @@ class InferenceConfig(ConfigBase):
     # the old tokens' keys and values stay those of the old version). Either way a rollout
     # records the version of each token (mixed-version rollouts).
     in_flight_update: Literal["off", "resume", "keep"] = "off"
+    # With in_flight_update on: the most new tokens a response generates per tick (one
+    # train step's generation) before it is carried into the next tick, under the next
+    # version (LlamaRL's "break down long generations"); a response may span N - η + 1
+    # ticks and finishes in its last. 0 = max_new_tokens / (N - η + 1), rounded up.
+    tick_tokens: int = 0
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
@@ -709,6 +714,7 @@ class InferenceConfig(ConfigBase):
             f"got {self.prefill_batch_size}",
         )
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        require(self.tick_tokens >= 0, "tick_tokens", "must be >= 0 (0 = automatic)")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         require(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
@@ -1206,7 +1212,7 @@ class DeployConfig(ConfigBase):
 
 # Fields added after runs were made, with the value that does what runs did before them:
 # RunConfig.identity leaves a field out at that value, so those runs keep their digest.
-ADDED_FIELDS: dict[str, Any] = {"inference.in_flight_update": "off"}
+ADDED_FIELDS: dict[str, Any] = {"inference.in_flight_update": "off", "inference.tick_tokens": 0}
 
 # RunConfig.resumable_fields: changing them on resume changes no result.
 RESUMABLE_FIELDS = (
@@ -1358,6 +1364,13 @@ class RunConfig(ConfigBase):
             f"({inference.max_new_tokens}): the trainer would train on cut sequences while "
             f"the reward judged the whole response. Set trainer.max_seq_len="
             f"{inference.max_prompt_len + inference.max_new_tokens} or lower those limits",
+        )
+        require(
+            inference.in_flight_update == "off" or self.staleness.schedule == "deterministic",
+            "inference.in_flight_update",
+            f'{inference.in_flight_update!r} needs staleness.schedule = "deterministic": a '
+            "response moves to the next version at a tick the schedule fixes, and the "
+            '"freshest" schedule picks versions by timing',
         )
         global_batch = self.controller.global_batch_size
         require(
