@@ -20,7 +20,7 @@ from rlax_tpu.config import ConfigBase, Distribution, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
 from rlax_tpu.hardware import STATED_EFFICIENCY
 from rlax_tpu.shapes import padded_seq_len
-from rlax_tpu.staleness import StalenessPolicy
+from rlax_tpu.staleness import InFlightPlan, StalenessPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -107,6 +107,11 @@ class TimingModel(ConfigBase):
     job_overhead_s: float = 0.002
     rollout_overhead_s: float = 0.0  # per rollout: streaming it back to the controller
     worker_compile_s: float = 0.0  # the first generation of a (re)started worker
+    # inference.in_flight_update = "keep": a paused request's KV pages are copied to host
+    # memory at its pause and back at its continuation, whole sequences of pages (padded to
+    # the power of two the swap copies compile at), each way at this rate. A guess (a
+    # host-device copy, about PCIe 4 x16): nothing here measures it yet.
+    kv_swap_bytes_per_s: float = 1e10
     # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token,
     # plus train_overhead_s around the jitted step (batch placement, bookkeeping) and, every
     # trainer.checkpoint_every steps, checkpoint_s to start the async checkpoint. Every new
@@ -156,7 +161,12 @@ class TimingModel(ConfigBase):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             require(value >= 0, f.name, f"must be >= 0, got {value}")
-        for name in ("publish_bytes_per_s", "pull_bytes_per_s", "first_pull_bytes_per_s"):
+        for name in (
+            "publish_bytes_per_s",
+            "pull_bytes_per_s",
+            "first_pull_bytes_per_s",
+            "kv_swap_bytes_per_s",
+        ):
             require(getattr(self, name) > 0, name, "must be > 0")
         require(self.decode_steps_per_call >= 1, "decode_steps_per_call", "must be >= 1")
         require(self.verify_p95_s >= self.verify_p50_s, "verify_p95_s", "must be >= verify_p50_s")
@@ -275,6 +285,8 @@ class Workload:
     response_tokens: Distribution
     prompt_tokens: Distribution
     uses_code_verifier: bool = False
+    page_size: int = 16  # tokens per KV page (what a "keep" continuation swaps in)
+    in_flight: InFlightPlan | None = None  # the ticks of in-flight updates (None: "off")
 
     @classmethod
     def from_config(cls, config: RunConfig, sim: SimulatorConfig | None = None) -> Workload:
@@ -287,6 +299,7 @@ class Workload:
             response_tokens=sim.response_tokens or inf.response_tokens,
         )
         prompt, response = expected.length_distributions()
+        policy = StalenessPolicy.from_config(config.staleness)
         return cls(
             num_steps=ctl.num_steps,
             prompts_per_batch=ctl.prompts_per_batch,
@@ -297,7 +310,7 @@ class Workload:
             prefill_rows=inf.prefill_rows,
             max_new_tokens=inf.max_new_tokens,
             max_seq_len=config.trainer.max_seq_len,
-            policy=StalenessPolicy.from_config(config.staleness),
+            policy=policy,
             checkpoint_every=config.trainer.checkpoint_every,
             eval_every=ctl.eval_every,
             eval_size=ctl.eval_size,
@@ -307,6 +320,8 @@ class Workload:
             response_tokens=response,
             prompt_tokens=prompt,
             uses_code_verifier=any(d.verifier == "code" for d in config.training_datasets),
+            page_size=inf.page_size,
+            in_flight=InFlightPlan.of(config, policy),
         )
 
     @property
@@ -324,6 +339,22 @@ class Workload:
     def bucket(self, prompt_tokens: int) -> int:
         return next((b for b in self.prefill_buckets if b >= prompt_tokens), prompt_tokens)
 
+    def continuation_bucket(self, tokens: int) -> int:
+        """The prefill length of a "resume" continuation of `tokens` (prompt + tokens so far):
+        a prefill bucket that holds it, else the power of two above the largest, at most
+        max_seq_len."""
+        if tokens <= max(self.prefill_buckets, default=0):
+            return self.bucket(tokens)
+        return min(1 << (tokens - 1).bit_length(), max(self.max_seq_len, tokens))
+
+    def new_tokens(self, batch: int, response_tokens: int, done_tokens: int) -> int:
+        """The tokens a request of `batch` with `response_tokens` in all and `done_tokens` so
+        far generates in its next call: all that are left, or with in-flight updates at most
+        the tick's budget (InFlightPlan.budget; it pauses there)."""
+        left = response_tokens - done_tokens
+        budget = self.in_flight.budget(batch, done_tokens) if self.in_flight else 0
+        return min(left, budget) if budget else left
+
     def mean_context(self) -> float:
         """Mean context of a decoded token: the prompt plus half the response."""
         return self.prompt_tokens.mean() + self.response_tokens.mean() / 2
@@ -335,6 +366,7 @@ def generation_s(
     workload: Workload,
     prompt_tokens: Sequence[int],
     response_tokens: Sequence[int],
+    done_tokens: Sequence[int] = (),
 ) -> float:
     """One Generate call of these requests on one worker (already loaded and compiled).
 
@@ -345,25 +377,50 @@ def generation_s(
     it holds a slot for ceil((tokens - 1)/k) decode calls (a request that ends at its first
     token frees its slot in the same round). The call lasts until its longest slot is
     done, so a heavy-tailed length leaves a straggler.
+
+    With in-flight updates a request may continue one paused in an earlier tick:
+    `done_tokens` are its tokens so far (none or 0: a new request) and `response_tokens`
+    the new ones of this call. "resume" prefills prompt + tokens so far at its
+    continuation bucket, then decodes as a new request does; "keep" swaps its parked KV
+    pages back in (`kv_swap_s`, both ways) and decodes every new token (the token sampled
+    last before the pause has no KV yet).
     """
     t, k, rows = timing, timing.decode_steps_per_call, max(1, workload.prefill_rows)
+    done_tokens = done_tokens or [0] * len(response_tokens)
+    keep = workload.in_flight is not None and workload.in_flight.mode == "keep"
     free_at = [0] * min(workload.decode_slots, max(1, len(response_tokens)))  # in calls
     heapq.heapify(free_at)
     admitted: dict[tuple[int, int], int] = {}  # (round = decode call index, bucket) -> prompts
-    end = 0
-    for prompt, tokens in zip(prompt_tokens, response_tokens, strict=True):
-        calls = math.ceil(max(0, tokens - 1) / k)
+    end, swap = 0, 0.0
+    for prompt, tokens, done in zip(prompt_tokens, response_tokens, done_tokens, strict=True):
+        kept = keep and done > 0
+        calls = math.ceil((tokens if kept else max(0, tokens - 1)) / k)
         start = heapq.heappop(free_at)
         heapq.heappush(free_at, start + calls)
-        key = (start, workload.bucket(prompt))
-        admitted[key] = admitted.get(key, 0) + 1
+        if kept:
+            swap += kv_swap_s(timing, workload, prompt + done)
+        else:
+            bucket = (
+                workload.continuation_bucket(prompt + done) if done else workload.bucket(prompt)
+            )
+            admitted[(start, bucket)] = admitted.get((start, bucket), 0) + 1
         end = max(end, start + calls)
     prefill = sum(
         math.ceil(n / rows) * (t.prefill_call_s + rows * bucket * t.prefill_s_per_token)
         for (_, bucket), n in admitted.items()
     )
     decode = end * (t.decode_call_s + k * t.decode_step_s)
-    return t.job_overhead_s + prefill + decode + len(response_tokens) * t.rollout_overhead_s
+    return t.job_overhead_s + prefill + swap + decode + len(response_tokens) * t.rollout_overhead_s
+
+
+def kv_swap_s(timing: TimingModel, workload: Workload, tokens: int) -> float:
+    """A "keep" continuation's KV pages of `tokens` (prompt + tokens so far): out to host
+    memory at its pause and back in now, in whole pages padded to a power of two (the
+    sizes the engine's swap copies compile at)."""
+    pages = math.ceil(tokens / workload.page_size)
+    nbytes = (1 << (pages - 1).bit_length()) * workload.page_size
+    nbytes *= workload.model.kv_bytes_per_token()
+    return 2 * nbytes / timing.kv_swap_bytes_per_s
 
 
 def train_seq_len(workload: Workload, prompt_tokens, response_tokens) -> int:
