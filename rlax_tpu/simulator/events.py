@@ -10,6 +10,12 @@ is complete it is verified, assembled and trained, and the train step makes vers
 published when workers may load it (every η-th) or it is the run's last. Held-out
 evaluations, snapshots at reload boundaries and preemptions (a restart from the newest
 snapshot's checkpoint, reusing the rollout log) are simulated too.
+
+With in-flight weight updates (`Workload.in_flight`, staleness.InFlightPlan) the launch of
+batch k opens tick k: a request that paused at its budget in an earlier tick continues in
+its next one on the worker that paused it, queued when both that tick is open and the
+pause is back; a worker's call takes its continuations of one version and at most one
+batch job of that version together (the controller's worker thread merges them so).
 """
 
 from __future__ import annotations
@@ -221,6 +227,10 @@ class SimResult:
     consumed: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # b -> (v, n)
     rollouts_generated: int = 0
     rollouts_discarded: int = 0
+    tokens_generated: int = 0  # response tokens of the training batches' calls
+    # Those tokens by staleness: the batch − the version that generated the token.
+    token_staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    continuations: int = 0  # calls of a request after a pause (in-flight updates)
     reloads: int = 0
     preemptions: list[float] = dataclasses.field(default_factory=list)
     lost_s: float = 0.0  # restart time plus work thrown away by preemptions
@@ -249,6 +259,11 @@ class SimResult:
     @property
     def trainer_idle_fraction(self) -> float:
         return max(0.0, 1 - self.trainer_busy_s / self.wall_s) if self.wall_s else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        """Response tokens of the training batches per wall second."""
+        return self.tokens_generated / self.wall_s if self.wall_s else 0.0
 
     @property
     def worker_idle_fraction(self) -> float:
@@ -295,6 +310,10 @@ class SimResult:
             "rollouts_generated": self.rollouts_generated,
             "rollouts_consumed": sum(n for _, n in self.consumed.values()),
             "rollouts_discarded": self.rollouts_discarded,
+            "tokens_generated": self.tokens_generated,
+            "generation_tokens_per_s": self.generation_tokens_per_s,
+            "token_staleness_max": max(self.token_staleness, default=0),
+            "continuations": self.continuations,
             "reloads": self.reloads,
             "preemptions": len(self.preemptions),
             "lost_s": self.lost_s,
@@ -311,14 +330,45 @@ class _Batch:
     lengths: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (prompt, resp)
 
 
+@dataclasses.dataclass
+class _Request:
+    """A request of a batch and its tokens so far (> 0: paused in an earlier tick)."""
+
+    batch: _Batch
+    index: int
+    done_tokens: int = 0
+
+
 @dataclasses.dataclass(order=True)
 class _Job:
+    """A share of a batch (`size` requests from `offset`) or of an evaluation, which any
+    worker may take."""
+
     priority: tuple[int, int]
     version: int = dataclasses.field(compare=False)
     size: int = dataclasses.field(compare=False)
     batch: _Batch | None = dataclasses.field(compare=False)  # None: an evaluation job
-    deliver: Callable[[_Job], None] = dataclasses.field(compare=False)
+    # An evaluation's; a batch's requests are delivered one by one (_Segment.deliver).
+    deliver: Callable[[_Job], None] | None = dataclasses.field(compare=False)
     offset: int = dataclasses.field(default=0, compare=False)  # first request in the batch
+
+
+@dataclasses.dataclass
+class _Call:
+    """One Generate call of a worker: a job, and with in-flight updates the continuations
+    kept for the worker of the same version (the job may then be None)."""
+
+    tick: int
+    version: int
+    job: _Job | None
+    continuing: list[_Request]
+
+    def requests(self) -> list[_Request]:
+        """The batch requests of the call, continuations first."""
+        job = self.job
+        if job is None or job.batch is None:
+            return list(self.continuing)
+        return self.continuing + [_Request(job.batch, job.offset + j) for j in range(job.size)]
 
 
 def split_jobs(missing: int, workers: int, group: int) -> list[int]:
@@ -358,7 +408,12 @@ class _Segment:
         self.wake: dict[int, _Event] = {}
         self.versions = [-1] * workload.num_workers
         self.compiled = [False] * workload.num_workers
-        self.running: dict[int, tuple[_Job, float]] = {}
+        self.running: dict[int, tuple[_Call, float]] = {}
+        # In-flight updates: the open ticks' versions, per worker its continuations by
+        # tick, and the pauses whose tick is not open yet (tick -> (worker, request)).
+        self.ticks: dict[int, int] = {}
+        self.kept: list[dict[int, list[_Request]]] = [{} for _ in range(workload.num_workers)]
+        self.waiting: dict[int, list[tuple[int, _Request]]] = {}
         self.trainer_shapes: set[int] = set()  # padded lengths compiled since this start
         self.training_since: float | None = None
         self.snapshots: list[tuple[int, int]] = []  # (step, checkpoint step)
@@ -449,6 +504,9 @@ class _Segment:
             for _ in range(batch.expected)
         ]
         self.batches[b] = batch
+        self.ticks[b] = version
+        for worker, request in self.waiting.pop(b, []):
+            self._keep(worker, b, request)
         reused = 0
         if b in self.logged:
             logged_version, count = self.logged.pop(b)
@@ -463,16 +521,38 @@ class _Segment:
             return
         offset = reused
         for k, size in enumerate(split_jobs(missing, w.num_workers, w.samples_per_prompt)):
-            self.put(_Job((b, k), version, size, batch, self._deliver, offset))
+            self.put(_Job((b, k), version, size, batch, None, offset))
             offset += size
 
-    def _deliver(self, job: _Job) -> None:
-        batch = job.batch
-        assert batch is not None
-        batch.have += job.size
-        self.r.rollouts_generated += job.size
-        if batch.have == batch.expected:
-            batch.done.succeed()
+    def deliver(self, worker: int, version: int, requests: list[_Request], new: list[int]) -> None:
+        """A call's batch requests are back: each finished, or paused at its budget and
+        continued in its next tick on this worker."""
+        plan = self.w.in_flight
+        for request, tokens in zip(requests, new, strict=True):
+            batch = request.batch
+            self.r.tokens_generated += tokens
+            self.r.token_staleness[batch.index - version] += tokens
+            request.done_tokens += tokens
+            if request.done_tokens < batch.lengths[request.index][1]:
+                assert plan is not None  # only a budget pauses a request
+                tick = plan.tick(batch.index, request.done_tokens)
+                if tick in self.ticks:
+                    self._keep(worker, tick, request)
+                else:
+                    self.waiting.setdefault(tick, []).append((worker, request))
+                continue
+            batch.have += 1
+            self.r.rollouts_generated += 1
+            if batch.have == batch.expected:
+                batch.done.succeed()
+
+    def _keep(self, worker: int, tick: int, request: _Request) -> None:
+        """Queue a paused request's continuation for the worker that paused it (its tick
+        is open: the tick's version is published)."""
+        self.kept[worker].setdefault(tick, []).append(request)
+        if worker in self.idle:
+            self.idle.remove(worker)
+            self.wake.pop(worker).succeed()
 
     def evaluate(self, version: int) -> Generator[Any, Any, None]:
         w = self.w
@@ -501,43 +581,77 @@ class _Segment:
             worker = self.idle.pop(0)
             self.wake.pop(worker).succeed()
 
+    def take(self, i: int) -> _Call:
+        """Worker i's next call: the earliest of the shared jobs and its continuations; with
+        a batch's work, its continuations of that version and at most one batch job of it."""
+        kept = self.kept[i]
+        tick = min(kept, default=None)
+        if tick is None or (self.jobs and self.jobs[0].priority < (tick, -1)):
+            job = heapq.heappop(self.jobs)
+            if job.batch is None or not kept:
+                return _Call(job.priority[0], job.version, job, [])
+            tick, version = job.priority[0], job.version
+        else:
+            version = self.ticks[tick]
+            shared = (j for j in self.jobs if j.batch is not None and j.version == version)
+            job = min(shared, default=None)
+            if job is not None:
+                self.jobs.remove(job)
+                heapq.heapify(self.jobs)
+        continuing = [r for k in sorted(kept) if self.ticks[k] == version for r in kept.pop(k)]
+        return _Call(tick, version, job, continuing)
+
     def worker(self, i: int) -> Generator[Any, Any, None]:
         w, t = self.w, self.t
         while True:
-            if not self.jobs:
+            if not self.jobs and not self.kept[i]:
                 if i not in self.idle:
                     self.idle.append(i)
                 self.wake[i] = _Event()
                 yield self.wake[i]
                 continue
-            job = heapq.heappop(self.jobs)
+            call = self.take(i)
             t0 = self.loop.now
-            self.running[i] = (job, t0)
-            if self.versions[i] != job.version:
+            self.running[i] = (call, t0)
+            if self.versions[i] != call.version:
                 yield self.host.work(pull_latency_s(t, w), t.io_cores)
-                yield self.ps.pull(job.version, w.model_bytes * t.pull_fraction)
+                yield self.ps.pull(call.version, w.model_bytes * t.pull_fraction)
                 yield self.host.work(swap_s(t, w), t.io_cores)
-                self.versions[i] = job.version
+                self.versions[i] = call.version
                 self.r.reloads += 1
-                self._mark(f"worker {i}", f"load v{job.version}", t0)
+                self._mark(f"worker {i}", f"load v{call.version}", t0)
             t1 = self.loop.now
             compile_s = 0.0 if self.compiled[i] else t.worker_compile_s
             self.compiled[i] = True
-            if job.batch is None:  # evaluation: greedy, lengths of the task
+            job = call.job
+            evaluation = job is not None and job.batch is None
+            if evaluation:  # greedy, the task's lengths
+                assert job is not None
                 rng = self._rng("eval", job.version, job.priority[1])
                 lengths = [
                     (w.prompt_tokens.tokens(rng), w.response_tokens.tokens(rng))
                     for _ in range(job.size)
                 ]
+                duration = generation_s(t, w, [p for p, _ in lengths], [r for _, r in lengths])
             else:
-                lengths = job.batch.lengths[job.offset : job.offset + job.size]
-            prompts = [p for p, _ in lengths]
-            responses = [r for _, r in lengths]
-            yield self.host.work(compile_s + generation_s(t, w, prompts, responses), t.worker_cores)
-            self._mark(f"worker {i}", "eval" if job.batch is None else f"gen {job.priority[0]}", t1)
+                requests = call.requests()
+                lengths = [r.batch.lengths[r.index] for r in requests]
+                done = [r.done_tokens for r in requests]
+                new = [
+                    w.new_tokens(r.batch.index, n, d)
+                    for r, (_, n), d in zip(requests, lengths, done, strict=True)
+                ]
+                self.r.continuations += len(call.continuing)
+                duration = generation_s(t, w, [p for p, _ in lengths], new, done)
+            yield self.host.work(compile_s + duration, t.worker_cores)
+            self._mark(f"worker {i}", "eval" if evaluation else f"gen {call.tick}", t1)
             del self.running[i]
             self.r.worker_busy_s[i] += self.loop.now - t0
-            job.deliver(job)
+            if evaluation:
+                assert job is not None and job.deliver is not None
+                job.deliver(job)
+            else:
+                self.deliver(i, call.version, requests, new)
 
     # -- the segment ---------------------------------------------------------------------------
     def run(self, until_s: float | None) -> bool:
@@ -547,9 +661,12 @@ class _Segment:
         self.loop.run(until_s)
         if not self.finished:
             now = self.loop.now
-            for i, (job, t0) in self.running.items():  # in flight at the preemption: lost
+            for i, (call, t0) in self.running.items():  # in flight at the preemption: lost
                 self.r.worker_busy_s[i] += now - t0
-                self.r.rollouts_discarded += job.size if job.batch is not None else 0
+                self.r.rollouts_discarded += len(call.requests())
+            # Paused requests waiting for their next tick are lost with their tokens.
+            self.r.rollouts_discarded += sum(len(r) for kept in self.kept for r in kept.values())
+            self.r.rollouts_discarded += sum(len(r) for r in self.waiting.values())
             if self.training_since is not None:
                 self.r.trainer_busy_s += now - self.training_since
         return self.finished
