@@ -5,12 +5,15 @@ what they cost ("resume" a prefill, "keep" a swap of KV pages), against "off".""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rlax_tpu.cli import main as cli_main
 from rlax_tpu.config import Distribution, load_config
 from rlax_tpu.simulator import Calibration, TimingModel, Workload, calibrate, generation_s, simulate
 from rlax_tpu.staleness import InFlightPlan
@@ -132,3 +135,16 @@ def test_every_token_is_generated_within_the_staleness_bound(knobs, workers, mod
     assert set(result.token_staleness) <= set(range(n + 1))
     assert result.tokens_generated == sum(result.token_staleness.values())
     assert result.rollouts_generated == 8 * w.batch_size
+
+
+def test_cli_sets_the_in_flight_mode_against_off(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    overrides = ["inference.in_flight_update=keep", "staleness.max_staleness=3"]
+    overrides += ["staleness.reload_every=1", "controller.num_steps=6"]
+    args = ["simulate", TINY, "--json", str(out)]
+    assert cli_main(args + [x for o in overrides for x in ("--set", o)]) == 0
+    assert "in-flight updates (keep) against off" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert figures["run"]["in_flight_update"] == "keep"
+    assert math.isfinite(figures["speedup_in_flight_vs_off"])
+    assert figures["in_flight"]["steps_per_s"]["ratio"] == figures["speedup_in_flight_vs_off"]

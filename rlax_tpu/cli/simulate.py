@@ -4,12 +4,15 @@
 start with `timing.`, `hardware.`, `preemption.`, `response_tokens`, `prompt_tokens`,
 `evaluations` or `seed` (e.g. --set timing.ps_bytes_per_s=5e9). `--calibration` takes
 benchmark JSONs of tools/bench_*.py, `rlax-tpu compile --json` reports (the compiled
-programs' rooflines) and YAML/JSON settings files, applied in order.
+programs' rooflines) and YAML/JSON settings files, applied in order. With
+inference.in_flight_update on, the run is simulated with "off" too, and both are set side by
+side.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -44,7 +47,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from rlax_tpu.simulator import Calibration, CalibrationError, calibrate, simulate
-    from rlax_tpu.simulator.report import PlotUnavailableError, format_table, plot, report
+    from rlax_tpu.simulator.report import (
+        PlotUnavailableError,
+        format_in_flight,
+        format_table,
+        in_flight_comparison,
+        plot,
+        report,
+    )
 
     is_sim = [o.split("=", 1)[0].split(".", 1)[0] in _SIM_KEYS for o in args.overrides]
     run_overrides = [o for o, sim in zip(args.overrides, is_sim, strict=True) if not sim]
@@ -61,6 +71,23 @@ def main(args: argparse.Namespace) -> int:
     result = simulate(workload, timing, preemption=sim.preemption, seed=sim.seed)
     figures = report(workload, timing, result, target_steps=args.target_steps, notes=notes)
     print(format_table(figures))
+    if workload.in_flight is not None:
+        off = simulate(
+            dataclasses.replace(workload, in_flight=None),
+            timing,
+            preemption=sim.preemption,
+            seed=sim.seed,
+        )
+        figures["in_flight"] = in_flight_comparison(report(workload, timing, off), figures)
+        figures["speedup_in_flight_vs_off"] = figures["in_flight"]["speedup"]
+        print(format_in_flight(figures["in_flight"]))
+    elif config.inference.in_flight_update != "off":
+        print(
+            f"inference.in_flight_update={config.inference.in_flight_update} changes nothing "
+            f"here: N - η = 0 (staleness.max_staleness={workload.policy.max_staleness}, "
+            f"reload_every={workload.policy.reload_every}) leaves no tick to carry a response "
+            "into"
+        )
     if args.analytical:
         figures["analytical"] = _analytical(workload, sim)
         print(figures["analytical"].pop("text"))

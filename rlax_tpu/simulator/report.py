@@ -1,6 +1,7 @@
-"""What `rlax-tpu simulate` prints and writes: a table of the simulated run, its JSON, and
-a PNG (timeline of the trainer and workers, staleness histogram) when matplotlib is
-installed (`pip install rlax_tpu[plots]`)."""
+"""What `rlax-tpu simulate` prints and writes: a table of the simulated run, its JSON, the
+comparison of in-flight weight updates with "off" when the config turns them on, and a PNG
+(timeline of the trainer and workers, staleness histogram) when matplotlib is installed
+(`pip install rlax_tpu[plots]`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class PlotUnavailableError(RuntimeError):
 
 
 def describe(workload: Workload, timing: TimingModel) -> dict[str, Any]:
-    p = workload.policy
+    p, plan = workload.policy, workload.in_flight
     return {
         "num_steps": workload.num_steps,
         "batch": f"{workload.prompts_per_batch} prompts x {workload.samples_per_prompt}",
@@ -25,6 +26,9 @@ def describe(workload: Workload, timing: TimingModel) -> dict[str, Any]:
         "reload_every": p.reload_every,
         "max_staleness": p.max_staleness,
         "schedule": p.schedule,
+        "in_flight_update": plan.mode if plan else "off",
+        "tick_tokens": plan.tick_tokens if plan else 0,
+        "ticks_carried": plan.segments if plan else 0,  # J = N - η
         "model_bytes": workload.model_bytes,
         "response_tokens_mean": workload.response_tokens.mean(),
         "timing": timing.to_dict(),
@@ -47,6 +51,42 @@ def report(
     return out
 
 
+# What the in-flight comparison sets side by side, with its label.
+_COMPARED = (
+    ("steps_per_s", "steps/s (warm)"),
+    ("generation_tokens_per_s", "generation tokens/s"),
+    ("worker_idle_fraction", "inference workers idle"),
+)
+
+
+def in_flight_comparison(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """The configured in-flight mode (`on`, a report) against "off" (`off`, the report of
+    the same workload and timings without it): each figure of both and their ratio, on /
+    off. `speedup` is that of steps/s."""
+    mode = on["run"]["in_flight_update"]
+    out: dict[str, Any] = {"mode": mode}
+    for key, _ in _COMPARED:
+        ratio = on[key] / off[key] if off[key] else math.inf
+        out[key] = {"off": off[key], mode: on[key], "ratio": ratio}
+    out["speedup"] = out["steps_per_s"]["ratio"]
+    return out
+
+
+def format_in_flight(comparison: dict[str, Any]) -> str:
+    mode = comparison["mode"]
+    width = max(len(label) for _, label in _COMPARED)
+    lines = [
+        f"in-flight updates ({mode}) against off, same workload and timings:",
+        f"  {'':<{width}}  {'off':>10}  {mode:>10}  {'ratio':>7}",
+    ]
+    for key, label in _COMPARED:
+        row = comparison[key]
+        fmt = "{:>10.1%}" if key.endswith("fraction") else "{:>10.4g}"
+        values = fmt.format(row["off"]) + "  " + fmt.format(row[mode])
+        lines.append(f"  {label:<{width}}  {values}  {row['ratio']:>6.2f}x")
+    return "\n".join(lines)
+
+
 def _fmt_s(seconds: float) -> str:
     if math.isinf(seconds):
         return "never"
@@ -65,6 +105,11 @@ def format_table(figures: dict[str, Any]) -> str:
         f"({run['schedule']}), {run['model_bytes'] / 2**30:.2f} GiB per version, "
         f"mean response {run['response_tokens_mean']:.0f} tokens",
     ]
+    if run["in_flight_update"] != "off":
+        lines[0] += (
+            f", in-flight updates {run['in_flight_update']} (a response carried into up to "
+            f"{run['ticks_carried']} more ticks, {run['tick_tokens']} tokens a tick)"
+        )
     lines += [f"  calibration: {note}" for note in figures["notes"]]
     hist = figures["staleness_histogram"]
     shown = ", ".join(f"{k}: {v}" for k, v in list(hist.items())[:12])
@@ -73,6 +118,7 @@ def format_table(figures: dict[str, Any]) -> str:
         ("step time (warm, evals out)", _fmt_s(figures["warm_step_time_s"])),
         ("trainer idle", f"{figures['trainer_idle_fraction']:.1%}"),
         ("inference workers idle", f"{figures['worker_idle_fraction']:.1%}"),
+        ("generation tokens/s", f"{figures['generation_tokens_per_s']:.4g}"),
         (
             "staleness of consumed rollouts",
             f"mean {figures['staleness_mean']:.2f}, max {figures['staleness_max']}",
@@ -83,6 +129,7 @@ def format_table(figures: dict[str, Any]) -> str:
             f"{figures['rollouts_generated']} / {figures['rollouts_consumed']}",
         ),
         ("rollouts discarded", str(figures["rollouts_discarded"])),
+        ("continuations after a pause", str(figures["continuations"])),
         ("weight reloads", str(figures["reloads"])),
         ("preemptions (time lost)", f"{figures['preemptions']} ({_fmt_s(figures['lost_s'])})"),
         (f"time to {figures['target_steps']} steps", _fmt_s(figures["time_to_target_steps_s"])),
