@@ -23,7 +23,7 @@ from rlax_tpu.rpc.protos import common_pb2
 from rlax_tpu.rpc.protos import inference_pb2 as pb
 from rlax_tpu.rpc.protos import inference_pb2_grpc as pb_grpc
 
-FinishReason = str  # "stop" | "length" | "aborted" | "error"
+FinishReason = str  # "stop" | "length" | "paused" | "aborted" | "error"
 LogprobsOf = Literal["full", "sampled"]
 
 
@@ -74,31 +74,72 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class Partial:
+    """A response generated so far by earlier calls, which a continuation extends.
+
+    version: the request's original version, the one its sampling key derives from (what
+    the earlier call's `Rollout.version` was); tokens, logprobs: the response so far;
+    token_versions: the version that generated each token (None = every token is
+    `version`'s). Lengths are checked by the engine (a mismatch fails that request alone).
+    """
+
+    version: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    token_versions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        versions = self.token_versions
+        if versions is None:
+            versions = (self.version,) * len(self.tokens)
+        object.__setattr__(self, "token_versions", tuple(int(v) for v in versions))
+
+    @classmethod
+    def of(cls, rollout: Rollout) -> Partial:
+        """The response of `rollout` (typically "paused") as a partial to continue."""
+        return cls(rollout.version, rollout.tokens, rollout.logprobs, rollout.token_versions)
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """One sample to generate. (prompt_id, sample_index) with the model version and the
-    engine seed fix the PRNG key, so the same request always gives the same rollout."""
+    engine seed fix the PRNG key, so the same request always gives the same rollout.
+
+    partial: set for a continuation of a response begun by earlier calls (its tokens are
+    the rollout's first tokens; the sampling key is the partial's version's, so response
+    token t is sampled as in one call). max_tokens: the most new tokens this call generates
+    (0 = until the response ends); a response that reaches it without ending finishes
+    "paused". `sampling.max_new_tokens` bounds the whole response, partial included.
+    """
 
     request_id: str
     prompt_id: str
     sample_index: int
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams | None = None  # None = the engine's defaults (from the config)
+    partial: Partial | None = None
+    max_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """A finished request.
 
-    tokens: the response (a stop token that ended it included); logprobs: the behaviour
-    log-prob of each response token under the distribution named by the request's
-    `SamplingParams.logprobs_of` ("full": temperature-scaled full softmax; "sampled": the
-    top-k/top-p truncated, renormalised one), under the version that generated it; version:
-    the version the request was submitted with (its sampling key's). token_versions: the
-    version that generated each token when the weights changed under the request in flight
-    (inference.in_flight_update "resume" / "keep"), else None (every token is `version`'s).
-    finish_reason: "stop" (a stop token), "length" (max_new_tokens or the
-    slot's maximum sequence length), "aborted" (weights reloaded mid-flight; tokens so far
-    are kept but must be regenerated), "error" (see `error`; nothing was generated).
+    tokens: the response (a stop token that ended it included; a continuation's partial
+    tokens first); logprobs: the behaviour log-prob of each response token under the
+    distribution named by the request's `SamplingParams.logprobs_of` ("full":
+    temperature-scaled full softmax; "sampled": the top-k/top-p truncated, renormalised
+    one), under the version that generated it; version: the version the request was
+    submitted with, or its partial's (its sampling key's). token_versions: the version that
+    generated each token when some token is not `version`'s (the weights changed under the
+    request in flight with inference.in_flight_update "resume" / "keep", or between the
+    calls of a continued response), else None (every token is `version`'s).
+    finish_reason: "stop" (a stop token), "length" (max_new_tokens or the slot's maximum
+    sequence length), "paused" (the call's max_tokens were generated: continue it with
+    `Partial.of(rollout)`), "aborted" (weights reloaded mid-flight; tokens so far are kept
+    but must be regenerated), "error" (see `error`; nothing was generated).
     """
 
     request_id: str
@@ -179,6 +220,7 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "aborted": pb.FINISH_REASON_ABORTED,
     "error": pb.FINISH_REASON_ERROR,
+    "paused": pb.FINISH_REASON_PAUSED,
 }
 FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "logprobs_of")
@@ -196,12 +238,23 @@ def request_from_proto(message: pb.GenerationRequest, defaults: SamplingParams):
         if message.sampling.HasField("stop_token_ids"):
             overrides["stop_token_ids"] = tuple(message.sampling.stop_token_ids.ids)
         sampling = resolve_sampling(defaults, overrides)
+    partial = None
+    if message.HasField("partial"):
+        p = message.partial
+        partial = Partial(
+            version=p.version,
+            tokens=tuple(p.tokens),
+            logprobs=tuple(p.logprobs),  # float32 values, as the engine's
+            token_versions=tuple(p.token_versions) or None,
+        )
     return GenerationRequest(
         request_id=message.request_id,
         prompt_id=message.prompt_id,
         sample_index=message.sample_index,
         prompt_tokens=tuple(message.prompt_tokens),
         sampling=sampling,
+        partial=partial,
+        max_tokens=message.max_tokens,
     )
 
 
@@ -235,7 +288,16 @@ def request_to_proto(request: GenerationRequest, defaults: SamplingParams | None
         prompt_id=request.prompt_id,
         sample_index=request.sample_index,
         prompt_tokens=[int(t) for t in request.prompt_tokens],
+        max_tokens=request.max_tokens,
     )
+    if request.partial is not None:
+        p = request.partial
+        message.partial.version = p.version
+        message.partial.tokens.extend(p.tokens)
+        message.partial.logprobs.extend(np.asarray(p.logprobs, np.float32).tolist())
+        if any(v != p.version for v in p.token_versions):
+            message.partial.token_versions.extend(p.token_versions)
+        message.partial.SetInParent()  # present even with no tokens
     if request.sampling is not None:
         sampling = request.sampling
         for name in SAMPLING_OVERRIDES:

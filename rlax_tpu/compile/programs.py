@@ -254,7 +254,7 @@ def inference_programs(
     attention = f"attention {cache.backend}"
     out = []
     if "prefill" in names:
-        for bucket in inference.prefill_buckets:
+        for bucket in engine.prefill_buckets:  # continuation buckets too, when used
             out.append(
                 Program(
                     "prefill",

@@ -1,7 +1,8 @@
 """The inference engine: continuous batching over decode slots backed by the paged KV
 cache, with pages on demand (swapping to host memory when the pool runs out), bucketed
-batched prefill, decode calls sized to the live sequences, and deterministic on-device
-sampling.
+batched prefill, decode calls sized to the live sequences, deterministic on-device
+sampling, and responses generated over several calls and across weight versions
+(continuations, the per-call token budget, inference.in_flight_update).
 
 `Engine` composes three parts: the host scheduler (scheduler.py: admission, pages, swaps,
 the per-slot arrays), the served weights (weights.py: placement and dtype of a version's
@@ -45,7 +46,8 @@ class Engine:
     write nothing). The calls of one admission round share one device-to-host transfer.
     Decode: the live slots, padded to the smallest of `inference.decode_rows` that holds
     them. Compiled shapes: one per prefill bucket and one per decode bucket used, plus the
-    swap copies (page counts rounded up to powers of two).
+    swap copies (page counts rounded up to powers of two), and one per continuation bucket
+    a continuation used (prompt + partial response past the largest prefill bucket).
 
     Determinism: request key = threefry key from sha256(seed, prompt_id, sample_index,
     version); response token t is sampled with fold_in(key, t). Every prefill call has the
@@ -56,6 +58,13 @@ class Engine:
     hence the default buckets; docs/inference.md), and a swap copies pages bit for bit, so
     a request's tokens and log-probs are those of an unpreempted run. Across `prefill_rows`
     values the prefill shapes differ: log-probs may differ by float rounding.
+
+    Continuations (`GenerationRequest.partial`) sample with the partial's version's key at
+    t = its length on, so a response generated in several calls draws each token t as one
+    call does. With inference.in_flight_update "keep" a paused response's pages are parked
+    on the host and the continuation decodes on them: bitwise the one-call rollout under
+    the same weights. Otherwise (or when they are gone) prompt + partial are prefilled
+    afresh: the same distribution, log-probs equal to float rounding.
     """
 
     def __init__(
@@ -88,18 +97,22 @@ class Engine:
             PagedKVCache.from_config, model_config, inference_config, platform=platform
         )
         self.abstract_cache = placed_layout(jax.eval_shape(new_cache), mesh, rules)
+        cache = self.abstract_cache
         self._scheduler = Scheduler(
             inference_config,
-            self.abstract_cache.make_allocator(),
+            cache.make_allocator(),
             seed=self.seed,
             vocab_size=model_config.vocab_size,
             decode_steps_per_call=decode_steps_per_call,
             max_stop_tokens=max_stop_tokens,
+            # Parked sequences ("keep") hold at most the pool's size in host memory.
+            max_parked_bytes=sum(x.size * x.dtype.itemsize for x in (*cache.keys, *cache.values)),
         )
         s = self._scheduler
         self.defaults, self.max_stop_tokens = s.defaults, s.max_stop_tokens
         self.num_slots, self.max_seq_len, self.on_demand = s.num_slots, s.max_seq_len, s.on_demand
         self.prefill_rows, self.decode_rows = s.prefill_rows, s.decode_rows
+        self.continuation_buckets = s.continuation_buckets
         # The mesh is part of the steps' static key since the model's sharding constraints
         # are read from the active mesh at trace time. Params travel as a flat list of
         # arrays (flattening an nnx.State on every call costs about a millisecond).
@@ -132,16 +145,22 @@ class Engine:
         return self._weights.version
 
     def load(self, version: int, params: Mapping[str, Any]) -> list[Rollout]:
-        """Serve `version` with `params` (a pure dict tree as `nnx.to_pure_dict` gives).
+        """Serve `version` with `params` (a pure dict tree as `nnx.to_pure_dict` gives), between
+        decode calls and without recompiling (same shapes and dtypes).
 
-        Loading the version already served is a no-op (returns []). Otherwise every request
-        in flight (queued or decoding) is aborted and returned, in submission order, with
-        finish_reason "aborted"; requests submitted afterwards run with the new version.
+        Loading the version already served is a no-op (returns []). Requests submitted
+        afterwards run with the new version. Those in flight (queued, decoding or swapped
+        out), by inference.in_flight_update: "off", or any mode when `version` is older than
+        the one served (an evaluation of an earlier version), are aborted and returned, in
+        submission order, with finish_reason "aborted". For a newer version, "keep": they
+        continue on their KV pages, their tokens sampled from now on by `version`; "resume":
+        they are queued again as continuations and prefilled under `version`. Returns the
+        aborted rollouts ([] with "keep" / "resume" for a newer version).
         """
         if version == self.version:
             return []
         self._weights.load(version, params)  # validated first: a bad tree changes nothing
-        return self._scheduler.abort_all()
+        return self._scheduler.load(version)
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request. One that can never run (empty or too long a prompt, bad token ids,
@@ -153,8 +172,8 @@ class Engine:
     def step(self) -> list[Rollout]:
         """One scheduler iteration: swap sequences back in and admit waiting prompts into free
         slots (prefill), give the live sequences their pages (swapping some out if the pool
-        runs short), then one decode call for the live slots. Returns the rollouts that
-        finished since the last step."""
+        runs short), then one decode call for the live slots; with "keep", park the sequences
+        that paused. Returns the rollouts that finished since the last step."""
         s = self._scheduler
         if s.busy():
             if self._weights.leaves is None:
@@ -164,6 +183,7 @@ class Engine:
                 s.grow(self.read_kv_pages)
             if s.arrays.active.any():
                 self._decode()
+            s.park(self.read_kv_pages)  # "keep": the sequences paused in this step
         return s.take_done()
 
     def has_work(self) -> bool:
@@ -279,11 +299,20 @@ class Engine:
         params = self.abstract_params()
         return self._steps.decode_lowering(params, arrays.carry(), arrays.sampling(), rows)
 
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The prefill sizes compiled ahead (`lowerings`, `rlax-tpu compile`): the config's,
+        and with inference.in_flight_update "resume" or "keep" the continuation buckets
+        (with "off" a continuation that needs one compiles it on first use)."""
+        if self.config.in_flight_update == "off":
+            return self.config.prefill_buckets
+        return self.config.prefill_buckets + self.continuation_buckets
+
     def lowerings(self) -> dict[str, Any]:
         """Every program of the engine at every bucket, by its key ("prefill@128",
         "decode@64", "swap_out@8", "swap_in@8"): (jitted function, abstract arguments,
         static argnums)."""
-        out = {f"prefill@{b}": self._prefill_lowering(b) for b in self.config.prefill_buckets}
+        out = {f"prefill@{b}": self._prefill_lowering(b) for b in self.prefill_buckets}
         out.update({f"decode@{r}": self._decode_lowering(r) for r in self.decode_rows})
         out[f"swap_out@{self.swap_pages}"] = self._steps.swap_out_lowering(self.swap_pages)
         out[f"swap_in@{self.swap_pages}"] = self._steps.swap_in_lowering(self.swap_pages)

@@ -1,8 +1,11 @@
 """The engine's host scheduler: which requests wait, which decode slot each live one has, its
 pages (on demand, swapping sequences out to host memory and back when the pool runs short),
-the per-slot arrays the jitted steps take, and the tokens they sampled. Host code only (numpy,
-no JAX): the engine (engine.py) hands its device work (prefill, swap copies) in as callables
-and runs the decode call itself, so tests drive the scheduler with stand-ins."""
+the per-slot arrays the jitted steps take, and the tokens they sampled, with the version that
+sampled each. Continuations (a request's `partial`), the per-call token budget (`max_tokens`,
+"paused"), parked sequences and what a weight load does to the requests in flight
+(inference.in_flight_update) are decided here too. Host code only (numpy, no JAX): the engine
+(engine.py) hands its device work (prefill, swap copies) in as callables and runs the decode
+call itself, so tests drive the scheduler with stand-ins."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import numpy as np
 
 from rlax_tpu.api.inference import FinishReason, GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.config import InferenceConfig
-from rlax_tpu.inference.page_allocator import PADDING_PAGE, PageAllocator
+from rlax_tpu.inference.page_allocator import PADDING_PAGE, HostPages, PageAllocator
 from rlax_tpu.inference.sampling import request_key_data
 
 # The device work the engine hands in. A prefill round: (bucket, `prefill_args`) per call ->
@@ -33,7 +36,8 @@ class PagingState:
     (submission order), in each decode slot (None: free; a slot holds a live sequence
     between steps), waiting and swapped out (by admission order); the pages in use, the
     page table (one row of page ids per slot, 0 = padding), the host bytes swapped-out
-    sequences hold and what is wrong with the page bookkeeping (() when sound)."""
+    sequences hold, the parked sequences (`ParkedKey`s, oldest first) and their host bytes,
+    and what is wrong with the page bookkeeping (() when sound)."""
 
     in_flight: tuple[str, ...]
     slots: tuple[str | None, ...]
@@ -43,28 +47,66 @@ class PagingState:
     page_table: np.ndarray
     swapped_bytes: int = 0
     problems: tuple[str, ...] = ()
+    parked: tuple[ParkedKey, ...] = ()
+    parked_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkedKey:
+    """What a parked sequence's KV pages continue: the response of (prompt_id, sample_index)
+    sampled with `version`'s key, `num_tokens` tokens long."""
+
+    prompt_id: str
+    sample_index: int
+    version: int
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Parked:
+    """A paused sequence's prompt and response, whose KV pages the allocator holds on the
+    host under its `ParkedKey`: a continuation of exactly these tokens resumes on them."""
+
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
 
 
 @dataclasses.dataclass(eq=False)
 class SequenceState:
-    """Host-side state of a request in flight."""
+    """Host-side state of a request in flight. `tokens` is the response so far (a
+    continuation's partial first), `token_versions` the served version that sampled each."""
 
     request: GenerationRequest
     sampling: SamplingParams
     limit: int  # response tokens allowed: max_new_tokens clipped by the slot's capacity
-    version: int
+    version: int  # the sampling key's: the version at submit, or the partial's
+    stop_at: int = 0  # response length this call ends at: `limit`, or sooner by max_tokens
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    token_versions: list[int] = dataclasses.field(default_factory=list)
     slot: int = -1  # -1 while waiting or swapped out
     order: int = -1  # admission number: preemption takes the highest live one
-    key_data: Any = None  # the request's sampling key (set at admission)
+    key_data: Any = None  # the request's sampling key
+    parked: ParkedKey | None = None  # the parked KV a "keep" continuation looks for
 
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_tokens)
 
+    @property
+    def context_len(self) -> int:
+        """Tokens a prefill of this sequence feeds: the prompt and the response so far."""
+        return self.prompt_len + len(self.tokens)
+
+    def parked_key(self) -> ParkedKey:
+        r = self.request
+        return ParkedKey(r.prompt_id, r.sample_index, self.version, len(self.tokens))
+
     def rollout(self, reason: FinishReason, error: str = "") -> Rollout:
         r = self.request
+        versions = None
+        if any(v != self.version for v in self.token_versions):
+            versions = tuple(self.token_versions)
         return Rollout(
             request_id=r.request_id,
             prompt_id=r.prompt_id,
@@ -75,34 +117,59 @@ class SequenceState:
             logprobs=tuple(self.logprobs),
             finish_reason=reason,
             error=error,
+            token_versions=versions,
         )
+
+
+def continuation_buckets(prefill_buckets: tuple[int, ...], max_seq_len: int) -> tuple[int, ...]:
+    """Prefill sizes past the largest prefill bucket, for continuations (prompt + partial
+    response, up to max_seq_len - 1 tokens): powers of two, the last the first to hold
+    max_seq_len - 1 tokens; () when the prefill buckets already do."""
+    out, bucket = [], prefill_buckets[-1]
+    while bucket < max_seq_len - 1:
+        bucket = 1 << bucket.bit_length()  # the next power of two above it
+        out.append(bucket)
+    return tuple(out)
 
 
 def prefill_args(
     rows: int, bucket: int, page_table: np.ndarray, seqs: list[SequenceState]
 ) -> tuple[np.ndarray, ...]:
     """The host arguments of a prefill call of `seqs` (at most `rows`, all in `bucket`) after
-    (params, cache): page-table rows, tokens, lengths, key data, temperature, top_k, top_p,
-    "sampled" flags. Unused rows are padding: length 0 (no valid token), an all-padding
-    page-table row (PADDING_PAGE; writes there are dropped) and non-truncating sampling
-    params."""
+    (params, cache): page-table rows, tokens (the prompt, then a continuation's response so
+    far), lengths, starts (the response index t of the token sampled: 0, or the tokens a
+    continuation has), key data, temperature, top_k, top_p, "sampled" flags. Unused rows
+    are padding: length 0 (no valid token), an all-padding page-table row (PADDING_PAGE;
+    writes there are dropped) and non-truncating sampling params."""
     page_rows = np.full((rows, page_table.shape[1]), PADDING_PAGE, np.int32)
     tokens = np.zeros((rows, bucket), np.int32)
     lengths = np.zeros(rows, np.int32)
+    starts = np.zeros(rows, np.int32)
     key_data = np.zeros((rows, 2), np.uint32)
     temperature = np.ones(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
     sampled_logprobs = np.zeros(rows, bool)
     for row, seq in enumerate(seqs):
-        prompt, s = seq.request.prompt_tokens, seq.sampling
+        s = seq.sampling
         page_rows[row] = page_table[seq.slot]
-        tokens[row, : len(prompt)] = prompt
-        lengths[row] = len(prompt)
+        tokens[row, : seq.context_len] = (*seq.request.prompt_tokens, *seq.tokens)
+        lengths[row] = seq.context_len
+        starts[row] = len(seq.tokens)
         key_data[row] = seq.key_data
         temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
         sampled_logprobs[row] = s.logprobs_of == "sampled"
-    return (page_rows, tokens, lengths, key_data, temperature, top_k, top_p, sampled_logprobs)
+    return (
+        page_rows,
+        tokens,
+        lengths,
+        starts,
+        key_data,
+        temperature,
+        top_k,
+        top_p,
+        sampled_logprobs,
+    )
 
 
 class SlotArrays:
@@ -157,19 +224,19 @@ class SlotArrays:
         self.top_k[slot] = s.top_k
         self.top_p[slot] = s.top_p
         self.sampled_logprobs[slot] = s.logprobs_of == "sampled"
-        self.limit[slot] = seq.limit
+        self.limit[slot] = seq.stop_at
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(s.stop_token_ids)] = s.stop_token_ids
         self.sampling_dirty = True
 
-    def activate(self, seq: SequenceState, generated: int) -> None:
-        """Mark `seq`'s slot live with `generated` response tokens so far: its next decode
-        step feeds the last one at position prompt_len + generated - 1."""
+    def activate(self, seq: SequenceState) -> None:
+        """Mark `seq`'s slot live with its response so far: its next decode step feeds the
+        last token at position context_len - 1 and samples response token len(tokens)."""
         slot = seq.slot
         self.active[slot] = True
         self.last_token[slot] = seq.tokens[-1]
-        self.position[slot] = seq.prompt_len + generated - 1
-        self.index[slot] = generated
+        self.position[slot] = seq.context_len - 1
+        self.index[slot] = len(seq.tokens)
         self.carry_dirty = True
 
 
@@ -190,7 +257,23 @@ class Scheduler:
     swaps.
 
     Prefill rounds take up to `prefill_rows` waiting requests, grouped by the smallest
-    `prefill_buckets` entry that holds each prompt.
+    `prefill_buckets` entry that holds each prompt (a continuation's prompt and response
+    so far; past the largest, the `continuation_buckets`).
+
+    Continuations and the token budget: a request's `partial` is its response so far, and
+    its key is the partial's version's, so response token t is sampled as in one call. A
+    call that generates `max_tokens` new tokens without ending the response finishes
+    "paused". With inference.in_flight_update "keep" a paused sequence is parked (`park`):
+    its pages go to the host under its `ParkedKey`, and a continuation of exactly its
+    prompt and tokens swaps them back in instead of being prefilled (one that finds none
+    is prefilled: `kv_rebuilt`). Parked host bytes stay within `max_parked_bytes` (None:
+    unbounded), the oldest evicted first; parked sequences hold no slot and no page.
+
+    A weight load (`load`): with "off", or to a version older than the one served, every
+    request in flight is aborted. To a newer version, "keep" lets them continue as they are
+    (the tokens sampled after it record the new version); "resume" frees their pages and
+    queues them again, ahead of the waiting ones, to be prefilled under the new weights as
+    continuations of their tokens so far.
     """
 
     def __init__(
@@ -202,6 +285,7 @@ class Scheduler:
         vocab_size: int,
         decode_steps_per_call: int,
         max_stop_tokens: int,
+        max_parked_bytes: int | None = None,
     ):
         self.config, self.allocator = config, allocator
         self.seed, self.vocab_size = seed, vocab_size
@@ -210,7 +294,11 @@ class Scheduler:
         self.decode_steps_per_call = decode_steps_per_call
         self.num_slots, self.max_seq_len = allocator.max_seqs, allocator.max_tokens_per_seq
         self.prefill_rows, self.decode_rows = config.prefill_rows, config.decode_rows
+        self.continuation_buckets = continuation_buckets(config.prefill_buckets, self.max_seq_len)
         self.on_demand = config.kv_admission == "on_demand"
+        self.in_flight_update = config.in_flight_update
+        self.max_parked_bytes = max_parked_bytes
+        self.served_version = -1  # what the engine serves: the version of each token sampled
         # Pages a live sequence may need for one decode call (the admission margin).
         self._growth_pages = -(-decode_steps_per_call // allocator.page_size)
         self.arrays = SlotArrays(self.num_slots, self.max_stop_tokens)
@@ -220,21 +308,39 @@ class Scheduler:
         self._admissions = 0
         self._in_flight: dict[str, SequenceState] = {}  # by request id, in submission order
         self._done: list[Rollout] = []  # finished, returned by the next step()
+        # Paused sequences whose pages the allocator holds on the host, oldest first, and
+        # those paused in this step (still in their slots until `park`).
+        self._parked: collections.OrderedDict[ParkedKey, Parked] = collections.OrderedDict()
+        self._parked_bytes = 0
+        self._to_park: list[SequenceState] = []
         self.counters: collections.Counter = collections.Counter()
 
     def submit(self, request: GenerationRequest, version: int) -> None:
-        """Queue a request; one that can never run finishes at once with "error"."""
+        """Queue a request (sampled with `version`'s key, or its partial's); one that can
+        never run finishes at once with "error"."""
         if request.request_id in self._in_flight:
             raise ValueError(f"request {request.request_id!r} is already in flight")
-        sampling = request.sampling or self.defaults
+        sampling, partial = request.sampling or self.defaults, request.partial
         limit = min(sampling.max_new_tokens, self.max_seq_len - len(request.prompt_tokens))
-        seq = SequenceState(request, sampling, limit, version)
+        seq = SequenceState(
+            request, sampling, limit, version if partial is None else partial.version
+        )
         self._in_flight[request.request_id] = seq
         problem = self._problem(request, sampling, limit)
         if problem:
             self._finish(seq, "error", error=problem)
-        else:
-            self._waiting.append(seq)
+            return
+        if partial is not None:
+            seq.tokens, seq.logprobs = list(partial.tokens), list(partial.logprobs)
+            seq.token_versions = list(partial.token_versions)
+            self.counters["continuations"] += 1
+            if self.in_flight_update == "keep":
+                seq.parked = seq.parked_key()
+        budget = request.max_tokens
+        seq.stop_at = min(limit, len(seq.tokens) + budget) if budget else limit
+        r = request
+        seq.key_data = request_key_data(self.seed, r.prompt_id, r.sample_index, seq.version)
+        self._waiting.append(seq)
 
     def busy(self) -> bool:
         """Whether any request waits, is swapped out or decodes."""
@@ -251,6 +357,18 @@ class Scheduler:
     def abort_all(self) -> list[Rollout]:
         """End every request in flight with "aborted"; their rollouts, in submission order."""
         return [self._finish(seq, "aborted", report=False) for seq in [*self._in_flight.values()]]
+
+    def load(self, version: int) -> list[Rollout]:
+        """The engine serves `version` from now on (between steps). Returns the requests this
+        aborts (in submission order): all in flight with "off" or an older version, none
+        for a newer one with "keep" (they continue) or "resume" (queued again as
+        continuations, to be prefilled under the new weights)."""
+        previous, self.served_version = self.served_version, version
+        if self.in_flight_update == "off" or version < previous:
+            return self.abort_all()
+        if self.in_flight_update == "resume":
+            self._requeue_in_flight()
+        return []
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
@@ -271,6 +389,18 @@ class Scheduler:
             # Live sequences per decode call, and the share of decode rows that were live.
             "mean_live_sequences": c["live_rows"] / max(1, c["decode_calls"]),
             "slot_utilization": c["slot_tokens"] / max(1, c["decode_rows"]),
+            # Continuations submitted, calls ended by their max_tokens, sequences queued
+            # again by a "resume" load; "keep": continuations that found their parked pages
+            # and those prefilled instead, the parked sequences now and their host bytes,
+            # and those evicted to keep these within the pool's size.
+            "continuations": c["continuations"],
+            "paused": c["paused"],
+            "requeued": c["requeued"],
+            "kv_reused": c["kv_reused"],
+            "kv_rebuilt": c["kv_rebuilt"],
+            "parked": len(self._parked),
+            "parked_bytes": self._parked_bytes,
+            "parked_evictions": c["parked_evictions"],
         }
 
     def paging_state(self) -> PagingState:
@@ -284,8 +414,10 @@ class Scheduler:
             swapped=ids(self._swapped),
             used_pages=self.allocator.used_pages,
             page_table=self.allocator.page_table.copy(),
-            swapped_bytes=self.allocator.swapped_bytes,
+            swapped_bytes=sum(self.allocator.swapped[seq].nbytes for seq in self._swapped),
             problems=tuple(self.allocator.invariant_problems()),
+            parked=tuple(self._parked),
+            parked_bytes=self._parked_bytes,
         )
 
     def _problem(self, request: GenerationRequest, sampling: SamplingParams, limit: int) -> str:
@@ -301,6 +433,14 @@ class Scheduler:
             return f"prompt token ids must be in [0, {self.vocab_size})"
         if len(sampling.stop_token_ids) > self.max_stop_tokens:
             return f"{len(sampling.stop_token_ids)} stop tokens, at most {self.max_stop_tokens}"
+        if request.max_tokens < 0:
+            return (
+                f"max_tokens must be >= 0 (0 = until the response ends), got {request.max_tokens}"
+            )
+        if request.partial is not None:
+            problem = self._partial_problem(request, sampling, limit)
+            if problem:
+                return problem
         pages = self.allocator.pages_for(n + limit)
         if pages > self.allocator.num_pages - 1:
             return (
@@ -309,15 +449,43 @@ class Scheduler:
             )
         return ""
 
+    def _partial_problem(
+        self, request: GenerationRequest, sampling: SamplingParams, limit: int
+    ) -> str:
+        """Why a continuation's partial response cannot be continued, or "" if it can."""
+        p = request.partial
+        n = len(p.tokens)
+        if not n == len(p.logprobs) == len(p.token_versions):
+            return (
+                f"partial response has {n} tokens, {len(p.logprobs)} log-probs and "
+                f"{len(p.token_versions)} token versions: one of each per token"
+            )
+        if not all(0 <= t < self.vocab_size for t in p.tokens):
+            return f"partial response token ids must be in [0, {self.vocab_size})"
+        if n >= limit:
+            return (
+                f"prompt ({len(request.prompt_tokens)} tokens) + partial response ({n}) leave "
+                f"nothing to generate: a response holds at most {limit} tokens "
+                f"(max_new_tokens {sampling.max_new_tokens}, a slot {self.max_seq_len} tokens)"
+            )
+        if n and p.tokens[-1] in sampling.stop_token_ids:
+            return f"the partial response already ended with stop token {p.tokens[-1]}"
+        return ""
+
     # -- admission and prefill -------------------------------------------------------------
     def admit(self, prefill: Prefill, write_pages: WritePages) -> None:
         """Swap sequences back in (`write_pages` copies their pages into the pool), then admit
-        waiting ones in prefill rounds (`prefill` runs a round's calls: their first tokens)."""
+        waiting ones in prefill rounds (`prefill` runs a round's calls: their first tokens);
+        a "keep" continuation whose pages are parked is swapped in instead."""
         self._resume(write_pages)
         # A sequence that ends at its first token frees its slot and pages at once, so a
         # round may make room for another.
-        while not self._swapped and (batch := self._take_waiting()):
-            self._prefill(batch, prefill)
+        while not self._swapped:
+            admitted, batch = self._take_waiting(write_pages)
+            if not admitted:
+                return
+            if batch:
+                self._prefill(batch, prefill)
 
     def _fits(self, pages: int, joining: int = 0) -> bool:
         """Whether a sequence needing `pages` more pages may join the live ones and the
@@ -328,37 +496,50 @@ class Scheduler:
         margin = after * self._growth_pages if self.on_demand and after > 1 else 0
         return pages + margin <= self.allocator.free_pages
 
-    def _take_waiting(self) -> list[SequenceState]:
-        """Up to `prefill_rows` waiting sequences, first in first out, each put in a free slot
-        with pages for its prompt (on demand) or its whole sequence (reserve). Stops at the
-        first that does not fit: it waits (FIFO) until a running sequence frees pages."""
+    def _take_waiting(self, write_pages: WritePages) -> tuple[int, list[SequenceState]]:
+        """Admit up to `prefill_rows` waiting sequences, first in first out, each into a free
+        slot: a "keep" continuation whose parked pages are held gets them back (swapped in,
+        live at once); any other gets pages for its prompt and response so far (on demand)
+        or its whole sequence (reserve) and is to be prefilled. Stops at the first that does
+        not fit: it waits (FIFO) until a running sequence frees pages. Returns how many were
+        admitted and those to prefill."""
         free = [s for s, seq in enumerate(self._slots) if seq is None][: self.prefill_rows]
-        batch: list[SequenceState] = []
+        admitted, batch = 0, []
         for slot in free:
             if not self._waiting:
                 break
             seq = self._waiting[0]
-            tokens = seq.prompt_len if self.on_demand else seq.prompt_len + seq.limit
-            pages = self.allocator.pages_for(tokens)
-            if not self._fits(pages, len(batch)) or not self.allocator.try_reserve(slot, tokens):
-                break
+            host = self._parked_pages(seq)
+            if host is not None:
+                pages = host.num_pages
+                if not self.on_demand:
+                    pages = max(pages, self.allocator.pages_for(seq.prompt_len + seq.stop_at))
+                if not self._fits(pages, admitted):
+                    break
+            else:
+                tokens = seq.context_len if self.on_demand else seq.prompt_len + seq.stop_at
+                pages = self.allocator.pages_for(tokens)
+                if not self._fits(pages, admitted) or not self.allocator.try_reserve(slot, tokens):
+                    break
             self._waiting.popleft()
             seq.slot, seq.order = slot, self._admissions
             self._admissions += 1
             self._slots[slot] = seq
-            batch.append(seq)
-        return batch
+            admitted += 1
+            if host is not None:
+                self._unpark(seq, write_pages)
+            else:
+                batch.append(seq)
+        return admitted, batch
 
     def _prefill(self, batch: list[SequenceState], prefill: Prefill) -> None:
-        """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts,
-        then each sequence's first token in order."""
+        """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts
+        (with a continuation's response so far), then each sequence's next token in order."""
+        buckets = self.config.prefill_buckets + self.continuation_buckets
         by_bucket: dict[int, list[SequenceState]] = {}
         for seq in batch:
-            bucket = next(b for b in self.config.prefill_buckets if b >= seq.prompt_len)
+            bucket = next(b for b in buckets if b >= seq.context_len)
             by_bucket.setdefault(bucket, []).append(seq)
-        for seq in batch:
-            r = seq.request
-            seq.key_data = request_key_data(self.seed, r.prompt_id, r.sample_index, seq.version)
         self.counters["prefill_calls"] += len(by_bucket)
         table, rows = self.allocator.page_table, self.prefill_rows
         outs = prefill([(b, prefill_args(rows, b, table, seqs)) for b, seqs in by_bucket.items()])
@@ -373,7 +554,7 @@ class Scheduler:
             self.arrays.set_sampling(seq.slot, seq)
             token, logprob = first[seq]
             if not self._append(seq, token, logprob):
-                self.arrays.activate(seq, 1)
+                self.arrays.activate(seq)
 
     # -- pages on demand: growth, swap-out, swap-in ----------------------------------------
     def grow(self, read_pages: ReadPages) -> None:
@@ -384,9 +565,9 @@ class Scheduler:
         for seq in sorted(self._live(), key=lambda q: q.order):
             if seq.slot < 0:
                 continue  # swapped out below, to make room for an older one
-            # The token fed at position p is written there; the last one fed is at
-            # prompt_len + limit - 2 (the final token is sampled, never fed).
-            tokens = min(int(self.arrays.position[seq.slot]) + k, seq.prompt_len + seq.limit - 1)
+            # The token fed at position p is written there; the last one fed this call is
+            # at prompt_len + stop_at - 2 (the final token is sampled, never fed).
+            tokens = min(int(self.arrays.position[seq.slot]) + k, seq.prompt_len + seq.stop_at - 1)
             while not self.allocator.try_reserve(seq.slot, tokens):
                 victim = max(self._live(), key=lambda q: q.order)
                 self._swap_out(victim, read_pages)
@@ -423,9 +604,83 @@ class Scheduler:
             seq.slot = slot
             self._slots[slot] = seq
             self.arrays.set_sampling(slot, seq)
-            self.arrays.activate(seq, len(seq.tokens))
+            self.arrays.activate(seq)
             self.counters["swap_in_bytes"] += host.nbytes
             self.arrays.page_table_dirty = True
+
+    def _requeue_in_flight(self) -> None:
+        """("resume" load) Free the pages of every live and swapped-out sequence and queue
+        them again, in admission order ahead of the waiting ones: each is prefilled anew
+        (prompt + its tokens so far) under the weights served when it is admitted."""
+        seqs = sorted([*self._live(), *self._swapped], key=lambda q: q.order)
+        for seq in seqs:
+            if seq.slot >= 0:
+                self.allocator.free(seq.slot)
+                self._slots[seq.slot] = None
+                self.arrays.active[seq.slot] = False
+            else:
+                self.allocator.drop_swapped(seq)
+            seq.slot = -1
+        self._swapped = []
+        self._waiting.extendleft(reversed(seqs))
+        self.counters["requeued"] += len(seqs)
+        self.arrays.page_table_dirty = self.arrays.carry_dirty = True
+
+    # -- parked sequences ("keep") ---------------------------------------------------------
+    def park(self, read_pages: ReadPages) -> None:
+        """Park the sequences paused in this step: their pages copied to the host
+        (`read_pages`) under their `ParkedKey` (replacing one parked there), their slots
+        freed; then evict the oldest parked while their bytes exceed `max_parked_bytes`."""
+        for seq in self._to_park:
+            key = seq.parked_key()
+            if key in self._parked:
+                self._drop_parked(key)
+            host = self.allocator.swap_out(seq.slot, key, read_pages)
+            self._slots[seq.slot] = None
+            seq.slot = -1
+            self._parked[key] = Parked(tuple(seq.request.prompt_tokens), tuple(seq.tokens))
+            self._parked_bytes += host.nbytes
+            self.counters["swap_out_bytes"] += host.nbytes
+            self.arrays.page_table_dirty = True
+        self._to_park = []
+        limit = self.max_parked_bytes
+        while self._parked and limit is not None and self._parked_bytes > limit:
+            self._drop_parked(next(iter(self._parked)))
+            self.counters["parked_evictions"] += 1
+
+    def _parked_pages(self, seq: SequenceState) -> HostPages | None:
+        """The host pages `seq` continues on, if it is a "keep" continuation whose exact
+        prompt and tokens are parked. One that looks and finds none (another worker's, an
+        evicted or restarted one) is prefilled instead, counted in `kv_rebuilt`."""
+        key = seq.parked
+        if key is None:
+            return None
+        if self._parked.get(key) == Parked(tuple(seq.request.prompt_tokens), tuple(seq.tokens)):
+            return self.allocator.swapped[key]
+        seq.parked = None
+        self.counters["kv_rebuilt"] += 1
+        return None
+
+    def _unpark(self, seq: SequenceState, write_pages: WritePages) -> None:
+        """Swap `seq`'s parked pages into its (new) slot and make it live: it decodes on
+        from its last token as if it had never paused."""
+        key, seq.parked = seq.parked, None
+        host = self.allocator.swapped[key]
+        self.allocator.swap_in(key, seq.slot, write_pages)
+        if not self.on_demand:
+            self.allocator.reserve(seq.slot, seq.prompt_len + seq.stop_at)
+        del self._parked[key]
+        self._parked_bytes -= host.nbytes
+        self.counters["kv_reused"] += 1
+        self.counters["swap_in_bytes"] += host.nbytes
+        self.arrays.set_sampling(seq.slot, seq)
+        self.arrays.activate(seq)
+        self.arrays.page_table_dirty = True
+
+    def _drop_parked(self, key: ParkedKey) -> None:
+        self._parked_bytes -= self.allocator.swapped[key].nbytes
+        self.allocator.drop_swapped(key)
+        del self._parked[key]
 
     # -- decode ------------------------------------------------------------------------------
     def decoded(self, live_rows: np.ndarray, packed: np.ndarray) -> None:
@@ -454,14 +709,18 @@ class Scheduler:
                 a.index[slot] += taken
 
     def _append(self, seq: SequenceState, token: int, logprob: float) -> bool:
-        """Record a sampled token; finish the sequence if it ends it. Returns whether it did."""
+        """Record a sampled token (by the version served now); finish the sequence if it
+        ends it or this call's budget. Returns whether it did."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
+        seq.token_versions.append(self.served_version)
         self.counters["tokens_generated"] += 1
         if token in seq.sampling.stop_token_ids:
             self._finish(seq, "stop")
         elif len(seq.tokens) >= seq.limit:
             self._finish(seq, "length")
+        elif len(seq.tokens) >= seq.stop_at:
+            self._finish(seq, "paused")
         else:
             return False
         return True
@@ -469,8 +728,13 @@ class Scheduler:
     def _finish(
         self, seq: SequenceState, reason: FinishReason, *, error: str = "", report: bool = True
     ) -> Rollout:
-        """End a sequence: free its slot and pages at once, and build its rollout."""
-        if seq.slot >= 0:
+        """End a sequence: free its slot and pages at once (a sequence paused under "keep"
+        keeps them until `park`), and build its rollout."""
+        if reason == "paused" and self.in_flight_update == "keep" and seq.slot >= 0:
+            self.arrays.active[seq.slot] = False
+            self.arrays.carry_dirty = True
+            self._to_park.append(seq)
+        elif seq.slot >= 0:
             self.allocator.free(seq.slot)
             self._slots[seq.slot] = None
             self.arrays.active[seq.slot] = False
@@ -480,6 +744,8 @@ class Scheduler:
             self._swapped.remove(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        if reason == "paused":
+            self.counters["paused"] += 1
         del self._in_flight[seq.request.request_id]
         rollout = seq.rollout(reason, error)
         if report:

@@ -61,14 +61,17 @@ class StaticKey:
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def prefill_step(
-    static, params, cache, rows, tokens, lengths, key_data, temperature, top_k, top_p, lp
+    static, params, cache, rows, tokens, lengths, starts, key_data, temperature, top_k, top_p, lp
 ):
-    """Prefill a batch of prompts and sample each one's first response token (t = 0).
+    """Prefill a batch of prompts and sample each one's next response token (t = starts).
 
     rows: int32[batch, pages_per_seq], each prompt's page-table row; tokens: int32[batch,
-    bucket] (right-padded); lengths: int32[batch] prompt lengths (0 = a padding row: it
-    writes nothing and its output is garbage); key_data: uint32[batch, 2]; temperature,
-    top_p: float32[batch]; top_k: int32[batch]; lp: bool[batch] ("sampled" log-probs).
+    bucket] (right-padded: the prompt, then a continuation's response so far); lengths:
+    int32[batch] their lengths (0 = a padding row: it writes nothing and its output is
+    garbage); starts: int32[batch], the response index t of the token sampled (0 for a
+    fresh prompt, the tokens so far for a continuation); key_data: uint32[batch, 2];
+    temperature, top_p: float32[batch]; top_k: int32[batch]; lp: bool[batch] ("sampled"
+    log-probs).
     Returns (packed int32[2, batch]: tokens and log-probs as float32 bits, so the host
     fetches them in one transfer; cache with the prompts' keys/values written).
     """
@@ -82,15 +85,7 @@ def prefill_step(
         cache.for_prefill(rows),
         logits_index=jnp.maximum(lengths - 1, 0),
     )
-    token, logprob = sample_tokens(
-        logits,
-        key_data,
-        jnp.zeros(lengths.shape, jnp.int32),
-        temperature,
-        top_k,
-        top_p,
-        lp,
-    )
+    token, logprob = sample_tokens(logits, key_data, starts, temperature, top_k, top_p, lp)
     packed = jnp.stack([token, jax.lax.bitcast_convert_type(logprob, jnp.int32)])
     return packed, cache.with_page_table(table)
 

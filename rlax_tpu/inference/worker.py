@@ -43,8 +43,9 @@ _log = logging.getLogger(__name__)
 
 # Completed rollouts kept for repeated request ids (per version held; a reload forgets them).
 DEFAULT_MAX_RECORDED = 8192
-# Only these are final: an aborted or failed request is generated afresh when repeated.
-_RECORDED_REASONS = ("stop", "length")
+# Only these are final: an aborted or failed request is generated afresh when repeated. A
+# paused one is final for its request id: its continuation is another request.
+_RECORDED_REASONS = ("stop", "length", "paused")
 _STOP = object()  # tells the engine thread to exit
 _CANCELLED = object()  # ends a RolloutStream early
 
@@ -56,6 +57,8 @@ def _request_key(request: GenerationRequest, default: SamplingParams) -> tuple:
         request.sample_index,
         tuple(request.prompt_tokens),
         request.sampling or default,
+        request.partial,
+        request.max_tokens,
     )
 
 
@@ -190,7 +193,8 @@ class InferenceWorker:
                 if self._known_key(request.request_id) not in (None, key):
                     raise InvalidRequestError(
                         f"request id {request.request_id!r} was already used for a different "
-                        "request (prompt, sample index or sampling differ); ids must be unique"
+                        "request (prompt, sample index, sampling, partial response or "
+                        "max_tokens differ); ids must be unique"
                     )
             new = []
             for request, key in zip(requests, keys, strict=True):
@@ -215,7 +219,8 @@ class InferenceWorker:
 
         Only multiples of η, unless `evaluation`: then any published version (the run's
         final one, evaluated whatever η is). Requests in flight at the swap end as "aborted"
-        (returned here and to their callers).
+        (returned here and to their callers), except, for a newer version, with
+        inference.in_flight_update "keep" or "resume": they continue (`Engine.load`).
         """
         if not evaluation and not self.policy.is_loadable(version):
             raise NotLoadableError(
@@ -356,12 +361,12 @@ class InferenceWorker:
 
     def _stub_rollout(self, rid: str, key: tuple, finish_reason: str, error: str) -> Rollout:
         """A rollout with no tokens that ends request `rid` with `finish_reason`."""
-        prompt_id, sample_index, prompt_tokens, _ = key
+        prompt_id, sample_index, prompt_tokens, _, partial, _ = key
         return Rollout(
             request_id=rid,
             prompt_id=prompt_id,
             sample_index=sample_index,
-            version=self._version,
+            version=self._version if partial is None else partial.version,
             prompt_tokens=prompt_tokens,
             tokens=(),
             logprobs=(),
