@@ -139,7 +139,7 @@ def test_assemble_batch_aligns_responses_with_the_positions_that_score_them():
 
 def test_assemble_batch_refuses_a_rollout_staler_than_n():
     groups = [group((rollout("p", 0, 1, [1, 2], [3]), 1.0))]
-    with pytest.raises(ControllerError, match="too stale for batch 3"):
+    with pytest.raises(ControllerError, match="tokens of version 1, not acceptable for batch 3"):
         assemble_batch(3, groups, policy=StalenessPolicy(1, 1), max_seq_len=64)
 
 

@@ -37,7 +37,12 @@ from rlax_tpu.controller.assembly import Assembled
 from rlax_tpu.controller.batches import BatchBuilder
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.evaluation import EvalResult, Evaluator
-from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt, Stopped
+from rlax_tpu.controller.generation import (
+    BatchState,
+    GenerationPool,
+    Prompt,
+    Stopped,
+)
 from rlax_tpu.controller.recovery import Recovery
 from rlax_tpu.controller.replay import ReplayStage
 from rlax_tpu.controller.schedule import Schedule
@@ -46,6 +51,7 @@ from rlax_tpu.controller.snapshots import RolloutLog, SnapshotError, SnapshotSto
 from rlax_tpu.controller.warm_start import run_warm_start
 from rlax_tpu.controller.workers import WorkerThreads
 from rlax_tpu.data.datasets import PromptMixture, PromptRecord, encode_prompt, stop_tokens
+from rlax_tpu.staleness import InFlightPlan
 
 _log = logging.getLogger(__name__)
 
@@ -135,6 +141,15 @@ class Controller:
         )
         self.stats = _fresh_stats()
         self.log = RolloutLog(config.storage.run_dir)
+        # Mixed-version rollouts: requests cut into ticks (staleness.InFlightPlan).
+        in_flight = InFlightPlan.of(config, self.schedule.generation_policy)
+        if in_flight is None and config.inference.in_flight_update != "off":
+            self.report(
+                f"inference.in_flight_update = {config.inference.in_flight_update!r} changes "
+                f"nothing here: with N = {self.schedule.generation_policy.max_staleness} and "
+                f"η = {self.policy.reload_every} no response may span two versions (that needs "
+                "N > η: N - η ticks to carry a response into); every rollout is of one version"
+            )
         threads = WorkerThreads(
             components.workers,
             sampling=self.sampling,
@@ -145,8 +160,9 @@ class Controller:
             liveness_s=ctl.liveness_timeout_s,
             decode_step_deadline_s=ctl.decode_step_deadline_s,
             decode_slots=config.inference.max_decode_slots,
+            merge_jobs=in_flight is not None,
         )
-        self.pool = GenerationPool(threads, self.log, samples=self.samples)
+        self.pool = GenerationPool(threads, self.log, samples=self.samples, in_flight=in_flight)
         self.scorer = Scorer(
             components.verifier,
             tokenizer,
@@ -350,6 +366,7 @@ class Controller:
             batch = BatchState(b, version, self.samples, greedy=self.greedy_baseline)
             self._batches[b] = batch
             self.pool.submit(batch, self._draw(b))
+            self.pool.open_tick(b, version)  # the continuations due with batch b's version
 
     # -- replay pre-fill -----------------------------------------------------------------------
     def _prefill(self) -> None:

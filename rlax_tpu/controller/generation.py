@@ -23,12 +23,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rlax_tpu.api.inference import GenerationRequest, Rollout
+from rlax_tpu.api.inference import GenerationRequest, Partial, Rollout
 from rlax_tpu.api.records import Group, Judgement, RolloutRecord, ScoredRollout
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.controller.workers import TIMINGS, Job, WorkerThreads
 from rlax_tpu.data.datasets import PromptRecord
+from rlax_tpu.staleness import InFlightPlan
 
 _log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class GenerationPool:
         *,
         samples: int,
         progress_every_s: float = 10.0,
+        in_flight: InFlightPlan | None = None,
     ) -> None:
         self.threads = threads
         self.progress_every_s = progress_every_s  # 0: no progress lines while waiting
@@ -164,6 +166,13 @@ class GenerationPool:
         self.counters = threads.counters
         self.counters.setdefault("reused", 0)
         self._lock = threading.Lock()  # batches' rollouts, filled by the worker threads
+        # Mixed-version rollouts: the ticks whose version is out (their batch launched), and
+        # the continuations waiting for theirs, with the worker holding their parked KV.
+        self.in_flight = in_flight
+        self._open_ticks: dict[int, int] = {}  # tick -> its version
+        self._held: dict[int, list[tuple[BatchState, GenerationRequest, int | None]]] = {}
+        if in_flight is not None:
+            self.counters.setdefault("continued", 0)
 
     # -- the worker threads ---------------------------------------------------------------------
     def start(self) -> None:
@@ -198,11 +207,15 @@ class GenerationPool:
         return self.threads.lost
 
     # -- batches ------------------------------------------------------------------------------
-    def request(self, prompt: Prompt, sample_index: int, version: int) -> GenerationRequest:
+    def request(
+        self, prompt: Prompt, sample_index: int, version: int, batch: int | None = None
+    ) -> GenerationRequest:
         """The request of one sample: its id (and so its PRNG key) is a function of the
         prompt key, the sample index and the version. GREEDY_SAMPLE is the prompt's greedy
-        response (temperature 0, the samples' other settings)."""
+        response (temperature 0, the samples' other settings). With in-flight updates, a
+        request of `batch` generates at most its first tick's tokens."""
         greedy = sample_index == GREEDY_SAMPLE
+        budget = 0 if self.in_flight is None or batch is None else self.in_flight.budget(batch, 0)
         return GenerationRequest(
             request_id=f"{prompt.key}/{'greedy' if greedy else f's{sample_index}'}/v{version}",
             prompt_id=prompt.key,
@@ -211,6 +224,28 @@ class GenerationPool:
             sampling=dataclasses.replace(self.sampling, temperature=0.0)
             if greedy
             else self.sampling,
+            max_tokens=budget,
+        )
+
+    def continuation(
+        self, batch: int, base: GenerationRequest, paused: Rollout | RolloutRecord
+    ) -> GenerationRequest:
+        """The next call of request `base`, `paused` at its tick's budget: the same prompt
+        and sampling key, its tokens so far as the partial, the budget of its next tick. Its
+        id is the first call's with the tokens so far ("<id>/t<n>"), so each call is
+        idempotent on its own."""
+        n = len(paused.tokens)
+        root = base.request_id if base.partial is None else base.request_id.rsplit("/t", 1)[0]
+        return dataclasses.replace(
+            base,
+            request_id=f"{root}/t{n}",
+            partial=Partial(
+                version=paused.version,
+                tokens=tuple(paused.tokens),
+                logprobs=tuple(paused.logprobs),
+                token_versions=tuple(paused.token_versions or (paused.version,) * n),
+            ),
+            max_tokens=self.in_flight.budget(batch, n),
         )
 
     def submit(self, batch: BatchState, prompts: list[Prompt]) -> None:
@@ -220,7 +255,9 @@ class GenerationPool:
             batch.prompts.extend(prompts)
             batch.done.clear()
         logged = self.log.rollouts(b)
+        partials = self.log.partials(b) if self.in_flight is not None else {}
         missing: list[GenerationRequest] = []
+        carried: list[tuple[GenerationRequest, Rollout]] = []
         indices = batch.sample_indices
         for prompt in prompts:
             for i in indices:
@@ -228,11 +265,17 @@ class GenerationPool:
                 if record is not None:
                     batch.rollouts[(prompt.key, i)] = record
                     self.counters["reused"] += 1
+                elif (prompt.key, i, version) in partials:  # a resumed run carries it on
+                    carried.append(
+                        (self.request(prompt, i, version, b), partials[(prompt.key, i, version)])
+                    )
                 else:
-                    missing.append(self.request(prompt, i, version))
+                    missing.append(self.request(prompt, i, version, b))
         with self._lock:
             if len(batch.rollouts) == batch.expected:
                 batch.done.set()
+        for base, partial in carried:
+            self._carry_on(batch, base, partial, None)
         if not missing:
             return
         per_worker = math.ceil(len(missing) / len(self.workers))
@@ -251,6 +294,74 @@ class GenerationPool:
                     deliver=lambda r, batch=batch, ps=job_prompts: self._deliver(batch, r, ps),
                     fail=lambda e, batch=batch: self._fail(batch, e),
                     timing=batch.timing,
+                    pause=self._pause_handler(batch, requests),
+                )
+            )
+
+    # -- mixed-version rollouts: ticks and continuations -----------------------------------
+    def open_tick(self, tick: int, version: int) -> None:
+        """Batch `tick` is launched with `version`: the continuations due in this tick go to
+        the workers with it (those paused later go at once)."""
+        if self.in_flight is None:
+            return
+        with self._lock:
+            self._open_ticks[tick] = version
+            held = self._held.pop(tick, [])
+        self._queue_continuations(tick, held)
+
+    def _pause_handler(self, batch: BatchState, requests: list[GenerationRequest]):
+        if self.in_flight is None:
+            return None
+        by_id = {r.request_id: r for r in requests}
+        return lambda rollouts, worker: self._paused(batch, by_id, rollouts, worker)
+
+    def _paused(
+        self,
+        batch: BatchState,
+        requests: Mapping[str, GenerationRequest],
+        rollouts: list[Rollout],
+        worker: int,
+    ) -> None:
+        """Rollouts that stopped at their tick's budget: logged (a resumed run carries them
+        on from there), then continued in their next tick, on the worker that parked them."""
+        self.log.append_partials(batch.index, [rollout_record(batch.index, r) for r in rollouts])
+        for rollout in rollouts:
+            self._carry_on(batch, requests[rollout.request_id], rollout, worker)
+
+    def _carry_on(
+        self, batch: BatchState, base: GenerationRequest, paused: Rollout, worker: int | None
+    ) -> None:
+        request = self.continuation(batch.index, base, paused)
+        tick = self.in_flight.tick(batch.index, len(paused.tokens))
+        with self._lock:
+            self.counters["continued"] += 1
+            if tick not in self._open_ticks:
+                self._held.setdefault(tick, []).append((batch, request, worker))
+                return
+        self._queue_continuations(tick, [(batch, request, worker)])
+
+    def _queue_continuations(
+        self, tick: int, held: list[tuple[BatchState, GenerationRequest, int | None]]
+    ) -> None:
+        """One job per (batch, worker) of `held`, with the version of batch `tick`."""
+        version = self._open_ticks[tick]
+        jobs: dict[tuple[int, int | None], list[GenerationRequest]] = {}
+        owners: dict[int, BatchState] = {}
+        for batch, request, worker in held:
+            jobs.setdefault((batch.index, worker), []).append(request)
+            owners[batch.index] = batch
+        for (b, worker), requests in jobs.items():
+            batch = owners[b]
+            self.threads.put(
+                Job(
+                    (b, 2**40 + tick),
+                    version,
+                    requests,
+                    deliver=lambda r, batch=batch: self._deliver(batch, r, {}),
+                    fail=lambda e, batch=batch: self._fail(batch, e),
+                    timing=batch.timing,
+                    pause=self._pause_handler(batch, requests),
+                    worker=worker,
                 )
             )
 

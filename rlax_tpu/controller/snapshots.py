@@ -32,6 +32,7 @@ CONSUMED_DIR = "consumed"
 ROLLOUTS_PREFIX = "rollouts-"
 VERDICTS_PREFIX = "verdicts-"
 PROMPTS_PREFIX = "prompts-"
+PARTIALS_PREFIX = "partials-"
 FORMAT = 1
 
 
@@ -158,11 +159,20 @@ class RolloutLog:
         writing the same rollouts again replaces the file instead of duplicating them."""
         self._write(batch, ROLLOUTS_PREFIX, [r.to_json() for r in rollouts])
 
-    def _write(self, batch: int, prefix: str, records: Sequence[dict[str, Any]]) -> None:
+    def _write(
+        self,
+        batch: int,
+        prefix: str,
+        records: Sequence[dict[str, Any]],
+        salt: Sequence[int] | None = None,
+    ) -> None:
+        """`salt`: per record, a number that tells its writes apart (a partial's length)."""
         if not records:
             return
         keys = sorted(
-            rollout_key(batch, r["prompt_id"], r["sample_index"], r["version"]) for r in records
+            rollout_key(batch, r["prompt_id"], r["sample_index"], r["version"])
+            + ("" if salt is None else f"-n{salt[k]}")
+            for k, r in enumerate(records)
         )
         name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:24]
         lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
@@ -263,7 +273,23 @@ class RolloutLog:
             name.startswith(VERDICTS_PREFIX) for name in storage.listdir(directory)
         )
 
-    def _read(self, batch: int, prefix: str, then: str) -> dict[tuple[str, int, int], dict]:
+    def append_partials(self, batch: int, rollouts: Sequence[RolloutRecord]) -> None:
+        """Persist rollouts paused at a tick's token budget (mixed-version rollouts, finish
+        reason "paused"), in one atomic write; a resumed run carries each on from its
+        longest logged partial instead of generating it again."""
+        records = [r.to_json() for r in rollouts]
+        self._write(batch, PARTIALS_PREFIX, records, salt=[len(r.tokens) for r in rollouts])
+
+    def partials(self, batch: int) -> dict[RolloutKey, RolloutRecord]:
+        """The longest logged partial of each of `batch`'s unfinished rollouts, by key."""
+        lines = self._read(batch, PARTIALS_PREFIX, "carrying on from an earlier one", longest=True)
+        return self._typed(batch, lines, RolloutRecord.from_json, "carrying on from before")
+
+    def _read(
+        self, batch: int, prefix: str, then: str, *, longest: bool = False
+    ) -> dict[tuple[str, int, int], dict]:
+        """The lines of `batch`'s files named `prefix`*, by key; the last read wins, or with
+        `longest` the one with the most tokens."""
         directory = self._batch_dir(batch)
         if not storage.exists(directory):
             return {}
@@ -280,6 +306,8 @@ class RolloutLog:
                     _log.warning(
                         "rollout log entry in %s/%s is unreadable; %s", directory, name, then
                     )
+                    continue
+                if longest and key in out and len(out[key]["tokens"]) >= len(record["tokens"]):
                     continue
                 out[key] = record
         return out

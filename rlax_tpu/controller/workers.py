@@ -16,10 +16,10 @@ retried.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
@@ -42,7 +42,12 @@ STOP_JOIN_S = 5.0
 
 @dataclasses.dataclass(order=True)
 class Job:
-    """Requests for one worker, generated with exactly `version`. Ordered by `priority`."""
+    """Requests for one worker, generated with exactly `version`. Ordered by `priority`.
+
+    `pause(rollouts, worker)` takes the rollouts that stopped at their token budget
+    (finish_reason "paused": mixed-version rollouts, inference.in_flight_update) and the
+    index of the worker that holds their parked KV; `worker`: only that worker may run the
+    job (None: any)."""
 
     priority: tuple[int, int]
     version: int = dataclasses.field(compare=False)
@@ -53,6 +58,113 @@ class Job:
         compare=False, default_factory=lambda: dict.fromkeys(TIMINGS, 0.0)
     )
     evaluation: bool = dataclasses.field(compare=False, default=False)  # any version
+    pause: Callable[[list[Rollout], int], None] | None = dataclasses.field(
+        compare=False, default=None
+    )
+    worker: int | None = dataclasses.field(compare=False, default=None)
+
+    def runs_on(self, i: int) -> bool:
+        return self.worker is None or self.worker == i
+
+
+def merged(jobs: Sequence[Job]) -> Job:
+    """One job of `jobs` (one version, the first's priority and timing): its rollouts go
+    back to the job each request came from. One Generate call then decodes them together,
+    so a tick's continuations and a batch's new requests share decode calls; a request's
+    tokens do not depend on what it is decoded with (docs/inference.md)."""
+    if len(jobs) == 1:
+        return jobs[0]
+    owner = {r.request_id: job for job in jobs for r in job.requests}
+
+    def by_owner(rollouts: list[Rollout]) -> dict[int, tuple[Job, list[Rollout]]]:
+        out: dict[int, tuple[Job, list[Rollout]]] = {}
+        for rollout in rollouts:
+            job = owner[rollout.request_id]
+            out.setdefault(id(job), (job, []))[1].append(rollout)
+        return out
+
+    def deliver(rollouts: list[Rollout]) -> None:
+        for job, own in by_owner(rollouts).values():
+            job.deliver(own)
+
+    def pause(rollouts: list[Rollout], worker: int) -> None:
+        for job, own in by_owner(rollouts).values():
+            if job.pause is None:
+                job.fail(f"{len(own)} rollouts paused, and their job takes none")
+            else:
+                job.pause(own, worker)
+
+    def fail(error: str) -> None:
+        for job in jobs:
+            job.fail(error)
+
+    first = jobs[0]
+    return dataclasses.replace(
+        first,
+        requests=[r for job in jobs for r in job.requests],
+        deliver=deliver,
+        fail=fail,
+        pause=pause,
+        worker=next((job.worker for job in jobs if job.worker is not None), None),
+    )
+
+
+class JobQueue:
+    """The pool's jobs in priority order. A worker's thread takes the first job it may run
+    (`Job.runs_on`) and, with `merge`, the other queued jobs of the same version kept for it
+    (`Job.worker`: the continuations of what it paused) and at most one more for any worker
+    (a share of a batch), as one job (`merged`). A job kept for a worker that is down
+    (`down`) is for any worker: its parked KV is gone, another rebuilds it."""
+
+    def __init__(self, *, merge: bool = False) -> None:
+        self.merge = merge
+        self._jobs: list[Job] = []
+        self._down: set[int] = set()
+        self._ready = threading.Condition()
+
+    def put(self, job: Job) -> None:
+        with self._ready:
+            if job.worker in self._down:
+                job = dataclasses.replace(job, worker=None)
+            bisect.insort(self._jobs, job)
+            self._ready.notify_all()
+
+    def down(self, i: int, is_down: bool = True) -> None:
+        """Worker i stopped answering (its queued jobs go to any worker), or is back."""
+        with self._ready:
+            if not is_down:
+                self._down.discard(i)
+                return
+            self._down.add(i)
+            self._jobs = [
+                dataclasses.replace(job, worker=None) if job.worker == i else job
+                for job in self._jobs
+            ]
+            self._ready.notify_all()
+
+    def take(self, i: int) -> Job:
+        with self._ready:
+            while True:
+                first = next((job for job in self._jobs if job.runs_on(i)), None)
+                if first is not None:
+                    break
+                self._ready.wait()
+            if first is _STOP or not self.merge:
+                self._jobs.remove(first)
+                return first
+            same = [
+                job
+                for job in self._jobs
+                if job is not _STOP
+                and job.runs_on(i)
+                and (job.version, job.evaluation) == (first.version, first.evaluation)
+            ]
+            kept = [job for job in same if job.worker == i]
+            shared = [job for job in same if job.worker is None][:1]
+            chosen = [job for job in same if job is first or job in kept or job in shared]
+            for job in chosen:
+                self._jobs.remove(job)
+            return merged(chosen)
 
 
 _STOP = Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
@@ -78,7 +190,11 @@ class WorkerThreads:
         liveness_s: float = 0.0,
         decode_step_deadline_s: float = 0.0,
         decode_slots: int = 1,
+        merge_jobs: bool = False,
     ) -> None:
+        """merge_jobs: a thread takes every queued job of its job's version it may run, as
+        one Generate call (with in-flight updates: a tick's continuations and new requests
+        decode together)."""
         self.workers = list(workers)
         # Liveness (rpc/liveness.py): with liveness_s > 0, every Load and Generate is watched
         # by health checks, and a Generate has a deadline from the tokens it carries.
@@ -98,7 +214,7 @@ class WorkerThreads:
         self.lost = 0  # times a worker stopped answering (and its requests moved)
         self._down_since: dict[int, float] = {}  # silent workers: since when
         self._closing = threading.Event()
-        self._jobs: queue.PriorityQueue[Job] = queue.PriorityQueue()
+        self._jobs = JobQueue(merge=merge_jobs)
         self._lock = threading.Lock()
         self._republish_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -130,7 +246,7 @@ class WorkerThreads:
     def _work(self, i: int) -> None:
         client = self.workers[i]
         while True:
-            job = self._jobs.get()
+            job = self._jobs.take(i)
             if job is _STOP:
                 return
             t0 = time.perf_counter()
@@ -198,10 +314,13 @@ class WorkerThreads:
             stream = client.generate(job.requests, version=job.version, watch=watch)
         else:
             stream = client.generate(job.requests, version=job.version)
+        paused: list[Rollout] = []
         try:
             for rollout in stream:
                 if rollout.finish_reason in FINAL_REASONS:
                     finished.append(rollout)
+                elif rollout.finish_reason == "paused" and job.pause is not None:
+                    paused.append(rollout)
                 elif rollout.finish_reason == "aborted":
                     retry.append(rollout.request_id)
                 else:
@@ -212,6 +331,9 @@ class WorkerThreads:
             if finished and not self._closing.is_set():
                 job.deliver(finished)
                 done.update(r.request_id for r in finished)
+            if paused and not self._closing.is_set():
+                job.pause(paused, i)  # their continuations are queued before the next take
+                done.update(r.request_id for r in paused)
             job.timing["log_s"] += time.perf_counter() - t_generated
         if retry:
             with self._lock:
@@ -268,7 +390,7 @@ class WorkerThreads:
         """A lost worker's job goes back to the queue (same priority) without what it
         finished."""
         rest = [r for r in job.requests if r.request_id not in done]
-        if rest:
+        if rest:  # kept for a worker that is lost: for any (JobQueue.down), else still its
             self._jobs.put(dataclasses.replace(job, requests=rest))
 
     def _wait_for_worker(self, i: int, client: Any, error: BaseException) -> bool:
@@ -276,6 +398,7 @@ class WorkerThreads:
         loads its next job's version), the pool stops (False), or every worker has been
         silent for `wait_s` (False, with `failure` set)."""
         address = getattr(client, "address", "?")
+        self._jobs.down(i)
         with self._lock:
             self._down_since.setdefault(i, time.monotonic())
             self.worker_versions[i] = -1  # a replacement holds no weights
@@ -310,5 +433,6 @@ class WorkerThreads:
                     return False
                 continue
             self.report(f"inference worker {i} ({address}) answers again: it rejoins")
+            self._jobs.down(i, False)
             return True
         return False
