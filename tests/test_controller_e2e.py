@@ -430,10 +430,13 @@ CHAOS_WORKERS = 2
 CHAOS_KEYS = (2, 4, 6)
 
 
-def run_chaos(workspace, reference, name: str, schedule: Schedule) -> tuple[Disturbed, Path]:
+def run_chaos(workspace, reference, name: str, schedule: Schedule, **run) -> tuple[Disturbed, Path]:
+    """`run`: more of `start_run`'s arguments (overrides, staleness)."""
     root, _ = workspace
     disturbed = run_disturbed(
-        lambda env: start_run(workspace, name, warm_from=reference, workers=CHAOS_WORKERS, env=env),
+        lambda env: start_run(
+            workspace, name, warm_from=reference, workers=CHAOS_WORKERS, env=env, **run
+        ),
         schedule,
         failpoint_dir=root / f"{name}.failpoints",
     )
@@ -709,43 +712,74 @@ def check_mixed_version_run(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-IN_FLIGHT = ("inference.tick_tokens=1",)  # every response of 2+ tokens spans two ticks
+IN_FLIGHT = {"reload_every": 1, "max_staleness": 3}
+# every response of 2+ tokens spans two ticks
+IN_FLIGHT_SET = ("inference.tick_tokens=1",)
 
 
-@pytest.mark.parametrize("mode", ["resume", pytest.param("keep", marks=pytest.mark.slow)])
-def test_an_in_flight_run_is_its_own_reproduction_across_a_kill(workspace, reference, mode):
-    """Responses carried into the next tick under the next version: the same weights from an
-    uninterrupted run and from one whose controller (and with it the whole job) was killed
-    mid-run and resumed — the partials in the rollout log carry each response on. `keep`
-    after a whole-job restart rebuilds the parked KV by prefill (not bitwise: -m slow checks
-    only the uninterrupted run and the bounds)."""
-    overrides = (f"inference.in_flight_update={mode}", *IN_FLIGHT)
-    runs = {}
-    for name in ("whole", "killed"):
-        job = start_run(
-            workspace,
-            f"in_flight_{mode}_{name}",
-            warm_from=reference,
-            overrides=overrides,
-            reload_every=1,
-            max_staleness=3,
-        )
-        try:
-            if name == "killed":
-                kill_mid_run(job, "controller", after_steps=3)
-                job.cleanup()
-                job = Job(["resume", str(job.run_dir)], job.run_dir)
-            assert job.wait() == 0, job.output()[-5000:]
-        finally:
-            job.cleanup()
-        runs[name] = job.run_dir
-        metrics = check_mixed_version_run(job.run_dir)
-        assert max(m.get("rollout/partial_fraction", 0) for m in metrics) > 0
-        assert max(m.get("rollout/version_span", 0) for m in metrics) >= 1
-    whole, killed = summary(runs["whole"]), summary(runs["killed"])
-    assert whole["continued"] > 0 and 0 < killed["start_step"] < STEPS
-    if mode == "resume":
-        assert killed["final_digest"] == whole["final_digest"]
-        assert (
-            RolloutLog(str(runs["killed"])).consumed() == RolloutLog(str(runs["whole"])).consumed()
-        )
+def in_flight_run(workspace, reference, mode: str, name: str) -> Job:
+    overrides = (f"inference.in_flight_update={mode}", *IN_FLIGHT_SET)
+    return start_run(workspace, name, warm_from=reference, overrides=overrides, **IN_FLIGHT)
+
+
+@pytest.fixture(scope="module")
+def resume_reference(workspace, reference):
+    """The uninterrupted `resume` run, checked."""
+    job = in_flight_run(workspace, reference, "resume", "in_flight_resume_whole")
+    try:
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    metrics = check_mixed_version_run(job.run_dir)
+    assert max(m.get("rollout/partial_fraction", 0) for m in metrics) > 0
+    assert max(m.get("rollout/version_span", 0) for m in metrics) >= 1
+    assert summary(job.run_dir)["continued"] > 0
+    return job.run_dir
+
+
+def test_a_resume_run_is_its_own_reproduction_across_a_kill(workspace, reference, resume_reference):
+    """Responses carried into the next tick under the next version: a run whose controller
+    (and with it the whole job) is killed mid-run and resumed ends with the uninterrupted
+    run's weights and consumed rollouts — the partials in the rollout log carry each
+    response on from where it was."""
+    job = in_flight_run(workspace, reference, "resume", "in_flight_resume_killed")
+    try:
+        kill_mid_run(job, "controller", after_steps=3)
+        job.cleanup()
+        job = Job(["resume", str(job.run_dir)], job.run_dir)
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    check_mixed_version_run(job.run_dir)
+    killed, whole = summary(job.run_dir), summary(resume_reference)
+    assert 0 < killed["start_step"] < STEPS
+    assert killed["final_digest"] == whole["final_digest"]
+    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(resume_reference)).consumed()
+
+
+@pytest.mark.slow  # ~1 min: -m slow
+def test_a_keep_run_carries_responses_on_within_the_bound(workspace, reference):
+    """`keep`: responses carried on their parked KV; every token within the bound. (A
+    restart of the whole job rebuilds the parked KV by prefill: not bitwise, not compared.)"""
+    job = in_flight_run(workspace, reference, "keep", "in_flight_keep")
+    try:
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    metrics = check_mixed_version_run(job.run_dir)
+    assert max(m.get("rollout/partial_fraction", 0) for m in metrics) > 0
+    assert summary(job.run_dir)["continued"] > 0
+
+
+# ~2-3 min each; `-m slow`: the seeded chaos schedules on a `resume` run.
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_chaos_seeded_kills_of_a_resume_run_end_with_its_weights(
+    workspace, reference, resume_reference, seed
+):
+    schedule = chaos_schedule(seed, steps=STEPS, workers=CHAOS_WORKERS, keys=CHAOS_KEYS)
+    overrides = ("inference.in_flight_update=resume", *IN_FLIGHT_SET)
+    disturbed, run_dir = run_chaos(
+        workspace, reference, f"chaos_resume_{seed}", schedule, overrides=overrides, **IN_FLIGHT
+    )
+    assert_survived(disturbed, run_dir, resume_reference, schedule)

@@ -50,6 +50,9 @@ def test_every_token_of_a_batch_lies_within_the_bound_and_before_the_batch(eta, 
             version = policy.scheduled_version(tick)
             assert tick < 30  # no tick after the run's last batch
             assert policy.is_acceptable(batch, version)
+            # a version workers load today, and one the parameter server still holds for
+            # every batch from `batch` on: the publish and retention rules are unchanged
+            assert policy.is_loadable(version) and version >= policy.oldest_needed(batch)
             # ... and the tick that completes batch b needs no version newer than b - 1
             # (b - 1 trains meanwhile), except the run's first batches at version 0
             assert version <= max(0, batch - 1)
