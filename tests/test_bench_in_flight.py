@@ -132,7 +132,7 @@ def test_length_distribution_fits_the_lognormal_shape():
 
 def test_the_config_is_the_demos_model_on_the_task_with_n_4():
     train, heldout = Path("/data/train.jsonl"), Path("/data/heldout.jsonl")
-    config = bench_in_flight.bench_config(False, train, heldout, None, [])
+    config = bench_in_flight.bench_config(False, Path("/w"), train, heldout, None, [])
     (dataset,) = config.controller.datasets
     assert (dataset.path, dataset.sft_field) == (str(train), "solution")
     assert config.controller.eval_dataset == str(heldout)
@@ -140,7 +140,8 @@ def test_the_config_is_the_demos_model_on_the_task_with_n_4():
     assert config.inference.max_new_tokens == 64 and config.inference.in_flight_update == "off"
     assert bench_in_flight._tick_tokens(config) == 16  # 64 / (J + 1), J = 3
     assert config.model.hidden_size == 128  # the demo's
-    quick = bench_in_flight.bench_config(True, train, heldout, 4, [])
+    assert config.compilation_cache == "/w/compile_cache"  # shared by the runs, not in the repo
+    quick = bench_in_flight.bench_config(True, Path("/w"), train, heldout, 4, [])
     assert quick.controller.num_steps == 4 and quick.inference.max_new_tokens == 32
     keep = bench_in_flight.mode_config(config, "keep", 2, Path("/runs/x"))
     assert (keep.inference.in_flight_update, keep.seed) == ("keep", 2)

@@ -156,10 +156,11 @@ def write_task(work: Path, task: Task) -> tuple[Path, Path]:
 
 
 def bench_config(
-    quick: bool, train: Path, heldout: Path, steps: int | None, extra: Sequence[str]
+    quick: bool, work: Path, train: Path, heldout: Path, steps: int | None, extra: Sequence[str]
 ) -> RunConfig:
     """The benchmark's config (in_flight_update off, seed 0): the demo's, COMMON and FULL or
-    QUICK, the task's lengths and files, `steps`, then `extra`."""
+    QUICK, the task's lengths and files, `steps`, then `extra`. Every run keeps compiled
+    programs in work/compile_cache: a round's first run compiles what the others load."""
     task = TASKS["quick" if quick else "full"]
     prompt_len = 48
     config = load_config(str(ROOT / "configs" / "tiny_cpu.py"))
@@ -176,6 +177,7 @@ def bench_config(
         f"inference.max_new_tokens={task.max_new_tokens}",
         f"trainer.max_seq_len={prompt_len + task.max_new_tokens}",
         *([f"controller.num_steps={steps}"] if steps is not None else []),
+        f"compilation_cache={work / 'compile_cache'}",
         *extra,
     ]
     return config.apply_overrides(overrides)
@@ -592,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     task = TASKS["quick" if args.quick else "full"]
     train, heldout = write_task(work, task)
-    config = bench_config(args.quick, train, heldout, args.steps, args.set)
+    config = bench_config(args.quick, work, train, heldout, args.steps, args.set)
     configure_jax(config)  # before anything starts JAX: the SFT warm start runs here
     seeds = list(range(args.seeds))
     print(f"work dir {work}", flush=True)
