@@ -21,7 +21,7 @@ from rlax_tpu.config import (
     load_config,
 )
 from rlax_tpu.config.base import field_descriptions
-from rlax_tpu.config.run import RENAMED_FIELDS
+from rlax_tpu.config.run import ADDED_FIELDS, RENAMED_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.py"))
@@ -460,3 +460,32 @@ def test_a_field_added_since_runs_existed_changes_no_digest_at_its_old_behaviour
     )
     assert keep.identity()["inference"]["in_flight_update"] == "keep"
     assert keep.digest() != base.digest()
+
+
+def test_a_dataset_field_added_since_runs_existed_changes_no_digest_at_its_default():
+    """sft_field is left out of every dataset section at "" (controller.datasets[] and
+    data), so the shipped configs, with datasets in either place, keep their digests."""
+    tiny = load_config(str(ROOT / "configs" / "tiny_cpu.py"))  # controller.datasets
+    gsm8k = load_config(str(ROOT / "configs" / "qwen2_5_0_5b_gsm8k_gpu.py"))  # data
+    assert tiny.digest() == "929528180c198f61177ef508f2fcadbe7acfa81d3edf0a5f68e5db88b47cbe93"
+    assert gsm8k.digest() == "f4639173e64da76287f31a1bae84b69964b391a12e658c014d95beb03aa62a1d"
+    assert "sft_field" not in tiny.identity()["controller"]["datasets"][0]
+    (dataset,) = tiny.controller.datasets
+    solved = dataclasses.replace(dataset, sft_field="solution")
+    worked = dataclasses.replace(
+        tiny, controller=dataclasses.replace(tiny.controller, datasets=(dataset, solved))
+    )
+    assert [d.get("sft_field") for d in worked.identity()["controller"]["datasets"]] == [
+        None,
+        "solution",
+    ]
+    assert worked.digest() != tiny.digest()
+    assert gsm8k.override("data.sft_field", "solution").digest() != gsm8k.digest()
+
+
+def test_every_dataset_section_leaves_its_added_fields_out():
+    """A field added to DatasetConfig is named in ADDED_FIELDS at every path a dataset
+    section has (as `config show --help-fields` writes them)."""
+    paths = [p for p, _, _, _ in field_descriptions(RunConfig) if p.endswith(".sft_field")]
+    assert paths == ["controller.datasets[].sft_field", "data.sft_field"]
+    assert set(paths) <= set(ADDED_FIELDS)

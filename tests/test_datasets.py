@@ -196,9 +196,11 @@ def test_record_json_round_trip():
             problem="gs://b/p",
             verifier="code",
         ),
+        PromptRecord(dataset="d", id="3", prompt="p", reference="4", sft_target="xyz = 4"),
     ]
     for record in records:
         assert PromptRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    assert "sft_target" not in records[0].to_json()  # records without one: lines as before
 
 
 def test_record_from_json_rejects_unknown_fields():

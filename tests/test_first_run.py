@@ -187,6 +187,67 @@ def test_sft_rows_refuse_a_row_over_max_seq_len(tmp_path, tokenizer):
         sft_rows(config, tokenizer, records)
 
 
+# -- a worked solution as the SFT target (sft_field) ----------------------------------------------
+SOLVED_ROWS = [
+    {"prompt": "What is 2 + 3?", "answer": "5", "solution": "qzx = 5"},
+    {"prompt": "What is 7 - 1?", "answer": "6", "solution": "abcdefghijklmnop = 6"},
+]
+
+
+@pytest.fixture(scope="module")
+def char(tmp_path_factory) -> Tokenizer:
+    from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+
+    directory = tmp_path_factory.mktemp("char")
+    write_char_tokenizer(str(directory))
+    return Tokenizer.load(str(directory))
+
+
+def test_the_sft_field_is_the_warm_starts_target_and_the_reference_stays_the_answer(tmp_path, char):
+    config = DatasetConfig(path=_gsm8k(tmp_path, SOLVED_ROWS), sft_field="solution")
+    records = load_dataset(config)
+    assert [(r.reference, r.sft_text) for r in records] == [
+        ("5", "qzx = 5"),
+        ("6", "abcdefghijklmnop = 6"),
+    ]
+    assert all(r.metadata == {} for r in records)  # the solution is no reward metadata
+    tokens, targets, mask = sft_rows(RunConfig(), char, records)
+    for i, row in enumerate(SOLVED_ROWS):
+        assert list(targets[i][mask[i] > 0]) == [*char.encode(row["solution"]), char.eos_token_id]
+    plain = load_dataset(DatasetConfig(path=config.path))  # without it: the reference
+    assert [r.sft_text for r in plain] == ["5", "6"]
+    assert [r.sft_target for r in plain] == ["", ""]
+
+
+def test_a_row_without_its_sft_field_is_refused_but_the_held_out_set_needs_none(tmp_path, char):
+    rows = [SOLVED_ROWS[0], {"prompt": "What is 1 + 1?", "answer": "2"}]
+    with pytest.raises(DatasetError, match="row 1.*has no 'solution'"):
+        load_dataset(DatasetConfig(path=_gsm8k(tmp_path, rows), sft_field="solution"))
+    config = RunConfig(
+        data=DatasetConfig(path=_gsm8k(tmp_path, SOLVED_ROWS), sft_field="solution")
+    ).override("controller.eval_dataset", _gsm8k(tmp_path, rows[1:], "test.jsonl"))
+    (record,) = load_eval_prompts(config, char)
+    assert record.reference == "2" and record.sft_text == "2"
+
+
+def test_the_datasets_scan_measures_the_sft_target_against_max_seq_len(tmp_path, char):
+    config = RunConfig(
+        data=DatasetConfig(path=_gsm8k(tmp_path, SOLVED_ROWS), sft_field="solution"),
+        storage=RunConfig().storage.override("run_dir", str(tmp_path / "run")),
+    ).apply_overrides(
+        [
+            "trainer.warm_start.steps=1",
+            "inference.max_prompt_len=16",
+            "inference.max_new_tokens=16",
+            "trainer.max_seq_len=32",  # 15 + 7 + 1 fit; 15 + 20 + 1 do not
+        ]
+    )
+    with pytest.raises(DatasetError, match=r"SFT target, EOS\): gsm8k:1 \(36\)"):
+        load_prompts(config, char)
+    records, _, _ = load_prompts(config.override("trainer.max_seq_len", "48"), char)
+    assert len(records["gsm8k"]) == 2
+
+
 # -- no silent truncation -------------------------------------------------------------------------
 def test_prompt_plus_response_must_fit_the_trainers_sequence():
     with pytest.raises(ConfigError, match=r"trainer.max_seq_len: 96 cannot hold.*=192"):

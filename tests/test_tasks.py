@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
 import sys
 
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from rlax_tpu.api.verifier import Verdict
 from rlax_tpu.verifiers.tasks import (
+    THINKING_FILLER,
     ReasoningGymMissing,
     arithmetic_problems,
     arithmetic_space,
@@ -21,6 +24,8 @@ from rlax_tpu.verifiers.tasks import (
     reasoning_gym_problems,
     score_arithmetic,
     score_reasoning_gym,
+    thinking_length,
+    with_thinking,
     write_jsonl,
 )
 
@@ -215,3 +220,44 @@ def test_asking_for_more_test_problems_than_there_are_names_the_fix():
         arithmetic_problems(0, 77, max_operand=20, split="test")
     with pytest.raises(ValueError, match="split 'dev'"):
         arithmetic_problems(0, 1, split="dev")
+
+
+# -- worked solutions of heavy-tailed length (with_thinking) --------------------------------------
+def _thinking(rows, **kwargs):
+    return with_thinking(rows, 0, **{"median": 8, "sigma": 1.4, "max_filler": 57, **kwargs})
+
+
+def test_worked_solutions_are_filler_then_the_answer_the_scorer_reads():
+    rows = _thinking(arithmetic_problems(0, 200, max_operand=99, split="train"))
+    for row in rows:
+        filler, answer = row["solution"].split(" = ")
+        assert answer == row["answer"] and filler and set(filler) <= set(THINKING_FILLER)
+        assert score_arithmetic(row["solution"], row["answer"]).verdict == Verdict.ACCEPTED
+        assert {k: row[k] for k in ("id", "prompt", "answer")} == {
+            k: v for k, v in row.items() if k != "solution"
+        }
+
+
+def test_filler_lengths_are_heavy_tailed_and_capped():
+    """A lognormal of median 8 and σ 1.4 truncated at 57 (the benchmark's): the fit of log
+    length stays above 1 (truncation and rounding up trim it), p90 is several medians, and
+    nothing passes the cap."""
+    rng = random.Random(0)
+    lengths = sorted(thinking_length(rng, 8, 1.4, 57) for _ in range(4000))
+    logs = [math.log(n) for n in lengths]
+    mean = sum(logs) / len(logs)
+    sigma = (sum((x - mean) ** 2 for x in logs) / len(logs)) ** 0.5
+    assert 7 <= lengths[len(lengths) // 2] <= 9
+    assert lengths[int(0.9 * len(lengths))] >= 3.5 * lengths[len(lengths) // 2]
+    assert sigma >= 1.0 and lengths[-1] == 57
+    with pytest.raises(ValueError, match="max_filler >= median"):
+        thinking_length(rng, 8, 1.0, 4)
+
+
+def test_worked_solutions_are_a_function_of_seed_and_id_and_keep_the_split():
+    train = arithmetic_problems(0, 300, max_operand=99, split="train")
+    test = arithmetic_problems(0, 300, max_operand=99, split="test")
+    assert _thinking(train) == _thinking(list(reversed(train)))[::-1]
+    assert _thinking(train) != with_thinking(train, 1, median=8, sigma=1.4, max_filler=57)
+    solved = {r["prompt"] for r in _thinking(train)}
+    assert solved == {r["prompt"] for r in train} and not solved & {r["prompt"] for r in test}

@@ -15,8 +15,9 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
 
-from rlax_tpu.config import load_config
+from rlax_tpu.config import RunConfig, load_config
 
 _SIM_KEYS = ("timing", "hardware", "preemption", "response_tokens", "prompt_tokens")
 _SIM_KEYS += ("evaluations", "seed")
@@ -45,15 +46,50 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """What `simulate_config` found: the figures `rlax-tpu simulate` prints and writes (with
+    "in_flight" and "speedup_in_flight_vs_off" when the config's in-flight updates carry
+    responses over ticks), the simulated run, its workload and simulator settings."""
+
+    figures: dict[str, Any]
+    result: Any  # simulator.SimResult
+    workload: Any  # simulator.Workload
+    sim: Any  # simulator.SimulatorConfig
+
+
+def simulate_config(
+    config: RunConfig, calibration: Any, *, target_steps: int | None = None
+) -> Simulation:
+    """`config` simulated under `calibration` (a simulator.Calibration); with
+    inference.in_flight_update on (and N - η > 0), the same workload and timings are
+    simulated with "off" too and set side by side (`report.in_flight_comparison`). Raises
+    CalibrationError for calibration that cannot be read or belongs to something else."""
+    from rlax_tpu.simulator import calibrate, simulate
+    from rlax_tpu.simulator.report import in_flight_comparison, report
+
+    workload, timing, sim, notes = calibrate(config, calibration)
+    result = simulate(workload, timing, preemption=sim.preemption, seed=sim.seed)
+    figures = report(workload, timing, result, target_steps=target_steps, notes=notes)
+    if workload.in_flight is not None:
+        off = simulate(
+            dataclasses.replace(workload, in_flight=None),
+            timing,
+            preemption=sim.preemption,
+            seed=sim.seed,
+        )
+        figures["in_flight"] = in_flight_comparison(report(workload, timing, off), figures)
+        figures["speedup_in_flight_vs_off"] = figures["in_flight"]["speedup"]
+    return Simulation(figures, result, workload, sim)
+
+
 def main(args: argparse.Namespace) -> int:
-    from rlax_tpu.simulator import Calibration, CalibrationError, calibrate, simulate
+    from rlax_tpu.simulator import Calibration, CalibrationError
     from rlax_tpu.simulator.report import (
         PlotUnavailableError,
         format_in_flight,
         format_table,
-        in_flight_comparison,
         plot,
-        report,
     )
 
     is_sim = [o.split("=", 1)[0].split(".", 1)[0] in _SIM_KEYS for o in args.overrides]
@@ -64,22 +100,13 @@ def main(args: argparse.Namespace) -> int:
         for path in args.calibration:
             calibration.add_file(path)
         calibration.add_overrides(o for o, sim in zip(args.overrides, is_sim, strict=True) if sim)
-        workload, timing, sim, notes = calibrate(config, calibration)
+        simulation = simulate_config(config, calibration, target_steps=args.target_steps)
     except CalibrationError as e:
         print(f"rlax-tpu simulate: calibration: {e}", file=sys.stderr)
         return 2
-    result = simulate(workload, timing, preemption=sim.preemption, seed=sim.seed)
-    figures = report(workload, timing, result, target_steps=args.target_steps, notes=notes)
+    figures, workload, sim = simulation.figures, simulation.workload, simulation.sim
     print(format_table(figures))
-    if workload.in_flight is not None:
-        off = simulate(
-            dataclasses.replace(workload, in_flight=None),
-            timing,
-            preemption=sim.preemption,
-            seed=sim.seed,
-        )
-        figures["in_flight"] = in_flight_comparison(report(workload, timing, off), figures)
-        figures["speedup_in_flight_vs_off"] = figures["in_flight"]["speedup"]
+    if "in_flight" in figures:
         print(format_in_flight(figures["in_flight"]))
     elif config.inference.in_flight_update != "off":
         print(
@@ -97,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
             f.write("\n")
     if args.plot:
         try:
-            plot(result, args.plot, title=f"{config.name}: simulated timeline")
+            plot(simulation.result, args.plot, title=f"{config.name}: simulated timeline")
         except PlotUnavailableError as e:
             print(f"rlax-tpu simulate: no plot: {e}", file=sys.stderr)
             return 1

@@ -857,6 +857,9 @@ class DatasetConfig(ConfigBase):
     # the row field holding a chat (see prompt_field)
     messages_field: str = "messages"
     answer_field: str = "answer"  # the reference answer ("answer" also reads "reference")
+    # The row field holding the SFT warm start's target when it is not the reference answer
+    # (a worked solution ending in the answer); "" = the reference answer.
+    sft_field: str = ""
     # the row field holding the row's id (see prompt_field)
     id_field: str = "id"
     # A system message put before every prompt (kept out when a row brings its own).
@@ -1212,7 +1215,30 @@ class DeployConfig(ConfigBase):
 
 # Fields added after runs were made, with the value that does what runs did before them:
 # RunConfig.identity leaves a field out at that value, so those runs keep their digest.
-ADDED_FIELDS: dict[str, Any] = {"inference.in_flight_update": "off", "inference.tick_tokens": 0}
+# Paths are written as `rlax-tpu config show --help-fields` writes them: `[]` is every
+# section of a tuple (controller.datasets), and an absent section (data = None) has none.
+# A field added to DatasetConfig is named once per dataset section.
+ADDED_FIELDS: dict[str, Any] = {
+    "inference.in_flight_update": "off",
+    "inference.tick_tokens": 0,
+    "controller.datasets[].sft_field": "",
+    "data.sft_field": "",
+}
+
+
+def _sections_at(data: dict[str, Any], keys: list[str]) -> list[dict[str, Any]]:
+    """The sections of a config's dict form at `keys` (an ADDED_FIELDS path's parents):
+    `name[]` steps into every section of a list, and a missing or None section yields
+    none."""
+    sections = [data]
+    for key in keys:
+        name, every = (key[:-2], True) if key.endswith("[]") else (key, False)
+        found = [s.get(name) for s in sections]
+        if every:
+            found = [item for items in found if isinstance(items, list | tuple) for item in items]
+        sections = [s for s in found if isinstance(s, dict)]
+    return sections
+
 
 # RunConfig.resumable_fields: changing them on resume changes no result.
 RESUMABLE_FIELDS = (
@@ -1490,11 +1516,9 @@ class RunConfig(ConfigBase):
                 del mesh["num_slices"], mesh["dcn_axis"]
         for dotted, default in ADDED_FIELDS.items():
             *parents, last = dotted.split(".")
-            section = data
-            for key in parents:
-                section = section[key]
-            if section.get(last) == default:
-                del section[last]
+            for section in _sections_at(data, parents):
+                if section.get(last) == default:
+                    del section[last]
         return unmove_renamed(data, RENAMED_FIELDS)
 
     def digest(self) -> str:

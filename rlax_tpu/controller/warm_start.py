@@ -1,5 +1,6 @@
 """The SFT warm start (`trainer.warm_start.steps` = S): S supervised steps on the training
-datasets' reference answers before RL, after which the trainer publishes version 0.
+datasets' reference answers (or their sft_field's solutions) before RL, after which the
+trainer publishes version 0.
 
 The controller drives it like RL steps, through the trainer's `SftStep` (the same service,
 local or on a pod, so `--connect` warm-starts too; no JAX in the controller). Batches come
@@ -24,8 +25,10 @@ SFT_STREAM = 7919  # the warm start's prompt stream: seed + SFT_STREAM
 
 
 def sft_rows(config: RunConfig, tokenizer: Any, records: list[PromptRecord]) -> tuple:
-    """(tokens, targets, loss_mask) of prompt + reference + eos, the loss on the answer part:
-    int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16).
+    """(tokens, targets, loss_mask) of prompt + SFT target + eos, the loss on the target
+    part: int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16).
+    The SFT target is the record's `sft_text`: the reference answer, or the dataset's
+    sft_field (a worked solution) where it names one.
 
     The prompt is rendered exactly as RL sends it (datasets.prompt_tokens: the chat template
     for chat rows and, where the tokenizer has one, for text rows), so the warm start
@@ -35,7 +38,7 @@ def sft_rows(config: RunConfig, tokenizer: Any, records: list[PromptRecord]) -> 
     seqs, starts = [], []
     for r in records:
         prompt = list(prompt_tokens(tokenizer, r))
-        answer = tokenizer.encode(r.reference, add_special_tokens=False)
+        answer = tokenizer.encode(r.sft_text, add_special_tokens=False)
         seqs.append(prompt + answer + ([eos] if eos is not None else []))
         starts.append(len(prompt))
         if len(seqs[-1]) > config.trainer.max_seq_len:

@@ -48,6 +48,8 @@ class PromptRecord:
     comes from its dataset's config: `system_prompt`, `apply_chat_template` (a text prompt
     goes through the tokenizer's chat template when it has one) and `template_kwargs`.
     `reward_function` and `metadata` (the row's other fields) are for a reward function.
+    `sft_target` is what the SFT warm start trains on when it is not the reference (the
+    dataset's sft_field: a worked solution); `sft_text` is the one it trains on.
     """
 
     dataset: str
@@ -62,6 +64,7 @@ class PromptRecord:
     system_prompt: str = ""
     apply_chat_template: bool = True
     template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sft_target: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.prompt) == bool(self.messages):
@@ -90,6 +93,11 @@ class PromptRecord:
                 "(field 'problem' or 'tests')"
             )
 
+    @property
+    def sft_text(self) -> str:
+        """The SFT warm start's target: `sft_target`, else the reference answer."""
+        return self.sft_target or self.reference
+
     def to_json(self) -> dict[str, Any]:
         """This record as a JSON object (a dict of JSON types), for the rollout log."""
         out: dict[str, Any] = {"dataset": self.dataset, "id": self.id}
@@ -98,7 +106,7 @@ class PromptRecord:
         else:
             out["messages"] = [dict(m) for m in self.messages]
         out.update(reference=self.reference, problem=self.problem, verifier=self.verifier)
-        for name in _RENDERING_FIELDS:  # only where not the default: older records unchanged
+        for name in _OPTIONAL_FIELDS:  # only where not the default: older records unchanged
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
                 out[name] = dict(value) if isinstance(value, Mapping) else value
@@ -119,19 +127,21 @@ class PromptRecord:
             raise DatasetError(f"prompt record {data!r} is incomplete: {e}") from None
 
 
-_RENDERING_FIELDS = (
+# Fields a record's JSON holds only where they are not the default.
+_OPTIONAL_FIELDS = (
     "reward_function",
     "metadata",
     "system_prompt",
     "apply_chat_template",
     "template_kwargs",
+    "sft_target",
 )
 
 
 _DEFAULTS = {
     f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
     for f in dataclasses.fields(PromptRecord)
-    if f.name in _RENDERING_FIELDS
+    if f.name in _OPTIONAL_FIELDS
 }
 
 
@@ -213,8 +223,9 @@ def load_dataset(config: DatasetConfig) -> list[PromptRecord]:
 
     Row fields (their names from the config's field mapping, defaults shown): `prompt`
     (text) or `messages` (chat), `answer` (or `reference`), `problem` or `tests`, optional
-    `id` (default "<dataset>:<row>") and `verifier` (default: the config's); any other
-    field is the row's metadata (docs/datasets.md).
+    `id` (default "<dataset>:<row>") and `verifier` (default: the config's), and with
+    sft_field set that field (the SFT target); any other field is the row's metadata
+    (docs/datasets.md).
     """
     path, name = config.path, dataset_name(config)
     if path.endswith(JSONL_SUFFIXES):
@@ -270,7 +281,7 @@ def scan_datasets(
 ) -> tuple[dict[str, list[PromptRecord]], dict[str, DatasetScan]]:
     """Every prompt of every dataset measured once, before anything runs: (the records the
     run uses, a scan per dataset). A prompt over inference.max_prompt_len (and, with `sft`
-    and the SFT warm start, prompt + reference + EOS over trainer.max_seq_len) is an error
+    and the SFT warm start, prompt + SFT target + EOS over trainer.max_seq_len) is an error
     naming the rows and the --set that fits them, or, with controller.overlong_prompts=drop,
     left out (and counted). Nothing is ever truncated."""
     limit, seq = config.inference.max_prompt_len, config.trainer.max_seq_len
@@ -279,7 +290,7 @@ def scan_datasets(
     for name, rows in records.items():
         lengths = [len(prompt_tokens(tokenizer, r)) for r in rows]
         sft_lengths = [
-            n + len(tokenizer.encode(r.reference, add_special_tokens=False)) + 1 if with_sft else 0
+            n + len(tokenizer.encode(r.sft_text, add_special_tokens=False)) + 1 if with_sft else 0
             for r, n in zip(rows, lengths, strict=True)
         ]
         over = tuple((r.id, n) for r, n in zip(rows, lengths, strict=True) if n > limit)
@@ -343,7 +354,7 @@ def _overlong_message(scan: DatasetScan, config: Any) -> str:
         parts.append(
             f"dataset {scan.name!r}: {len(worst)} of {scan.rows} rows are longer than "
             f"trainer.max_seq_len={trainer.max_seq_len} as SFT warm-start sequences (prompt, "
-            f"answer, EOS): {named}{more}. Fit them: --set trainer.max_seq_len={need}."
+            f"SFT target, EOS): {named}{more}. Fit them: --set trainer.max_seq_len={need}."
         )
     return " ".join(parts)
 
@@ -369,14 +380,15 @@ def load_prompts(
 
 def load_eval_prompts(config: Any, tokenizer: Any) -> list[PromptRecord]:
     """The held-out prompts: the first controller.eval_size rows of controller.eval_dataset
-    (read with the first training dataset's field mapping and template), scanned like the
-    training data. [] without an eval dataset."""
+    (read with the first training dataset's field mapping and template, but no SFT target:
+    nothing is trained on them), scanned like the training data. [] without an eval
+    dataset."""
     ctl = config.controller
     if not ctl.eval_dataset:
         return []
     datasets = config.training_datasets
     if datasets:
-        base = dataclasses.replace(datasets[0], path=ctl.eval_dataset, weight=1.0)
+        base = dataclasses.replace(datasets[0], path=ctl.eval_dataset, weight=1.0, sft_field="")
     else:
         base = DatasetConfig(path=ctl.eval_dataset)
     records = load_dataset(base)
@@ -748,7 +760,15 @@ def _record(row: Any, dataset: str, index: int, config: DatasetConfig) -> Prompt
         reference = _either(row, "answer", "reference")
     else:
         reference = _text(row, answer_field)
-    mapped = {prompt_field, messages_field, answer_field}
+    sft_target = ""
+    if config.sft_field:
+        sft_target = _text(row, config.sft_field)
+        if not sft_target:
+            raise DatasetError(
+                f"has no {config.sft_field!r} (the dataset's sft_field: the SFT warm start's "
+                f"target); the row's fields are: {', '.join(sorted(row)) or 'none'}"
+            )
+    mapped = {prompt_field, messages_field, answer_field, config.sft_field} - {""}
     used = {*mapped, config.id_field, *_KNOWN_FIELDS}
     used |= {"answer", "reference"} if answer_field == "answer" else set()
     return PromptRecord(
@@ -764,6 +784,7 @@ def _record(row: Any, dataset: str, index: int, config: DatasetConfig) -> Prompt
         system_prompt=config.system_prompt,
         apply_chat_template=config.apply_chat_template,
         template_kwargs=config.template_kwargs(),
+        sft_target=sft_target,
     )
 
 

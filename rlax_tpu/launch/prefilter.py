@@ -137,10 +137,11 @@ def prefilter(
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
-    # Read like the run's first dataset (field mapping, template), unless told the verifier.
+    # Read like the run's first dataset (field mapping, template), unless told the verifier;
+    # no SFT target: its rows are only generated for and judged.
     trained = config.training_datasets
     base = trained[0] if trained else DatasetConfig(path=dataset)
-    base = dataclasses.replace(base, path=dataset, weight=1.0)
+    base = dataclasses.replace(base, path=dataset, weight=1.0, sft_field="")
     if verifier and verifier != base.verifier:
         base = dataclasses.replace(base, verifier=verifier, reward_function="")
     records = load_dataset(base)

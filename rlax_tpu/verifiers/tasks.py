@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -162,6 +163,52 @@ def score_arithmetic(response: str, answer: str) -> VerificationResult:
     return VerificationResult(
         reward=0.0, verdict=Verdict.WRONG_ANSWER, reason=f"last number {last} != {expected}"
     )
+
+
+# --- arithmetic with a long-tailed worked solution ------------------------------------------
+# The filler ("thinking") characters of `with_thinking`: 26 letters drawn uniformly, so no
+# digit is read as the answer, and a greedy decoder, which takes one letter only when the
+# model puts more than 1/27 of its mass on it, ends the filler early where sampling keeps
+# the long tail.
+THINKING_FILLER = "abcdefghijklmnopqrstuvwxyz"
+
+
+def thinking_length(rng: random.Random, median: float, sigma: float, max_filler: int) -> int:
+    """A filler length: ⌈median·e^(σ·z)⌉, z standard normal, drawn again while it exceeds
+    `max_filler` (a lognormal truncated at the cap, so no length piles up on it)."""
+    if median < 1 or sigma < 0 or max_filler < median:
+        raise ValueError(
+            f"need median >= 1, sigma >= 0 and max_filler >= median; got median={median}, "
+            f"sigma={sigma}, max_filler={max_filler}"
+        )
+    while True:
+        n = max(1, math.ceil(median * math.exp(sigma * rng.gauss(0.0, 1.0))))
+        if n <= max_filler:
+            return n
+
+
+def with_thinking(
+    rows: Iterable[dict[str, str]],
+    seed: int,
+    *,
+    median: float,
+    sigma: float,
+    max_filler: int,
+    field: str = "solution",
+) -> list[dict[str, str]]:
+    """`rows` of the arithmetic task (or any with an "answer"), each given a worked solution
+    in `field`: n filler characters (THINKING_FILLER) then " = <answer>", n from
+    `thinking_length`. A dataset with sft_field=`field` warm-starts a policy whose response
+    lengths are heavy-tailed (lognormal, shape σ) while its reward stays the answer's (the
+    arithmetic verifier reads the last number). Each row's solution depends only on (seed,
+    its id)."""
+    out = []
+    for row in rows:
+        rng = random.Random(f"rlax_tpu.thinking:{seed}:{row['id']}")
+        n = thinking_length(rng, median, sigma, max_filler)
+        filler = "".join(rng.choice(THINKING_FILLER) for _ in range(n))
+        out.append({**row, field: f"{filler} = {row['answer']}"})
+    return out
 
 
 # --- JSONL --------------------------------------------------------------------------------
