@@ -93,6 +93,18 @@ def test_a_job_kept_for_a_lost_worker_goes_to_any():
     assert queue.take(0) is _STOP  # worker 0 may not take worker 1's job
 
 
+def test_jobs_of_equal_priority_kept_for_two_workers_each_reach_their_own():
+    """The continuations of one batch's tick, kept for workers 0 and 1, share a priority
+    (jobs compare by it alone): each worker takes its own, none is lost or taken twice."""
+    queue = JobQueue(merge=True)
+    queue.put(job(1, 4, worker=1, name="w1-"))
+    queue.put(job(1, 4, worker=0, name="w0-"))
+    queue.put(_STOP)  # last: a worker finding nothing of its own takes it
+    assert [r.request_id for r in queue.take(0).requests] == ["w0-1"]
+    assert [r.request_id for r in queue.take(1).requests] == ["w1-1"]
+    assert queue.take(0) is _STOP
+
+
 def test_a_merged_job_hands_each_rollout_to_the_job_it_came_from():
     got: dict[str, list] = {"a": [], "b": []}
     paused: list = []

@@ -150,7 +150,7 @@ class JobQueue:
                     break
                 self._ready.wait()
             if first is _STOP or not self.merge:
-                self._jobs.remove(first)
+                self._take_out([first])
                 return first
             same = [
                 job
@@ -162,9 +162,14 @@ class JobQueue:
             kept = [job for job in same if job.worker == i]
             shared = [job for job in same if job.worker is None][:1]
             chosen = [job for job in same if job is first or job in kept or job in shared]
-            for job in chosen:
-                self._jobs.remove(job)
+            self._take_out(chosen)
             return merged(chosen)
+
+    def _take_out(self, jobs: list[Job]) -> None:
+        """Remove `jobs` by identity (jobs compare by priority alone: two of one batch and
+        tick, kept for two workers, are equal)."""
+        taken = {id(job) for job in jobs}
+        self._jobs = [job for job in self._jobs if id(job) not in taken]
 
 
 _STOP = Job((2**62, 0), -1, [], lambda r: None, lambda e: None)
