@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlax_tpu.config import RunConfig, StalenessConfig, load_config  # noqa: E402
 from rlax_tpu.config.checkpoint import SHAPE_FIELDS  # noqa: E402
+from rlax_tpu.config.run import leave_out_added  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
 # name: (η = reload_every, N = max_staleness)
@@ -170,7 +171,8 @@ def warm_start_key(config: RunConfig) -> str:
         "seed": config.seed,
         "model": config.model.to_dict(),
         "trainer": config.trainer.to_dict(),
-        "datasets": [d.to_dict() for d in c.datasets],
+        # as configs wrote them before fields were added (a cached warm start is found)
+        "datasets": leave_out_added(config.to_dict())["controller"]["datasets"],
         "eval_dataset": c.eval_dataset,
         "sft": [w.steps, w.learning_rate, c.prompts_per_batch, c.samples_per_prompt],
     }

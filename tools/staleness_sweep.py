@@ -74,7 +74,7 @@ from rlax_tpu.config import (  # noqa: E402
     load_config,
 )
 from rlax_tpu.config.base import unmove_renamed  # noqa: E402
-from rlax_tpu.config.run import RENAMED_FIELDS  # noqa: E402
+from rlax_tpu.config.run import RENAMED_FIELDS, leave_out_added  # noqa: E402
 from rlax_tpu.run_dir import EFFECTIVE_CONFIG  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
@@ -273,7 +273,7 @@ def warm_start_key(config: RunConfig) -> str:
     from the config's layout before its sections were nested (`unmove_renamed`), so the
     keys of warm starts made before then still find them (a study resumes, not redoes)."""
     c = config.controller
-    flat = unmove_renamed(config.to_dict(), RENAMED_FIELDS)
+    flat = unmove_renamed(leave_out_added(config.to_dict()), RENAMED_FIELDS)
     trainer = flat["trainer"]
     for field in ("learning_rate", "algorithm", "behaviour_logprobs"):  # RL only
         trainer.pop(field)
@@ -283,8 +283,8 @@ def warm_start_key(config: RunConfig) -> str:
         "trainer": trainer,
         # The rows, not how RL judges them (the graded variant shares the warm start).
         "datasets": [
-            {k: v for k, v in d.to_dict().items() if k not in ("verifier", "reward_function")}
-            for d in c.datasets
+            {k: v for k, v in d.items() if k not in ("verifier", "reward_function")}
+            for d in flat["controller"]["datasets"]
         ],
         "eval_dataset": c.eval_dataset,
         # its batch: all rows

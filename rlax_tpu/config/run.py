@@ -1240,6 +1240,18 @@ def _sections_at(data: dict[str, Any], keys: list[str]) -> list[dict[str, Any]]:
     return sections
 
 
+def leave_out_added(data: dict[str, Any]) -> dict[str, Any]:
+    """A config's dict form (`to_dict`) without the ADDED_FIELDS that hold the value that
+    does what configs did before them (in place; returned): what a key or digest of a
+    config reads, so configs written before a field existed keep theirs."""
+    for dotted, default in ADDED_FIELDS.items():
+        *parents, last = dotted.split(".")
+        for section in _sections_at(data, parents):
+            if section.get(last) == default:
+                del section[last]
+    return data
+
+
 # RunConfig.resumable_fields: changing them on resume changes no result.
 RESUMABLE_FIELDS = (
     "controller.num_steps",
@@ -1514,12 +1526,7 @@ class RunConfig(ConfigBase):
             mesh = data[component]["mesh"]
             if mesh["num_slices"] == 1:
                 del mesh["num_slices"], mesh["dcn_axis"]
-        for dotted, default in ADDED_FIELDS.items():
-            *parents, last = dotted.split(".")
-            for section in _sections_at(data, parents):
-                if section.get(last) == default:
-                    del section[last]
-        return unmove_renamed(data, RENAMED_FIELDS)
+        return unmove_renamed(leave_out_added(data), RENAMED_FIELDS)
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form of `identity()`: the identity of this run.
