@@ -98,7 +98,8 @@ class Partial:
 
     @classmethod
     def of(cls, rollout: Rollout) -> Partial:
-        """The response of `rollout` (typically "paused") as a partial to continue."""
+        """The response of `rollout` (typically "paused"; a logged `RolloutRecord` has the
+        same fields) as a partial to continue."""
         return cls(rollout.version, rollout.tokens, rollout.logprobs, rollout.token_versions)
 
 

@@ -239,12 +239,7 @@ class GenerationPool:
         return dataclasses.replace(
             base,
             request_id=f"{root}/t{n}",
-            partial=Partial(
-                version=paused.version,
-                tokens=tuple(paused.tokens),
-                logprobs=tuple(paused.logprobs),
-                token_versions=tuple(paused.token_versions or (paused.version,) * n),
-            ),
+            partial=Partial.of(paused),
             max_tokens=self.in_flight.budget(batch, n),
         )
 
