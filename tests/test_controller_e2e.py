@@ -712,6 +712,19 @@ def check_mixed_version_run(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_rollouts(run_dir: Path, reference: Path) -> None:
+    """Every trained rollout is bitwise the reference run's: tokens, behaviour log-probs and
+    the version of each token (the weights' digest alone would not see log-probs that
+    differ by rounding where the objective recomputes them)."""
+    log, ref = RolloutLog(str(run_dir)), RolloutLog(str(reference))
+    consumed = log.consumed()
+    assert consumed == ref.consumed()
+    for batch, rows in consumed.items():
+        got, want = log.rollouts(batch), ref.rollouts(batch)
+        for key in map(tuple, rows):
+            assert got[key] == want[key], (batch, key)
+
+
 IN_FLIGHT = {"reload_every": 1, "max_staleness": 3}
 # every response of 2+ tokens spans two ticks
 IN_FLIGHT_SET = ("inference.tick_tokens=1",)
@@ -738,16 +751,30 @@ def finished_in_flight_run(workspace, reference, mode: str, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resume_reference(workspace, reference):
-    return finished_in_flight_run(workspace, reference, "resume", "in_flight_resume_whole")
+def in_flight_reference(workspace, reference):
+    """The uninterrupted run of each in-flight mode, run once per module on first use."""
+    runs: dict[str, Path] = {}
+
+    def get(mode: str) -> Path:
+        if mode not in runs:
+            runs[mode] = finished_in_flight_run(workspace, reference, mode, f"in_flight_{mode}")
+        return runs[mode]
+
+    return get
 
 
-def test_a_resume_run_is_its_own_reproduction_across_a_kill(workspace, reference, resume_reference):
+# "keep" in the default suite (its lost KV pages are replayed), "resume" with -m slow.
+@pytest.mark.parametrize("mode", ["keep", pytest.param("resume", marks=pytest.mark.slow)])
+def test_an_in_flight_run_is_its_own_reproduction_across_a_kill(
+    workspace, reference, in_flight_reference, mode
+):
     """Responses carried into the next tick under the next version: a run whose controller
     (and with it the whole job) is killed mid-run and resumed ends with the uninterrupted
     run's weights and consumed rollouts — the partials in the rollout log carry each
-    response on from where it was."""
-    job = in_flight_run(workspace, reference, "resume", "in_flight_resume_killed")
+    response on from where it was; under "keep" the restarted workers replay the KV pages
+    they lost under the versions that made them."""
+    whole_run = in_flight_reference(mode)
+    job = in_flight_run(workspace, reference, mode, f"in_flight_{mode}_killed")
     try:
         kill_mid_run(job, "controller", after_steps=3)
         job.cleanup()
@@ -756,28 +783,23 @@ def test_a_resume_run_is_its_own_reproduction_across_a_kill(workspace, reference
     finally:
         job.cleanup()
     check_mixed_version_run(job.run_dir)
-    killed, whole = summary(job.run_dir), summary(resume_reference)
+    killed, whole = summary(job.run_dir), summary(whole_run)
     assert 0 < killed["start_step"] < STEPS
     assert killed["final_digest"] == whole["final_digest"]
-    assert RolloutLog(str(job.run_dir)).consumed() == RolloutLog(str(resume_reference)).consumed()
+    assert_same_rollouts(job.run_dir, whole_run)
 
 
-@pytest.mark.slow  # ~1 min: -m slow
-def test_a_keep_run_carries_responses_on_within_the_bound(workspace, reference):
-    """`keep`: responses carried on their parked KV; every token within the bound. (A
-    restart of the whole job rebuilds the parked KV by prefill: not bitwise, not compared.)"""
-    finished_in_flight_run(workspace, reference, "keep", "in_flight_keep")
-
-
-# ~2-3 min each; `-m slow`: the seeded chaos schedules on a `resume` run.
+# ~2-3 min each; `-m slow`: the seeded chaos schedules on runs of each in-flight mode.
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["keep", "resume"])
 @pytest.mark.parametrize("seed", range(3))
-def test_chaos_seeded_kills_of_a_resume_run_end_with_its_weights(
-    workspace, reference, resume_reference, seed
+def test_chaos_seeded_kills_of_an_in_flight_run_end_with_its_weights(
+    workspace, reference, in_flight_reference, mode, seed
 ):
     schedule = chaos_schedule(seed, steps=STEPS, workers=CHAOS_WORKERS, keys=CHAOS_KEYS)
-    overrides = ("inference.in_flight_update=resume", *IN_FLIGHT_SET)
+    overrides = (f"inference.in_flight_update={mode}", *IN_FLIGHT_SET)
     disturbed, run_dir = run_chaos(
-        workspace, reference, f"chaos_resume_{seed}", schedule, overrides=overrides, **IN_FLIGHT
+        workspace, reference, f"chaos_{mode}_{seed}", schedule, overrides=overrides, **IN_FLIGHT
     )
-    assert_survived(disturbed, run_dir, resume_reference, schedule)
+    assert_survived(disturbed, run_dir, in_flight_reference(mode), schedule)
+    assert_same_rollouts(run_dir, in_flight_reference(mode))

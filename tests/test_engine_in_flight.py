@@ -175,13 +175,58 @@ def test_a_continuation_that_cannot_run_fails_alone():
 
 
 # -- parked pages ---------------------------------------------------------------------------
-def test_a_continuation_without_its_parked_pages_is_prefilled_and_counted():
-    paused = make_engine(inference=KEEP).run([dataclasses.replace(request(0, 9), max_tokens=4)])
+def test_a_continuation_without_its_parked_pages_replays_them_as_the_one_call_rollout():
+    target = request(0, 9)
+    (whole,) = make_engine(inference=KEEP).run([target])
+    paused = make_engine(inference=KEEP).run([dataclasses.replace(target, max_tokens=4)])
     elsewhere = make_engine(inference=KEEP)  # another worker, or this one restarted
     (rollout,) = elsewhere.run([continuation(paused[0])])
-    assert rollout.finish_reason == "length" and rollout.tokens[:4] == paused[0].tokens
+    assert response(rollout) == dataclasses.replace(response(whole), sample_index=0)
     stats = elsewhere.stats()
-    assert (stats["kv_rebuilt"], stats["kv_reused"]) == (1, 0)
+    assert (stats["kv_replayed"], stats["kv_reused"], stats["kv_rebuilt"]) == (1, 0, 0)
+    assert stats["replay_mismatches"] == 0 and stats["replay_decode_calls"] >= 3
+
+
+def test_lost_parked_pages_are_replayed_under_their_versions_bitwise_as_if_kept():
+    # Three versions, a newer one between calls of K tokens: the pages of the second call's
+    # continuations hold the prompt and tokens 0..K-2 from version 0, K-1..2K-2 from 1.
+    params = {v: init_params(LLAMA, seed=seed) for v, seed in [(0, 0), (1, 5), (2, 7)]}
+    requests = [request(i, n) for i, n in enumerate(LENGTHS[:4])]  # sampled: top-k, top-p
+    keeper = make_engine(inference=KEEP, params=params[0])
+    first = keeper.run(budgeted(requests, K))
+    keeper.load(1, params[1])
+    second = keeper.run([continuation(r, max_tokens=K) for r in first])
+    keeper.load(2, params[2])
+    kept = keeper.run([continuation(r) for r in second])
+    assert keeper.stats()["kv_reused"] == 8
+    assert all(set(r.token_versions) == {0, 1, 2} for r in kept)
+
+    def restarted(weights_of) -> Engine:  # a worker that never saw the first two calls
+        engine = Engine(LLAMA, KEEP, seed=0, weights_of=weights_of)
+        engine.load(2, params[2])
+        return engine
+
+    fetched = []
+    engine = restarted(lambda v: fetched.append(v) or params[v])
+    replayed = engine.run([continuation(r) for r in second])
+    assert [response(r) for r in replayed] == [response(r) for r in kept]
+    stats = engine.stats()
+    assert (stats["kv_replayed"], stats["replay_mismatches"], stats["kv_rebuilt"]) == (4, 0, 0)
+    assert sorted(set(fetched)) == [0, 1]  # the served version's own weights need no fetch
+    assert stats["free_pages"] == stats["total_pages"]
+    # Without the old versions' weights the pages are prefilled under version 2: the
+    # continuations are sampled from other numbers, and say so.
+    engine = restarted(None)
+    prefilled = engine.run([continuation(r) for r in second])
+    assert engine.stats()["kv_rebuilt"] == 4
+    assert [r.logprobs for r in prefilled] != [r.logprobs for r in kept]
+    # A partial made elsewhere (here: log-probs not this machine's) is replayed, and the
+    # mismatch counted.
+    engine = restarted(params.__getitem__)
+    other = dataclasses.replace(second[0], logprobs=tuple(x + 1.0 for x in second[0].logprobs))
+    (rollout,) = engine.run([continuation(other)])
+    assert rollout.finish_reason == "length"
+    assert engine.stats()["replay_mismatches"] == 1
 
 
 def test_parked_pages_stay_within_the_pools_bytes_evicting_the_oldest():
@@ -197,10 +242,12 @@ def test_parked_pages_stay_within_the_pools_bytes_evicting_the_oldest():
     assert "p5" in kept and "p0" not in kept  # the oldest went first
     assert stats["free_pages"] == stats["total_pages"]  # parked sequences hold no page
     finished = engine.run([continuation(r) for r in paused])
-    assert {r.finish_reason for r in finished} == {"length"}
+    # The evicted sequences' pages are replayed: every response is the one-call one.
+    one_call = make_engine(inference=KEEP).run(requests)
+    assert [response(r) for r in finished] == [response(r) for r in one_call]
     stats = engine.stats()
     assert stats["kv_reused"] == 6 - stats["parked_evictions"]
-    assert stats["kv_rebuilt"] == stats["parked_evictions"]
+    assert stats["kv_replayed"] == stats["parked_evictions"] and stats["kv_rebuilt"] == 0
 
 
 # -- Engine.load of a newer version with requests in flight -----------------------------------

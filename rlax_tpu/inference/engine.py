@@ -14,7 +14,9 @@ service is a thin layer over it.
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -28,6 +30,8 @@ from rlax_tpu.inference.paged_cache import PagedKVCache, placed_layout
 from rlax_tpu.inference.scheduler import PagingState, Scheduler, prefill_args
 from rlax_tpu.inference.steps import StaticKey, StepPrograms, pow2
 from rlax_tpu.inference.weights import ServedWeights
+
+_log = logging.getLogger(__name__)
 
 
 class EngineNotLoadedError(RuntimeError):
@@ -63,9 +67,17 @@ class Engine:
     t = its length on, so a response generated in several calls draws each token t as one
     call does. With inference.in_flight_update "keep" a paused response's pages are parked
     on the host and the continuation decodes on them: bitwise the one-call rollout under
-    the same weights. Otherwise (or when they are gone) prompt + partial are prefilled
-    afresh: the same distribution, log-probs equal to float rounding.
+    the same weights. When they are gone (another worker's, an evicted or restarted one)
+    and `weights_of` gives the versions that made them, they are replayed as they were made
+    (`Scheduler._replay`): still bitwise. Otherwise prompt + partial are prefilled afresh:
+    the same distribution, log-probs equal to float rounding.
+
+    `weights_of(version)` (settable; the inference worker pulls from the parameter server)
+    gives the params of a version other than the one served, for replays only; the last
+    `REPLAY_VERSIONS` placed are kept for the next replays.
     """
+
+    REPLAY_VERSIONS = 2
 
     def __init__(
         self,
@@ -78,6 +90,7 @@ class Engine:
         max_stop_tokens: int = 8,
         allocate: bool = True,
         progress: Callable[[str], None] | None = None,
+        weights_of: Callable[[int], Mapping[str, Any]] | None = None,
     ):
         """allocate=False builds the programs and layouts only, with no device memory: the
         KV cache stays abstract (`abstract_cache`) and the engine cannot generate, but
@@ -137,6 +150,8 @@ class Engine:
         # rows: committed again only when they change.
         self._device_carry = self._device_sampling = self._device_live = None
         self._live_rows: np.ndarray | None = None
+        self.weights_of = weights_of
+        self._replayer = _Replayer(self)
 
     # -- public API ----------------------------------------------------------------------
     @property
@@ -178,7 +193,7 @@ class Engine:
         if s.busy():
             if self._weights.leaves is None:
                 raise EngineNotLoadedError("step() before any load(): the engine has no weights")
-            s.admit(self._prefill, self._write_pages)
+            s.admit(self._prefill, self._write_pages, self._replayer)
             if self.on_demand:
                 s.grow(self.read_kv_pages)
             if s.arrays.active.any():
@@ -239,14 +254,15 @@ class Engine:
         return self._steps.compiling_seconds()
 
     # -- the data path: the scheduler decides, the steps compute ---------------------------
-    def _prefill(self, calls: list[tuple[int, tuple[np.ndarray, ...]]]) -> list[np.ndarray]:
-        """Run a prefill round's calls (bucket, host args); their packed first tokens, in one
-        device-to-host transfer."""
+    def _prefill(
+        self, calls: list[tuple[int, tuple[np.ndarray, ...]]], leaves: list | None = None
+    ) -> list[np.ndarray]:
+        """Run a prefill round's calls (bucket, host args) with the served weights (or
+        `leaves`); their packed first tokens, in one device-to-host transfer."""
         outs = []
+        leaves = self._weights.leaves if leaves is None else leaves
         for bucket, args in calls:
-            packed, self._cache = self._steps.prefill(
-                bucket, self._weights.leaves, self._cache, args
-            )
+            packed, self._cache = self._steps.prefill(bucket, leaves, self._cache, args)
             outs.append(packed)
         return jax.device_get(outs)
 
@@ -254,11 +270,15 @@ class Engine:
         self._cache = self._steps.write_pages(self._cache, pages, data)
 
     def _decode(self) -> None:
-        """One decode call of the live slots: what of the scheduler's host state changed goes
-        to the device first, the sampled tokens come back to it after."""
+        """One decode call of the live slots; the sampled tokens go back to the scheduler."""
+        rows = self._scheduler.arrays.decode_rows(self.decode_rows)
+        self._scheduler.decoded(rows, self._decode_rows(rows, self._weights.leaves))
+
+    def _decode_rows(self, rows: np.ndarray, leaves: list) -> np.ndarray:
+        """One decode call of the slots `rows` with `leaves`: what of the scheduler's host
+        state changed goes to the device first; the packed output comes back."""
         s, put = self._scheduler, self._steps.put
         arrays = s.arrays
-        rows = arrays.decode_rows(self.decode_rows)
         if self._live_rows is None or not np.array_equal(rows, self._live_rows):
             self._live_rows, self._device_live = rows, put(rows)
         if arrays.page_table_dirty:
@@ -271,13 +291,9 @@ class Engine:
             self._device_carry = put(arrays.carry())
             arrays.carry_dirty = False
         self._cache, self._device_carry, packed = self._steps.decode(
-            self._weights.leaves,
-            self._cache,
-            self._device_carry,
-            self._device_sampling,
-            self._device_live,
+            leaves, self._cache, self._device_carry, self._device_sampling, self._device_live
         )
-        s.decoded(rows, packed)
+        return packed
 
     # -- lowering without hardware (rlax-tpu compile) and saved executables ----------------
     def abstract_params(self) -> list[jax.ShapeDtypeStruct]:
@@ -346,3 +362,41 @@ class Engine:
         """The saved executables this engine runs (`use_saved_executables`), by key; each
         counts the calls it ran (`calls`)."""
         return dict(self._steps.programs)
+
+
+class _Replayer:
+    """The engine's `scheduler.Replayer`: prefill and decode calls under the weights of any
+    version `Engine.weights_of` gives (the served one's own), the last REPLAY_VERSIONS kept
+    placed."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._placed: collections.OrderedDict[int, list] = collections.OrderedDict()
+
+    def has(self, versions: Iterable[int]) -> bool:
+        try:
+            for version in sorted(versions):
+                self._leaves(version)
+        except Exception as e:  # noqa: BLE001 - the continuation is prefilled instead
+            _log.warning("cannot replay a continuation's KV pages: %s: %s", type(e).__name__, e)
+            return False
+        return True
+
+    def _leaves(self, version: int) -> list:
+        engine = self._engine
+        if version == engine.version:
+            return engine._weights.leaves
+        if version not in self._placed:
+            if engine.weights_of is None:
+                raise LookupError(f"no weights_of to get version {version}'s weights from")
+            self._placed[version] = engine._weights.place(engine.weights_of(version))
+            while len(self._placed) > engine.REPLAY_VERSIONS:
+                self._placed.popitem(last=False)
+        self._placed.move_to_end(version)
+        return self._placed[version]
+
+    def prefill(self, version: int, calls: list) -> list:
+        return self._engine._prefill(calls, self._leaves(version))
+
+    def decode(self, version: int, rows: np.ndarray) -> np.ndarray:
+        return self._engine._decode_rows(rows, self._leaves(version))

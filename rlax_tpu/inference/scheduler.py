@@ -13,7 +13,7 @@ import bisect
 import collections
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +28,21 @@ from rlax_tpu.inference.sampling import request_key_data
 Prefill = Callable[[list[tuple[int, tuple[np.ndarray, ...]]]], list[np.ndarray]]
 ReadPages = Callable[[list[int]], Any]
 WritePages = Callable[[list[int], Any], None]
+
+
+class Replayer(Protocol):
+    """The device work of replaying a "keep" continuation's lost KV pages (`Scheduler`):
+    prefill and decode calls under the weights of a version other than the one served."""
+
+    def has(self, versions: Iterable[int]) -> bool:
+        """Whether the weights of every version in `versions` can be had (fetched now)."""
+
+    def prefill(self, version: int, calls: list[tuple[int, tuple[np.ndarray, ...]]]) -> list:
+        """A prefill round's calls (as `Prefill`) under `version`'s weights."""
+
+    def decode(self, version: int, rows: np.ndarray) -> np.ndarray:
+        """One decode call of the slots `rows` under `version`'s weights: its packed output,
+        int32[3, steps, rows], on the host."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +280,15 @@ class Scheduler:
     call that generates `max_tokens` new tokens without ending the response finishes
     "paused". With inference.in_flight_update "keep" a paused sequence is parked (`park`):
     its pages go to the host under its `ParkedKey`, and a continuation of exactly its
-    prompt and tokens swaps them back in instead of being prefilled (one that finds none
-    is prefilled: `kv_rebuilt`). Parked host bytes stay within `max_parked_bytes` (None:
-    unbounded), the oldest evicted first; parked sequences hold no slot and no page.
+    prompt and tokens swaps them back in instead of being prefilled. Parked host bytes stay
+    within `max_parked_bytes` (None: unbounded), the oldest evicted first; parked sequences
+    hold no slot and no page. A continuation that finds no pages (another worker's, an
+    evicted or restarted one) has them replayed (`_replay`, `kv_replayed`): its pages are
+    made again as they were first made, by the prefill of its prompt and a decode step
+    per token under the version that sampled the next token, so it continues bitwise as
+    if it had found them. Without a `Replayer` that has those versions' weights it is
+    prefilled under the served version instead (`kv_rebuilt`: the same distribution, not
+    the same bits).
 
     A weight load (`load`): with "off", or to a version older than the one served, every
     request in flight is aborted. To a newer version, "keep" lets them continue as they are
@@ -390,14 +411,19 @@ class Scheduler:
             "mean_live_sequences": c["live_rows"] / max(1, c["decode_calls"]),
             "slot_utilization": c["slot_tokens"] / max(1, c["decode_rows"]),
             # Continuations submitted, calls ended by their max_tokens, sequences queued
-            # again by a "resume" load; "keep": continuations that found their parked pages
-            # and those prefilled instead, the parked sequences now and their host bytes,
-            # and those evicted to keep these within the pool's size.
+            # again by a "resume" load; "keep": continuations that found their parked pages,
+            # those prefilled instead, those whose pages were replayed (the decode calls
+            # that took, and replays that did not give back the logged tokens), the parked
+            # sequences now and their host bytes, and those evicted to keep these within
+            # the pool's size.
             "continuations": c["continuations"],
             "paused": c["paused"],
             "requeued": c["requeued"],
             "kv_reused": c["kv_reused"],
             "kv_rebuilt": c["kv_rebuilt"],
+            "kv_replayed": c["kv_replayed"],
+            "replay_decode_calls": c["replay_decode_calls"],
+            "replay_mismatches": c["replay_mismatches"],
             "parked": len(self._parked),
             "parked_bytes": self._parked_bytes,
             "parked_evictions": c["parked_evictions"],
@@ -473,17 +499,24 @@ class Scheduler:
         return ""
 
     # -- admission and prefill -------------------------------------------------------------
-    def admit(self, prefill: Prefill, write_pages: WritePages) -> None:
+    def admit(
+        self, prefill: Prefill, write_pages: WritePages, replayer: Replayer | None = None
+    ) -> None:
         """Swap sequences back in (`write_pages` copies their pages into the pool), then admit
         waiting ones in prefill rounds (`prefill` runs a round's calls: their first tokens);
-        a "keep" continuation whose pages are parked is swapped in instead."""
+        a "keep" continuation whose pages are parked is swapped in instead, one whose pages
+        are lost has them replayed (`replayer`)."""
         self._resume(write_pages)
         # A sequence that ends at its first token frees its slot and pages at once, so a
         # round may make room for another.
         while not self._swapped:
-            admitted, batch = self._take_waiting(write_pages)
+            admitted, batch = self._take_waiting(write_pages, replayer)
             if not admitted:
                 return
+            replays = [seq for seq in batch if seq.parked is not None]
+            for seq in replays:
+                self._replay(seq, replayer)
+            batch = [seq for seq in batch if seq not in replays]
             if batch:
                 self._prefill(batch, prefill)
 
@@ -496,20 +529,23 @@ class Scheduler:
         margin = after * self._growth_pages if self.on_demand and after > 1 else 0
         return pages + margin <= self.allocator.free_pages
 
-    def _take_waiting(self, write_pages: WritePages) -> tuple[int, list[SequenceState]]:
+    def _take_waiting(
+        self, write_pages: WritePages, replayer: Replayer | None
+    ) -> tuple[int, list[SequenceState]]:
         """Admit up to `prefill_rows` waiting sequences, first in first out, each into a free
         slot: a "keep" continuation whose parked pages are held gets them back (swapped in,
         live at once); any other gets pages for its prompt and response so far (on demand)
-        or its whole sequence (reserve) and is to be prefilled. Stops at the first that does
-        not fit: it waits (FIFO) until a running sequence frees pages. Returns how many were
-        admitted and those to prefill."""
+        or its whole sequence (reserve) and is to be prefilled, or replayed (a "keep"
+        continuation whose pages are lost, `seq.parked` still set). Stops at the first that
+        does not fit: it waits (FIFO) until a running sequence frees pages. Returns how many
+        were admitted and those to prefill or replay."""
         free = [s for s, seq in enumerate(self._slots) if seq is None][: self.prefill_rows]
         admitted, batch = 0, []
         for slot in free:
             if not self._waiting:
                 break
             seq = self._waiting[0]
-            host = self._parked_pages(seq)
+            host = self._parked_pages(seq, replayer)
             if host is not None:
                 pages = host.num_pages
                 if not self.on_demand:
@@ -648,18 +684,68 @@ class Scheduler:
             self._drop_parked(next(iter(self._parked)))
             self.counters["parked_evictions"] += 1
 
-    def _parked_pages(self, seq: SequenceState) -> HostPages | None:
+    def _parked_pages(self, seq: SequenceState, replayer: Replayer | None) -> HostPages | None:
         """The host pages `seq` continues on, if it is a "keep" continuation whose exact
         prompt and tokens are parked. One that looks and finds none (another worker's, an
-        evicted or restarted one) is prefilled instead, counted in `kv_rebuilt`."""
+        evicted or restarted one) keeps `seq.parked` (to be replayed) if `replayer` has the
+        weights of the versions that made its pages; else it is prefilled (`kv_rebuilt`)."""
         key = seq.parked
         if key is None:
             return None
         if self._parked.get(key) == Parked(tuple(seq.request.prompt_tokens), tuple(seq.tokens)):
             return self.allocator.swapped[key]
-        seq.parked = None
-        self.counters["kv_rebuilt"] += 1
+        if replayer is None or not replayer.has(set(seq.token_versions)):
+            seq.parked = None
+            self.counters["kv_rebuilt"] += 1
         return None
+
+    def _replay(self, seq: SequenceState, replayer: Replayer) -> None:
+        """Make a "keep" continuation's lost pages again, as they were first made, in its
+        (new) slot, then make it live as `_unpark` does.
+
+        Under "keep" the prompt's keys and values come from the prefill that sampled token 0
+        (under its version), and token t's from the decode step that fed it, which sampled
+        token t+1 under token t+1's version. So: the prompt is prefilled under token 0's
+        version, and each run of tokens of one version is decoded again under it (the slot
+        alone in the smallest decode size, limited to the run's end), sampling with the
+        request's key: the same tokens and log-probs come out, which is checked (a mismatch,
+        e.g. a partial made on another kind of machine, is counted in `replay_mismatches`:
+        the pages are then this machine's, the continuation goes on from them). A decode
+        row's bits do not depend on its batch, slot or pages (`Engine`), so the pages are
+        bitwise those a run that never lost them holds."""
+        tokens, versions, n = seq.tokens, seq.token_versions, len(seq.tokens)
+        slot, a = seq.slot, self.arrays
+        seq.parked = None
+        buckets = self.config.prefill_buckets + self.continuation_buckets
+        bucket = next(b for b in buckets if b >= seq.prompt_len)
+        prompt_only = dataclasses.replace(seq, tokens=[], logprobs=[], token_versions=[])
+        args = prefill_args(self.prefill_rows, bucket, self.allocator.page_table, [prompt_only])
+        (packed,) = replayer.prefill(versions[0], [(bucket, args)])
+        sampled = [(int(packed[0][0]), int(packed[1][0]))]
+        a.set_sampling(slot, seq)
+        a.page_table_dirty = True
+        rows = np.full(self.decode_rows[0], self.num_slots, np.int32)
+        rows[0] = slot
+        t = 1
+        while t < n:
+            end = next((u for u in range(t, n) if versions[u] != versions[t]), n)
+            a.limit[slot], a.sampling_dirty = end, True
+            a.active[slot], a.last_token[slot] = True, tokens[t - 1]
+            a.position[slot], a.index[slot] = seq.prompt_len + t - 1, t
+            a.carry_dirty = True
+            while t < end:
+                out = replayer.decode(versions[t], rows)
+                self.counters["replay_decode_calls"] += 1
+                for step in range(out.shape[1]):
+                    if out[2, step, 0]:
+                        sampled.append((int(out[0, step, 0]), int(out[1, step, 0])))
+                        t += 1
+        logged = np.asarray(seq.logprobs, np.float32).view(np.int32).tolist()
+        if sampled != list(zip(tokens, logged, strict=True)):
+            self.counters["replay_mismatches"] += 1
+        self.counters["kv_replayed"] += 1
+        a.set_sampling(slot, seq)
+        a.activate(seq)
 
     def _unpark(self, seq: SequenceState, write_pages: WritePages) -> None:
         """Swap `seq`'s parked pages into its (new) slot and make it live: it decodes on

@@ -153,6 +153,10 @@ class InferenceWorker:
         self.weights = WeightFetcher(
             config, param_server, mesh=mesh, stopped=lambda: self._failure is not None
         )
+        # "keep": a continuation whose KV pages are lost replays them under the versions
+        # that made them, pulled on the engine thread (Engine.weights_of).
+        if param_server is not None and self._engine.weights_of is None:
+            self._engine.weights_of = self.weights.pull
 
     # -- public API -------------------------------------------------------------------------
     @property
