@@ -1,7 +1,7 @@
 """The package's layering, checked by reading every import (top-level and inside functions):
-the contract between processes (`rlax_tpu.api`), the data package and the controller load no
-JAX; each layer imports only what it may; a function-local import exists only where a listed
-reason asks for it."""
+the contract between processes (`rlax_tpu.api`), the data package, the environments and the
+controller load no JAX; each layer imports only what it may; a function-local import exists
+only where a listed reason asks for it."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ MAY_IMPORT = {
     "api": {"api", "config", "rpc", "failpoints"},
     # Datasets and tokenizers.
     "data": {"data", "config", "storage"},
+    # Multi-turn environments and tools, on their contract; the user's modules by name.
+    "environments": {"environments", "api", "user_modules"},
     # The controller stands beside the components, on their faces (api), not above them.
     "controller": {
         "controller",
@@ -152,12 +154,13 @@ def test_every_listed_exception_is_still_needed():
     assert not stale, f"no function-local import left in {stale}: remove them from the list"
 
 
-def test_the_contract_the_data_and_the_controller_load_no_jax():
-    """Importing every module of rlax_tpu.api, rlax_tpu.data and rlax_tpu.controller, in a
-    fresh interpreter, loads none of JAX's family (nor TensorStore)."""
+def test_the_contract_the_data_the_environments_and_the_controller_load_no_jax():
+    """Importing every module of rlax_tpu.api, rlax_tpu.data, rlax_tpu.environments and
+    rlax_tpu.controller, in a fresh interpreter, loads none of JAX's family (nor
+    TensorStore)."""
     code = f"""
 import importlib, pkgutil, sys
-for name in ("rlax_tpu.api", "rlax_tpu.data", "rlax_tpu.controller"):
+for name in ("rlax_tpu.api", "rlax_tpu.data", "rlax_tpu.environments", "rlax_tpu.controller"):
     package = importlib.import_module(name)
     for info in pkgutil.walk_packages(package.__path__, name + "."):
         importlib.import_module(info.name)

@@ -4,5 +4,6 @@ cheaply. One module per component in one shape — its request and response type
 and the gRPC status each maps to, the proto codecs both ends use, and its client:
 `inference`, `trainer`, `param_server`, `verifier`; `tensors`: the boxes, pieces, digests and
 dtype codec the trainer's and the parameter server's wire formats share; `records`: the
-rollouts, verdicts and groups of the RL loop, and their on-disk form.
+rollouts, verdicts and groups of the RL loop, and their on-disk form; `environments`: what a
+multi-turn episode's environment and its tools take and give.
 """
