@@ -20,8 +20,8 @@ HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "tensorstore")
 MAY_IMPORT = {
     # Everything that crosses a process boundary: types, codecs, clients, errors.
     "api": {"api", "config", "rpc", "failpoints"},
-    # Datasets and tokenizers.
-    "data": {"data", "config", "storage"},
+    # Datasets, tokenizers and chat formats (which read the contract's ToolCall and Message).
+    "data": {"data", "api", "config", "storage"},
     # Multi-turn environments and tools, on their contract; the user's modules by name.
     "environments": {"environments", "api", "user_modules"},
     # The controller stands beside the components, on their faces (api), not above them.
