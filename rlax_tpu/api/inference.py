@@ -80,13 +80,17 @@ class Partial:
     version: the request's original version, the one its sampling key derives from (what
     the earlier call's `Rollout.version` was); tokens, logprobs: the response so far;
     token_versions: the version that generated each token (None = every token is
-    `version`'s). Lengths are checked by the engine (a mismatch fails that request alone).
+    `version`'s). loss_mask: 1 for a token the policy sampled, 0 for one given (a multi-turn
+    episode's observation tokens, appended after a turn: their log-probs and versions are
+    placeholders); None = all sampled. Lengths are checked by the engine (a mismatch fails
+    that request alone).
     """
 
     version: int
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     token_versions: tuple[int, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -95,12 +99,35 @@ class Partial:
         if versions is None:
             versions = (self.version,) * len(self.tokens)
         object.__setattr__(self, "token_versions", tuple(int(v) for v in versions))
+        mask = self.loss_mask
+        if mask is not None:
+            mask = tuple(int(m) for m in mask)
+            object.__setattr__(self, "loss_mask", None if all(mask) else mask)
+
+    @property
+    def mask(self) -> tuple[int, ...]:
+        """`loss_mask`, one per token (all 1 when None)."""
+        return self.loss_mask if self.loss_mask is not None else (1,) * len(self.tokens)
 
     @classmethod
     def of(cls, rollout: Rollout) -> Partial:
         """The response of `rollout` (typically "paused"; a logged `RolloutRecord` has the
         same fields) as a partial to continue."""
-        return cls(rollout.version, rollout.tokens, rollout.logprobs, rollout.token_versions)
+        mask = getattr(rollout, "loss_mask", None)
+        return cls(rollout.version, rollout.tokens, rollout.logprobs, rollout.token_versions, mask)
+
+    def extended(self, tokens: Sequence[int], version: int) -> Partial:
+        """This partial with `tokens` given (not sampled) appended: a multi-turn episode's
+        observation. Their log-probs are 0.0, their mask 0, their version `version` (the
+        version the next turn starts under)."""
+        n = len(tokens)
+        return Partial(
+            self.version,
+            (*self.tokens, *tokens),
+            (*self.logprobs, *(0.0,) * n),
+            (*self.token_versions, *(version,) * n),
+            (*self.mask, *(0,) * n),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +149,7 @@ class GenerationRequest:
     sampling: SamplingParams | None = None  # None = the engine's defaults (from the config)
     partial: Partial | None = None
     max_tokens: int = 0
+    keep_pages: bool = False  # a turn of an episode: park the pages when it ends at a stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +181,7 @@ class Rollout:
     finish_reason: FinishReason
     error: str = ""
     token_versions: tuple[int, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None  # None: every token sampled (`Partial.loss_mask`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +276,7 @@ def request_from_proto(message: pb.GenerationRequest, defaults: SamplingParams):
             tokens=tuple(p.tokens),
             logprobs=tuple(p.logprobs),  # float32 values, as the engine's
             token_versions=tuple(p.token_versions) or None,
+            loss_mask=tuple(p.loss_mask) or None,
         )
     return GenerationRequest(
         request_id=message.request_id,
@@ -256,6 +286,7 @@ def request_from_proto(message: pb.GenerationRequest, defaults: SamplingParams):
         sampling=sampling,
         partial=partial,
         max_tokens=message.max_tokens,
+        keep_pages=message.keep_pages,
     )
 
 
@@ -271,6 +302,7 @@ def rollout_to_proto(rollout: Rollout) -> pb.RolloutMessage:
         finish_reason=FINISH_REASONS[rollout.finish_reason],
         error=rollout.error,
         token_versions=rollout.token_versions or (),
+        loss_mask=rollout.loss_mask or (),
     )
 
 
@@ -290,6 +322,7 @@ def request_to_proto(request: GenerationRequest, defaults: SamplingParams | None
         sample_index=request.sample_index,
         prompt_tokens=[int(t) for t in request.prompt_tokens],
         max_tokens=request.max_tokens,
+        keep_pages=request.keep_pages,
     )
     if request.partial is not None:
         p = request.partial
@@ -298,6 +331,8 @@ def request_to_proto(request: GenerationRequest, defaults: SamplingParams | None
         message.partial.logprobs.extend(np.asarray(p.logprobs, np.float32).tolist())
         if any(v != p.version for v in p.token_versions):
             message.partial.token_versions.extend(p.token_versions)
+        if p.loss_mask is not None:
+            message.partial.loss_mask.extend(p.loss_mask)
         message.partial.SetInParent()  # present even with no tokens
     if request.sampling is not None:
         sampling = request.sampling
@@ -323,6 +358,7 @@ def rollout_from_proto(message: pb.RolloutMessage) -> Rollout:
         finish_reason=FINISH_NAMES.get(message.finish_reason, "error"),
         error=message.error,
         token_versions=tuple(message.token_versions) or None,
+        loss_mask=tuple(message.loss_mask) or None,
     )
 
 

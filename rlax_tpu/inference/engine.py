@@ -151,7 +151,7 @@ class Engine:
         self._device_carry = self._device_sampling = self._device_live = None
         self._live_rows: np.ndarray | None = None
         self.weights_of = weights_of
-        self._replayer = _Replayer(self)
+        self._calls = _VersionedCalls(self)
 
     # -- public API ----------------------------------------------------------------------
     @property
@@ -193,7 +193,7 @@ class Engine:
         if s.busy():
             if self._weights.leaves is None:
                 raise EngineNotLoadedError("step() before any load(): the engine has no weights")
-            s.admit(self._prefill, self._write_pages, self._replayer)
+            s.admit(self._prefill, self._write_pages, self._calls)
             if self.on_demand:
                 s.grow(self.read_kv_pages)
             if s.arrays.active.any():
@@ -263,6 +263,16 @@ class Engine:
         leaves = self._weights.leaves if leaves is None else leaves
         for bucket, args in calls:
             packed, self._cache = self._steps.prefill(bucket, leaves, self._cache, args)
+            outs.append(packed)
+        return jax.device_get(outs)
+
+    def _extend(
+        self, calls: list[tuple[int, tuple[np.ndarray, ...]]], leaves: list
+    ) -> list[np.ndarray]:
+        """Run extend calls (bucket, host args) with `leaves`; their packed first tokens."""
+        outs = []
+        for bucket, args in calls:
+            packed, self._cache = self._steps.extend(bucket, leaves, self._cache, args)
             outs.append(packed)
         return jax.device_get(outs)
 
@@ -364,10 +374,10 @@ class Engine:
         return dict(self._steps.programs)
 
 
-class _Replayer:
-    """The engine's `scheduler.Replayer`: prefill and decode calls under the weights of any
-    version `Engine.weights_of` gives (the served one's own), the last REPLAY_VERSIONS kept
-    placed."""
+class _VersionedCalls:
+    """The engine's `scheduler.VersionedCalls`: prefill, extend and decode calls under the
+    weights of the served version or of any version `Engine.weights_of` gives, the last
+    REPLAY_VERSIONS of those kept placed."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
@@ -397,6 +407,9 @@ class _Replayer:
 
     def prefill(self, version: int, calls: list) -> list:
         return self._engine._prefill(calls, self._leaves(version))
+
+    def extend(self, version: int, calls: list) -> list:
+        return self._engine._extend(calls, self._leaves(version))
 
     def decode(self, version: int, rows: np.ndarray) -> np.ndarray:
         return self._engine._decode_rows(rows, self._leaves(version))

@@ -20,6 +20,7 @@ import numpy as np
 from rlax_tpu.api.inference import FinishReason, GenerationRequest, Rollout, SamplingParams
 from rlax_tpu.config import InferenceConfig
 from rlax_tpu.inference.page_allocator import PADDING_PAGE, HostPages, PageAllocator
+from rlax_tpu.inference.parking import Parked, ParkedKey, ParkedStore
 from rlax_tpu.inference.sampling import request_key_data
 
 # The device work the engine hands in. A prefill round: (bucket, `prefill_args`) per call ->
@@ -30,15 +31,20 @@ ReadPages = Callable[[list[int]], Any]
 WritePages = Callable[[list[int], Any], None]
 
 
-class Replayer(Protocol):
-    """The device work of replaying a "keep" continuation's lost KV pages (`Scheduler`):
-    prefill and decode calls under the weights of a version other than the one served."""
+class VersionedCalls(Protocol):
+    """Device work under the weights of a given version (the served one's, or another's):
+    the extend calls of continuations that feed tokens after pages they hold, and a replay's
+    prefill, extend and decode calls (`Scheduler._replay`)."""
 
     def has(self, versions: Iterable[int]) -> bool:
         """Whether the weights of every version in `versions` can be had (fetched now)."""
 
     def prefill(self, version: int, calls: list[tuple[int, tuple[np.ndarray, ...]]]) -> list:
         """A prefill round's calls (as `Prefill`) under `version`'s weights."""
+
+    def extend(self, version: int, calls: list[tuple[int, tuple[np.ndarray, ...]]]) -> list:
+        """Extend calls (`extend_args`: tokens fed after each row's cached positions, the
+        next token sampled) under `version`'s weights; their packed outputs, on the host."""
 
     def decode(self, version: int, rows: np.ndarray) -> np.ndarray:
         """One decode call of the slots `rows` under `version`'s weights: its packed output,
@@ -66,30 +72,11 @@ class PagingState:
     parked_bytes: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class ParkedKey:
-    """What a parked sequence's KV pages continue: the response of (prompt_id, sample_index)
-    sampled with `version`'s key, `num_tokens` tokens long."""
-
-    prompt_id: str
-    sample_index: int
-    version: int
-    num_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Parked:
-    """A paused sequence's prompt and response, whose KV pages the allocator holds on the
-    host under its `ParkedKey`: a continuation of exactly these tokens resumes on them."""
-
-    prompt_tokens: tuple[int, ...]
-    tokens: tuple[int, ...]
-
-
 @dataclasses.dataclass(eq=False)
 class SequenceState:
     """Host-side state of a request in flight. `tokens` is the response so far (a
-    continuation's partial first), `token_versions` the served version that sampled each."""
+    continuation's partial first), `token_versions` the served version that sampled each,
+    `loss_mask` 1 for a sampled token, 0 for one given (an episode's observation)."""
 
     request: GenerationRequest
     sampling: SamplingParams
@@ -102,7 +89,13 @@ class SequenceState:
     slot: int = -1  # -1 while waiting or swapped out
     order: int = -1  # admission number: preemption takes the highest live one
     key_data: Any = None  # the request's sampling key
-    parked: ParkedKey | None = None  # the parked KV a "keep" continuation looks for
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    # A continuation that looks for parked pages ("keep", or an episode's next turn); the
+    # parked pages found for it, or whether its lost pages are to be replayed.
+    resumes: bool = False
+    parked: ParkedKey | None = None
+    replay: bool = False
+    cached: int = 0  # context positions whose keys and values its pages hold (once admitted)
 
     @property
     def prompt_len(self) -> int:
@@ -133,6 +126,7 @@ class SequenceState:
             finish_reason=reason,
             error=error,
             token_versions=versions,
+            loss_mask=None if all(self.loss_mask) else tuple(self.loss_mask),
         )
 
 
@@ -148,14 +142,23 @@ def continuation_buckets(prefill_buckets: tuple[int, ...], max_seq_len: int) -> 
 
 
 def prefill_args(
-    rows: int, bucket: int, page_table: np.ndarray, seqs: list[SequenceState]
+    rows: int,
+    bucket: int,
+    page_table: np.ndarray,
+    seqs: list[SequenceState],
+    *,
+    extend: bool = False,
 ) -> tuple[np.ndarray, ...]:
     """The host arguments of a prefill call of `seqs` (at most `rows`, all in `bucket`) after
     (params, cache): page-table rows, tokens (the prompt, then a continuation's response so
     far), lengths, starts (the response index t of the token sampled: 0, or the tokens a
     continuation has), key data, temperature, top_k, top_p, "sampled" flags. Unused rows
     are padding: length 0 (no valid token), an all-padding page-table row (PADDING_PAGE;
-    writes there are dropped) and non-truncating sampling params."""
+    writes there are dropped) and non-truncating sampling params.
+
+    extend: the arguments of an extend call (`steps.extend_step`) instead: each row's tokens
+    are its context after the `cached` positions its pages hold, and `offsets` (those
+    positions: where its tokens start) follow the lengths."""
     page_rows = np.full((rows, page_table.shape[1]), PADDING_PAGE, np.int32)
     tokens = np.zeros((rows, bucket), np.int32)
     lengths = np.zeros(rows, np.int32)
@@ -165,11 +168,13 @@ def prefill_args(
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
     sampled_logprobs = np.zeros(rows, bool)
+    offsets = np.zeros(rows, np.int32)
     for row, seq in enumerate(seqs):
         s = seq.sampling
         page_rows[row] = page_table[seq.slot]
-        tokens[row, : seq.context_len] = (*seq.request.prompt_tokens, *seq.tokens)
-        lengths[row] = seq.context_len
+        fed = (*seq.request.prompt_tokens, *seq.tokens)[seq.cached :]
+        tokens[row, : len(fed)] = fed
+        lengths[row], offsets[row] = len(fed), seq.cached
         starts[row] = len(seq.tokens)
         key_data[row] = seq.key_data
         temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
@@ -178,6 +183,7 @@ def prefill_args(
         page_rows,
         tokens,
         lengths,
+        *((offsets,) if extend else ()),
         starts,
         key_data,
         temperature,
@@ -280,15 +286,21 @@ class Scheduler:
     call that generates `max_tokens` new tokens without ending the response finishes
     "paused". With inference.in_flight_update "keep" a paused sequence is parked (`park`):
     its pages go to the host under its `ParkedKey`, and a continuation of exactly its
-    prompt and tokens swaps them back in instead of being prefilled. Parked host bytes stay
-    within `max_parked_bytes` (None: unbounded), the oldest evicted first; parked sequences
-    hold no slot and no page. A continuation that finds no pages (another worker's, an
-    evicted or restarted one) has them replayed (`_replay`, `kv_replayed`): its pages are
-    made again as they were first made, by the prefill of its prompt and a decode step
-    per token under the version that sampled the next token, so it continues bitwise as
-    if it had found them. Without a `Replayer` that has those versions' weights it is
-    prefilled under the served version instead (`kv_rebuilt`: the same distribution, not
-    the same bits).
+    prompt and tokens swaps them back in instead of being prefilled (parking.py: bytes
+    bounded by `max_parked_bytes`, the oldest evicted first; parked sequences hold no slot
+    and no page). A continuation that finds no pages (another worker's, an evicted or
+    restarted one) has them replayed (`_replay`, `kv_replayed`): made again as they were
+    first made, so it continues bitwise as if it had found them. Without the weights of the
+    versions that made them (`VersionedCalls.has`) it is prefilled under the served version
+    instead (`kv_rebuilt`: the same distribution, not the same bits).
+
+    Multi-turn episodes: a request with `keep_pages` that ends at a stop token (a turn that
+    called a tool) is parked too, under any in_flight_update; its next turn is a
+    continuation whose partial is the turn's tokens followed by the observation's tokens
+    (given, loss mask 0). It swaps the parked pages in and an extend call feeds only the
+    tokens after them (the turn's last token and the observation's) and samples the next
+    turn's first token (`_extend`). Under "off" / "resume", pages parked under another
+    version than the one served are not reused: the turn is prefilled afresh.
 
     A weight load (`load`): with "off", or to a version older than the one served, every
     request in flight is aborted. To a newer version, "keep" lets them continue as they are
@@ -331,8 +343,7 @@ class Scheduler:
         self._done: list[Rollout] = []  # finished, returned by the next step()
         # Paused sequences whose pages the allocator holds on the host, oldest first, and
         # those paused in this step (still in their slots until `park`).
-        self._parked: collections.OrderedDict[ParkedKey, Parked] = collections.OrderedDict()
-        self._parked_bytes = 0
+        self._parked = ParkedStore(allocator, max_parked_bytes)
         self._to_park: list[SequenceState] = []
         self.counters: collections.Counter = collections.Counter()
 
@@ -353,10 +364,10 @@ class Scheduler:
             return
         if partial is not None:
             seq.tokens, seq.logprobs = list(partial.tokens), list(partial.logprobs)
-            seq.token_versions = list(partial.token_versions)
+            seq.token_versions, seq.loss_mask = list(partial.token_versions), list(partial.mask)
             self.counters["continuations"] += 1
-            if self.in_flight_update == "keep":
-                seq.parked = seq.parked_key()
+            # A "keep" continuation, or an episode's next turn, looks for its parked pages.
+            seq.resumes = self.in_flight_update == "keep" or not all(seq.loss_mask)
         budget = request.max_tokens
         seq.stop_at = min(limit, len(seq.tokens) + budget) if budget else limit
         r = request
@@ -399,6 +410,11 @@ class Scheduler:
             "decode_calls": c["decode_calls"],
             "prefills": c["prefills"],
             "prefill_calls": c["prefill_calls"],
+            # Continuations that fed tokens after their pages (an episode's observation),
+            # the calls and the tokens fed.
+            "extends": c["extends"],
+            "extend_calls": c["extend_calls"],
+            "extend_tokens": c["extend_tokens"],
             "active_slots": int(self.arrays.active.sum()),
             "waiting": len(self._waiting),
             "swapped": len(self._swapped),
@@ -425,7 +441,7 @@ class Scheduler:
             "replay_decode_calls": c["replay_decode_calls"],
             "replay_mismatches": c["replay_mismatches"],
             "parked": len(self._parked),
-            "parked_bytes": self._parked_bytes,
+            "parked_bytes": self._parked.bytes,
             "parked_evictions": c["parked_evictions"],
         }
 
@@ -442,8 +458,8 @@ class Scheduler:
             page_table=self.allocator.page_table.copy(),
             swapped_bytes=sum(self.allocator.swapped[seq].nbytes for seq in self._swapped),
             problems=tuple(self.allocator.invariant_problems()),
-            parked=tuple(self._parked),
-            parked_bytes=self._parked_bytes,
+            parked=self._parked.keys(),
+            parked_bytes=self._parked.bytes,
         )
 
     def _problem(self, request: GenerationRequest, sampling: SamplingParams, limit: int) -> str:
@@ -481,10 +497,11 @@ class Scheduler:
         """Why a continuation's partial response cannot be continued, or "" if it can."""
         p = request.partial
         n = len(p.tokens)
-        if not n == len(p.logprobs) == len(p.token_versions):
+        if not n == len(p.logprobs) == len(p.token_versions) == len(p.mask):
             return (
-                f"partial response has {n} tokens, {len(p.logprobs)} log-probs and "
-                f"{len(p.token_versions)} token versions: one of each per token"
+                f"partial response has {n} tokens, {len(p.logprobs)} log-probs, "
+                f"{len(p.token_versions)} token versions and {len(p.mask)} loss-mask "
+                "entries: one of each per token"
             )
         if not all(0 <= t < self.vocab_size for t in p.tokens):
             return f"partial response token ids must be in [0, {self.vocab_size})"
@@ -494,31 +511,41 @@ class Scheduler:
                 f"nothing to generate: a response holds at most {limit} tokens "
                 f"(max_new_tokens {sampling.max_new_tokens}, a slot {self.max_seq_len} tokens)"
             )
-        if n and p.tokens[-1] in sampling.stop_token_ids:
+        if n and p.mask[-1] and p.tokens[-1] in sampling.stop_token_ids:
             return f"the partial response already ended with stop token {p.tokens[-1]}"
         return ""
 
-    # -- admission and prefill -------------------------------------------------------------
+    # -- admission, prefill and extend -----------------------------------------------------
     def admit(
-        self, prefill: Prefill, write_pages: WritePages, replayer: Replayer | None = None
+        self, prefill: Prefill, write_pages: WritePages, calls: VersionedCalls | None = None
     ) -> None:
         """Swap sequences back in (`write_pages` copies their pages into the pool), then admit
-        waiting ones in prefill rounds (`prefill` runs a round's calls: their first tokens);
-        a "keep" continuation whose pages are parked is swapped in instead, one whose pages
-        are lost has them replayed (`replayer`)."""
+        waiting ones in prefill rounds (`prefill` runs a round's calls: their first tokens).
+        A continuation whose pages are parked swaps them in instead, or has them replayed
+        when they are lost ("keep"); one with tokens after its pages has them fed by an
+        extend call (`calls`)."""
         self._resume(write_pages)
         # A sequence that ends at its first token frees its slot and pages at once, so a
         # round may make room for another.
         while not self._swapped:
-            admitted, batch = self._take_waiting(write_pages, replayer)
+            admitted, batch = self._take_waiting(write_pages, calls)
             if not admitted:
                 return
-            replays = [seq for seq in batch if seq.parked is not None]
-            for seq in replays:
-                self._replay(seq, replayer)
-            batch = [seq for seq in batch if seq not in replays]
-            if batch:
-                self._prefill(batch, prefill)
+            fresh, extend = [], []
+            for seq in batch:
+                if seq.replay:
+                    self._replay(seq, calls)
+                if seq.cached == 0:
+                    fresh.append(seq)
+                elif seq.cached < seq.context_len - 1:
+                    extend.append(seq)
+                else:  # its pages hold everything but its last token: it decodes on
+                    self.arrays.set_sampling(seq.slot, seq)
+                    self.arrays.activate(seq)
+            if extend:
+                self._first_tokens(extend, calls, extend=True)
+            if fresh:
+                self._first_tokens(fresh, prefill)
 
     def _fits(self, pages: int, joining: int = 0) -> bool:
         """Whether a sequence needing `pages` more pages may join the live ones and the
@@ -530,61 +557,78 @@ class Scheduler:
         return pages + margin <= self.allocator.free_pages
 
     def _take_waiting(
-        self, write_pages: WritePages, replayer: Replayer | None
+        self, write_pages: WritePages, calls: VersionedCalls | None
     ) -> tuple[int, list[SequenceState]]:
         """Admit up to `prefill_rows` waiting sequences, first in first out, each into a free
-        slot: a "keep" continuation whose parked pages are held gets them back (swapped in,
-        live at once); any other gets pages for its prompt and response so far (on demand)
-        or its whole sequence (reserve) and is to be prefilled, or replayed (a "keep"
-        continuation whose pages are lost, `seq.parked` still set). Stops at the first that
-        does not fit: it waits (FIFO) until a running sequence frees pages. Returns how many
-        were admitted and those to prefill or replay."""
+        slot: a continuation whose parked pages are held gets them back (swapped in, with
+        pages for the tokens after them); any other gets pages for its prompt and response
+        so far (on demand) or its whole sequence (reserve), to be prefilled, or replayed (a
+        "keep" continuation whose pages are lost). Stops at the first that does not fit: it
+        waits (FIFO) until a running sequence frees pages. Returns how many were admitted
+        and the admitted."""
         free = [s for s, seq in enumerate(self._slots) if seq is None][: self.prefill_rows]
         admitted, batch = 0, []
         for slot in free:
             if not self._waiting:
                 break
             seq = self._waiting[0]
-            host = self._parked_pages(seq, replayer)
-            if host is not None:
-                pages = host.num_pages
-                if not self.on_demand:
-                    pages = max(pages, self.allocator.pages_for(seq.prompt_len + seq.stop_at))
-                if not self._fits(pages, admitted):
-                    break
+            host = self._parked_pages(seq, calls)
+            if self.on_demand:
+                # Pages for every position fed before the next decode call: all but the last
+                # token's when it decodes on from its pages, all with an extend or prefill.
+                fed_all = host is None or len(seq.tokens) > seq.parked.num_tokens
+                tokens = seq.context_len if fed_all else seq.context_len - 1
             else:
-                tokens = seq.context_len if self.on_demand else seq.prompt_len + seq.stop_at
-                pages = self.allocator.pages_for(tokens)
-                if not self._fits(pages, admitted) or not self.allocator.try_reserve(slot, tokens):
+                tokens = seq.prompt_len + seq.stop_at
+            if host is not None:
+                if not self._fits(max(host.num_pages, self.allocator.pages_for(tokens)), admitted):
                     break
+            elif not self._fits(self.allocator.pages_for(tokens), admitted) or (
+                not self.allocator.try_reserve(slot, tokens)
+            ):
+                break
             self._waiting.popleft()
             seq.slot, seq.order = slot, self._admissions
             self._admissions += 1
             self._slots[slot] = seq
             admitted += 1
             if host is not None:
-                self._unpark(seq, write_pages)
-            else:
-                batch.append(seq)
+                self._unpark(seq, write_pages, tokens)
+            batch.append(seq)
         return admitted, batch
 
-    def _prefill(self, batch: list[SequenceState], prefill: Prefill) -> None:
-        """Prefill `batch` (admitted, in FIFO order): one call per bucket among its prompts
-        (with a continuation's response so far), then each sequence's next token in order."""
+    def _first_tokens(
+        self, batch: list[SequenceState], run: Prefill | VersionedCalls, *, extend: bool = False
+    ) -> None:
+        """Prefill `batch` (admitted, in FIFO order; `run` a `Prefill`), or with `extend` feed
+        each one's tokens after its cached positions (`run` the `VersionedCalls`, under the
+        served version): one call per bucket of the tokens fed, then each sequence's next
+        token in order."""
         buckets = self.config.prefill_buckets + self.continuation_buckets
         by_bucket: dict[int, list[SequenceState]] = {}
         for seq in batch:
-            bucket = next(b for b in buckets if b >= seq.context_len)
+            bucket = next(b for b in buckets if b >= seq.context_len - seq.cached)
             by_bucket.setdefault(bucket, []).append(seq)
-        self.counters["prefill_calls"] += len(by_bucket)
         table, rows = self.allocator.page_table, self.prefill_rows
-        outs = prefill([(b, prefill_args(rows, b, table, seqs)) for b, seqs in by_bucket.items()])
+        args = [
+            (b, prefill_args(rows, b, table, seqs, extend=extend)) for b, seqs in by_bucket.items()
+        ]
+        if extend:
+            if run is None:
+                raise RuntimeError("a continuation after its parked pages needs VersionedCalls")
+            outs = run.extend(self.served_version, args)
+            self.counters["extend_calls"] += len(by_bucket)
+            self.counters["extends"] += len(batch)
+            self.counters["extend_tokens"] += sum(s.context_len - s.cached for s in batch)
+        else:
+            outs = run(args)
+            self.counters["prefill_calls"] += len(by_bucket)
+            self.counters["prefills"] += len(batch)
         first: dict[SequenceState, tuple[int, float]] = {}
         for seqs, packed in zip(by_bucket.values(), outs, strict=True):
             tokens, logprobs = packed[0].tolist(), packed[1].view(np.float32).tolist()
             for row, seq in enumerate(seqs):
                 first[seq] = tokens[row], logprobs[row]
-        self.counters["prefills"] += len(batch)
         self.arrays.page_table_dirty = True
         for seq in batch:
             self.arrays.set_sampling(seq.slot, seq)
@@ -662,111 +706,130 @@ class Scheduler:
         self.counters["requeued"] += len(seqs)
         self.arrays.page_table_dirty = self.arrays.carry_dirty = True
 
-    # -- parked sequences ("keep") ---------------------------------------------------------
+    # -- parked sequences ("keep", episodes' turns) ----------------------------------------
     def park(self, read_pages: ReadPages) -> None:
-        """Park the sequences paused in this step: their pages copied to the host
-        (`read_pages`) under their `ParkedKey` (replacing one parked there), their slots
-        freed; then evict the oldest parked while their bytes exceed `max_parked_bytes`."""
+        """Park the sequences that paused ("keep") or ended a turn (`keep_pages`) in this
+        step: their pages copied to the host (`read_pages`) under their `ParkedKey`, their
+        slots freed; then evict the oldest parked while their bytes exceed the bound."""
         for seq in self._to_park:
             key = seq.parked_key()
-            if key in self._parked:
-                self._drop_parked(key)
-            host = self.allocator.swap_out(seq.slot, key, read_pages)
+            prompt, tokens = tuple(seq.request.prompt_tokens), tuple(seq.tokens)
+            parked = Parked(prompt, tokens, self.served_version)
+            host = self._parked.park(seq.slot, key, parked, read_pages)
             self._slots[seq.slot] = None
             seq.slot = -1
-            self._parked[key] = Parked(tuple(seq.request.prompt_tokens), tuple(seq.tokens))
-            self._parked_bytes += host.nbytes
             self.counters["swap_out_bytes"] += host.nbytes
             self.arrays.page_table_dirty = True
         self._to_park = []
-        limit = self.max_parked_bytes
-        while self._parked and limit is not None and self._parked_bytes > limit:
-            self._drop_parked(next(iter(self._parked)))
-            self.counters["parked_evictions"] += 1
+        self.counters["parked_evictions"] += self._parked.evict()
 
-    def _parked_pages(self, seq: SequenceState, replayer: Replayer | None) -> HostPages | None:
-        """The host pages `seq` continues on, if it is a "keep" continuation whose exact
-        prompt and tokens are parked. One that looks and finds none (another worker's, an
-        evicted or restarted one) keeps `seq.parked` (to be replayed) if `replayer` has the
-        weights of the versions that made its pages; else it is prefilled (`kv_rebuilt`)."""
-        key = seq.parked
-        if key is None:
+    def _parked_pages(self, seq: SequenceState, calls: VersionedCalls | None) -> HostPages | None:
+        """The host pages `seq` continues on, if it is a continuation whose prompt and first
+        tokens are parked (`seq.parked` set), and, under "off" / "resume", parked while the
+        version served now was. One that finds none (another worker's, an evicted or
+        restarted one) is replayed under "keep" (`seq.replay`) when `calls` has the weights
+        of the versions that sampled its tokens; else prefilled (`kv_rebuilt`)."""
+        if not seq.resumes or seq.replay:
             return None
-        if self._parked.get(key) == Parked(tuple(seq.request.prompt_tokens), tuple(seq.tokens)):
-            return self.allocator.swapped[key]
-        if replayer is None or not replayer.has(set(seq.token_versions)):
-            seq.parked = None
-            self.counters["kv_rebuilt"] += 1
+        if seq.parked in self._parked:  # found when it last waited, and still there
+            return self.allocator.swapped[seq.parked]
+        seq.parked, r = None, seq.request
+        key = self._parked.find(
+            r.prompt_id, r.sample_index, seq.version, tuple(r.prompt_tokens), tuple(seq.tokens)
+        )
+        if key is not None:
+            if self.in_flight_update == "keep" or self._parked[key].served == self.served_version:
+                seq.parked = key
+                return self.allocator.swapped[key]
+            self._parked.drop(key)  # keys and values of older weights: prefilled afresh
+        sampled = {v for v, m in zip(seq.token_versions, seq.loss_mask, strict=True) if m}
+        if (
+            self.in_flight_update == "keep"
+            and seq.loss_mask[0]
+            and calls is not None
+            and calls.has(sampled)
+        ):
+            seq.replay = True
+            return None
+        seq.resumes = False
+        self.counters["kv_rebuilt"] += 1
         return None
 
-    def _replay(self, seq: SequenceState, replayer: Replayer) -> None:
-        """Make a "keep" continuation's lost pages again, as they were first made, in its
-        (new) slot, then make it live as `_unpark` does.
+    def _unpark(self, seq: SequenceState, write_pages: WritePages, tokens: int) -> None:
+        """Swap `seq`'s parked pages into its (new) slot, with pages for its first `tokens`
+        tokens: they hold its prompt and the parked tokens but the last."""
+        key, seq.parked = seq.parked, None
+        nbytes = self._parked.take(key, seq.slot, write_pages)
+        self.allocator.reserve(seq.slot, tokens)
+        seq.cached = seq.prompt_len + key.num_tokens - 1
+        self.counters["kv_reused"] += 1
+        self.counters["swap_in_bytes"] += nbytes
+        self.arrays.page_table_dirty = True
 
-        Under "keep" the prompt's keys and values come from the prefill that sampled token 0
-        (under its version), and token t's from the decode step that fed it, which sampled
-        token t+1 under token t+1's version. So: the prompt is prefilled under token 0's
-        version, and each run of tokens of one version is decoded again under it (the slot
-        alone in the smallest decode size, limited to the run's end), sampling with the
-        request's key: the same tokens and log-probs come out, which is checked (a mismatch,
-        e.g. a partial made on another kind of machine, is counted in `replay_mismatches`:
-        the pages are then this machine's, the continuation goes on from them). A decode
-        row's bits do not depend on its batch, slot or pages (`Engine`), so the pages are
-        bitwise those a run that never lost them holds."""
-        tokens, versions, n = seq.tokens, seq.token_versions, len(seq.tokens)
-        slot, a = seq.slot, self.arrays
-        seq.parked = None
+    def _replay(self, seq: SequenceState, calls: VersionedCalls) -> None:
+        """Make a "keep" continuation's lost pages again, as they were first made, in its
+        (new) slot; `seq.cached` says how far.
+
+        The prompt's keys and values come from the prefill that sampled token 0 (under its
+        version); a sampled token's from the decode step that fed it, which sampled the next
+        one under that one's version; an episode's given tokens (and the turn's last token
+        before them) from the extend call that fed them and sampled the next turn's first
+        token under its version. So: the prompt is prefilled under token 0's version, each
+        run of sampled tokens of one version is decoded again under it (the slot alone, in
+        the smallest decode size, limited to the run's end), and each run of given tokens
+        is extended under the version of the token after it, sampling with the request's
+        key; given tokens at the end are left to the continuation's own extend. The same
+        tokens and log-probs come out, which is checked (a mismatch, e.g. a partial made on
+        another kind of machine, is counted in `replay_mismatches`: the pages are then this
+        machine's, the continuation goes on from them). A row's bits do not depend on its
+        batch, slot or pages (`Engine`), so the pages are bitwise those a run that never
+        lost them holds."""
+        tokens, versions, mask, n = seq.tokens, seq.token_versions, seq.loss_mask, len(seq.tokens)
+        slot, a, rows_of = seq.slot, self.arrays, self.prefill_rows
+        seq.replay = False
         buckets = self.config.prefill_buckets + self.continuation_buckets
-        bucket = next(b for b in buckets if b >= seq.prompt_len)
-        prompt_only = dataclasses.replace(seq, tokens=[], logprobs=[], token_versions=[])
-        args = prefill_args(self.prefill_rows, bucket, self.allocator.page_table, [prompt_only])
-        (packed,) = replayer.prefill(versions[0], [(bucket, args)])
-        sampled = [(int(packed[0][0]), int(packed[1][0]))]
+
+        def first_token(version: int, view: SequenceState, extend: bool) -> tuple[int, int]:
+            bucket = next(b for b in buckets if b >= view.context_len - view.cached)
+            args = prefill_args(rows_of, bucket, self.allocator.page_table, [view], extend=extend)
+            run = calls.extend if extend else calls.prefill
+            (packed,) = run(version, [(bucket, args)])
+            return int(packed[0][0]), int(packed[1][0])
+
+        prompt_only = dataclasses.replace(seq, tokens=[], cached=0)
+        sampled = [first_token(versions[0], prompt_only, extend=False)]
         a.set_sampling(slot, seq)
         a.page_table_dirty = True
         rows = np.full(self.decode_rows[0], self.num_slots, np.int32)
         rows[0] = slot
         t = 1
         while t < n:
-            end = next((u for u in range(t, n) if versions[u] != versions[t]), n)
+            if not mask[t]:  # given tokens t..g-1, fed with token t-1 by the call sampling g
+                g = next((u for u in range(t, n) if mask[u]), n)
+                if g == n:
+                    break
+                view = dataclasses.replace(seq, tokens=tokens[:g], cached=seq.prompt_len + t - 1)
+                sampled.append(first_token(versions[g], view, extend=True))
+                t = g + 1
+                continue
+            end = next((u for u in range(t, n) if not mask[u] or versions[u] != versions[t]), n)
             a.limit[slot], a.sampling_dirty = end, True
             a.active[slot], a.last_token[slot] = True, tokens[t - 1]
             a.position[slot], a.index[slot] = seq.prompt_len + t - 1, t
             a.carry_dirty = True
             while t < end:
-                out = replayer.decode(versions[t], rows)
+                out = calls.decode(versions[t], rows)
                 self.counters["replay_decode_calls"] += 1
                 for step in range(out.shape[1]):
                     if out[2, step, 0]:
                         sampled.append((int(out[0, step, 0]), int(out[1, step, 0])))
                         t += 1
-        logged = np.asarray(seq.logprobs, np.float32).view(np.int32).tolist()
-        if sampled != list(zip(tokens, logged, strict=True)):
+        a.active[slot], a.carry_dirty = False, True
+        seq.cached = seq.prompt_len + t - 1
+        bits = np.asarray(seq.logprobs, np.float32).view(np.int32).tolist()
+        if sampled != [(tokens[i], bits[i]) for i in range(t) if mask[i]]:
             self.counters["replay_mismatches"] += 1
         self.counters["kv_replayed"] += 1
-        a.set_sampling(slot, seq)
-        a.activate(seq)
-
-    def _unpark(self, seq: SequenceState, write_pages: WritePages) -> None:
-        """Swap `seq`'s parked pages into its (new) slot and make it live: it decodes on
-        from its last token as if it had never paused."""
-        key, seq.parked = seq.parked, None
-        host = self.allocator.swapped[key]
-        self.allocator.swap_in(key, seq.slot, write_pages)
-        if not self.on_demand:
-            self.allocator.reserve(seq.slot, seq.prompt_len + seq.stop_at)
-        del self._parked[key]
-        self._parked_bytes -= host.nbytes
-        self.counters["kv_reused"] += 1
-        self.counters["swap_in_bytes"] += host.nbytes
-        self.arrays.set_sampling(seq.slot, seq)
-        self.arrays.activate(seq)
-        self.arrays.page_table_dirty = True
-
-    def _drop_parked(self, key: ParkedKey) -> None:
-        self._parked_bytes -= self.allocator.swapped[key].nbytes
-        self.allocator.drop_swapped(key)
-        del self._parked[key]
 
     # -- decode ------------------------------------------------------------------------------
     def decoded(self, live_rows: np.ndarray, packed: np.ndarray) -> None:
@@ -800,6 +863,7 @@ class Scheduler:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.token_versions.append(self.served_version)
+        seq.loss_mask.append(1)
         self.counters["tokens_generated"] += 1
         if token in seq.sampling.stop_token_ids:
             self._finish(seq, "stop")
@@ -814,9 +878,13 @@ class Scheduler:
     def _finish(
         self, seq: SequenceState, reason: FinishReason, *, error: str = "", report: bool = True
     ) -> Rollout:
-        """End a sequence: free its slot and pages at once (a sequence paused under "keep"
-        keeps them until `park`), and build its rollout."""
-        if reason == "paused" and self.in_flight_update == "keep" and seq.slot >= 0:
+        """End a sequence: free its slot and pages at once (one that parks, paused under
+        "keep" or a turn that ended with `keep_pages`, keeps them until `park`), and build
+        its rollout."""
+        parks = (reason == "paused" and self.in_flight_update == "keep") or (
+            reason == "stop" and seq.request.keep_pages
+        )
+        if parks and seq.slot >= 0:
             self.arrays.active[seq.slot] = False
             self.arrays.carry_dirty = True
             self._to_park.append(seq)

@@ -1,5 +1,6 @@
 """The jitted steps of the inference engine: prefill (a batch of prompts of one bucket, their
-first tokens sampled), decode (`num_steps` tokens of the live slots) and the page copies of a
+first tokens sampled), extend (tokens fed after the positions a row's pages hold, the next
+token sampled), decode (`num_steps` tokens of the live slots) and the page copies of a
 swap, with the static key that names the model and mesh they run. Pure functions of
 (weights, cache, host arrays): the scheduler (scheduler.py) decides, these compute.
 `StepPrograms` runs them for one engine: on its mesh, with saved executables in their place
@@ -83,6 +84,46 @@ def prefill_step(
         positions,
         positions < lengths[:, None],
         cache.for_prefill(rows),
+        logits_index=jnp.maximum(lengths - 1, 0),
+    )
+    token, logprob = sample_tokens(logits, key_data, starts, temperature, top_k, top_p, lp)
+    packed = jnp.stack([token, jax.lax.bitcast_convert_type(logprob, jnp.int32)])
+    return packed, cache.with_page_table(table)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def extend_step(
+    static,
+    params,
+    cache,
+    rows,
+    tokens,
+    lengths,
+    offsets,
+    starts,
+    key_data,
+    temperature,
+    top_k,
+    top_p,
+    lp,
+):
+    """Feed tokens after the positions each row's pages already hold, and sample the next
+    response token (t = starts): a continuation's tokens after its parked pages (an
+    episode's turn-ending token and the observation after it).
+
+    As `prefill_step`, with offsets: int32[batch], the position of each row's first token
+    (the positions its pages hold). The tokens are written to the pages and attend the
+    pages' keys and values and each other causally (`paged_attention` of several tokens).
+    """
+    model = static.model(params)
+    steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = offsets[:, None] + steps[None, :]
+    table = cache.page_table
+    logits, cache = model.decode(
+        tokens,
+        positions,
+        steps[None, :] < lengths[:, None],
+        cache.with_page_table(rows),
         logits_index=jnp.maximum(lengths - 1, 0),
     )
     token, logprob = sample_tokens(logits, key_data, starts, temperature, top_k, top_p, lp)
@@ -210,6 +251,24 @@ class StepPrograms:
         with self.mesh_context():
             packed, cache = step(self.static, params, cache, *self.put(args))
         if first is not None:  # the call returns once compiled; it runs asynchronously
+            seconds = first()
+            if self.progress is not None:
+                self.progress(f"{what}: compiled in {seconds:.1f}s")
+        return packed, cache
+
+    def extend(
+        self, bucket: int, params: list, cache: PagedKVCache, args: tuple[np.ndarray, ...]
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """Dispatch one extend call (`args`: `scheduler.prefill_args(..., extend=True)`);
+        returns its packed int32[2, prefill_rows], still on the device, and the cache."""
+        what = f"extend for {self.prefill_rows}x{bucket} tokens after cached pages"
+        step = self.programs.get(f"extend@{bucket}", extend_step)
+        first = None
+        if step is extend_step:
+            first = self._first_call(f"extend:{self.prefill_rows}x{bucket}", what)
+        with self.mesh_context():
+            packed, cache = step(self.static, params, cache, *self.put(args))
+        if first is not None:
             seconds = first()
             if self.progress is not None:
                 self.progress(f"{what}: compiled in {seconds:.1f}s")

@@ -59,6 +59,7 @@ def _request_key(request: GenerationRequest, default: SamplingParams) -> tuple:
         request.sampling or default,
         request.partial,
         request.max_tokens,
+        request.keep_pages,
     )
 
 
@@ -365,7 +366,7 @@ class InferenceWorker:
 
     def _stub_rollout(self, rid: str, key: tuple, finish_reason: str, error: str) -> Rollout:
         """A rollout with no tokens that ends request `rid` with `finish_reason`."""
-        prompt_id, sample_index, prompt_tokens, _, partial, _ = key
+        prompt_id, sample_index, prompt_tokens, _, partial, *_ = key
         return Rollout(
             request_id=rid,
             prompt_id=prompt_id,
