@@ -244,17 +244,7 @@ class StepPrograms:
         int32[2, prefill_rows] (first tokens, log-prob bits), still on the device, and the
         cache."""
         what = f"prefill for {self.prefill_rows}x{bucket} prompt tokens"
-        step = self.programs.get(f"prefill@{bucket}", prefill_step)
-        first = None
-        if step is prefill_step:
-            first = self._first_call(f"prefill:{self.prefill_rows}x{bucket}", what)
-        with self.mesh_context():
-            packed, cache = step(self.static, params, cache, *self.put(args))
-        if first is not None:  # the call returns once compiled; it runs asynchronously
-            seconds = first()
-            if self.progress is not None:
-                self.progress(f"{what}: compiled in {seconds:.1f}s")
-        return packed, cache
+        return self._first_tokens("prefill", prefill_step, bucket, what, params, cache, args)
 
     def extend(
         self, bucket: int, params: list, cache: PagedKVCache, args: tuple[np.ndarray, ...]
@@ -262,13 +252,19 @@ class StepPrograms:
         """Dispatch one extend call (`args`: `scheduler.prefill_args(..., extend=True)`);
         returns its packed int32[2, prefill_rows], still on the device, and the cache."""
         what = f"extend for {self.prefill_rows}x{bucket} tokens after cached pages"
-        step = self.programs.get(f"extend@{bucket}", extend_step)
+        return self._first_tokens("extend", extend_step, bucket, what, params, cache, args)
+
+    def _first_tokens(
+        self, name: str, jitted: Any, bucket: int, what: str, params: list, cache: Any, args: tuple
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """One call of a step that samples each row's next token (prefill, extend)."""
+        step = self.programs.get(f"{name}@{bucket}", jitted)
         first = None
-        if step is extend_step:
-            first = self._first_call(f"extend:{self.prefill_rows}x{bucket}", what)
+        if step is jitted:
+            first = self._first_call(f"{name}:{self.prefill_rows}x{bucket}", what)
         with self.mesh_context():
             packed, cache = step(self.static, params, cache, *self.put(args))
-        if first is not None:
+        if first is not None:  # the call returns once compiled; it runs asynchronously
             seconds = first()
             if self.progress is not None:
                 self.progress(f"{what}: compiled in {seconds:.1f}s")
