@@ -22,6 +22,7 @@ from rlax_tpu.api.environments import (
     Tool,
     ToolCall,
     ToolDefinitionError,
+    ToolResult,
     ToolVerdict,
     tool,
 )
@@ -247,6 +248,20 @@ def test_a_return_value_is_text_str_as_it_is_and_json_otherwise():
     result = give.call({"kind": "set"}, 5.0)
     assert result.verdict == ToolVerdict.ERROR
     assert "returned a set, which is not JSON" in result.error
+
+
+def test_a_returned_tool_result_is_the_calls_result():
+    """A tool that judges its own outcome (a sandboxed program's time limit) returns it."""
+
+    @tool
+    def judged(late: bool) -> object:
+        if late:
+            return ToolResult.failure(ToolVerdict.TIMEOUT, "stopped at its 1 s limit")
+        return ToolResult(content="on time")
+
+    assert judged.call({"late": False}, 5.0) == ToolResult(content="on time")
+    late = judged.call({"late": True}, 5.0)
+    assert (late.verdict, late.content) == (ToolVerdict.TIMEOUT, "Error: stopped at its 1 s limit")
 
 
 # -- the calculator ------------------------------------------------------------------------------
@@ -611,7 +626,7 @@ def test_the_builtins_resolve_by_name():
 @pytest.mark.parametrize(
     "resolve, spec, error",
     [
-        (resolve_tool, "abacus", "tool 'abacus' is not a built-in tool (built-in: calculator)"),
+        (resolve_tool, "abacus", "not a built-in tool (built-in: calculator, python)"),
         (resolve_environment, "gym", "'gym' is not a built-in environment (built-in: tools)"),
         (resolve_tool, "my_env.py:nothing", "'my_env.py' has no attribute 'nothing' (it has: "),
         (resolve_tool, "missing.py:f", "no file "),

@@ -219,7 +219,9 @@ class Tool:
     parameters:  its arguments as a JSON schema object ({"type": "object", "properties":
                  ..., "required": [...]}); `call` checks arguments against it.
     function:    called with the arguments as keywords; returns a str (given to the policy
-                 as it is) or a JSON-able value (given as json.dumps of it).
+                 as it is), a JSON-able value (given as json.dumps of it), or a ToolResult
+                 (taken as it is: a tool that judges its own outcome, such as a program
+                 stopped at its time limit, TIMEOUT).
     timeout_s:   how long a call may run, None = the episode's tool_timeout_s.
 
     `Tool.from_function` (or `@tool`) builds one from a typed, documented function.
@@ -298,8 +300,9 @@ class Tool:
         what was expected). The function runs in a thread for at most `timeout_s` (default:
         the tool's own; with neither, it runs in this thread, unbounded): past it the call
         is abandoned (the thread finishes in the background, its result dropped) ->
-        timeout. An exception -> error, with its type and message. A return value that is
-        neither a str nor JSON-able -> error."""
+        timeout. An exception -> error, with its type and message. A returned ToolResult is
+        the call's result. A return value that is none of a str, a ToolResult or JSON-able
+        -> error."""
         try:
             kwargs = _checked_object(arguments, self.parameters, "arguments")
         except _BadArgument as exc:
@@ -317,6 +320,8 @@ class Tool:
             return ToolResult.failure(ToolVerdict.ERROR, _describe_exception(raised))
         if isinstance(value, str):
             return ToolResult(content=value)
+        if isinstance(value, ToolResult):
+            return value
         try:
             return ToolResult(content=json.dumps(value, ensure_ascii=False))
         except (TypeError, ValueError):

@@ -1,8 +1,10 @@
 """The verifiers' face (protos/rlax_tpu/v1/verifier.proto, DESIGN §7): what every verifier
 takes and returns (a request; a verdict, a reward and a reason a human can read), the
-service's errors and the gRPC status each maps to, the message codecs both ends use, and the
-controller's client. The math and code verifiers, the task adapters, the verifier service
-and the controller all speak these types; the service carries them over gRPC unchanged.
+programs the service runs for the policy's tools (`ExecutionRequest` -> `ExecutionResult`,
+in the same sandbox), the service's errors and the gRPC status each maps to, the message
+codecs both ends use, and the controller's client. The math and code verifiers, the task
+adapters, the verifier service, the tools and the controller all speak these types; the
+service carries them over gRPC unchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import enum
 import json
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import grpc
 
@@ -114,6 +116,90 @@ class VerificationRequest:
 KINDS: tuple[str, ...] = typing.get_args(VerifierKind)
 
 
+# -- programs run for the policy's tools (Execute) -----------------------------------------
+# A program's wall clock is its time limit plus this, for the sandbox to start (bwrap, the
+# namespace's init, the interpreter) without eating the program's own time.
+EXECUTION_START_S = 1.0
+
+
+class ExecutionVerdict(enum.StrEnum):
+    """How one program run went. The values it shares with `Verdict` are the same strings."""
+
+    OK = "ok"  # exited with code 0 within its limits
+    RUNTIME_ERROR = "runtime_error"  # a non-zero exit code, or killed by a signal
+    TIME_LIMIT = "time_limit"
+    MEMORY_LIMIT = "memory_limit"
+    OUTPUT_LIMIT = "output_limit"  # printed past its output cap: stopped there
+    COMPILE_ERROR = "compile_error"  # a compiled language's build failed
+    # Not run: no sandbox (and unsandboxed runs not allowed), a language the verifier does
+    # not enable, the batch deadline passed; the reason says which.
+    VERIFIER_ERROR = "verifier_error"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionRequest:
+    """One program to run in the verifier's sandbox: a tool's call, not a judgement.
+
+    code:        the program's source.
+    language:    a row of the language table that `verifiers.code_languages` enables.
+    stdin:       fed on its stdin.
+    time_limit_s: CPU seconds, and the wall clock (plus EXECUTION_START_S, for the sandbox
+                 to start); 0 = the verifier's maximum.
+    memory_limit_bytes: address space; 0 = the verifier's maximum.
+    output_limit_bytes: stdout cap (past it the program is stopped: OUTPUT_LIMIT); stderr
+                 keeps its last this-many bytes (8 KiB at most); 0 = the verifier's maximum.
+    request_id:  idempotency key, as for VerificationRequest (one namespace for both): a
+                 retried id is answered from the service's cache, not run again.
+
+    Limits above the verifier's maxima (`verifiers.execute_*`) are clamped to them.
+    """
+
+    code: str
+    language: str = "python"
+    stdin: str = ""
+    time_limit_s: float = 0.0
+    memory_limit_bytes: int = 0
+    output_limit_bytes: int = 0
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("time_limit_s", "memory_limit_bytes", "output_limit_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"{name} must be >= 0 (0 = the verifier's maximum), got {getattr(self, name)!r}"
+                )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionResult:
+    """What one program did. stdout is cut at the output cap and stderr keeps its last
+    bytes; the *_truncated flags say when more was written. exit_code is None when the
+    program was killed by a signal (a limit's, or its own) or did not run. reason says how
+    it ended, for a human ("exit code 1: ZeroDivisionError: division by zero")."""
+
+    verdict: ExecutionVerdict
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    exit_code: int | None = None
+    wall_time_s: float = 0.0
+    cpu_time_s: float = 0.0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", ExecutionVerdict(self.verdict))  # "ok" -> OK
+
+
+class ProgramExecutor(Protocol):
+    """Runs programs in a verifier's sandbox: `VerifierClient` (one service), or the
+    controller's `ServiceVerifier` (its replicas, a lost one's calls moved to the others)."""
+
+    def execute(
+        self, requests: Sequence[ExecutionRequest], *, deadline_s: float | None = None
+    ) -> list[ExecutionResult]: ...
+
+
 # -- errors: each maps to one gRPC status ----------------------------------------------------
 class VerifierServiceError(Exception):
     """Base of the service's errors."""
@@ -131,10 +217,16 @@ class ServiceClosedError(VerifierServiceError):
     """The service is stopping (UNAVAILABLE)."""
 
 
+class ExecutionUnavailableError(VerifierServiceError):
+    """This service was built without a program runner: it judges, it runs no programs
+    (UNIMPLEMENTED)."""
+
+
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestIdReusedError: grpc.StatusCode.INVALID_ARGUMENT,
     ServiceClosedError: grpc.StatusCode.UNAVAILABLE,
+    ExecutionUnavailableError: grpc.StatusCode.UNIMPLEMENTED,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
@@ -223,13 +315,75 @@ def result_from_proto(message: pb.VerificationResultMessage) -> VerificationResu
     )
 
 
-_MAPS = ("verdicts", "pool", "inputs", "sandbox")
+def execution_request_to_proto(request: ExecutionRequest) -> pb.ExecutionRequestMessage:
+    return pb.ExecutionRequestMessage(
+        request_id=request.request_id,
+        language=request.language,
+        code=request.code,
+        stdin=request.stdin,
+        time_limit_s=request.time_limit_s,
+        memory_limit_bytes=request.memory_limit_bytes,
+        output_limit_bytes=request.output_limit_bytes,
+    )
+
+
+def execution_request_from_proto(
+    message: pb.ExecutionRequestMessage, index: int
+) -> ExecutionRequest:
+    try:
+        return ExecutionRequest(
+            code=message.code,
+            language=message.language or "python",
+            stdin=message.stdin,
+            time_limit_s=message.time_limit_s,
+            memory_limit_bytes=message.memory_limit_bytes,
+            output_limit_bytes=message.output_limit_bytes,
+            request_id=message.request_id,
+        )
+    except ValueError as exc:
+        raise ValueError(f"programs[{index}]: {exc}") from None
+
+
+def execution_result_to_proto(
+    result: ExecutionResult, request_id: str = "", *, cached: bool = False
+) -> pb.ExecutionResultMessage:
+    return pb.ExecutionResultMessage(
+        request_id=request_id,
+        verdict=ExecutionVerdict(result.verdict).value,
+        stdout=result.stdout,
+        stderr=result.stderr,
+        stdout_truncated=result.stdout_truncated,
+        stderr_truncated=result.stderr_truncated,
+        exit_code=result.exit_code,
+        wall_time_s=result.wall_time_s,
+        cpu_time_s=result.cpu_time_s,
+        reason=result.reason,
+        cached=cached,
+    )
+
+
+def execution_result_from_proto(message: pb.ExecutionResultMessage) -> ExecutionResult:
+    return ExecutionResult(
+        verdict=ExecutionVerdict(message.verdict),
+        stdout=message.stdout,
+        stderr=message.stderr,
+        stdout_truncated=message.stdout_truncated,
+        stderr_truncated=message.stderr_truncated,
+        exit_code=message.exit_code if message.HasField("exit_code") else None,
+        wall_time_s=message.wall_time_s,
+        cpu_time_s=message.cpu_time_s,
+        reason=message.reason,
+    )
+
+
+_MAPS = ("verdicts", "pool", "inputs", "sandbox", "execution_verdicts")
 
 
 def metrics_to_proto(metrics: Mapping[str, Any]) -> pb.VerifierMetrics:
     return pb.VerifierMetrics(
         **{k: v for k, v in metrics.items() if k not in _MAPS},
         verdicts=metrics["verdicts"],
+        execution_verdicts=metrics.get("execution_verdicts", {}),
         pool={k: int(v) for k, v in metrics["pool"].items()},
         inputs={k: int(v) for k, v in metrics.get("inputs", {}).items()},
         sandbox={k: str(v) for k, v in metrics.get("sandbox", {}).items()},
@@ -321,17 +475,36 @@ class VerifierClient(ComponentClient):
         message = pb.VerifyRequest(
             requests=[request_to_proto(r) for r in requests], deadline_s=deadline_s or 0.0
         )
-        size = message.ByteSize()
-        if size > MAX_MESSAGE_BYTES:
-            raise VerifierCallError(
-                f"Verify: the batch is {size / 2**20:.1f} MiB, over the "
-                f"{MAX_MESSAGE_BYTES // 2**20} MiB gRPC message limit; send smaller batches",
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            )
+        self._check_size("Verify", message)
         timeout = self.timeout_s if deadline_s is None else deadline_s + _CLIENT_MARGIN_S
         what = f"Verify({len(requests)} requests)"
         reply = self._call("Verify", message, what, timeout, watch=watch)
         return [(result_from_proto(m), m.cached) for m in reply.results]
+
+    def execute(
+        self,
+        requests: Sequence[ExecutionRequest],
+        *,
+        deadline_s: float | None = None,
+        watch: Watch | None = None,
+    ) -> list[ExecutionResult]:
+        """Runs each program in the service's sandbox: one result per request, in order,
+        with `verify`'s conventions: by `deadline_s` (default: the server's) programs not
+        yet run are VERIFIER_ERROR, and a retry with the same request ids returns those
+        that finished since without running them again; with `watch`, a service that stops
+        answering health checks fails the call with ComponentLostError (UNAVAILABLE).
+        UNIMPLEMENTED: the service runs no programs."""
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        message = pb.ExecuteRequest(
+            programs=[execution_request_to_proto(r) for r in requests],
+            deadline_s=deadline_s or 0.0,
+        )
+        self._check_size("Execute", message)
+        timeout = self.timeout_s if deadline_s is None else deadline_s + _CLIENT_MARGIN_S
+        what = f"Execute({len(requests)} programs)"
+        reply = self._call("Execute", message, what, timeout, watch=watch)
+        return [execution_result_from_proto(m) for m in reply.results]
 
     def metrics(self) -> dict[str, Any]:
         """The service's metrics (VerificationService.metrics)."""
@@ -347,6 +520,15 @@ class VerifierClient(ComponentClient):
     def status_details(self, timeout_s: float) -> dict[str, str]:
         """The status's details (a `Watch`'s health check)."""
         return dict(self.status(timeout_s).details)
+
+    def _check_size(self, method: str, message: Any) -> None:
+        size = message.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise VerifierCallError(
+                f"{method}: the batch is {size / 2**20:.1f} MiB, over the "
+                f"{MAX_MESSAGE_BYTES // 2**20} MiB gRPC message limit; send smaller batches",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
 
     def _call(
         self, method: str, request: Any, what: str, timeout: float, watch: Watch | None = None

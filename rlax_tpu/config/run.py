@@ -811,10 +811,23 @@ class VerifierConfig(ConfigBase):
     # Longer responses are cut to their last this-many bytes before anything reads them
     # (the final answer and the last code block are at the end); counted in the metrics.
     max_response_bytes: int = 1 * 2**20
+    # The most CPU seconds a program run for the policy's tools (Execute: the "python" tool)
+    # may ask for, and what it gets when it asks for none; its wall clock is 1 s more.
+    execute_time_limit_s: float = 10.0
+    # The most address space such a program may ask for (and gets when it asks for none).
+    execute_memory_limit_bytes: int = 512 * 2**20
+    # The most stdout such a program may ask for (likewise); stderr keeps its last
+    # this-many bytes, 8 KiB at most.
+    execute_output_limit_bytes: int = 64 * 2**10
 
     def validate(self) -> None:
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
-        for name in ("math_timeout_s", "reward_timeout_s", "code_time_limit_s"):
+        for name in (
+            "math_timeout_s",
+            "reward_timeout_s",
+            "code_time_limit_s",
+            "execute_time_limit_s",
+        ):
             require(getattr(self, name) > 0, name, "must be > 0")
         for address in self.addresses():
             host, _, port = address.rpartition(":")
@@ -823,7 +836,13 @@ class VerifierConfig(ConfigBase):
                 "address",
                 f"must be host:port[,host:port...], got {self.address!r}",
             )
-        for name in ("code_memory_limit_bytes", "math_memory_limit_bytes", "max_response_bytes"):
+        for name in (
+            "code_memory_limit_bytes",
+            "math_memory_limit_bytes",
+            "max_response_bytes",
+            "execute_memory_limit_bytes",
+            "execute_output_limit_bytes",
+        ):
             require(getattr(self, name) > 0, name, "must be > 0")
         require(
             self.sandbox_cgroup in ("auto", "off") or self.sandbox_cgroup.startswith("/"),
@@ -1223,6 +1242,10 @@ ADDED_FIELDS: dict[str, Any] = {
     "inference.tick_tokens": 0,
     "controller.datasets[].sft_field": "",
     "data.sft_field": "",
+    # No run executed programs for its tools before these existed.
+    "verifiers.execute_time_limit_s": 10.0,
+    "verifiers.execute_memory_limit_bytes": 512 * 2**20,
+    "verifiers.execute_output_limit_bytes": 64 * 2**10,
 }
 
 

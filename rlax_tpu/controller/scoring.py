@@ -15,6 +15,7 @@ unjudged depends only on which requests the verifier fails, never on timing.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -26,6 +27,8 @@ import grpc
 
 from rlax_tpu.api.records import Judgement, RolloutRecord
 from rlax_tpu.api.verifier import (
+    ExecutionRequest,
+    ExecutionResult,
     Verdict,
     VerificationRequest,
     VerificationResult,
@@ -72,7 +75,10 @@ class ServiceVerifier:
     Liveness (rpc/liveness.py): with `liveness_s` > 0 each Verify call is watched by health
     checks, and a service that stops answering them (frozen, hung) counts as not answering;
     `deadline_s` is each call's batch deadline (the service answers VERIFIER_ERROR, retried,
-    for what it has not judged by then; the call is given up 30 s later)."""
+    for what it has not judged by then; the call is given up 30 s later).
+
+    `execute` runs the programs of the policy's tools on the same services, elastic the
+    same way (it is a `ProgramExecutor`: the tools' verifier, registry.ToolContext)."""
 
     def __init__(
         self,
@@ -89,15 +95,32 @@ class ServiceVerifier:
         self.report = report or _log.warning
         self.stop = stop
         self.liveness_s, self.deadline_s = liveness_s, deadline_s
+        self._next_service = itertools.count()  # where each execute call starts
 
-    def _call(self, client: Any, chunk: Sequence[VerificationRequest]) -> list[VerificationResult]:
+    def _options(self, client: Any, deadline_s: float | None) -> dict[str, Any]:
         options: dict[str, Any] = {}
-        if self.deadline_s is not None:
-            options["deadline_s"] = self.deadline_s
+        if deadline_s is not None:
+            options["deadline_s"] = deadline_s
         if self.liveness_s > 0:
             what = f"verifier service {getattr(client, 'address', '?')}"
             options["watch"] = Watch(what, client.status_details, liveness_s=self.liveness_s)
-        return client.verify(chunk, **options)
+        return options
+
+    def _call(self, client: Any, chunk: Sequence[VerificationRequest]) -> list[VerificationResult]:
+        return client.verify(chunk, **self._options(client, self.deadline_s))
+
+    def execute(
+        self, requests: Sequence[ExecutionRequest], *, deadline_s: float | None = None
+    ) -> list[ExecutionResult]:
+        """Runs `requests` (programs of the policy's tools) in one Execute call, by
+        `deadline_s` (default: the service's): calls take the services in turn; a call
+        whose service does not answer goes to the next one, and with none answering it
+        waits as `verify_many` does. A program the lost service was running runs again on
+        the next one (its result does not depend on where it runs)."""
+        start = next(self._next_service)
+        return self._on_any(
+            start, lambda client: client.execute(requests, **self._options(client, deadline_s))
+        )
 
     def verify_many(self, requests: Sequence[VerificationRequest]) -> list[VerificationResult]:
         chunks = [requests[start : start + CHUNK] for start in range(0, len(requests), CHUNK)]
@@ -109,16 +132,20 @@ class ServiceVerifier:
 
     def _verify(self, i: int, chunk: Sequence[VerificationRequest]) -> list[VerificationResult]:
         """Chunk i on service i mod n, else the next one answering, waiting for one."""
+        return self._on_any(i, lambda client: self._call(client, chunk))
+
+    def _on_any(self, i: int, call: Callable[[Any], list[Any]]) -> list[Any]:
+        """call(client) on service i mod n, else the next one answering, waiting for one."""
         n = len(self.clients)
 
-        def on_any() -> list[VerificationResult]:
+        def on_any() -> list[Any]:
             for k in range(n - 1):
                 try:
-                    return self._call(self.clients[(i + k) % n], chunk)
+                    return call(self.clients[(i + k) % n])
                 except RpcCallError as e:
                     if not is_unreachable(e):
                         raise
-            return self._call(self.clients[(i + n - 1) % n], chunk)
+            return call(self.clients[(i + n - 1) % n])
 
         what = "the verifier service" if n == 1 else f"every one of the {n} verifier services"
         return retry_unreachable(

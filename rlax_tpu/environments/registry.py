@@ -1,13 +1,15 @@
 """Environments and tools by name, as a config names them: a built-in's name ("tools",
-"calculator"), or the user's own as "package.module:name" (installed, or on PYTHONPATH) or
-"path/to/file.py:name" (relative to the working directory), imported as reward functions are
-(rlax_tpu/user_modules.py).
+"calculator", "python"), or the user's own as "package.module:name" (installed, or on
+PYTHONPATH) or "path/to/file.py:name" (relative to the working directory), imported as reward
+functions are (rlax_tpu/user_modules.py). A tool that runs the policy's code ("python") is
+made for the run's verifier, which the caller passes in a `ToolContext`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlax_tpu.api.environments import (
@@ -17,15 +19,31 @@ from rlax_tpu.api.environments import (
     Tool,
     ToolDefinitionError,
 )
+from rlax_tpu.api.verifier import ProgramExecutor
 from rlax_tpu.environments.calculator import calculator
+from rlax_tpu.environments.python_tool import python_tool
 from rlax_tpu.environments.tool_environment import ToolEnvironment
 from rlax_tpu.user_modules import import_user_module
 
 BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {"tools": ToolEnvironment}
-# Tools that run in this process. A tool that runs code the policy wrote (a Python
-# interpreter) runs in the verifier's sandbox, through the verifier service, and is listed
-# here when it lands.
+# Tools that run in this process.
 BUILTIN_TOOLS: dict[str, Tool] = {t.name: t for t in (calculator,)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToolContext:
+    """What the run gives the tools that need it.
+
+    verifier: runs the programs of the tools that run the policy's code, in the verifier's
+              sandbox: the controller's ServiceVerifier (its verifier replicas), or a
+              VerifierClient of one service. None: such tools cannot be named.
+    """
+
+    verifier: ProgramExecutor | None = None
+
+
+# Tools that run the policy's code: made per run, for its verifier (ToolContext.verifier).
+SANDBOXED_TOOLS: dict[str, Callable[[ProgramExecutor], Tool]] = {"python": python_tool}
 
 
 class EnvironmentSpecError(ValueError):
@@ -83,16 +101,27 @@ def resolve_environment(
     return _CheckedFactory(spec, factory)
 
 
-def resolve_tool(spec: str) -> Tool:
-    """The tool `spec` names: a built-in's name ("calculator"), or the user's
-    "module:name" / "path/to/file.py:name" naming a Tool (taken as it is) or a typed
-    function (made one with Tool.from_function)."""
+def resolve_tool(spec: str, context: ToolContext | None = None) -> Tool:
+    """The tool `spec` names: a built-in's name ("calculator"; "python", made for
+    `context.verifier`), or the user's "module:name" / "path/to/file.py:name" naming a Tool
+    (taken as it is) or a typed function (made one with Tool.from_function)."""
     if spec in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[spec]
     what = f"tool {spec!r}"
+    if spec in SANDBOXED_TOOLS:
+        verifier = context.verifier if context is not None else None
+        if verifier is None:
+            raise EnvironmentSpecError(
+                f"{what} runs the policy's code in the verifier's sandbox, through the "
+                "verifier service, and no verifier was given: resolve it with "
+                "resolve_tool(spec, ToolContext(verifier=...)), the run's ServiceVerifier "
+                "or a VerifierClient"
+            )
+        return SANDBOXED_TOOLS[spec](verifier)
     if ":" not in spec:
+        built_in = ", ".join([*BUILTIN_TOOLS, *SANDBOXED_TOOLS])
         raise EnvironmentSpecError(
-            f"{what} is not a built-in tool (built-in: {', '.join(BUILTIN_TOOLS)}); name "
+            f"{what} is not a built-in tool (built-in: {built_in}); name "
             "your own as 'package.module:function' or 'path/to/file.py:function'"
         )
     value = _attribute(spec, what)

@@ -135,7 +135,7 @@ class RunOutcome:
     exit_code: int | None
     signal: int | None
     stdout: bytes
-    stderr_tail: bytes
+    stderr_tail: bytes  # the last bytes it wrote to stderr (8 KiB at most)
     cpu_time_s: float
     wall_time_s: float
     peak_rss_bytes: int
@@ -147,6 +147,7 @@ class RunOutcome:
     cgroup: bool = False  # the run had its own cgroup
     peak_processes: int | None = None  # most tasks of the run at once (cgroup pids.peak)
     oom_kills: int = 0  # processes of the run the kernel killed for its cgroup's memory
+    stderr_bytes: int = 0  # all it wrote to stderr (stderr_tail is shorter when more)
 
     @property
     def ok(self) -> bool:
@@ -712,6 +713,7 @@ def _supervise(
     deadline = start + limits.wall_s
     stdout = bytearray()
     stderr_tail = bytearray()
+    stderr_written = 0
     report = bytearray()
     assert proc.stdout is not None and proc.stderr is not None
     sel = selectors.DefaultSelector()
@@ -746,6 +748,7 @@ def _supervise(
                         _stop(proc)
                         deadline = time.monotonic() + _DRAIN_S
                 elif key.data == "err":
+                    stderr_written += len(data)
                     stderr_tail += data
                     del stderr_tail[:-_STDERR_TAIL_BYTES]
                 else:
@@ -811,6 +814,7 @@ def _supervise(
         memory_limit_exceeded=memory_exceeded,
         output_limit_exceeded=output_exceeded,
         sandboxed=sandboxed,
+        stderr_bytes=stderr_written,
     )
 
 

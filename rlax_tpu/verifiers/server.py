@@ -4,7 +4,8 @@ Starts a pool of worker processes (recycled after --max-tasks-per-worker tasks, 
 capped at `verifiers.math_memory_limit_bytes`) for math and reasoning-gym checks and the
 user's reward functions (those the config's datasets name are imported into every worker
 as it starts; one that does not import refuses the start, exit 2, naming it), a
-sandboxed CodeVerifier (up to --max-parallel-tests test cases of one request at once) and a
+sandboxed CodeVerifier (up to --max-parallel-tests test cases of one request at once), a
+ProgramRunner on the same sandbox for the programs of the policy's tools (Execute), and a
 VerificationService over them with a bounded queue; serves Verifier and Health on one gRPC
 server bound to loopback unless told otherwise, prints `READY host:port` on stdout once
 serving, and on SIGTERM or SIGINT stops serving, answers what is queued and kills its
@@ -37,6 +38,7 @@ from rlax_tpu.rpc.process import (
     wait_for,
 )
 from rlax_tpu.verifiers.code import CodeVerifier
+from rlax_tpu.verifiers.execution import ProgramRunner
 from rlax_tpu.verifiers.functions import configured_reward_functions, loading_errors
 from rlax_tpu.verifiers.local import LocalVerifier, pool_for
 from rlax_tpu.verifiers.pool import TaskOutOfMemory, TaskTimeout, WorkerCrashed
@@ -173,8 +175,10 @@ def main(args: argparse.Namespace) -> int:
         verifier = LocalVerifier(
             config.verifiers, pool, code_verifier=code_verifier, problem_resolver=resolver
         )
+        runner = ProgramRunner(config.verifiers, sandbox=code_verifier.sandbox)
         service = VerificationService(
             verifier.verify,
+            execute=runner.execute,
             concurrency=options.num_workers,
             queue_capacity=options.queue_size,
             results_cache_size=options.results_cache,

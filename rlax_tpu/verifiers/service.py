@@ -1,11 +1,13 @@
 """The verifier service (protos/rlax_tpu/v1/verifier.proto): batches of verification requests
-judged on a worker pool behind a bounded queue, idempotent by request id, with one deadline
-per batch, (the client and the codecs are in rlax_tpu.api.verifier).
+judged on a worker pool, and batches of programs run for the policy's tools (Execute), behind
+one bounded queue, idempotent by request id, with one deadline per batch (the client and the
+codecs are in rlax_tpu.api.verifier).
 
 `VerificationService` is the core (plain Python, tested directly): admission into a bounded
 queue (a batch that does not fit is refused whole, so memory stays bounded), `concurrency`
-dispatch threads that call a blocking `verify` (LocalVerifier.verify on a WorkerPool), an LRU
-of finished results by request id, and metrics. `VerifierServicer` is a thin gRPC layer.
+dispatch threads that call a blocking `verify` (LocalVerifier.verify on a WorkerPool) or
+`execute` (ProgramRunner.execute, in the code verifier's sandbox), an LRU of finished results
+by request id, and metrics. `VerifierServicer` is a thin gRPC layer.
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ from typing import Any
 import grpc
 
 from rlax_tpu.api.verifier import (
+    ExecutionRequest,
+    ExecutionResult,
+    ExecutionUnavailableError,
+    ExecutionVerdict,
     QueueFullError,
     RequestIdReusedError,
     ServiceClosedError,
     Verdict,
     VerificationRequest,
     VerificationResult,
+    execution_request_from_proto,
+    execution_result_to_proto,
     metrics_to_proto,
     request_from_proto,
     result_to_proto,
@@ -39,6 +47,9 @@ from rlax_tpu.rpc.protos import verifier_pb2_grpc as pb_grpc
 
 DEFAULT_QUEUE_CAPACITY = 1024
 DEFAULT_RESULTS_CACHE_SIZE = 10_000
+# Programs' outputs kept in the results cache at most (their stdout and stderr; a
+# verification's result is small and not counted).
+RESULTS_CACHE_OUTPUT_BYTES = 64 * 2**20
 DEFAULT_DEADLINE_S = 600.0
 # The server answers this long before the caller's gRPC deadline, so partial results of a
 # batch arrive instead of DEADLINE_EXCEEDED; the client adds the same margin the other way.
@@ -50,10 +61,42 @@ def _not_judged(reason: str) -> VerificationResult:
     return VerificationResult(reward=0.0, verdict=Verdict.VERIFIER_ERROR, reason=reason)
 
 
+def _not_run(reason: str) -> ExecutionResult:
+    return ExecutionResult(verdict=ExecutionVerdict.VERIFIER_ERROR, reason=reason)
+
+
+def _digest(parts: Sequence[str], tail: bytes = b"") -> str:
+    """sha256 of the length-prefixed parts, then `tail`."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode(errors="surrogatepass")
+        h.update(len(data).to_bytes(8, "little") + data)
+    h.update(tail)
+    return h.hexdigest()
+
+
+def _output_bytes(result: ExecutionResult) -> int:
+    return len(result.stdout) + len(result.stderr)
+
+
+def _program_fingerprint(request: ExecutionRequest) -> str:
+    """What a program's request id stands for. Its first part, "execute", is no verification's
+    kind: an id used for a verification and then a program is refused as reused."""
+    parts = (
+        "execute",
+        request.language,
+        request.code,
+        request.stdin,
+        repr(float(request.time_limit_s)),
+        str(request.memory_limit_bytes),
+        str(request.output_limit_bytes),
+    )
+    return _digest(parts)
+
+
 def _fingerprint(request: VerificationRequest) -> str:
     """What a request id stands for: a retry must carry the same request (every field a
     result depends on; a reward function's also sees the prompt and the metadata)."""
-    h = hashlib.sha256()
     parts = (
         request.kind,
         request.response,
@@ -65,19 +108,30 @@ def _fingerprint(request: VerificationRequest) -> str:
         "chat" if request.chat else "text",
         request.metadata,
     )
-    for part in parts:
-        data = part.encode(errors="surrogatepass")
-        h.update(len(data).to_bytes(8, "little") + data)
+    tail = b""
     if request.response_tokens:  # absent: the fingerprint requests had before they existed
         data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in request.response_tokens)
-        h.update(b"tokens" + len(data).to_bytes(8, "little") + data)
-    return h.hexdigest()
+        tail = b"tokens" + len(data).to_bytes(8, "little") + data
+    return _digest(parts, tail)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Kind:
+    """One kind of request the queue serves: a verification (judged) or a program (run)."""
+
+    counter: str  # its count in the metrics: "judged" / "executed"
+    verb: str  # what not doing it is called in reasons: "judged" / "run"
+    run: Callable[[Any], Any]  # request -> result, blocking
+    fingerprint: Callable[[Any], str]
+    not_run: Callable[[str], Any]  # the VERIFIER_ERROR result of one not done, with why
+    size: Callable[[Any], int] = lambda result: 0  # a result's bytes the cache counts
 
 
 @dataclasses.dataclass(eq=False)
 class _Job:
     key: str  # the request id, or a private key for requests without one
-    request: VerificationRequest
+    kind: _Kind
+    request: Any  # VerificationRequest | ExecutionRequest, as `kind` says
     fingerprint: str
     deadline: float  # monotonic; the latest deadline of any batch waiting for it
     admitted: float
@@ -86,9 +140,10 @@ class _Job:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One request's answer: its result and whether it was recorded before the call."""
+    """One request's answer: its result (a VerificationResult, or an ExecutionResult for a
+    program) and whether it was recorded before the call."""
 
-    result: VerificationResult
+    result: Any
     cached: bool = False
 
 
@@ -101,13 +156,18 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 class VerificationService:
-    """Judges batches with `verify` on `concurrency` threads behind a bounded queue.
+    """Judges batches with `verify`, and runs batches of programs with `execute`, on
+    `concurrency` threads behind one bounded queue.
 
     verify:              blocking request -> result (LocalVerifier.verify); an exception is
                          reported as VERIFIER_ERROR.
+    execute:             blocking ExecutionRequest -> ExecutionResult (ProgramRunner.execute);
+                         an exception is VERIFIER_ERROR. None: Execute is refused
+                         (ExecutionUnavailableError).
     queue_capacity:      requests admitted (waiting + running) at once; a batch that would go
                          over it is refused whole (QueueFullError).
-    results_cache_size:  finished results kept by request id (LRU). A retried id returns its
+    results_cache_size:  finished results kept by request id (LRU; programs' results also
+                         up to RESULTS_CACHE_OUTPUT_BYTES of output). A retried id returns its
                          result without running; an id still running is waited for.
                          VERIFIER_ERROR results are not kept: a retry judges again.
     default_deadline_s:  a batch's deadline when the call names none.
@@ -120,6 +180,7 @@ class VerificationService:
         self,
         verify: Callable[[VerificationRequest], VerificationResult],
         *,
+        execute: Callable[[ExecutionRequest], ExecutionResult] | None = None,
         concurrency: int,
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
         results_cache_size: int = DEFAULT_RESULTS_CACHE_SIZE,
@@ -135,7 +196,12 @@ class VerificationService:
             )
         if default_deadline_s <= 0:
             raise ValueError(f"default_deadline_s must be > 0, got {default_deadline_s}")
-        self._verify = verify
+        self._judging = _Kind("judged", "judged", verify, _fingerprint, _not_judged)
+        self._executing = (
+            _Kind("executed", "run", execute, _program_fingerprint, _not_run, _output_bytes)
+            if execute is not None
+            else None
+        )
         self.concurrency = concurrency
         self.queue_capacity = queue_capacity
         self.results_cache_size = results_cache_size
@@ -147,15 +213,31 @@ class VerificationService:
         self._queue: collections.deque[_Job] = collections.deque()
         self._running = 0
         self._in_flight: dict[str, _Job] = {}  # by request id: queued or running
-        self._finished: collections.OrderedDict[str, tuple[str, VerificationResult]] = (
+        # request id -> (fingerprint, result, its bytes counted in _finished_bytes)
+        self._finished: collections.OrderedDict[str, tuple[str, Any, int]] = (
             collections.OrderedDict()
         )
+        self._finished_bytes = 0
         self._private_keys = itertools.count()
         self._closed = False
         self._latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
-        self._verdicts: collections.Counter[str] = collections.Counter()
+        # verdict -> count, by kind ("judged", "executed")
+        self._verdicts: dict[str, collections.Counter[str]] = {
+            "judged": collections.Counter(),
+            "executed": collections.Counter(),
+        }
         self._counts = collections.Counter(
-            {k: 0 for k in ("judged", "cache_hits", "joined", "rejected", "deadline_expired")}
+            {
+                k: 0
+                for k in (
+                    "judged",
+                    "executed",
+                    "cache_hits",
+                    "joined",
+                    "rejected",
+                    "deadline_expired",
+                )
+            }
         )
         self._threads = [
             threading.Thread(target=self._dispatch, name=f"verifier-dispatch-{i}", daemon=True)
@@ -171,6 +253,24 @@ class VerificationService:
         """One outcome per request, in order, by `deadline_s` (default: default_deadline_s)
         from now; requests not judged by then are VERIFIER_ERROR and go on running if they
         started, so a retry with the same ids finds their results."""
+        return self._submit(self._judging, requests, deadline_s)
+
+    def execute_batch(
+        self, requests: Sequence[ExecutionRequest], *, deadline_s: float | None = None
+    ) -> list[Outcome]:
+        """Programs run as `verify_batch` judges requests (the same queue, capacity, request
+        ids and deadline); their results are ExecutionResults. ExecutionUnavailableError
+        when this service was built without `execute`."""
+        if self._executing is None:
+            raise ExecutionUnavailableError(
+                "this verifier service runs no programs (built without a program runner); "
+                "`rlax-tpu serve verifier` runs them"
+            )
+        return self._submit(self._executing, requests, deadline_s)
+
+    def _submit(
+        self, kind: _Kind, requests: Sequence[Any], deadline_s: float | None
+    ) -> list[Outcome]:
         deadline_s = self.default_deadline_s if deadline_s is None else deadline_s
         now = time.monotonic()
         deadline = now + max(0.0, deadline_s)
@@ -182,10 +282,10 @@ class VerificationService:
             joined: list[_Job] = []
             hits = 0
             for request in requests:
-                fingerprint = _fingerprint(request)
+                fingerprint = kind.fingerprint(request)
                 rid = request.request_id
                 if rid and rid in self._finished:
-                    recorded, result = self._finished[rid]
+                    recorded, result, _ = self._finished[rid]
                     _check_same(rid, recorded, fingerprint)
                     self._finished.move_to_end(rid)
                     slots.append(Outcome(result, cached=True))
@@ -198,7 +298,7 @@ class VerificationService:
                         joined.append(job)
                 else:
                     key = rid or f"\0{next(self._private_keys)}"
-                    job = new[key] = _Job(key, request, fingerprint, deadline, now)
+                    job = new[key] = _Job(key, kind, request, fingerprint, deadline, now)
                 slots.append(job)
             admitted = len(self._queue) + self._running
             if admitted + len(new) > self.queue_capacity:
@@ -230,8 +330,8 @@ class VerificationService:
                 expired += 1
                 outcomes.append(
                     Outcome(
-                        _not_judged(
-                            f"not judged within the batch deadline of {deadline_s:g} s "
+                        kind.not_run(
+                            f"not {kind.verb} within the batch deadline of {deadline_s:g} s "
                             "(the verifier is busy or the request is slow); retry with the "
                             "same request id to pick up its result"
                         )
@@ -244,8 +344,9 @@ class VerificationService:
 
     def metrics(self) -> dict[str, Any]:
         """Queue depth, running, counters, latency p50/p95 (admission to result, recent
-        verifications), verdict counts, the pool's and the inputs' counters, and how code
-        runs ("sandbox")."""
+        requests of both kinds), verdict counts (of verifications: "verdicts"; of programs:
+        "execution_verdicts"), the pool's and the inputs' counters, and how code runs
+        ("sandbox")."""
         with self._cond:
             latencies = sorted(self._latencies)
             out: dict[str, Any] = {
@@ -256,7 +357,8 @@ class VerificationService:
                 **self._counts,
                 "latency_p50_s": _percentile(latencies, 50),
                 "latency_p95_s": _percentile(latencies, 95),
-                "verdicts": dict(self._verdicts),
+                "verdicts": dict(self._verdicts["judged"]),
+                "execution_verdicts": dict(self._verdicts["executed"]),
             }
         out["pool"] = dict(self._pool_stats()) if self._pool_stats is not None else {}
         out["inputs"] = dict(self._input_stats()) if self._input_stats is not None else {}
@@ -274,12 +376,27 @@ class VerificationService:
                 self._in_flight.pop(job.key, None)
             self._cond.notify_all()
         for job in dropped:
-            job.future.set_result(_not_judged("the verifier service stopped before judging it"))
+            job.future.set_result(
+                job.kind.not_run(f"the verifier service stopped before it was {job.kind.verb}")
+            )
         end = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
 
     # -- dispatch ---------------------------------------------------------------------------
+    def _keep(self, job: _Job, result: Any) -> None:
+        """Records a finished result under its request id (holding the lock), dropping the
+        least recently used past the cache's size or its programs' output bytes."""
+        size = job.kind.size(result)
+        self._finished[job.key] = (job.fingerprint, result, size)
+        self._finished_bytes += size
+        while self._finished and (
+            len(self._finished) > self.results_cache_size
+            or self._finished_bytes > RESULTS_CACHE_OUTPUT_BYTES
+        ):
+            _, (_, _, dropped) = self._finished.popitem(last=False)
+            self._finished_bytes -= dropped
+
     def _dispatch(self) -> None:
         while True:
             with self._cond:
@@ -296,24 +413,25 @@ class VerificationService:
                 else:
                     self._running += 1
                     drop = False
+            kind = job.kind
             if drop:
-                job.future.set_result(_not_judged("dropped: its batch deadline passed in queue"))
+                job.future.set_result(kind.not_run("dropped: its batch deadline passed in queue"))
                 continue
             try:
-                result = self._verify(job.request)
+                result = kind.run(job.request)
             except Exception as e:  # a verifier bug must not take the service down
-                result = _not_judged(f"the verifier failed: {type(e).__name__}: {e}")
+                result = kind.not_run(f"the verifier failed: {type(e).__name__}: {e}")
+            # Both kinds' verdicts are StrEnums; "verifier_error" is the same string in both.
+            verdict = str(result.verdict)
             with self._cond:
                 self._running -= 1
-                self._counts["judged"] += 1
-                self._verdicts[Verdict(result.verdict).value] += 1
+                self._counts[kind.counter] += 1
+                self._verdicts[kind.counter][verdict] += 1
                 self._latencies.append(time.monotonic() - job.admitted)
                 if job.request.request_id:
                     self._in_flight.pop(job.key, None)
-                    if result.verdict != Verdict.VERIFIER_ERROR and self.results_cache_size:
-                        self._finished[job.key] = (job.fingerprint, result)
-                        while len(self._finished) > self.results_cache_size:
-                            self._finished.popitem(last=False)
+                    if verdict != Verdict.VERIFIER_ERROR and self.results_cache_size:
+                        self._keep(job, result)
             job.future.set_result(result)
 
 
@@ -331,8 +449,7 @@ def verifier_status(
     """The Health service's ComponentStatus fields; the metrics go in `details`."""
     metrics = service.metrics()
     details = {k: f"{v:.6g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
-    details["verdicts"] = ",".join(f"{k}={v}" for k, v in sorted(metrics["verdicts"].items()))
-    for name in ("pool", "inputs"):
+    for name in ("verdicts", "execution_verdicts", "pool", "inputs"):
         details[name] = ",".join(f"{k}={v}" for k, v in sorted(metrics[name].items()))
     details.pop("sandbox")
     details.update({f"sandbox.{k}": v for k, v in metrics["sandbox"].items()})
@@ -360,10 +477,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if request.deadline_s < 0:
                 raise ValueError(f"deadline_s must be >= 0, got {request.deadline_s}")
             requests = [request_from_proto(m, i) for i, m in enumerate(request.requests)]
-            deadline_s = request.deadline_s or self.service.default_deadline_s
-            remaining = context.time_remaining()
-            if remaining is not None:  # answer before the caller's own deadline fires
-                deadline_s = min(deadline_s, max(0.0, remaining - _REPLY_MARGIN_S))
+            deadline_s = self._deadline_s(request.deadline_s, context)
             outcomes = self.service.verify_batch(requests, deadline_s=deadline_s)
         except Exception as e:
             _abort(context, e)
@@ -373,6 +487,31 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 for r, o in zip(requests, outcomes, strict=True)
             ]
         )
+
+    def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext) -> pb.ExecuteReply:
+        try:
+            if request.deadline_s < 0:
+                raise ValueError(f"deadline_s must be >= 0, got {request.deadline_s}")
+            programs = [execution_request_from_proto(m, i) for i, m in enumerate(request.programs)]
+            deadline_s = self._deadline_s(request.deadline_s, context)
+            outcomes = self.service.execute_batch(programs, deadline_s=deadline_s)
+        except Exception as e:
+            _abort(context, e)
+        return pb.ExecuteReply(
+            results=[
+                execution_result_to_proto(o.result, r.request_id, cached=o.cached)
+                for r, o in zip(programs, outcomes, strict=True)
+            ]
+        )
+
+    def _deadline_s(self, asked_s: float, context: grpc.ServicerContext) -> float:
+        """The batch's deadline: the one asked for (0 = the default), answered before the
+        caller's own gRPC deadline fires."""
+        deadline_s = asked_s or self.service.default_deadline_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            deadline_s = min(deadline_s, max(0.0, remaining - _REPLY_MARGIN_S))
+        return deadline_s
 
     def GetMetrics(
         self, request: pb.MetricsRequest, context: grpc.ServicerContext
