@@ -5,6 +5,7 @@ registry with an environment and a tool of the user's in a file outside the pack
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 import threading
@@ -460,6 +461,23 @@ def test_the_last_turn_ends_the_episode_at_max_turns_without_running_its_calls()
     last = environment.step(Action("", (ToolCall("note", {"text": "b"}),)))
     assert (last.done, last.observation, last.info["end"]) == (True, (), "max_turns")
     assert ran == ["a"]
+
+
+def test_a_restored_environment_goes_on_as_the_one_that_took_the_steps():
+    limits = EpisodeLimits(max_turns=2, max_total_tokens=1000, tool_timeout_s=5.0)
+    stepped = ToolEnvironment({"prompt": "p"}, limits)
+    stepped.reset()
+    stepped.step(Action("", (_call("1+1"), ToolCall("search", {}))))
+    state = stepped.state()
+    assert json.loads(json.dumps(state)) == state  # logged as JSON
+    restored = ToolEnvironment({"prompt": "p"}, limits)
+    restored.reset()
+    restored.restore(state)
+    # Both are on their last turn, with the same counters: the same step, the same answer.
+    for environment in (stepped, restored):
+        last = environment.step(Action("", (_call("2+2"),)))
+        assert (last.done, last.info["end"], last.info["turn"]) == (True, "max_turns", 2)
+        assert last.info["tool_errors"]["unknown_tool"] == 1 and last.info["tool_calls"] == 2
 
 
 def test_spent_tokens_end_the_episode():

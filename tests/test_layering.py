@@ -24,11 +24,13 @@ MAY_IMPORT = {
     "data": {"data", "api", "config", "storage"},
     # Multi-turn environments and tools, on their contract; the user's modules by name.
     "environments": {"environments", "api", "user_modules"},
-    # The controller stands beside the components, on their faces (api), not above them.
+    # The controller stands beside the components, on their faces (api), not above them;
+    # it steps episodes' environments (JAX-free, like it).
     "controller": {
         "controller",
         "api",
         "data",
+        "environments",
         "config",
         "rpc",
         "storage",

@@ -186,6 +186,24 @@ class Environment(abc.ABC):
     def step(self, action: Action) -> StepResult:
         """The environment's answer to the policy's turn `action`."""
 
+    def state(self) -> Mapping[str, Any]:
+        """The episode's state after the last step, JSON-able: what `restore` needs to go on
+        from there. The controller logs it with each step's observation, and a resumed run
+        restores it instead of stepping again: a tool call is never run twice. Default {}:
+        an environment whose steps read nothing but their action (override both methods
+        when a step depends on earlier ones: turns taken, a game's board)."""
+        return {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Go on from `state` (a `state()` of an environment made from the same row), after
+        `reset()`, as if the steps that led there had been taken. Default: nothing to
+        restore (the default `state()` is {})."""
+        if state:
+            raise NotImplementedError(
+                f"{type(self).__name__} logged a state but does not restore it: override "
+                "restore() with state()"
+            )
+
 
 # Makes one episode's environment: (dataset row, limits) -> Environment.
 EnvironmentFactory = Callable[[Mapping[str, Any], EpisodeLimits], Environment]

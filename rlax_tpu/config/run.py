@@ -1010,6 +1010,49 @@ class VerifyConfig(ConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class EnvironmentConfig(ConfigBase):
+    """Multi-turn episodes with tools: `controller.environment` (docs/agents.md). `name` ""
+    generates one response per prompt and judges it (single-turn); "tools" runs the
+    built-in tool environment (the row's prompt, the policy calls `tools` over several
+    turns, then answers; the verifier judges the answer); "module:factory" or
+    "path/to/file.py:factory" is an environment of your own ((row, EpisodeLimits) ->
+    Environment). Each turn ends at the chat template's end-of-turn token; the tool calls
+    are parsed from the turn's text in `tool_format` ("auto": from the chat template), run,
+    and their results rendered once by the template and appended as tokens."""
+
+    # "" = single-turn; "tools" = the built-in tool environment; or "module:factory".
+    name: str = ""
+    # Built-in ("calculator"; "python", run in the verifier's sandbox) or "module:function".
+    tools: tuple[str, ...] = ("calculator",)
+    max_turns: int = 4  # policy turns per episode, the final answer's included
+    # Tokens an episode's response may hold (policy and observation tokens); 0 = the
+    # response limit, inference.max_new_tokens.
+    max_total_tokens: int = 0
+    tool_timeout_s: float = 10.0  # per call, unless the tool sets its own
+    # A failed call ("error", "timeout", bad arguments, unknown tool, unparsable call): the
+    # policy reads the error and goes on, or the episode ends.
+    on_tool_error: Literal["continue", "end"] = "continue"
+    # How turns call tools: "hermes" (<tool_call> JSON: Qwen2.5/Qwen3), "llama3"
+    # (<|python_tag|> / JSON), "auto" = from the chat template.
+    tool_format: Literal["auto", "hermes", "llama3"] = "auto"
+    # Refuse to start when the chat template does not render an episode turn by turn as it
+    # renders it whole (TurnRenderer.check_prefix_preserving): the trajectories are right
+    # either way (never re-tokenised), but the model would meet other tokens when served.
+    require_prefix_preserving: bool = True
+
+    def validate(self) -> None:
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(self.max_total_tokens >= 0, "max_total_tokens", "must be >= 0 (0: the limit)")
+        require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0 seconds")
+        for spec in self.tools:
+            require(bool(spec.strip()), "tools", "names must be non-empty")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ControllerConfig(ConfigBase):
     # RL train steps of the run
     num_steps: int = 10
@@ -1041,6 +1084,7 @@ class ControllerConfig(ConfigBase):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     replay: ReplayConfig = ReplayConfig()
     verify: VerifyConfig = VerifyConfig()
+    environment: EnvironmentConfig = EnvironmentConfig()
     # Elastic recovery (docs/controller.md): a lost inference worker, verifier or parameter
     # server costs a wait, not a restart. Its work goes to the others, and every caller
     # waits up to component_wait_s for it (or a replacement) to answer again before the run
@@ -1246,6 +1290,8 @@ ADDED_FIELDS: dict[str, Any] = {
     "verifiers.execute_time_limit_s": 10.0,
     "verifiers.execute_memory_limit_bytes": 512 * 2**20,
     "verifiers.execute_output_limit_bytes": 64 * 2**10,
+    # Single-turn runs, as every run was before episodes.
+    "controller.environment": EnvironmentConfig().to_dict(),
 }
 
 
@@ -1432,6 +1478,18 @@ class RunConfig(ConfigBase):
             f'{inference.in_flight_update!r} needs staleness.schedule = "deterministic": a '
             "response moves to the next version at a tick the schedule fixes, and the "
             '"freshest" schedule picks versions by timing',
+        )
+        require(
+            not self.controller.environment.enabled or inference.in_flight_update == "off",
+            "controller.environment",
+            'multi-turn episodes run with inference.in_flight_update = "off" for now (an '
+            "episode's turns are generated with its batch's version)",
+        )
+        require(
+            self.controller.environment.max_total_tokens <= inference.max_new_tokens,
+            "controller.environment.max_total_tokens",
+            f"an episode's response is one response: at most inference.max_new_tokens "
+            f"({inference.max_new_tokens}) tokens; lower it, or 0 for that limit",
         )
         global_batch = self.controller.global_batch_size
         require(

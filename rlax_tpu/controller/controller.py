@@ -35,6 +35,7 @@ from rlax_tpu.config import RunConfig
 from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import Assembled
 from rlax_tpu.controller.batches import BatchBuilder
+from rlax_tpu.controller.episodes import Episodes
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.evaluation import EvalResult, Evaluator
 from rlax_tpu.controller.generation import (
@@ -150,6 +151,15 @@ class Controller:
                 f"η = {self.policy.reload_every} no response may span two versions (that needs "
                 "N > η: N - η ticks to carry a response into); every rollout is of one version"
             )
+        # Multi-turn episodes: an environment steps between a policy's turns.
+        self.episodes = None
+        if ctl.environment.enabled:
+            self.episodes = Episodes(
+                ctl.environment,
+                tokenizer,
+                max_new_tokens=config.inference.max_new_tokens,
+                verifier=components.verifier,
+            )
         threads = WorkerThreads(
             components.workers,
             sampling=self.sampling,
@@ -160,9 +170,12 @@ class Controller:
             liveness_s=ctl.liveness_timeout_s,
             decode_step_deadline_s=ctl.decode_step_deadline_s,
             decode_slots=config.inference.max_decode_slots,
-            merge_jobs=in_flight is not None,
+            # Continuations (ticks' and episodes' next turns) decode with the new requests.
+            merge_jobs=in_flight is not None or self.episodes is not None,
         )
-        self.pool = GenerationPool(threads, self.log, samples=self.samples, in_flight=in_flight)
+        self.pool = GenerationPool(
+            threads, self.log, samples=self.samples, in_flight=in_flight, episodes=self.episodes
+        )
         self.scorer = Scorer(
             components.verifier,
             tokenizer,
@@ -348,7 +361,18 @@ class Controller:
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, record: PromptRecord) -> tuple[int, ...]:
-        return encode_prompt(self.tokenizer, record, self.config.inference.max_prompt_len)
+        """A prompt's tokens: the dataset's rendering, or an episode's first observation
+        with its tools (controller.environment)."""
+        limit = self.config.inference.max_prompt_len
+        if self.episodes is None:
+            return encode_prompt(self.tokenizer, record, limit)
+        ids = self.episodes.prompt_tokens(record)
+        if len(ids) > limit:
+            raise ControllerError(
+                f"episode prompt {record.id!r} of dataset {record.dataset!r} has {len(ids)} "
+                f"tokens with its tools, more than inference.max_prompt_len={limit}: raise it"
+            )
+        return ids
 
     def _draw(self, b: int) -> list[Prompt]:
         if b != self._next_draw:

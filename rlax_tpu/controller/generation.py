@@ -15,6 +15,7 @@ which worker serves it, so the run's results do not change.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -25,6 +26,7 @@ from typing import Any
 
 from rlax_tpu.api.inference import GenerationRequest, Partial, Rollout
 from rlax_tpu.api.records import Group, Judgement, RolloutRecord, ScoredRollout
+from rlax_tpu.controller.episodes import Episodes, Turn, TurnLog
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.snapshots import RolloutLog
 from rlax_tpu.controller.workers import TIMINGS, Job, WorkerThreads
@@ -146,7 +148,12 @@ class GenerationPool:
 
     The threads' `counters` are the run's snapshotted accounting: `reused` (rollouts taken
     from the log) is counted into them here, `regenerated` by the threads.
-    `progress_every_s`: how often a wait reports how far generation is (0: never)."""
+    `progress_every_s`: how often a wait reports how far generation is (0: never).
+
+    `episodes` (controller.environment): each request is an episode's first turn; a turn
+    that ends is handed to the episode's environment (on a thread of its own, tools may take
+    long), whose step is logged before the next turn is queued on the worker that parked
+    the episode's pages; the episode's last turn is its rollout."""
 
     def __init__(
         self,
@@ -156,6 +163,8 @@ class GenerationPool:
         samples: int,
         progress_every_s: float = 10.0,
         in_flight: InFlightPlan | None = None,
+        episodes: Episodes | None = None,
+        episode_threads: int = 8,
     ) -> None:
         self.threads = threads
         self.progress_every_s = progress_every_s  # 0: no progress lines while waiting
@@ -173,14 +182,31 @@ class GenerationPool:
         self._held: dict[int, list[tuple[BatchState, GenerationRequest, int | None]]] = {}
         if in_flight is not None:
             self.counters.setdefault("continued", 0)
+        self.episodes = episodes
+        if episodes is not None:
+            # A turn also ends at the template's end-of-turn token (and the pages stay).
+            stops = (*self.sampling.stop_token_ids, *episodes.stop_token_ids)
+            self.sampling = dataclasses.replace(
+                self.sampling, stop_token_ids=tuple(dict.fromkeys(stops))
+            )
+            self.turn_log = TurnLog(log.directory)
+            self._steps = concurrent.futures.ThreadPoolExecutor(
+                episode_threads, thread_name_prefix="episode-steps"
+            )
+            # Each live episode's logged steps, by (prompt key, sample index, version).
+            self._episode_turns: dict[tuple[str, int, int], list[Turn]] = {}
+            for key in ("episodes", "episode_turns", "tool_calls"):
+                self.counters.setdefault(key, 0)
 
     # -- the worker threads ---------------------------------------------------------------------
     def start(self) -> None:
         self.threads.start()
 
     def stop(self) -> None:
-        """Stop the worker threads (WorkerThreads.stop)."""
+        """Stop the worker threads (WorkerThreads.stop), and the episode steps."""
         self.threads.stop()
+        if self.episodes is not None:
+            self._steps.shutdown(wait=True, cancel_futures=True)
 
     @property
     def workers(self) -> list[Any]:
@@ -225,6 +251,7 @@ class GenerationPool:
             if greedy
             else self.sampling,
             max_tokens=budget,
+            keep_pages=self.episodes is not None,
         )
 
     def continuation(
@@ -251,8 +278,10 @@ class GenerationPool:
             batch.done.clear()
         logged = self.log.rollouts(b)
         partials = self.log.partials(b) if self.in_flight is not None else {}
+        stepped = self.turn_log.turns(b) if self.episodes is not None else {}
         missing: list[GenerationRequest] = []
         carried: list[tuple[GenerationRequest, Rollout]] = []
+        episodes: list[tuple[GenerationRequest, list[Turn]]] = []
         indices = batch.sample_indices
         for prompt in prompts:
             for i in indices:
@@ -260,6 +289,10 @@ class GenerationPool:
                 if record is not None:
                     batch.rollouts[(prompt.key, i)] = record
                     self.counters["reused"] += 1
+                elif (prompt.key, i, version) in stepped:  # a resumed run's episode goes on
+                    episodes.append(
+                        (self.request(prompt, i, version, b), stepped[(prompt.key, i, version)])
+                    )
                 elif (prompt.key, i, version) in partials:  # a resumed run carries it on
                     carried.append(
                         (self.request(prompt, i, version, b), partials[(prompt.key, i, version)])
@@ -271,6 +304,10 @@ class GenerationPool:
                 batch.done.set()
         for base, partial in carried:
             self._carry_on(batch, base, partial, None)
+        for base, turns in episodes:
+            with self._lock:
+                self._episode_turns[(base.prompt_id, base.sample_index, version)] = turns
+            self._next_turn(batch, base, turns[-1], None)
         if not missing:
             return
         per_worker = math.ceil(len(missing) / len(self.workers))
@@ -290,8 +327,77 @@ class GenerationPool:
                     fail=lambda e, batch=batch: self._fail(batch, e),
                     timing=batch.timing,
                     pause=self._pause_handler(batch, requests),
+                    turn=self._turn_handler(batch, requests),
                 )
             )
+
+    # -- multi-turn episodes --------------------------------------------------------------
+    def _turn_handler(self, batch: BatchState, requests: list[GenerationRequest]):
+        if self.episodes is None:
+            return None
+        by_id = {r.request_id: r for r in requests}
+
+        def turned(rollouts: list[Rollout], worker: int) -> None:
+            for rollout in rollouts:
+                base = by_id[rollout.request_id]
+                self._steps.submit(self._step_episode, batch, base, rollout, worker)
+
+        return turned
+
+    def _step_episode(
+        self, batch: BatchState, base: GenerationRequest, rollout: Rollout, worker: int
+    ) -> None:
+        """(an episode thread) Step the environment with the turn `rollout` ended; log the
+        step and queue the next turn, or deliver the episode's rollout when it is over."""
+        try:
+            key = (rollout.prompt_id, rollout.sample_index, rollout.version)
+            record = next(p.record for p in batch.prompts if p.key == rollout.prompt_id)
+            with self._lock:
+                turns = self._episode_turns.setdefault(key, [])
+            outcome = self.episodes.step(rollout, record, turns)
+            with self._lock:
+                self.counters["episode_turns"] += 1
+                if outcome.result is not None:
+                    self.counters["tool_calls"] += len(outcome.result.info.get("verdicts", ()))
+            if outcome.done:
+                with self._lock:
+                    self._episode_turns.pop(key, None)
+                    self.counters["episodes"] += 1
+                self._deliver(batch, [rollout], {})
+                return
+            self.turn_log.append(batch.index, outcome.turn)  # before the next turn can run
+            turns.append(outcome.turn)
+            self._next_turn(batch, base, outcome.turn, worker)
+        except Exception as e:  # noqa: BLE001 - the batch fails, and with it the run, loudly
+            _log.exception("episode step failed")
+            self._fail(batch, f"episode {rollout.prompt_id!r} sample {rollout.sample_index}: {e}")
+
+    def _next_turn(
+        self, batch: BatchState, base: GenerationRequest, turn: Turn, worker: int | None
+    ) -> None:
+        """Queue the turn after `turn`: the same prompt and sampling key, the partial with the
+        observation, on `worker` (its parked pages; None: any). Its id is the episode's
+        first request's with the turn ("<id>/turn<n>")."""
+        root = base.request_id.split("/turn", 1)[0]
+        request = dataclasses.replace(
+            base,
+            request_id=f"{root}/turn{turn.turn + 1}",
+            partial=turn.partial,
+            keep_pages=True,
+            max_tokens=0,
+        )
+        self.threads.put(
+            Job(
+                (batch.index, 2**41 + turn.turn),
+                batch.version,
+                [request],
+                deliver=lambda r, batch=batch: self._deliver(batch, r, {}),
+                fail=lambda e, batch=batch: self._fail(batch, e),
+                timing=batch.timing,
+                turn=self._turn_handler(batch, [request]),
+                worker=worker,
+            )
+        )
 
     # -- mixed-version rollouts: ticks and continuations -----------------------------------
     def open_tick(self, tick: int, version: int) -> None:

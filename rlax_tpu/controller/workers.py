@@ -46,8 +46,10 @@ class Job:
 
     `pause(rollouts, worker)` takes the rollouts that stopped at their token budget
     (finish_reason "paused": mixed-version rollouts, inference.in_flight_update) and the
-    index of the worker that holds their parked KV; `worker`: only that worker may run the
-    job (None: any)."""
+    index of the worker that holds their parked KV; `turn(rollouts, worker)`, when set,
+    takes the finished rollouts instead of `deliver` (turns of multi-turn episodes: the
+    pool steps their environments); `worker`: only that worker may run the job (None:
+    any)."""
 
     priority: tuple[int, int]
     version: int = dataclasses.field(compare=False)
@@ -62,6 +64,9 @@ class Job:
         compare=False, default=None
     )
     worker: int | None = dataclasses.field(compare=False, default=None)
+    turn: Callable[[list[Rollout], int], None] | None = dataclasses.field(
+        compare=False, default=None
+    )
 
     def runs_on(self, i: int) -> bool:
         return self.worker is None or self.worker == i
@@ -94,6 +99,13 @@ def merged(jobs: Sequence[Job]) -> Job:
             else:
                 job.pause(own, worker)
 
+    def turn(rollouts: list[Rollout], worker: int) -> None:
+        for job, own in by_owner(rollouts).values():
+            if job.turn is None:
+                job.deliver(own)
+            else:
+                job.turn(own, worker)
+
     def fail(error: str) -> None:
         for job in jobs:
             job.fail(error)
@@ -106,6 +118,7 @@ def merged(jobs: Sequence[Job]) -> Job:
         fail=fail,
         pause=pause,
         worker=next((job.worker for job in jobs if job.worker is not None), None),
+        turn=turn if any(job.turn is not None for job in jobs) else None,
     )
 
 
@@ -334,7 +347,10 @@ class WorkerThreads:
             t_generated = time.perf_counter()
             job.timing["generate_s"] += t_generated - t_loaded
             if finished and not self._closing.is_set():
-                job.deliver(finished)
+                if job.turn is not None:
+                    job.turn(finished, i)  # the next turns are queued before the next take
+                else:
+                    job.deliver(finished)
                 done.update(r.request_id for r in finished)
             if paused and not self._closing.is_set():
                 job.pause(paused, i)  # their continuations are queued before the next take

@@ -58,12 +58,13 @@ def write_char_tokenizer(
     alphabet: str = PRINTABLE_ASCII,
     *,
     extra_special: Sequence[str] = ("<pad>", "<bos>", "<eos>"),
+    chat_template: str = CHAT_TEMPLATE,
 ) -> str:
     """Save a character-level tokenizer to `directory` (local path or gs://) and return it.
 
     The first three of `extra_special` are the pad, bos and eos tokens (ids 0, 1, 2); no
-    special tokens are added on encode, and the chat template renders each message's content
-    followed by a newline.
+    special tokens are added on encode, and the chat template (default) renders each
+    message's content followed by a newline.
     """
     if len(extra_special) < 3:
         raise ValueError(
@@ -92,7 +93,7 @@ def write_char_tokenizer(
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,  # decoding must give back the exact text
         "model_max_length": 1_000_000,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     storage.makedirs(directory)
     storage.write_text(storage.join(directory, TOKENIZER_FILE), tokenizer.to_str(pretty=True))

@@ -125,6 +125,21 @@ class ToolEnvironment(Environment):
                 return self._end("tool_error", observation, verdicts)
         return StepResult(tuple(observation), 0.0, False, self._info(verdicts))
 
+    def state(self) -> dict[str, Any]:
+        return {
+            "turns": self._turns,
+            "done": self._done,
+            "tool_calls": self._tool_calls,
+            "tool_errors": dict(self._tool_errors),
+            "tool_seconds": self._tool_seconds,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self._turns, self._done = int(state["turns"]), bool(state["done"])
+        self._tool_calls = int(state["tool_calls"])
+        self._tool_errors.update({k: int(v) for k, v in state["tool_errors"].items()})
+        self._tool_seconds = float(state["tool_seconds"])
+
     def _call(self, call: ToolCall) -> ToolResult:
         self._tool_calls += 1
         start = time.monotonic()

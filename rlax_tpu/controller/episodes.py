@@ -1,0 +1,312 @@
+"""Multi-turn episodes (controller.environment, docs/agents.md): between a policy's turns, the
+controller parses the turn's tool calls, steps the episode's environment (which runs them)
+and renders the observation once into tokens, appended to the response as given tokens
+(loss mask 0); the next turn continues on the worker's parked KV pages.
+
+An episode's response is never re-tokenised: its tokens are the turns' sampled ids and the
+observations' rendered ids, in order. Each step is logged (the next turn's partial, the
+observation, the environment's `state()`) before the next turn is queued, so a resumed run
+restores the environment and carries the episode on from its last step: a tool call is never
+run twice, and the episode's tokens are those of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlax_tpu import storage
+from rlax_tpu.api.environments import Action, Environment, EpisodeLimits, StepResult
+from rlax_tpu.api.inference import Partial, Rollout
+from rlax_tpu.config import EnvironmentConfig
+from rlax_tpu.controller.errors import ControllerError
+from rlax_tpu.data.datasets import PromptRecord
+from rlax_tpu.data.tool_format import FORMATS, TurnRenderer, detect_format
+from rlax_tpu.environments import ToolContext, resolve_environment, resolve_tool
+
+TURNS_PREFIX = "turns-"
+
+
+class EpisodeError(ControllerError):
+    """An episode cannot go on: its environment failed, or the config names what cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One environment step of an episode, as logged: after `turn` policy turns, the
+    observation (`messages`, rendered to `observation` token ids), the step's info and the
+    environment's state after it, and the next turn's partial response (the tokens so far
+    and the observation's)."""
+
+    prompt_id: str
+    sample_index: int
+    version: int
+    turn: int
+    observation: tuple[int, ...]
+    messages: tuple[Mapping[str, Any], ...]
+    info: Mapping[str, Any]
+    state: Mapping[str, Any]
+    partial: Partial
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.partial
+        return {
+            "prompt_id": self.prompt_id,
+            "sample_index": self.sample_index,
+            "version": self.version,
+            "turn": self.turn,
+            "observation": list(self.observation),
+            "messages": [dict(m) for m in self.messages],
+            "info": dict(self.info),
+            "state": dict(self.state),
+            "partial": {
+                "version": p.version,
+                "tokens": list(p.tokens),
+                "logprobs": list(p.logprobs),
+                "token_versions": list(p.token_versions),
+                "loss_mask": list(p.mask),
+            },
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Turn:
+        p = d["partial"]
+        partial = Partial(
+            int(p["version"]),
+            tuple(p["tokens"]),
+            tuple(p["logprobs"]),
+            tuple(p["token_versions"]),
+            tuple(p["loss_mask"]),
+        )
+        return cls(
+            prompt_id=str(d["prompt_id"]),
+            sample_index=int(d["sample_index"]),
+            version=int(d["version"]),
+            turn=int(d["turn"]),
+            observation=tuple(int(t) for t in d["observation"]),
+            messages=tuple(d["messages"]),
+            info=dict(d["info"]),
+            state=dict(d["state"]),
+            partial=partial,
+        )
+
+
+class TurnLog:
+    """The steps of a run's episodes under the rollout log's batch directories
+    (turns-*.jsonl: one file per step, named by its episode and turn, so writing it again
+    replaces it)."""
+
+    def __init__(self, rollouts_dir: str) -> None:
+        self.directory = rollouts_dir
+
+    def append(self, batch: int, turn: Turn) -> None:
+        line = json.dumps(turn.to_json(), sort_keys=True) + "\n"
+        name = f"{TURNS_PREFIX}{_episode_name(turn.prompt_id, turn.sample_index, turn.version)}"
+        path = storage.join(self._batch_dir(batch), f"{name}-t{turn.turn:04d}.jsonl")
+        storage.write_text(path, line)
+
+    def turns(self, batch: int) -> dict[tuple[str, int, int], list[Turn]]:
+        """`batch`'s logged steps by episode (prompt id, sample index, version), in turn
+        order."""
+        directory = self._batch_dir(batch)
+        if not storage.exists(directory):
+            return {}
+        out: dict[tuple[str, int, int], list[Turn]] = {}
+        for name in sorted(storage.listdir(directory)):
+            if not (name.startswith(TURNS_PREFIX) and name.endswith(".jsonl")):
+                continue
+            turn = Turn.from_json(json.loads(storage.read_text(storage.join(directory, name))))
+            out.setdefault((turn.prompt_id, turn.sample_index, turn.version), []).append(turn)
+        for steps in out.values():
+            steps.sort(key=lambda t: t.turn)
+        return out
+
+    def _batch_dir(self, batch: int) -> str:
+        return storage.join(self.directory, f"batch_{batch:09d}")
+
+
+def _episode_name(prompt_id: str, sample_index: int, version: int) -> str:
+    safe = hashlib.sha256(prompt_id.encode()).hexdigest()[:16]
+    return f"p{safe}-s{sample_index}-v{version}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What an episode's turn led to: `turn` (logged) and the next turn's partial when the
+    episode goes on; `result` the environment's step (None: the turn ended the episode
+    without a step, e.g. at the response's token limit)."""
+
+    result: StepResult | None
+    turn: Turn | None
+
+    @property
+    def done(self) -> bool:
+        return self.turn is None
+
+
+class Episodes:
+    """A run's episodes: their environment, the chat template's turn rendering and the tool
+    format, and each live episode's environment, by (prompt id, sample index, version).
+
+    `verifier`: what the "python" tool runs programs through (the run's verifiers)."""
+
+    def __init__(
+        self,
+        config: EnvironmentConfig,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int,
+        verifier: Any = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not config.enabled:
+            raise ValueError("Episodes needs controller.environment.name")
+        self.config, self.tokenizer = config, tokenizer
+        self.limits = EpisodeLimits(
+            max_turns=config.max_turns,
+            max_total_tokens=config.max_total_tokens or max_new_tokens,
+            tool_timeout_s=config.tool_timeout_s,
+        )
+        context = ToolContext(verifier=verifier)
+        if config.name == "tools":
+            tools = tuple(resolve_tool(spec, context) for spec in config.tools)
+            self.factory = resolve_environment(
+                "tools", tools=tools, on_tool_error=config.on_tool_error
+            )
+        else:
+            self.factory = resolve_environment(config.name)
+        fmt = (
+            detect_format(tokenizer)
+            if config.tool_format == "auto"
+            else FORMATS[config.tool_format]()
+        )
+        self.tool_format = fmt
+        self._template_kwargs = dict(template_kwargs or {})
+        self._renderers: dict[tuple[str, ...], TurnRenderer] = {}
+        self._envs: dict[tuple[str, int, int], Environment] = {}
+        self._lock = threading.Lock()
+
+    # -- rendering ----------------------------------------------------------------------------
+    def renderer(self, env: Environment) -> TurnRenderer:
+        """The turn renderer for `env`'s tools (one per tool set), checked at first use."""
+        schemas = [tool.schema() for tool in env.tools]
+        key = tuple(json.dumps(s, sort_keys=True) for s in schemas)
+        with self._lock:
+            renderer = self._renderers.get(key)
+        if renderer is None:
+            renderer = TurnRenderer(
+                self.tokenizer, schemas, tool_format=self.tool_format, **self._template_kwargs
+            )
+            if self.config.require_prefix_preserving:
+                renderer.check_prefix_preserving()
+            with self._lock:
+                self._renderers.setdefault(key, renderer)
+        return renderer
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a turn (and the final answer): the tool format's."""
+        return self.tool_format.turn_end_ids(self.tokenizer)
+
+    def prompt_tokens(self, record: PromptRecord) -> tuple[int, ...]:
+        """An episode's prompt: the environment's first observation, rendered with its
+        tools and the generation prompt."""
+        env = self._make(record)
+        return tuple(self.renderer(env).prompt_ids(env.reset()))
+
+    def check(self, record: PromptRecord) -> None:
+        """Fail at start, not in the middle of a run: make an episode of `record` and its
+        renderer (the prefix check runs there)."""
+        self.prompt_tokens(record)
+
+    # -- steps --------------------------------------------------------------------------------
+    def step(self, rollout: Rollout, record: PromptRecord, turns: Sequence[Turn]) -> StepOutcome:
+        """The environment's answer to the turn `rollout` ended with (its last tokens after
+        the last given ones), for the episode of `record` whose earlier steps were `turns`
+        (restored from their log when this process has not stepped it)."""
+        key = (rollout.prompt_id, rollout.sample_index, rollout.version)
+        env = self._env(key, record, turns)
+        if rollout.finish_reason != "stop":  # the response's limit: no turn left to read
+            self._forget(key)
+            return StepOutcome(None, None)
+        mask = rollout.loss_mask or (1,) * len(rollout.tokens)
+        start = next((i + 1 for i in range(len(mask) - 1, -1, -1) if not mask[i]), 0)
+        ids = list(rollout.tokens[start:])
+        if ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        parsed = self.tool_format.parse(text)
+        action = Action(
+            text,
+            tool_calls=parsed.tool_calls,
+            parse_error=parsed.error,
+            tokens_used=len(rollout.tokens),
+        )
+        try:
+            result = env.step(action)
+        except Exception as e:  # an environment's bug fails its episode, loudly
+            raise EpisodeError(
+                f"environment {self.config.name!r} raised in step {len(turns) + 1} of episode "
+                f"{rollout.prompt_id!r} sample {rollout.sample_index}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if result.done:
+            self._forget(key)
+            return StepOutcome(result, None)
+        renderer = self.renderer(env)
+        observation = tuple(renderer.observation_ids(result.observation))
+        partial = Partial.of(rollout).extended(observation, rollout_version(rollout))
+        if len(partial.tokens) >= self.limits.max_total_tokens:
+            # No room left for a turn after the observation: the episode ends here, its
+            # response the turns so far (the policy never saw this observation).
+            self._forget(key)
+            info = {**_plain(result.info), "end": "max_total_tokens"}
+            return StepOutcome(dataclasses.replace(result, done=True, info=info), None)
+        turn = Turn(
+            rollout.prompt_id,
+            rollout.sample_index,
+            rollout.version,
+            len(turns) + 1,
+            observation,
+            tuple(dict(m) for m in result.observation),
+            _plain(result.info),
+            _plain(env.state()),
+            partial,
+        )
+        return StepOutcome(result, turn)
+
+    def _make(self, record: PromptRecord) -> Environment:
+        return self.factory(record.to_json(), self.limits)
+
+    def _env(
+        self, key: tuple[str, int, int], record: PromptRecord, turns: Sequence[Turn]
+    ) -> Environment:
+        with self._lock:
+            env = self._envs.get(key)
+        if env is None:
+            env = self._make(record)
+            env.reset()
+            if turns:
+                env.restore(turns[-1].state)
+            with self._lock:
+                self._envs[key] = env
+        return env
+
+    def _forget(self, key: tuple[str, int, int]) -> None:
+        with self._lock:
+            self._envs.pop(key, None)
+
+
+def rollout_version(rollout: Rollout) -> int:
+    """The version that sampled a rollout's last token (the next turn starts under it)."""
+    versions = rollout.token_versions
+    return versions[-1] if versions else rollout.version
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON has it (tuples as lists, keys as text): what a logged step holds."""
+    return json.loads(json.dumps(value, default=str))
