@@ -157,10 +157,14 @@ def run_config(run_dir: str) -> RunConfig:
 def run_tokenizer_dir(config: RunConfig, run_dir: str) -> str:
     """The tokenizer directory of the run: the model's tokenizer (as materialised into the run
     directory, where it was moved with it), else its hf_checkpoint."""
-    from rlax_tpu.launch.job import BUILTIN_CHAR_TOKENIZER, tokenizer_path
+    from rlax_tpu.launch.job import (
+        BUILTIN_CHAR_TOKENIZER,
+        BUILTIN_CHAR_TOOLS_TOKENIZER,
+        tokenizer_path,
+    )
 
     local_copy = storage.join(run_dir, TOKENIZER)
-    if config.model.tokenizer == BUILTIN_CHAR_TOKENIZER:
+    if config.model.tokenizer in (BUILTIN_CHAR_TOKENIZER, BUILTIN_CHAR_TOOLS_TOKENIZER):
         return local_copy
     try:
         path = tokenizer_path(config)

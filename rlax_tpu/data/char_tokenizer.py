@@ -23,6 +23,26 @@ PRINTABLE_ASCII = string.printable
 # answers right after the last newline ("What is 17 + 25? ...\n" -> "42<eos>").
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ '\\n' }}{% endfor %}"
 
+# The tool-use demo's tokenizer (model.tokenizer = "builtin:char_tools"): one more special
+# token, the end of a turn, and a Hermes-style template: a turn's calls are
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (as Qwen writes them, without its
+# newlines), a turn ends with <|im_end|>, a tool's result is "\n=<result>\n", and the tools'
+# names head the prompt. Prefix-preserving (TurnRenderer.check_prefix_preserving).
+TOOLS_SPECIAL = ("<pad>", "<bos>", "<eos>", "<|im_end|>")
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ 'tools:' }}{% for t in tools %}{{ ' ' + t.function.name }}{% endfor %}"
+    "{{ '\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}"
+    "{%- set f = c.function if c.function is defined else c %}"
+    "{{ '<tool_call>' }}{{ {'name': f.name, 'arguments': f.arguments} | tojson }}"
+    "{{ '</tool_call>' }}{%- endfor %}{{ '<|im_end|>' }}"
+    "{%- elif m.role == 'tool' %}{{ '\\n=' + m.content + '\\n' }}"
+    "{%- else %}{{ m.content + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
 
 def char_tokenizer(
     alphabet: str = PRINTABLE_ASCII,

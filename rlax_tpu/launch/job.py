@@ -36,7 +36,7 @@ from rlax_tpu.config.checkpoint import resolve_checkpoint_model
 from rlax_tpu.controller.controller import Components, Controller
 from rlax_tpu.controller.scoring import ServiceVerifier
 from rlax_tpu.controller.warm_start import run_warm_start
-from rlax_tpu.data.char_tokenizer import write_char_tokenizer
+from rlax_tpu.data.char_tokenizer import TOOLS_CHAT_TEMPLATE, TOOLS_SPECIAL, write_char_tokenizer
 from rlax_tpu.data.datasets import (
     PromptMixture,
     held_out_overlap,
@@ -73,6 +73,9 @@ _log = logging.getLogger(__name__)
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_CHAR_TOKENIZER = "builtin:char"
+# The same with an end-of-turn token and a Hermes-style template for tool calls (the
+# tool-use demo, controller.environment).
+BUILTIN_CHAR_TOOLS_TOKENIZER = "builtin:char_tools"
 # The demo's task: sums and differences of operands 0-99, 15,050 distinct problems; the
 # training file draws 5,000 rows from the training side, the held-out file holds the whole
 # test side (1,850 problems, tasks.arithmetic_split_of), shuffled by the seed.
@@ -125,10 +128,15 @@ def materialise(config: RunConfig) -> RunConfig:
     """`config` with its built-in inputs written into the run directory and named by path."""
     run_dir = config.storage.run_dir
     model, controller = config.model, config.controller
-    if model.tokenizer == BUILTIN_CHAR_TOKENIZER:
+    if model.tokenizer in (BUILTIN_CHAR_TOKENIZER, BUILTIN_CHAR_TOOLS_TOKENIZER):
         directory = storage.join(run_dir, TOKENIZER)
         if not storage.exists(storage.join(directory, "tokenizer.json")):
-            write_char_tokenizer(directory)
+            if model.tokenizer == BUILTIN_CHAR_TOOLS_TOKENIZER:
+                write_char_tokenizer(
+                    directory, extra_special=TOOLS_SPECIAL, chat_template=TOOLS_CHAT_TEMPLATE
+                )
+            else:
+                write_char_tokenizer(directory)
         model = dataclasses.replace(model, tokenizer=directory)
 
     def train(d: DatasetConfig) -> DatasetConfig:
