@@ -8,7 +8,10 @@ the batch, so gradients flow only through those.
 Alignment: every per-token array is aligned with the model's log-prob positions
 (`rlax_tpu.models.TrainOutput`): index t scores `targets[b, t] = tokens[b, t + 1]`
 given `tokens[b, :t + 1]`. `response_mask[b, t]` is true where that target is a
-generated response token; prompt and padding positions are false.
+response token the policy sampled; prompt and padding positions are false, and so are a
+multi-turn episode's given tokens (observations between turns), which the policy
+conditions on but never learns from. Every part, correction and metric reads the mask,
+never "the positions after the prompt": a row's response may have holes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class RolloutBatch:
     """A batch of scored rollouts, grouped by prompt.
 
     tokens: int32[batch, seq] — prompt and response token ids (model inputs).
-    response_mask: bool|float[batch, seq] — 1 where targets[b, t] is a response token.
+    response_mask: bool|float[batch, seq] — 1 where targets[b, t] is a sampled response
+        token (the loss mask: 0 on an episode's given tokens, as on padding).
     group_ids: int32[batch] — prompt group of each sequence, in [0, batch); groups may
         be ragged (any size) and need not be contiguous.
     rewards: float32[batch] — one scalar reward per sequence.
@@ -42,7 +46,7 @@ class RolloutBatch:
         π_old: the rollout correction (TIS/MIS, the mismatch gate) weighs π_old/π_rollout.
     token_rewards: float32[batch, seq] | None — dense per-token rewards (process rewards,
         tool-use turns, a KL folded into the reward), added to the sequence reward, which
-        arrives at each row's last response token.
+        arrives at each row's last sampled response token.
     token_advantages: float32[batch, seq] | None — advantages computed outside the trainer,
         used as they are by advantage="given".
     returns: float32[batch, seq] | None — value targets computed outside the trainer; the

@@ -35,7 +35,15 @@ class RolloutRecord:
     token, under the version that generated it. finish_reason: "stop" or "length" (only
     finished rollouts are kept). token_versions: the version that generated each response
     token, for a mixed-version rollout (weights changed under it in flight), else None: every
-    token is `version`'s. Staleness is the oldest token's (`oldest_version`).
+    token is `version`'s.
+
+    loss_mask: a multi-turn episode's: 1 for each response token the policy sampled, 0 for
+    one given (an observation, a tool's result, appended between turns); None when every
+    token was sampled (held as None when all are 1). A given token's log-prob (0.0) and
+    version (the version the next turn starts under) are placeholders: nothing reads them.
+    So the staleness of a rollout is its oldest *sampled* token's (`oldest_version`), and
+    `newest_version` / `mixed` look at sampled tokens only; the trainer never learns from a
+    given token (assembly puts the mask in the batch's response_mask).
     """
 
     batch: int
@@ -47,6 +55,7 @@ class RolloutRecord:
     logprobs: tuple[float, ...]
     finish_reason: str
     token_versions: tuple[int, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Sequences arrive as lists from JSON: held as tuples (the record is immutable).
@@ -54,17 +63,32 @@ class RolloutRecord:
             value = getattr(self, field.name)
             if isinstance(value, list):
                 object.__setattr__(self, field.name, tuple(value))
+        name = f"rollout {self.prompt_id}/s{self.sample_index}"
+        mask = self.loss_mask
+        if mask is not None:
+            if len(mask) != len(self.tokens):
+                raise ValueError(
+                    f"{name}: a loss mask of {len(mask)} entries for {len(self.tokens)} "
+                    "response tokens (one per token: 1 sampled, 0 given)"
+                )
+            if any(m not in (0, 1) for m in mask):
+                raise ValueError(f"{name}: a loss mask holds 0 and 1 only, got {list(mask)}")
+            mask = tuple(int(m) for m in mask)
+            object.__setattr__(self, "loss_mask", None if all(mask) else mask)
         tv = self.token_versions
         if tv is not None:
             if len(tv) != len(self.tokens):
                 raise ValueError(
-                    f"rollout {self.prompt_id}/s{self.sample_index}: {len(tv)} token versions "
-                    f"for {len(self.tokens)} tokens (one per generated token)"
+                    f"{name}: {len(tv)} token versions for {len(self.tokens)} tokens (one per "
+                    "generated token)"
                 )
-            if any(b < a for a, b in zip(tv, tv[1:], strict=False)) or (tv and tv[0] < 0):
+            sampled = self.sampled_versions
+            if any(b < a for a, b in zip(sampled, sampled[1:], strict=False)) or (
+                sampled and sampled[0] < 0
+            ):
                 raise ValueError(
-                    f"rollout {self.prompt_id}/s{self.sample_index}: token versions must be "
-                    f"non-negative and never decrease along the response, got {list(tv)}"
+                    f"{name}: token versions must be non-negative and never decrease along "
+                    f"the response's sampled tokens, got {list(tv)}"
                 )
 
     @property
@@ -73,25 +97,49 @@ class RolloutRecord:
 
     @property
     def versions(self) -> tuple[int, ...]:
-        """The version that generated each response token."""
+        """The version that generated each response token (a given token's: a placeholder)."""
         if self.token_versions is not None:
             return self.token_versions
         return (self.version,) * len(self.tokens)
 
     @property
+    def mask(self) -> tuple[int, ...]:
+        """`loss_mask`, one per response token (all 1 when None)."""
+        return self.loss_mask if self.loss_mask is not None else (1,) * len(self.tokens)
+
+    @property
+    def sampled_versions(self) -> tuple[int, ...]:
+        """The versions of the tokens the policy sampled, in order (never decreasing)."""
+        if self.loss_mask is None:
+            return self.versions
+        return tuple(v for v, m in zip(self.versions, self.loss_mask, strict=True) if m)
+
+    @property
     def oldest_version(self) -> int:
-        """The version of its oldest token (the request's own when it generated none):
+        """The version of its oldest sampled token (the request's own when it sampled none):
         what the staleness bound N is checked on."""
-        return self.token_versions[0] if self.token_versions else self.version
+        sampled = self.sampled_versions
+        return sampled[0] if sampled else self.version
 
     @property
     def newest_version(self) -> int:
-        return self.token_versions[-1] if self.token_versions else self.version
+        sampled = self.sampled_versions
+        return sampled[-1] if sampled else self.version
 
     @property
     def mixed(self) -> bool:
-        """Whether more than one version generated its tokens."""
+        """Whether more than one version sampled its tokens."""
         return self.oldest_version != self.newest_version
+
+    @property
+    def final_turn(self) -> tuple[int, ...]:
+        """The response's tokens after its last given token: an episode's final turn, the
+        answer a verifier judges (the whole response when every token was sampled)."""
+        mask = self.loss_mask
+        if mask is None:
+            return self.tokens
+        last_given = max(i for i, m in enumerate(mask) if not m)
+        return self.tokens[last_given + 1 :]
 
     def to_json(self) -> dict[str, Any]:
         """The rollout log's line (JSON types): tuples as lists; a None field is left out."""

@@ -108,6 +108,13 @@ class RolloutArrays:
     response token (mixed-version rollouts: weights changed under them in flight), aligned
     like behaviour_logprobs, 0 off the response; absent when every token of a row is
     `versions[row]`'s. The trainer checks the staleness bound on every response token.
+
+    response_mask is the loss mask: 1 where the target is a response token the policy
+    sampled, 0 on the prompt, on padding and on a multi-turn episode's given tokens
+    (observations, `RolloutRecord.loss_mask`). Nothing is learnt from a 0 position and
+    nothing read there (behaviour log-probs, token versions, rewards ...) counts: "every
+    response token" above means every sampled one, and `versions[row]` is the row's
+    oldest sampled token's.
     """
 
     tokens: np.ndarray

@@ -10,6 +10,12 @@ functions of their arguments (no threads, no servers), so each rule is tested di
   and no token after b; the trainer checks it again); dense per-token rewards (from a
   reward function of the user's) and, for mixed-version rollouts, per-token versions placed
   like the log-probs.
+
+A multi-turn episode's response holds tokens the policy did not sample (observations,
+`RolloutRecord.loss_mask` 0): the batch's response_mask is the loss mask over the response
+positions, 0 on a given token as on padding, so nothing trains on them; their placeholder
+log-probs and versions are not sent (0 there, like padding), and a dense reward a reward
+function put on one moves to the sampled token before it (`on_sampled_tokens`).
 """
 
 from __future__ import annotations
@@ -71,9 +77,29 @@ class Assembled:
     keys: list[RolloutKey]  # per row
     rewards: np.ndarray  # float32[rows]
     staleness_mean: float  # of each row's oldest token
-    response_tokens: int
-    version_span: int  # newest token's version - oldest token's, over the batch
-    partial_fraction: float  # rows whose tokens more than one version generated
+    response_tokens: int  # every response token, sampled or given
+    version_span: int  # newest sampled token's version - oldest one's, over the batch
+    partial_fraction: float  # rows whose tokens more than one version sampled
+    given_tokens: int = 0  # response tokens the policy did not sample (episodes' observations)
+
+
+def on_sampled_tokens(token_rewards: Sequence[float], mask: Sequence[int]) -> list[float]:
+    """Dense rewards, one per response token, with each given token's (mask 0) moved to the
+    sampled token before it: the action whose consequence the observation is (to the first
+    sampled token after it when none comes before). The sum is kept, and every estimator
+    sees it: the objective reads rewards on sampled tokens only. A response without sampled
+    tokens keeps its rewards where they are (it trains nothing)."""
+    out = [float(x) if m else 0.0 for x, m in zip(token_rewards, mask, strict=True)]
+    sampled = [i for i, m in enumerate(mask) if m]
+    if not sampled:
+        return [float(x) for x in token_rewards]
+    before = sampled[0]
+    for i, (x, m) in enumerate(zip(token_rewards, mask, strict=True)):
+        if m:
+            before = i
+        else:
+            out[before] += float(x)
+    return out
 
 
 def assemble_batch(
@@ -89,8 +115,11 @@ def assemble_batch(
     Rows are the groups' samples in order; tokens are prompt + response, padded to
     `padded_seq_len` of the longest; position t scores tokens[t + 1], so response token j of
     a row with prompt length P sits at P − 1 + j in the mask, the behaviour log-probs and the
-    token rewards. `token_rewards` is None when no row has any (the batch of a run without
-    dense rewards is what it always was); else rows without any hold zeros. A rollout that
+    token rewards. The mask is the rollout's loss mask there (0 on an episode's given
+    tokens), and the log-probs and token versions are 0 off it (a given token's reward moves
+    to the sampled token before it). `token_rewards` is None when no row has any (the batch
+    of a run without dense rewards is what it always was); else rows without any hold
+    zeros. A rollout that
     step may not train on, or token rewards that do not match its tokens, is a
     ControllerError (the schedule and the replay buffer's eviction prevent the first, the
     verifier the second; neither is ever trained on). Group baselines (ReMax: the reward of
@@ -130,26 +159,26 @@ def assemble_batch(
     token_rewards = None
     if any(s.token_rewards is not None for s in samples):
         token_rewards = np.zeros((rows, seq), np.float32)
+    mixed = [r.mixed for r in records]
+    token_versions = None
+    if any(mixed):  # only then: a batch without mixed rows is what it always was
+        token_versions = np.zeros((rows, seq), np.int32)
     for row, sample in enumerate(samples):
         r = sample.rollout
         p, resp = r.prompt_tokens, r.tokens
         full = (list(p) + list(resp))[:seq]
         tokens[row, : len(full)] = full
         n = min(len(resp), seq - len(p))
-        mask[row, len(p) - 1 : len(p) - 1 + n] = True
-        behaviour[row, len(p) - 1 : len(p) - 1 + n] = r.logprobs[:n]
+        at = slice(len(p) - 1, len(p) - 1 + n)
+        sampled = np.asarray(r.mask[:n], bool)
+        mask[row, at] = sampled
+        behaviour[row, at] = np.where(sampled, r.logprobs[:n], 0.0)
         if sample.token_rewards is not None:
-            token_rewards[row, len(p) - 1 : len(p) - 1 + n] = sample.token_rewards[:n]
+            token_rewards[row, at] = on_sampled_tokens(sample.token_rewards, r.mask)[:n]
+        if token_versions is not None:
+            token_versions[row, at] = np.where(sampled, r.versions[:n], 0)
     rewards_array = np.asarray([s.reward for s in samples], np.float32)
     versions = np.asarray([r.oldest_version for r in records], np.int32)
-    mixed = [r.mixed for r in records]
-    token_versions = None
-    if any(mixed):  # only then: a batch without mixed rows is what it always was
-        token_versions = np.zeros((rows, seq), np.int32)
-        for row, r in enumerate(records):
-            p = len(r.prompt_tokens)
-            n = min(len(r.tokens), seq - p)
-            token_versions[row, p - 1 : p - 1 + n] = r.versions[:n]
     batch = RolloutArrays(
         tokens=tokens,
         response_mask=mask,
@@ -171,4 +200,5 @@ def assemble_batch(
         response_tokens=int(sum(len(r.tokens) for r in records)),
         version_span=max(r.newest_version for r in records) - int(versions.min()),
         partial_fraction=float(np.mean(mixed)),
+        given_tokens=int(sum(len(r.mask) - sum(r.mask) for r in records)),
     )

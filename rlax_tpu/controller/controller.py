@@ -435,6 +435,9 @@ class Controller:
             "rollout/version_span": assembled.version_span,
             "rollout/partial_fraction": assembled.partial_fraction,
             "response_tokens": assembled.response_tokens,
+            # Multi-turn episodes: response tokens that were given (observations), not
+            # sampled; only then, so the rows of other runs stay what they were.
+            **({"rollout/given_tokens": assembled.given_tokens} if assembled.given_tokens else {}),
             "elapsed_s": time.perf_counter() - t0,
             **extra,
             **{f"train/{k}": float(v) for k, v in train_metrics.items()},

@@ -140,6 +140,7 @@ def rollout_record(batch: int, rollout: Rollout) -> RolloutRecord:
         logprobs=tuple(rollout.logprobs),
         finish_reason=rollout.finish_reason,
         token_versions=rollout.token_versions,
+        loss_mask=rollout.loss_mask,
     )
 
 

@@ -227,8 +227,12 @@ class Scorer:
         self._sleep = sleep
 
     def request(self, record: PromptRecord, rollout: RolloutRecord) -> VerificationRequest:
-        """The verification request of `rollout` for prompt `record`."""
-        response = decode_response(self.tokenizer, rollout.tokens, self.stop_token_ids)
+        """The verification request of `rollout` for prompt `record`. The text judged is
+        the response's final turn (`RolloutRecord.final_turn`: a multi-turn episode's
+        answer comes after its last observation; the whole response otherwise); a reward
+        function's `response_tokens` are the whole response, which its per-token rewards
+        are counted against."""
+        response = decode_response(self.tokenizer, rollout.final_turn, self.stop_token_ids)
         key = request_id(rollout, self.request_prefix)
         return verification_request(record, response, key, rollout.tokens)
 

@@ -441,8 +441,10 @@ class Trainer:
 
     def _check_staleness(self, step: int, batch: RolloutBatch) -> None:
         """StaleRolloutError unless every row's version v satisfies 0 <= step - v <= N: with
-        per-token versions (mixed-version rollouts), every response token's, and each row's
-        `versions` entry must be its oldest token's (BatchFormatError otherwise)."""
+        per-token versions (mixed-version rollouts), every response token's where
+        response_mask > 0 (an episode's given tokens carry placeholder versions and train
+        nothing), and each row's `versions` entry must be its oldest such token's
+        (BatchFormatError otherwise)."""
         versions = np.asarray(batch.versions)
         if batch.token_versions is not None:
             versions = self._token_versions_to_check(step, batch, versions)
@@ -468,9 +470,9 @@ class Trainer:
 
     @staticmethod
     def _token_versions_to_check(step: int, batch: RolloutBatch, versions: Any) -> np.ndarray:
-        """Per row, the version of its response tokens that fails the bound if any does: the
-        newest when it is after `step`, else the oldest (which `versions` must equal:
-        BatchFormatError otherwise)."""
+        """Per row, the version of its masked-in response tokens that fails the bound if any
+        does: the newest when it is after `step`, else the oldest (which `versions` must
+        equal: BatchFormatError otherwise)."""
         token_versions = np.asarray(batch.token_versions)
         mask = np.asarray(batch.response_mask) > 0
         if token_versions.shape != mask.shape:
