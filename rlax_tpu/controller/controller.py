@@ -35,7 +35,7 @@ from rlax_tpu.config import RunConfig
 from rlax_tpu.config.run import greedy_baseline
 from rlax_tpu.controller.assembly import Assembled
 from rlax_tpu.controller.batches import BatchBuilder
-from rlax_tpu.controller.episodes import Episodes
+from rlax_tpu.controller.episodes import Episodes, episode_metrics
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.evaluation import EvalResult, Evaluator
 from rlax_tpu.controller.generation import (
@@ -278,6 +278,8 @@ class Controller:
                     "time/train_step_call_s": t_trained - t_train,
                     "time/controller_step_s": time.perf_counter() - t_step,
                 }
+                if self.episodes is not None:  # turns, tool calls and their errors
+                    extra.update(self._episode_metrics(step, assembled.keys))
                 step += 1
                 self._after_step(step, batch, assembled, extra, result.metrics, t0)
                 if self.schedule.snapshot_due(step):
@@ -289,6 +291,13 @@ class Controller:
             self.pool.stop()
             self.recovery.close()
         return self._summary(start, step, time.perf_counter() - t0, trainer_busy)
+
+    def _episode_metrics(self, b: int, keys: Sequence[Any]) -> dict[str, float]:
+        """`episode_metrics` of the rows of batch `b` that step `b` trained on, from the
+        rollout log (rows a replay buffer drew from earlier batches are left out)."""
+        logged = self.log.rollouts(b)
+        records = [logged[k] for k in keys if k in logged]
+        return episode_metrics(records, self.pool.turn_log.turns(b))
 
     def _summary(self, start: int, step: int, wall: float, trainer_busy: float) -> dict[str, Any]:
         busy = self.pool.busy_s

@@ -310,3 +310,27 @@ def rollout_version(rollout: Rollout) -> int:
 def _plain(value: Any) -> Any:
     """`value` as JSON has it (tuples as lists, keys as text): what a logged step holds."""
     return json.loads(json.dumps(value, default=str))
+
+
+def episode_metrics(
+    records: Sequence[Any], turns: Mapping[tuple[str, int, int], Sequence[Turn]]
+) -> dict[str, float]:
+    """A batch's episode metrics, from its trained rollouts (`RolloutRecord`s) and their
+    logged steps: turns per episode, tool calls per episode, the share of episodes that
+    called a tool, the share of calls that failed (any verdict but "ok"), and the share of
+    the responses' tokens that were given (observations)."""
+    if not records:
+        return {}
+    steps = [turns.get((r.prompt_id, r.sample_index, r.version), ()) for r in records]
+    verdicts = [[v for t in ts for v in t.info.get("verdicts", ())] for ts in steps]
+    calls = sum(len(v) for v in verdicts)
+    given = sum(len(r.tokens) - sum(r.loss_mask or ()) if r.loss_mask else 0 for r in records)
+    return {
+        "episode/turns": sum(len(ts) + 1 for ts in steps) / len(records),
+        "episode/tool_calls": calls / len(records),
+        "episode/tool_call_rate": sum(bool(v) for v in verdicts) / len(records),
+        "episode/tool_error_rate": (
+            sum(x != "ok" for v in verdicts for x in v) / calls if calls else 0.0
+        ),
+        "episode/given_fraction": given / max(1, sum(len(r.tokens) for r in records)),
+    }

@@ -727,8 +727,9 @@ class Scheduler:
         """The host pages `seq` continues on, if it is a continuation whose prompt and first
         tokens are parked (`seq.parked` set), and, under "off" / "resume", parked while the
         version served now was. One that finds none (another worker's, an evicted or
-        restarted one) is replayed under "keep" (`seq.replay`) when `calls` has the weights
-        of the versions that sampled its tokens; else prefilled (`kv_rebuilt`)."""
+        restarted one) is replayed (`seq.replay`) under "keep", and in any mode when it is an
+        episode's turn (it has given tokens), if `calls` has the weights of the versions that
+        sampled its tokens; else prefilled (`kv_rebuilt`)."""
         if not seq.resumes or seq.replay:
             return None
         if seq.parked in self._parked:  # found when it last waited, and still there
@@ -744,7 +745,7 @@ class Scheduler:
             self._parked.drop(key)  # keys and values of older weights: prefilled afresh
         sampled = {v for v, m in zip(seq.token_versions, seq.loss_mask, strict=True) if m}
         if (
-            self.in_flight_update == "keep"
+            (self.in_flight_update == "keep" or not all(seq.loss_mask))
             and seq.loss_mask[0]
             and calls is not None
             and calls.has(sampled)
