@@ -364,7 +364,7 @@ class GenerationPool:
                 with self._lock:
                     self._episode_turns.pop(key, None)
                     self.counters["episodes"] += 1
-                self._deliver(batch, [rollout], {})
+                self._deliver(batch, [rollout], {rollout.prompt_id: record})
                 return
             self.turn_log.append(batch.index, outcome.turn)  # before the next turn can run
             turns.append(outcome.turn)
