@@ -243,3 +243,40 @@ def test_a_turn_that_calls_the_calculator_gets_its_result_as_given_tokens(tmp_pa
     assert botched.result.info["verdicts"] == ["parse_error"]
     text = tokenizer.decode(botched.turn.observation)
     assert text.startswith("\n=Error: the tool call could not be parsed")
+
+
+def test_prompts_too_long_with_the_tools_stop_the_run_at_start(tmp_path):
+    """The datasets scan measures prompts without the environment's tools; the controller
+    measures them again as episodes render them, before any batch, naming the fix."""
+    import types
+
+    from rlax_tpu.controller.controller import Controller
+    from rlax_tpu.controller.errors import ControllerError
+    from rlax_tpu.data.char_tokenizer import TOOLS_CHAT_TEMPLATE, TOOLS_SPECIAL
+    from rlax_tpu.data.datasets import PromptMixture
+
+    tokenizer = Tokenizer.load(
+        write_char_tokenizer(
+            str(tmp_path), extra_special=TOOLS_SPECIAL, chat_template=TOOLS_CHAT_TEMPLATE
+        )
+    )
+    episodes = Episodes(EnvironmentConfig(name="tools"), tokenizer, max_new_tokens=64)
+    rows = [PromptRecord(dataset="d", id=str(n), prompt="1" * n, reference="1") for n in (5, 9)]
+    mixture = PromptMixture.from_records({"d": rows}, {"d": 1.0}, 0)
+    header = len("tools: calculator\n") + 1  # the tools' line, and the prompt's newline
+
+    def check(limit: int, eval_prompts=()):
+        inference = types.SimpleNamespace(max_prompt_len=limit)
+        controller = types.SimpleNamespace(
+            config=types.SimpleNamespace(inference=inference), mixture=mixture, episodes=episodes
+        )
+        Controller._check_episode_prompts(controller, eval_prompts)
+
+    check(9 + header)  # every prompt fits
+    with pytest.raises(
+        ControllerError, match=rf"1 prompts .* prompt '9' .*max_prompt_len={9 + header}"
+    ):
+        check(8 + header)
+    held_out = [PromptRecord(dataset="e", id="x", prompt="1" * 12, reference="1")]
+    with pytest.raises(ControllerError, match="prompt 'x' of dataset 'e'"):
+        check(9 + header, held_out)

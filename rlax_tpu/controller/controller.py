@@ -160,6 +160,8 @@ class Controller:
                 max_new_tokens=config.inference.max_new_tokens,
                 verifier=components.verifier,
             )
+        if self.episodes is not None:
+            self._check_episode_prompts(eval_prompts)
         threads = WorkerThreads(
             components.workers,
             sampling=self.sampling,
@@ -369,6 +371,26 @@ class Controller:
         self.stats.update({**fresh, **stats})
 
     # -- prompts -------------------------------------------------------------------------------
+    def _check_episode_prompts(self, eval_prompts: Sequence[PromptRecord]) -> None:
+        """Every training and held-out prompt, rendered as an episode's first observation
+        with the environment's tools, within inference.max_prompt_len: checked at start (the
+        datasets scan measured them without the tools), so no batch meets one mid-run."""
+        limit = self.config.inference.max_prompt_len
+        rows = [r for name in self.mixture.names for r in self.mixture.records(name)]
+        over = [
+            (r, n)
+            for r in (*rows, *eval_prompts)
+            if (n := len(self.episodes.prompt_tokens(r))) > limit
+        ]
+        if over:
+            record, longest = max(over, key=lambda x: x[1])
+            raise ControllerError(
+                f"{len(over)} prompts are longer than inference.max_prompt_len={limit} "
+                f"once rendered with the environment's tools (the longest: prompt "
+                f"{record.id!r} of dataset {record.dataset!r}, {longest} tokens); set "
+                f"--set inference.max_prompt_len={longest} (and prefill_buckets to hold it)"
+            )
+
     def encode(self, record: PromptRecord) -> tuple[int, ...]:
         """A prompt's tokens: the dataset's rendering, or an episode's first observation
         with its tools (controller.environment)."""

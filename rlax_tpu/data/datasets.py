@@ -585,6 +585,10 @@ class PromptMixture:
     def sizes(self) -> dict[str, int]:
         return {name: len(self._records[name]) for name in self._names}
 
+    def records(self, name: str) -> tuple[PromptRecord, ...]:
+        """Dataset `name`'s records, in file order (as scanned: overlong ones dropped)."""
+        return tuple(self._records[name])
+
     @property
     def counters(self) -> dict[str, int]:
         """Prompts consumed so far, per dataset name."""
