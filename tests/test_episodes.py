@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from test_engine import INFERENCE, LLAMA
 
-from rlax_tpu.api.inference import SamplingParams
+from rlax_tpu.api.inference import GenerationRequest, SamplingParams
 from rlax_tpu.config import EnvironmentConfig, load_config
 from rlax_tpu.controller.episodes import Episodes, TurnLog, episode_metrics
 from rlax_tpu.controller.generation import BatchState, GenerationPool, Prompt
@@ -39,6 +39,7 @@ TEMPLATE = (
 )
 MODEL = dataclasses.replace(LLAMA, vocab_size=len(SPECIALS) + len(ALPHABET))
 TURNS = 3  # observations before the episode's last turn
+EVAL_SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=64)  # turns end by chance
 
 # An environment of the user's, from a file outside the package: it answers each turn with
 # the turn's number and the episode's count of steps taken (its state), for TURNS turns,
@@ -101,7 +102,9 @@ def setup(tmp_path_factory):
     return root, Tokenizer.load(directory), env_file, params
 
 
-def run_batch(setup, run_dir: Path, prompts: list[str]) -> tuple[BatchState, dict]:
+def run_batch(
+    setup, run_dir: Path, prompts: list[str], *, evaluate: bool = False
+) -> tuple[BatchState, dict]:
     root, tokenizer, env_file, params = setup
     config = load_config("configs/tiny_cpu.py").apply_overrides(("trainer.max_seq_len=96",))
     environment = EnvironmentConfig(
@@ -125,6 +128,14 @@ def run_batch(setup, run_dir: Path, prompts: list[str]) -> tuple[BatchState, dic
     ]
     pool.start()
     try:
+        if evaluate:  # held-out: one episode per prompt, its steps not logged
+            keyed = {f"eval:d:{r.id}": r for r in records}
+            requests = [
+                GenerationRequest(f"{key}/v0", key, 0, episodes.prompt_tokens(r), EVAL_SAMPLING)
+                for key, r in keyed.items()
+            ]
+            got = pool.generate(requests, 0, records=keyed)
+            return got, {"engine": engine.stats(), "counters": threads.counters}
         pool.submit(batch, [Prompt(f"b0:d:{r.id}", episodes.prompt_tokens(r), r) for r in records])
         assert pool.wait(batch, threading.Event())
     finally:
@@ -280,3 +291,21 @@ def test_prompts_too_long_with_the_tools_stop_the_run_at_start(tmp_path):
     held_out = [PromptRecord(dataset="e", id="x", prompt="1" * 12, reference="1")]
     with pytest.raises(ControllerError, match="prompt 'x' of dataset 'e'"):
         check(9 + header, held_out)
+
+
+def test_held_out_evaluation_runs_episodes_and_logs_no_step(setup, tmp_path):
+    tokenizer = setup[1]
+    got, stats = run_batch(setup, tmp_path / "eval", ["12=", "3="], evaluate=True)
+    assert sorted(got) == ["eval:d:0/v0", "eval:d:1/v0"]  # under the first request's id
+    turns = stats["counters"]["episode_turns"]
+    # Every turn after an episode's first fed its observation by one extend call.
+    assert stats["engine"]["extends"] == turns - len(got) > 0
+    for rollout in got.values():  # the episode's last turn: its observations given
+        given = [t for t, m in zip(rollout.tokens, rollout.loss_mask or (), strict=False) if not m]
+        steps = (
+            int(rollout.request_id.rsplit("/turn", 1)[1]) - 1
+            if "/turn" in rollout.request_id
+            else 0
+        )
+        assert tokenizer.decode(given) == "".join(f"\n={11 * k}\n" for k in range(1, steps + 1))
+    assert not list((tmp_path / "eval").glob("rollouts/*/turns-*"))  # measured, not logged

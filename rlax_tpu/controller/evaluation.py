@@ -131,7 +131,10 @@ class Evaluator:
         ]
         # A version that is not a multiple of η (the final one) is loaded for this only.
         evaluation = not self.schedule.policy.is_loadable(version)
-        rollouts = self.pool.generate(requests, version, evaluation=evaluation, stop=stop)
+        records = {p.key: p.record for p in self.prompts}  # episodes start from their rows
+        rollouts = self.pool.generate(
+            requests, version, evaluation=evaluation, stop=stop, records=records
+        )
         items = [
             (p.record, rollout_record(-1, rollouts[q.request_id]))
             for p, q in zip(self.prompts, requests, strict=True)

@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlax_tpu.api.inference import GenerationRequest, Partial, Rollout
@@ -142,6 +142,23 @@ def rollout_record(batch: int, rollout: Rollout) -> RolloutRecord:
         token_versions=rollout.token_versions,
         loss_mask=rollout.loss_mask,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _EpisodeRun:
+    """Where a set of episodes' results go: a batch's (steps logged, rollouts delivered to
+    it) or an evaluation's (nothing logged: it is measured again after a restart)."""
+
+    record_of: Callable[[str], PromptRecord]  # an episode's dataset record, by prompt id
+    finish: Callable[[Rollout, PromptRecord], None]  # the episode's rollout, when it ends
+    fail: Callable[[str], None]
+    log: Callable[[Turn], None] | None  # a step, before its next turn is queued
+    priority: int
+    version: int
+    timing: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(TIMINGS, 0.0)
+    )
+    evaluation: bool = False
 
 
 class GenerationPool:
@@ -308,7 +325,7 @@ class GenerationPool:
         for base, turns in episodes:
             with self._lock:
                 self._episode_turns[(base.prompt_id, base.sample_index, version)] = turns
-            self._next_turn(batch, base, turns[-1], None)
+            self._next_turn(self._batch_run(batch), base, turns[-1], None)
         if not missing:
             return
         per_worker = math.ceil(len(missing) / len(self.workers))
@@ -328,31 +345,45 @@ class GenerationPool:
                     fail=lambda e, batch=batch: self._fail(batch, e),
                     timing=batch.timing,
                     pause=self._pause_handler(batch, requests),
-                    turn=self._turn_handler(batch, requests),
+                    turn=self._turn_handler(self._batch_run(batch), requests),
                 )
             )
 
     # -- multi-turn episodes --------------------------------------------------------------
-    def _turn_handler(self, batch: BatchState, requests: list[GenerationRequest]):
-        if self.episodes is None:
+    def _batch_run(self, batch: BatchState) -> _EpisodeRun:
+        """A batch's episodes: steps logged, finished rollouts delivered to the batch."""
+        return _EpisodeRun(
+            record_of=lambda pid: next(p.record for p in batch.prompts if p.key == pid),
+            finish=lambda rollout, record: self._deliver(
+                batch, [rollout], {rollout.prompt_id: record}
+            ),
+            fail=lambda error: self._fail(batch, error),
+            log=lambda turn: self.turn_log.append(batch.index, turn),
+            priority=batch.index,
+            version=batch.version,
+            timing=batch.timing,
+        )
+
+    def _turn_handler(self, run: _EpisodeRun | None, requests: list[GenerationRequest]):
+        if self.episodes is None or run is None:
             return None
         by_id = {r.request_id: r for r in requests}
 
         def turned(rollouts: list[Rollout], worker: int) -> None:
             for rollout in rollouts:
                 base = by_id[rollout.request_id]
-                self._steps.submit(self._step_episode, batch, base, rollout, worker)
+                self._steps.submit(self._step_episode, run, base, rollout, worker)
 
         return turned
 
     def _step_episode(
-        self, batch: BatchState, base: GenerationRequest, rollout: Rollout, worker: int
+        self, run: _EpisodeRun, base: GenerationRequest, rollout: Rollout, worker: int
     ) -> None:
         """(an episode thread) Step the environment with the turn `rollout` ended; log the
-        step and queue the next turn, or deliver the episode's rollout when it is over."""
+        step and queue the next turn, or hand the episode's rollout over when it is over."""
         try:
             key = (rollout.prompt_id, rollout.sample_index, rollout.version)
-            record = next(p.record for p in batch.prompts if p.key == rollout.prompt_id)
+            record = run.record_of(rollout.prompt_id)
             with self._lock:
                 turns = self._episode_turns.setdefault(key, [])
             outcome = self.episodes.step(rollout, record, turns)
@@ -364,17 +395,18 @@ class GenerationPool:
                 with self._lock:
                     self._episode_turns.pop(key, None)
                     self.counters["episodes"] += 1
-                self._deliver(batch, [rollout], {rollout.prompt_id: record})
+                run.finish(rollout, record)
                 return
-            self.turn_log.append(batch.index, outcome.turn)  # before the next turn can run
+            if run.log is not None:
+                run.log(outcome.turn)  # before the next turn can run
             turns.append(outcome.turn)
-            self._next_turn(batch, base, outcome.turn, worker)
+            self._next_turn(run, base, outcome.turn, worker)
         except Exception as e:  # noqa: BLE001 - the batch fails, and with it the run, loudly
             _log.exception("episode step failed")
-            self._fail(batch, f"episode {rollout.prompt_id!r} sample {rollout.sample_index}: {e}")
+            run.fail(f"episode {rollout.prompt_id!r} sample {rollout.sample_index}: {e}")
 
     def _next_turn(
-        self, batch: BatchState, base: GenerationRequest, turn: Turn, worker: int | None
+        self, run: _EpisodeRun, base: GenerationRequest, turn: Turn, worker: int | None
     ) -> None:
         """Queue the turn after `turn`: the same prompt and sampling key, the partial with the
         observation, on `worker` (its parked pages; None: any). Its id is the episode's
@@ -387,18 +419,18 @@ class GenerationPool:
             keep_pages=True,
             max_tokens=0,
         )
-        self.threads.put(
-            Job(
-                (batch.index, 2**41 + turn.turn),
-                batch.version,
-                [request],
-                deliver=lambda r, batch=batch: self._deliver(batch, r, {}),
-                fail=lambda e, batch=batch: self._fail(batch, e),
-                timing=batch.timing,
-                turn=self._turn_handler(batch, [request]),
-                worker=worker,
-            )
+        job = Job(
+            (run.priority, 2**41 + turn.turn),
+            run.version,
+            [request],
+            deliver=lambda rollouts: [run.finish(r, run.record_of(r.prompt_id)) for r in rollouts],
+            fail=run.fail,
+            timing=run.timing,
+            turn=self._turn_handler(run, [request]),
+            worker=worker,
         )
+        job.evaluation = run.evaluation
+        self.threads.put(job)
 
     # -- mixed-version rollouts: ticks and continuations -----------------------------------
     def open_tick(self, tick: int, version: int) -> None:
@@ -533,11 +565,14 @@ class GenerationPool:
         *,
         evaluation: bool = False,
         stop: threading.Event | None = None,
+        records: Mapping[str, PromptRecord] | None = None,
     ) -> dict[str, Rollout]:
         """The rollouts of `requests` generated with `version`, by request id, ahead of every
         batch in the queue; spread over the workers. Blocks until all are in, or raises
         Stopped once `stop` is set. `evaluation`: `version` may be any published one
-        (workers load it for this only)."""
+        (workers load it for this only). With episodes (controller.environment), `records`
+        (the requests' dataset records by prompt id) make each request an episode, whose
+        last turn's rollout is returned under the request's id (steps not logged)."""
         if not requests:
             return {}
         done = threading.Event()
@@ -546,7 +581,8 @@ class GenerationPool:
 
         def deliver(rollouts: list[Rollout]) -> None:
             with self._lock:
-                got.update((rollout.request_id, rollout) for rollout in rollouts)
+                for rollout in rollouts:
+                    got[rollout.request_id.split("/turn", 1)[0]] = rollout
                 if len(got) == len(requests):
                     done.set()
 
@@ -554,9 +590,30 @@ class GenerationPool:
             errors.append(error)
             done.set()
 
+        run = None
+        if self.episodes is not None and records is not None:
+            stops = self.sampling.stop_token_ids
+            requests = [
+                dataclasses.replace(
+                    r,
+                    keep_pages=True,
+                    sampling=dataclasses.replace(r.sampling or self.sampling, stop_token_ids=stops),
+                )
+                for r in requests
+            ]
+            run = _EpisodeRun(
+                record_of=records.__getitem__,
+                finish=lambda rollout, _: deliver([rollout]),
+                fail=fail,
+                log=None,
+                priority=-1,
+                version=version,
+                evaluation=evaluation,
+            )
         per_worker = math.ceil(len(requests) / len(self.workers))
         for k in range(0, len(requests), per_worker):
-            job = Job((-1, k), version, requests[k : k + per_worker], deliver, fail)
+            chunk = requests[k : k + per_worker]
+            job = Job((-1, k), version, chunk, deliver, fail, turn=self._turn_handler(run, chunk))
             job.evaluation = evaluation
             self.threads.put(job)
         while not done.wait(0.5):
