@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 from rlax_tpu.api.environments import (
     Action,
+    Environment,
     EnvironmentRowError,
     EpisodeLimits,
+    StepResult,
     Tool,
     ToolCall,
     ToolDefinitionError,
@@ -669,3 +671,18 @@ def test_a_users_factory_is_checked_to_make_environments(user_file):
         factory({"prompt": "p"}, LIMITS)
     with pytest.raises(EnvironmentSpecError, match="configure the built-in 'tools' environment"):
         resolve_environment("my_env.py:Guess", on_tool_error="end")
+
+
+def test_an_environment_without_restore_refuses_a_logged_state_it_cannot_use():
+    class Stateless(Environment):
+        def reset(self):
+            return ({"role": "user", "content": "p"},)
+
+        def step(self, action):
+            return StepResult((), 0.0, True)
+
+    environment = Stateless()
+    assert environment.state() == {}
+    environment.restore({})  # nothing to restore: fine
+    with pytest.raises(NotImplementedError, match="override restore"):
+        environment.restore({"turns": 2})

@@ -185,6 +185,8 @@ class Episodes:
             else FORMATS[config.tool_format]()
         )
         self.tool_format = fmt
+        # The tokens that end a turn (and the final answer): the tool format's.
+        self.stop_token_ids: tuple[int, ...] = fmt.turn_end_ids(tokenizer)
         self._template_kwargs = dict(template_kwargs or {})
         self._renderers: dict[tuple[str, ...], TurnRenderer] = {}
         self._envs: dict[tuple[str, int, int], Environment] = {}
@@ -206,11 +208,6 @@ class Episodes:
             with self._lock:
                 self._renderers.setdefault(key, renderer)
         return renderer
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """The tokens that end a turn (and the final answer): the tool format's."""
-        return self.tool_format.turn_end_ids(self.tokenizer)
 
     def prompt_tokens(self, record: PromptRecord) -> tuple[int, ...]:
         """An episode's prompt: the environment's first observation, rendered with its

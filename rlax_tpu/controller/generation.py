@@ -160,6 +160,11 @@ class _EpisodeRun:
     )
     evaluation: bool = False
 
+    def deliver(self, rollouts: list[Rollout]) -> None:
+        """A job's finished rollouts when it has no turn handler (`Job.deliver`)."""
+        for rollout in rollouts:
+            self.finish(rollout, self.record_of(rollout.prompt_id))
+
 
 class GenerationPool:
     """A run's batches (and evaluations) as jobs for the worker threads (`WorkerThreads`).
@@ -423,7 +428,7 @@ class GenerationPool:
             (run.priority, 2**41 + turn.turn),
             run.version,
             [request],
-            deliver=lambda rollouts: [run.finish(r, run.record_of(r.prompt_id)) for r in rollouts],
+            deliver=run.deliver,
             fail=run.fail,
             timing=run.timing,
             turn=self._turn_handler(run, [request]),
