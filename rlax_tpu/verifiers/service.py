@@ -473,36 +473,46 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         pb_grpc.add_VerifierServicer_to_server(self, server)
 
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyReply:
-        try:
-            if request.deadline_s < 0:
-                raise ValueError(f"deadline_s must be >= 0, got {request.deadline_s}")
-            requests = [request_from_proto(m, i) for i, m in enumerate(request.requests)]
-            deadline_s = self._deadline_s(request.deadline_s, context)
-            outcomes = self.service.verify_batch(requests, deadline_s=deadline_s)
-        except Exception as e:
-            _abort(context, e)
-        return pb.VerifyReply(
-            results=[
-                result_to_proto(o.result, r.request_id, cached=o.cached)
-                for r, o in zip(requests, outcomes, strict=True)
-            ]
+        results = self._batch(
+            request.deadline_s,
+            context,
+            lambda: [request_from_proto(m, i) for i, m in enumerate(request.requests)],
+            self.service.verify_batch,
+            result_to_proto,
         )
+        return pb.VerifyReply(results=results)
 
     def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext) -> pb.ExecuteReply:
+        results = self._batch(
+            request.deadline_s,
+            context,
+            lambda: [execution_request_from_proto(m, i) for i, m in enumerate(request.programs)],
+            self.service.execute_batch,
+            execution_result_to_proto,
+        )
+        return pb.ExecuteReply(results=results)
+
+    def _batch(
+        self,
+        deadline_s: float,
+        context: grpc.ServicerContext,
+        parse: Callable[[], list[Any]],
+        run: Callable[..., list[Any]],
+        encode: Callable[..., Any],
+    ) -> list[Any]:
+        """One batch call (Verify, Execute): its items parsed, run by the deadline, each
+        outcome encoded under its request id; any failure aborts the call with its status."""
         try:
-            if request.deadline_s < 0:
-                raise ValueError(f"deadline_s must be >= 0, got {request.deadline_s}")
-            programs = [execution_request_from_proto(m, i) for i, m in enumerate(request.programs)]
-            deadline_s = self._deadline_s(request.deadline_s, context)
-            outcomes = self.service.execute_batch(programs, deadline_s=deadline_s)
+            if deadline_s < 0:
+                raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
+            items = parse()
+            outcomes = run(items, deadline_s=self._deadline_s(deadline_s, context))
         except Exception as e:
             _abort(context, e)
-        return pb.ExecuteReply(
-            results=[
-                execution_result_to_proto(o.result, r.request_id, cached=o.cached)
-                for r, o in zip(programs, outcomes, strict=True)
-            ]
-        )
+        return [
+            encode(o.result, r.request_id, cached=o.cached)
+            for r, o in zip(items, outcomes, strict=True)
+        ]
 
     def _deadline_s(self, asked_s: float, context: grpc.ServicerContext) -> float:
         """The batch's deadline: the one asked for (0 = the default), answered before the
