@@ -432,3 +432,27 @@ def test_find_max_compiles_each_probe_and_names_the_set(tmp_path):
     assert "largest trainer.micro_batch_size that fits: 8" in proc.stdout
     assert "trainer.micro_batch_size=16: does not fit" in proc.stdout
     assert "--set trainer.micro_batch_size=8" in proc.stdout
+
+
+def test_episodes_compile_the_extend_program_at_every_prefill_bucket(tmp_path):
+    """A run with episodes feeds each next turn after its cached pages (the extend step):
+    `rlax-tpu compile` lowers it for the TPU at the prefill buckets, with its memory and
+    FLOPs; a run without continuations leaves it out."""
+    out = tmp_path / "report.json"
+    proc = _compile(
+        TINY, "--programs", "prefill,extend", "--json", str(out),
+        "--set", "controller.environment.name=tools",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    programs = {p["name"]: p for p in report["programs"]}
+    assert list(programs) == ["prefill", "extend"]
+    extend, prefill = programs["extend"], programs["prefill"]
+    assert extend["dims"] == prefill["dims"] and extend["fits"]
+    assert "after cached pages" in extend["shape"]
+    assert extend["memory"]["kv_cache"] == prefill["memory"]["kv_cache"] > 0
+    assert extend["flops"] > 0 and extend["cost"]["model_flops"] > 0
+    assert "inference extend@32" in proc.stdout
+    plain = _compile(TINY, "--programs", "prefill,extend", "--json", str(out))
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert [p["name"] for p in json.loads(out.read_text())["programs"]] == ["prefill"]

@@ -725,6 +725,19 @@ def assert_same_rollouts(run_dir: Path, reference: Path) -> None:
             assert got[key] == want[key], (batch, key)
 
 
+def killed_and_resumed(job: Job) -> Job:
+    """`job` with its controller (and so the whole job) killed after 3 steps, then
+    `rlax-tpu resume`d to its end: the resumed job."""
+    try:
+        kill_mid_run(job, "controller", after_steps=3)
+        job.cleanup()
+        job = Job(["resume", str(job.run_dir)], job.run_dir)
+        assert job.wait() == 0, job.output()[-5000:]
+    finally:
+        job.cleanup()
+    return job
+
+
 IN_FLIGHT = {"reload_every": 1, "max_staleness": 3}
 # every response of 2+ tokens spans two ticks
 IN_FLIGHT_SET = ("inference.tick_tokens=1",)
@@ -774,14 +787,7 @@ def test_an_in_flight_run_is_its_own_reproduction_across_a_kill(
     response on from where it was; under "keep" the restarted workers replay the KV pages
     they lost under the versions that made them."""
     whole_run = in_flight_reference(mode)
-    job = in_flight_run(workspace, reference, mode, f"in_flight_{mode}_killed")
-    try:
-        kill_mid_run(job, "controller", after_steps=3)
-        job.cleanup()
-        job = Job(["resume", str(job.run_dir)], job.run_dir)
-        assert job.wait() == 0, job.output()[-5000:]
-    finally:
-        job.cleanup()
+    job = killed_and_resumed(in_flight_run(workspace, reference, mode, f"in_flight_{mode}_killed"))
     check_mixed_version_run(job.run_dir)
     killed, whole = summary(job.run_dir), summary(whole_run)
     assert 0 < killed["start_step"] < STEPS
@@ -803,3 +809,73 @@ def test_chaos_seeded_kills_of_an_in_flight_run_end_with_its_weights(
     )
     assert_survived(disturbed, run_dir, in_flight_reference(mode), schedule)
     assert_same_rollouts(run_dir, in_flight_reference(mode))
+
+
+# A user environment from a file outside the package: two observations, then the answer.
+EPISODE_ENVIRONMENT = """
+from rlax_tpu.api.environments import Environment, StepResult
+
+class Counting(Environment):
+    def __init__(self, row, limits):
+        self.prompt, self.steps = row["prompt"], 0
+
+    def reset(self):
+        return ({"role": "user", "content": self.prompt},)
+
+    def step(self, action):
+        self.steps += 1
+        done = self.steps > 2
+        observation = () if done else ({"role": "tool", "content": str(self.steps * 11)},)
+        return StepResult(observation, 0.0, done, {"steps": self.steps})
+
+    def state(self):
+        return {"steps": self.steps}
+
+    def restore(self, state):
+        self.steps = state["steps"]
+
+def factory(row, limits):
+    return Counting(row, limits)
+"""
+
+
+def episode_run(workspace, name: str) -> Job:
+    root, _ = workspace
+    env_file = root / "counting_env.py"
+    env_file.write_text(EPISODE_ENVIRONMENT)
+    overrides = (
+        "model.tokenizer=builtin:char_tools",
+        f"controller.environment.name={env_file}:factory",
+        "controller.environment.max_turns=3",
+        "inference.max_prompt_len=46",
+        "inference.max_new_tokens=18",
+    )
+    return start_run(workspace, name, overrides=overrides, reload_every=1, max_staleness=1)
+
+
+# ~2 min: `-m slow` (tests/test_episodes.py resumes episodes bitwise at the pool's level in
+# the default suite).
+@pytest.mark.slow
+def test_a_run_killed_in_the_middle_of_episodes_resumes_bitwise(workspace):
+    """Multi-turn episodes with a user environment (warm start included, on demonstrations
+    built as episodes): the whole job killed mid-run and resumed ends with the uninterrupted
+    run's weights and every trained rollout bitwise, observations and masks included."""
+    whole = episode_run(workspace, "episodes")
+    try:
+        assert whole.wait() == 0, whole.output()[-5000:]
+    finally:
+        whole.cleanup()
+    metrics = [json.loads(x) for x in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m.get("episode/turns", 0) for m in metrics) > 1
+    job = killed_and_resumed(episode_run(workspace, "episodes_killed"))
+    killed, uninterrupted = summary(job.run_dir), summary(whole.run_dir)
+    assert 0 < killed["start_step"] < STEPS
+    assert killed["final_digest"] == uninterrupted["final_digest"]
+    assert_same_rollouts(job.run_dir, whole.run_dir)
+    given = [
+        r
+        for batch in RolloutLog(str(job.run_dir)).consumed()
+        for r in RolloutLog(str(job.run_dir)).rollouts(batch).values()
+        if r.loss_mask is not None
+    ]
+    assert given  # episodes with observations were trained on

@@ -487,3 +487,37 @@ def test_a_long_generation_reports_progress_and_a_stop_ends_the_wait(tmp_path):
     finally:
         release.set()
         pool.stop()
+
+
+def test_ended_episodes_go_to_their_worker_with_its_next_generate_call(tmp_path):
+    """An episode that ended on worker 1 is named in worker 1's next Generate call (its
+    parked pages can go), once; worker 0 never hears of it."""
+    import queue
+
+    from rlax_tpu.api.inference import GenerationRequest, LoadResult
+    from rlax_tpu.controller.workers import Job
+
+    class Worker:  # the worker's answers, as its client returns them
+        def __init__(self, name):
+            self.address, self.ended = name, []
+
+        def load(self, version, *, evaluation=False):
+            return LoadResult(version=version, already_loaded=False, aborted=())
+
+        def generate(self, requests, version, ended=()):
+            self.ended.append(list(ended))
+            return finished_rollouts(requests, version)
+
+    workers = [Worker("w0"), Worker("w1")]
+    pool = one_sample_pool(workers, tmp_path)
+    delivered: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        pool.threads.ended(1, ("b0:d:7", 0, 0))
+        for n in range(2):  # jobs pinned to worker 1, as an episode's next turns are
+            request = GenerationRequest(f"p{n}/s0/v0", f"p{n}", 0, (1,))
+            pool.threads.put(Job((0, n), 0, [request], delivered.put, print, worker=1))
+            assert [r.request_id for r in delivered.get(timeout=30)] == [request.request_id]
+    finally:
+        pool.stop()
+    assert workers[1].ended == [[("b0:d:7", 0, 0)], []]
+    assert workers[0].ended == []

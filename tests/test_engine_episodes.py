@@ -127,3 +127,32 @@ def test_loss_masks_and_keep_pages_round_trip_the_wire():
     (turn2,) = engine.run([next_turn(turn1, sampling, 0)])
     assert rollout_from_proto(rollout_to_proto(turn2)) == turn2
     assert rollout_to_proto(turn1).loss_mask == []  # every token sampled: left out
+
+
+def test_an_ended_episodes_parked_pages_are_released():
+    """The last turn parks its pages too (no one knows it is the last); the controller's
+    next Generate call names the ended episode (`ended`) and the engine drops them. Another
+    request's pages, and a name with nothing parked, are left alone."""
+    engine = make_engine(params=PARAMS[0])
+    turn1, sampling = first_turn(engine, LONG)
+    other = dataclasses.replace(
+        request(1, 9), sampling=dataclasses.replace(sampling), keep_pages=True
+    )
+    engine.run([other])
+    parked = engine.stats()["parked"]
+    assert parked >= 1  # turn 1's pages, and request 1's if it ended at the stop token
+    engine.release([("p0", 0, 0), ("nobody", 0, 0)])
+    stats = engine.stats()
+    assert (stats["parked"], stats["parked_released"]) == (parked - 1, 1)
+    # The episode's next turn, if it came after all, replays its pages: the same tokens.
+    (again,) = engine.run([next_turn(turn1, sampling, 0)])
+    (kept,) = make_engine(params=PARAMS[0]).run([next_turn(turn1, sampling, 0)])
+    assert response(again) == response(kept) and engine.stats()["kv_replayed"] == 1
+
+
+def test_ended_episodes_travel_with_the_generate_call():
+    from rlax_tpu.rpc.gen.rlax_tpu.v1 import inference_pb2 as pb
+
+    message = pb.GenerateRequest(ended=[pb.EpisodeEnd(prompt_id="p0", sample_index=3, version=2)])
+    decoded = pb.GenerateRequest.FromString(message.SerializeToString())
+    assert [(e.prompt_id, e.sample_index, e.version) for e in decoded.ended] == [("p0", 3, 2)]

@@ -334,4 +334,4 @@ def test_continuation_buckets_are_compiled_ahead_only_when_responses_continue():
     assert Engine(LLAMA, KEEP, seed=0, allocate=False).continuation_buckets == (64,)
     keep = Engine(LLAMA, KEEP, seed=0, allocate=False).lowerings()
     off = Engine(LLAMA, INFERENCE, seed=0, allocate=False).lowerings()
-    assert set(keep) - set(off) == {"prefill@64"}
+    assert set(keep) - set(off) == {"prefill@64", "extend@64"}

@@ -82,8 +82,8 @@ class LocalClient:
     def load(self, version, evaluation=False):
         return self.worker.load(version, self.params)
 
-    def generate(self, requests, version=None):
-        return self.worker.generate(requests, version=version)
+    def generate(self, requests, version=None, ended=()):
+        return self.worker.generate(requests, version=version, ended=ended)
 
     def status_details(self, timeout_s=None):
         return self.worker.stats()
@@ -181,6 +181,12 @@ def test_episodes_take_turns_on_their_pages_and_resume_without_stepping_twice(se
     engine = stats["engine"]
     # Every turn after the first fed only its observation over the parked pages.
     assert engine["extends"] == observed and engine["kv_rebuilt"] == 0
+    # Each episode's last turn parked its pages; those that ended before a later Generate
+    # call to the worker were released by it (which calls: timing), the rest are still
+    # parked; none was evicted, none released twice or left behind.
+    finals = sum(r.finish_reason == "stop" for r in rollouts.values())
+    assert engine["parked"] + engine["parked_released"] == finals
+    assert engine["parked_evictions"] == 0
     assert engine["prefills"] == len(rollouts)
     assert stats["counters"]["episode_turns"] == observed + len(rollouts)
     assert len(steps_taken(setup)) == observed + sum(
@@ -212,13 +218,9 @@ def test_a_turn_that_calls_the_calculator_gets_its_result_as_given_tokens(tmp_pa
     <tool_call> is parsed, run, and its result appended as the template renders it; a turn
     without calls is the answer; a call the policy botched is told to it."""
     from rlax_tpu.api.inference import Rollout
-    from rlax_tpu.data.char_tokenizer import TOOLS_CHAT_TEMPLATE, TOOLS_SPECIAL
+    from rlax_tpu.data.char_tokenizer import write_char_tools_tokenizer
 
-    tokenizer = Tokenizer.load(
-        write_char_tokenizer(
-            str(tmp_path), extra_special=TOOLS_SPECIAL, chat_template=TOOLS_CHAT_TEMPLATE
-        )
-    )
+    tokenizer = Tokenizer.load(write_char_tools_tokenizer(str(tmp_path)))
     episodes = Episodes(EnvironmentConfig(name="tools"), tokenizer, max_new_tokens=200)
     record = PromptRecord(dataset="d", id="7", prompt="What is 123*45?", reference="5535")
     prompt = episodes.prompt_tokens(record)  # the prefix check passed: it is checked here
@@ -263,24 +265,22 @@ def test_prompts_too_long_with_the_tools_stop_the_run_at_start(tmp_path):
 
     from rlax_tpu.controller.controller import Controller
     from rlax_tpu.controller.errors import ControllerError
-    from rlax_tpu.data.char_tokenizer import TOOLS_CHAT_TEMPLATE, TOOLS_SPECIAL
+    from rlax_tpu.data.char_tokenizer import write_char_tools_tokenizer
     from rlax_tpu.data.datasets import PromptMixture
 
-    tokenizer = Tokenizer.load(
-        write_char_tokenizer(
-            str(tmp_path), extra_special=TOOLS_SPECIAL, chat_template=TOOLS_CHAT_TEMPLATE
-        )
-    )
+    tokenizer = Tokenizer.load(write_char_tools_tokenizer(str(tmp_path)))
     episodes = Episodes(EnvironmentConfig(name="tools"), tokenizer, max_new_tokens=64)
     rows = [PromptRecord(dataset="d", id=str(n), prompt="1" * n, reference="1") for n in (5, 9)]
     mixture = PromptMixture.from_records({"d": rows}, {"d": 1.0}, 0)
     header = len("tools: calculator\n") + 1  # the tools' line, and the prompt's newline
 
-    def check(limit: int, eval_prompts=()):
+    def check(limit: int, eval_prompts=(), sft_steps=0, max_seq_len=64):
         inference = types.SimpleNamespace(max_prompt_len=limit)
-        controller = types.SimpleNamespace(
-            config=types.SimpleNamespace(inference=inference), mixture=mixture, episodes=episodes
+        trainer = types.SimpleNamespace(
+            warm_start=types.SimpleNamespace(steps=sft_steps), max_seq_len=max_seq_len
         )
+        config = types.SimpleNamespace(inference=inference, trainer=trainer)
+        controller = types.SimpleNamespace(config=config, mixture=mixture, episodes=episodes)
         Controller._check_episode_prompts(controller, eval_prompts)
 
     check(9 + header)  # every prompt fits
@@ -291,6 +291,11 @@ def test_prompts_too_long_with_the_tools_stop_the_run_at_start(tmp_path):
     held_out = [PromptRecord(dataset="e", id="x", prompt="1" * 12, reference="1")]
     with pytest.raises(ControllerError, match="prompt 'x' of dataset 'e'"):
         check(9 + header, held_out)
+    # With an SFT warm start, each row's demonstration (here: the answer turn, "1" and the
+    # end of the turn) is measured as its episode against the trainer's sequence.
+    check(9 + header, sft_steps=5, max_seq_len=9 + header + 2)
+    with pytest.raises(ControllerError, match=r"row '9' .* trainer.max_seq_len=32"):
+        check(9 + header, sft_steps=5, max_seq_len=9 + header + 1)
 
 
 def test_held_out_evaluation_runs_episodes_and_logs_no_step(setup, tmp_path):

@@ -27,8 +27,16 @@ STEPS = [0, 20, 40, 60, 80, 100, 120]
 REPORTED = [0.648, 0.609, 0.875, 0.852, 0.828, 0.633, 0.812]
 
 
-def run(mode, seed, accuracy, steps=STEPS):
-    return {"mode": mode, "seed": seed, "eval_steps": list(steps), "accuracy": list(accuracy)}
+def run(mode, seed, accuracy, steps=STEPS, arm=""):
+    return {
+        "arm": arm,
+        "mode": mode,
+        "seed": seed,
+        "eval_steps": list(steps),
+        "accuracy": list(accuracy),
+        # stand-ins for the Wilson intervals: the final one is what the table shows
+        "interval95": [(a - 0.08, a + 0.07) for a in accuracy],
+    }
 
 
 def test_the_reported_demo_curve_gains_but_misses_the_late_drop_criterion():
@@ -90,8 +98,12 @@ def test_the_table_has_a_row_per_run_in_mode_order_with_its_verdict():
     ]
     runs[2]["kl_to_reference"] = 1.25
     rows = lc.markdown_table(runs, 120, 0.10, 0.05).splitlines()[2:]
-    assert rows[0] == "| on-policy | 0 | 0.500 | 0.780 | +0.280 | 0.000 | 1.250 | met |"
-    assert rows[1] == "| on-policy | 1 | 0.648 | 0.812 | +0.164 | 0.195 | – | MISSED |"
+    assert rows[0] == (
+        "| on-policy | 0 | 0.500 | 0.780 [0.700–0.850] | +0.280 | 0.000 | 1.250 | met |"
+    )
+    assert rows[1] == (
+        "| on-policy | 1 | 0.648 | 0.812 [0.732–0.882] | +0.164 | 0.195 | – | MISSED |"
+    )
     assert rows[2].startswith("| off-policy | 0 |") and rows[2].endswith("| met |")
 
 
@@ -105,8 +117,29 @@ def test_diagnostics_are_averaged_per_quarter_of_the_run_and_over_seeds():
     b = with_entropy("on_policy", 1, [3, 3, 5, 5, 5, 5, 0.3, 0.1])
     assert lc.diagnostics_by_quarter(a, 8)["train/entropy"] == [2, 5, 5, 0.5]
     rows = lc.diagnostics_table([a, b], 8).splitlines()
-    assert rows[0] == "| mode | entropy |"
+    assert rows[0] == "| run | entropy |"
     assert rows[2] == "| on-policy | 2.5 → 0.35 |"
+
+
+def test_compared_configs_are_paired_by_seed_with_a_t_interval_and_not_judged():
+    """--compare: the first config's final accuracy minus the other's, per seed, and the
+    mean's 95 % Student-t interval; the other config's runs are shown, not judged."""
+    tools = [
+        run("on_policy", s, [0.3, a], [0, 60], "tools") for s, a in enumerate((0.9, 0.8, 0.85))
+    ]
+    bare = [run("on_policy", s, [0.01, a], [0, 60], "bare") for s, a in enumerate((0.0, 0.1, 0.05))]
+    (c,) = lc.comparison([*tools, *bare], ["tools", "bare"])
+    np.testing.assert_allclose(c["differences"], [0.9, 0.7, 0.8])
+    half = 4.303 * 0.1 / math.sqrt(3)  # t(2) quantile x sd / sqrt(n)
+    np.testing.assert_allclose(c["interval95"], [0.8 - half, 0.8 + half])
+    assert c["holds"] and c["seeds"] == [0, 1, 2]
+    # A difference whose interval reaches zero does not hold, whatever its mean.
+    bare[0]["accuracy"][-1] = 1.0
+    assert not lc.comparison([*tools, *bare], ["tools", "bare"])[0]["holds"]
+    rows = lc.markdown_table([*tools, *bare], 60, 0.10, 0.05).splitlines()[2:]
+    assert rows[0].startswith("| tools on-policy | 0 |") and rows[0].endswith("| met |")
+    assert rows[3].startswith("| bare on-policy | 0 |") and rows[3].endswith("| – |")
+    assert list(lc.curves([*tools, *bare])) == ["tools/on_policy", "bare/on_policy"]
 
 
 def _wilson_by_root_finding(p: float, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -294,6 +294,8 @@ def warm_start_key(config: RunConfig) -> str:
             c.global_batch_size,
         ],
     }
+    if c.environment.enabled:  # demonstrations are built as its episodes (Episodes)
+        parts["environment"] = c.environment.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 

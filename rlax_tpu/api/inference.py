@@ -404,11 +404,17 @@ class InferenceWorkerClient(ComponentClient):
         *,
         version: int | None = None,
         watch: Watch | None = None,
+        ended: Sequence[tuple[str, int, int]] = (),
     ) -> Iterator[Rollout]:
         """Rollouts of `requests` as the worker completes them. With `watch`, a worker that
         stops answering (or a call past the watch's deadline) ends the stream with
-        ComponentLostError, and nothing that arrives after that is yielded."""
-        message = pb.GenerateRequest(requests=[request_to_proto(r) for r in requests])
+        ComponentLostError, and nothing that arrives after that is yielded. `ended`:
+        episodes that ended ((prompt id, sample index, key version)), whose parked pages
+        the worker drops."""
+        message = pb.GenerateRequest(
+            requests=[request_to_proto(r) for r in requests],
+            ended=[pb.EpisodeEnd(prompt_id=p, sample_index=s, version=v) for p, s, v in ended],
+        )
         if version is not None:
             message.version = version
         call = self._stub.Generate(message, timeout=self.timeout_s)

@@ -28,8 +28,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--programs",
         metavar="NAMES",
         help="comma-separated subset of init, init_opt, rl_step, recompute, sft_step, publish, "
-        "prefill, decode, swap_out, swap_in (default: every program the run executes; sft_step "
-        "only with trainer.warm_start.steps > 0, publish only when the served params differ)",
+        "prefill, extend, decode, swap_out, swap_in (default: every program the run executes; "
+        "sft_step only with trainer.warm_start.steps > 0, publish only when the served params "
+        "differ, extend only with episodes or in_flight_update=keep)",
     )
     parser.add_argument(
         "--save-compiled",

@@ -1,5 +1,9 @@
 """`rlax-tpu samples RUN_DIR`: one batch of a run's rollout log as a person reads it — each
 prompt's text, then its samples' response text, reward, verdict and the verifier's reason.
+A multi-turn episode (controller.environment) is shown turn by turn: each policy turn's text
+(loss mask 1), and each observation the environment gave between them (mask 0: the tool
+messages, their verdicts and the tokens as the policy read them), from the rollout's mask
+and the episode's logged steps.
 
 It reads only the run directory (local or gs://, through rlax_tpu.storage): the rollout
 log's rollouts, verdicts and prompt records (controller/snapshots.py, RolloutLog) and what
@@ -14,11 +18,14 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlax_tpu import storage
 from rlax_tpu.controller.snapshots import CONSUMED_DIR, RolloutLog
 from rlax_tpu.run_dir import EFFECTIVE_CONFIG
+
+if TYPE_CHECKING:
+    from rlax_tpu.controller.episodes import Turn
 
 
 class SamplesError(ValueError):
@@ -82,6 +89,11 @@ def read_samples(
         )
     verdicts = log.read_verdicts(step)
     records = log.read_prompts(step)
+    # The episodes' module reaches the gRPC clients: imported only here, so the CLI (and
+    # `deploy --dry-run`, which must not load gRPC) starts without it.
+    from rlax_tpu.controller.episodes import TurnLog
+
+    steps = TurnLog(log.directory).turns(step)
     consumed = _consumed(run_dir, step)
     fallback = _Fallback(run_dir)
     by_prompt: dict[str, list[tuple[tuple[str, int, int], dict[str, Any]]]] = {}
@@ -119,6 +131,11 @@ def read_samples(
                     "trained": rollout_key in consumed,
                 }
             )
+            mask = rollout.get("loss_mask") or []
+            if 0 in mask:  # an episode: its turns
+                samples[-1]["turns"] = _turns(
+                    rollout["tokens"], mask, steps.get(rollout_key, []), fallback
+                )
         record = records.get(key) or fallback.record(key)
         prompts.append({"prompt_id": key, "record": record, "samples": samples})
     versions = sorted({k[2] for k in rollouts})
@@ -129,6 +146,36 @@ def read_samples(
         "prompts_in_batch": len(keys) if prompt_id else len(by_prompt),
         "prompts": prompts,
     }
+
+
+def _turns(
+    tokens: list[int], mask: list[int], steps: list[Turn], fallback: _Fallback
+) -> list[dict[str, Any]]:
+    """An episode's response cut where its loss mask changes: policy turns (mask 1) and
+    the observations between them (mask 0), each with its token count and text; an
+    observation also with the tool messages and verdicts of its logged step."""
+    out: list[dict[str, Any]] = []
+    start = 0
+    for end in range(1, len(tokens) + 1):
+        if end < len(tokens) and mask[end] == mask[start]:
+            continue
+        piece = tokens[start:end]
+        if mask[start]:
+            out.append({"role": "policy", "tokens": len(piece), "text": fallback.response(piece)})
+        else:
+            index = sum(t["role"] == "observation" for t in out)
+            step = steps[index] if index < len(steps) else None
+            given: dict[str, Any] = {
+                "role": "observation",
+                "tokens": len(piece),
+                "text": fallback.text(piece),
+            }
+            if step is not None and list(step.observation) == piece:
+                given["messages"] = [dict(m) for m in step.messages]
+                given["verdicts"] = list(step.info.get("verdicts", ()))
+            out.append(given)
+        start = end
+    return out
 
 
 def _consumed(run_dir: str, step: int) -> set[tuple[str, int, int]]:
@@ -180,6 +227,13 @@ class _Fallback:
                 except Exception:  # noqa: BLE001 - a config of another version: no fallback
                     self._config = None
         return self._config
+
+    def text(self, tokens: list[int]) -> str | None:
+        """Tokens as the policy read them: every token's text, special ones included."""
+        if self.response([]) is None:  # loads the tokenizer, if it is there
+            return None
+        tokenizer, _ = self._tokenizer
+        return tokenizer.decode(tokens, skip_special_tokens=False)
 
     def response(self, tokens: list[int]) -> str | None:
         if self._tokenizer is False:
@@ -260,9 +314,30 @@ def render(batch: dict[str, Any]) -> str:
                 f"  -- sample {s['sample_index']} (version {s['version']}, "
                 f"{s['response_tokens']} tokens, {s['finish_reason']}{trained}): {verdict}"
             )
+            if s.get("turns"):
+                lines.extend(_episode_lines(s["turns"]))
+                continue
             text = s["response"] if s["response"] is not None else "(response text not logged)"
             lines.extend(_indent(text, "     | "))
     return "\n".join(lines) + "\n"
+
+
+def _episode_lines(turns: list[dict[str, Any]]) -> list[str]:
+    lines, number = [], 0
+    for t in turns:
+        text = t["text"] if t["text"] is not None else "(the run's tokenizer is gone)"
+        if t["role"] == "policy":
+            number += 1
+            lines.append(f"     turn {number} (policy, {t['tokens']} tokens, loss mask 1):")
+            lines.extend(_indent(text, "     | "))
+            continue
+        verdicts = f"; verdicts {', '.join(t['verdicts'])}" if t.get("verdicts") else ""
+        lines.append(f"     observation ({t['tokens']} tokens given, loss mask 0{verdicts}):")
+        for m in t.get("messages", ()):
+            name = f" {m['name']}" if m.get("name") else ""
+            lines.extend(_indent(f"[{m.get('role', '?')}{name}] {m.get('content', '')}", "     > "))
+        lines.append(f"     > as tokens: {text!r}")
+    return lines
 
 
 def _prompt_text(record: dict[str, Any]) -> str:

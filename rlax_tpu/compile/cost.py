@@ -30,6 +30,7 @@ EFFICIENCY_OF = {
     "sft_step": "train",
     "publish": "train",
     "prefill": "prefill",
+    "extend": "prefill",
     "decode": "decode",
     "swap_out": "decode",
     "swap_in": "decode",
@@ -46,7 +47,7 @@ def model_flops(name: str, dims: dict[str, int], config: RunConfig) -> float:
         return train_flops_per_token(model, dims["seq_len"]) * dims["rows"] * dims["seq_len"]
     if name == "recompute":
         return train_flops_per_token(model, dims["seq_len"]) / 3 * dims["rows"] * dims["seq_len"]
-    if name == "prefill":
+    if name in ("prefill", "extend"):  # extend: its fed tokens (attention to the pages aside)
         return train_flops_per_token(model, dims["seq_len"]) / 3 * dims["rows"] * dims["seq_len"]
     if name == "decode":
         per_token = decode_flops_per_token(model, dims["max_seq_len"] / 2)

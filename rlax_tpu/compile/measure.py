@@ -107,8 +107,8 @@ class ProgramReport:
     @property
     def label(self) -> str:
         """ "trainer rl_step"; with its bucket where a program runs at several
-        ("inference decode@64", "inference prefill@512")."""
-        bucket = {"prefill": "seq_len", "decode": "slots"}.get(self.name)
+        ("inference decode@64", "inference prefill@512", "inference extend@512")."""
+        bucket = {"prefill": "seq_len", "extend": "seq_len", "decode": "slots"}.get(self.name)
         at = f"@{self.dims[bucket]}" if bucket and bucket in self.dims else ""
         return f"{self.component} {self.name}{at}"
 

@@ -17,6 +17,9 @@ compiled here are the ones the run executes, at the shapes it executes them:
              publish     the params cast to model.publish_dtype (and unstacked) for the
                          parameter server (only when they are not served as they are held)
   inference  prefill     inference.prefill_rows prompts, at every prefill bucket
+             extend      inference.prefill_rows continuations fed after their cached pages
+                         (an episode's next turn: controller.environment; a "keep"
+                         continuation), at every prefill bucket, only where the run has them
              decode      one decode call, at every decode bucket (inference.decode_rows)
              swap_out    the copy of a whole sequence's pages out of the KV pool (before the
                          device-to-host transfer of a swap-out)
@@ -48,6 +51,7 @@ COMPONENT_OF = {
     "sft_step": "trainer",
     "publish": "trainer",
     "prefill": "inference",
+    "extend": "inference",
     "decode": "inference",
     "swap_out": "inference",
     "swap_in": "inference",
@@ -253,20 +257,34 @@ def inference_programs(
     inference = config.inference
     attention = f"attention {cache.backend}"
     out = []
-    if "prefill" in names:
-        for bucket in engine.prefill_buckets:  # continuation buckets too, when used
+    # Calls that feed tokens at the prefill buckets (continuation buckets too, when used):
+    # prompts, and with episodes or "keep" continuations fed after their cached pages.
+    fed = [("prefill", engine.lower_prefill, "tokens", "per admitted prompt batch")]
+    if config.controller.environment.enabled or inference.in_flight_update == "keep":
+        fed.append(
+            (
+                "extend",
+                engine.lower_extend,
+                "tokens after cached pages",
+                "per admitted batch of continuations",
+            )
+        )
+    for name, lower, tokens, calls in fed:
+        if name not in names:
+            continue
+        for bucket in engine.prefill_buckets:
             out.append(
                 Program(
-                    "prefill",
+                    name,
                     "inference",
-                    f"{engine.prefill_rows} × {bucket} tokens, {cache.num_pages} pages of "
+                    f"{engine.prefill_rows} × {bucket} {tokens}, {cache.num_pages} pages of "
                     f"{cache.page_size}, {attention}",
-                    f"per admitted prompt batch of bucket {bucket}",
+                    f"{calls} of bucket {bucket}",
                     1,
-                    functools.partial(engine.lower_prefill, bucket),
+                    functools.partial(lower, bucket),
                     arguments,
                     dims={"rows": engine.prefill_rows, "seq_len": bucket},
-                    key=f"prefill@{bucket}",
+                    key=f"{name}@{bucket}",
                 )
             )
     if "decode" in names:

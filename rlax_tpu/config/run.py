@@ -877,7 +877,9 @@ class DatasetConfig(ConfigBase):
     messages_field: str = "messages"
     answer_field: str = "answer"  # the reference answer ("answer" also reads "reference")
     # The row field holding the SFT warm start's target when it is not the reference answer
-    # (a worked solution ending in the answer); "" = the reference answer.
+    # (a worked solution ending in the answer, or a demonstration: a list of the assistant
+    # turns and tool results after the prompt, for runs with controller.environment);
+    # "" = the reference answer.
     sft_field: str = ""
     # the row field holding the row's id (see prompt_field)
     id_field: str = "id"
@@ -1067,7 +1069,7 @@ class ControllerConfig(ConfigBase):
     # them and the --set that fits them; "drop" leaves them out of the datasets (counted:
     # metrics dataset/overlong_dropped). Never truncated.
     overlong_prompts: Literal["error", "drop"] = "error"
-    # Held-out greedy accuracy: "" = none, else a dataset file (or "builtin:arithmetic"),
+    # Held-out greedy accuracy: "" = none, else a dataset file (or a built-in task's name),
     # read with the first training dataset's field mapping and template, its first eval_size
     # rows, measured at step 0, every eval_every steps (0 = only at the start and the end)
     # and at the end; at step s workers measure the newest version

@@ -346,6 +346,7 @@ class Controller:
                 next_step=next_step,
                 report=self.report,
                 stop=self.stop,
+                episodes=self.episodes,
             )
         if self.stop.is_set() and self.c.trainer.warm_start_step() < total:
             self.c.trainer.save(wait=True)  # checkpoints the warm start where it stands
@@ -389,6 +390,19 @@ class Controller:
                 f"once rendered with the environment's tools (the longest: prompt "
                 f"{record.id!r} of dataset {record.dataset!r}, {longest} tokens); set "
                 f"--set inference.max_prompt_len={longest} (and prefill_buckets to hold it)"
+            )
+        if self.config.trainer.warm_start.steps <= 0:
+            return
+        # The SFT warm start's rows: each training row's demonstration as its episode.
+        seq = self.config.trainer.max_seq_len
+        over = [(r, n) for r in rows if (n := len(self.episodes.demonstration(r)[0])) > seq]
+        if over:
+            record, longest = max(over, key=lambda x: x[1])
+            raise ControllerError(
+                f"{len(over)} SFT warm-start rows are longer than trainer.max_seq_len={seq} "
+                f"as episodes (the longest: row {record.id!r} of dataset {record.dataset!r}, "
+                f"{longest} tokens with its demonstration); set --set "
+                f"trainer.max_seq_len={16 * -(-longest // 16)}"
             )
 
     def encode(self, record: PromptRecord) -> tuple[int, ...]:

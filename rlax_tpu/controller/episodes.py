@@ -152,7 +152,9 @@ class Episodes:
     """A run's episodes: their environment, the chat template's turn rendering and the tool
     format, and each live episode's environment, by (prompt id, sample index, version).
 
-    `verifier`: what the "python" tool runs programs through (the run's verifiers)."""
+    `verifier`: what the "python" tool runs programs through (the run's verifiers); None
+    where no program is run (the SFT warm start in this process renders demonstrations,
+    whose tool results are in the data): calling such a tool then fails, saying so."""
 
     def __init__(
         self,
@@ -171,7 +173,7 @@ class Episodes:
             max_total_tokens=config.max_total_tokens or max_new_tokens,
             tool_timeout_s=config.tool_timeout_s,
         )
-        context = ToolContext(verifier=verifier)
+        context = ToolContext(verifier=verifier if verifier is not None else _NoVerifier())
         if config.name == "tools":
             tools = tuple(resolve_tool(spec, context) for spec in config.tools)
             self.factory = resolve_environment(
@@ -214,6 +216,15 @@ class Episodes:
         tools and the generation prompt."""
         env = self._make(record)
         return tuple(self.renderer(env).prompt_ids(env.reset()))
+
+    def demonstration(self, record: PromptRecord) -> tuple[list[int], list[int]]:
+        """(ids, loss_mask) of `record`'s SFT demonstration built as its episode would be:
+        the episode's prompt, then the record's sft_messages (assistant turns, mask 1, and
+        the tool results between them rendered as observations, mask 0), or one assistant
+        turn answering with its `sft_text`."""
+        env = self._make(record)
+        turns = record.sft_messages or ({"role": "assistant", "content": record.sft_text},)
+        return self.renderer(env).episode_ids([*env.reset(), *turns])
 
     def check(self, record: PromptRecord) -> None:
         """Fail at start, not in the middle of a run: make an episode of `record` and its
@@ -298,6 +309,16 @@ class Episodes:
             self._envs.pop(key, None)
 
 
+class _NoVerifier:
+    """The program executor of Episodes made without a verifier."""
+
+    def execute(self, requests: Sequence[Any], *, deadline_s: float | None = None) -> list[Any]:
+        raise EpisodeError(
+            "a tool that runs programs was called where no verifier serves them (the SFT "
+            "warm start in this process): give demonstrations their tool results"
+        )
+
+
 def rollout_version(rollout: Rollout) -> int:
     """The version that sampled a rollout's last token (the next turn starts under it)."""
     versions = rollout.token_versions
@@ -314,8 +335,9 @@ def episode_metrics(
 ) -> dict[str, float]:
     """A batch's episode metrics, from its trained rollouts (`RolloutRecord`s) and their
     logged steps: turns per episode, tool calls per episode, the share of episodes that
-    called a tool, the share of calls that failed (any verdict but "ok"), and the share of
-    the responses' tokens that were given (observations)."""
+    called a tool, the share of calls that failed (any verdict but "ok"), the seconds spent
+    in tool calls per episode (the environments' own count, info["tool_seconds"]) and the
+    share of the responses' tokens that were given (observations)."""
     if not records:
         return {}
     steps = [turns.get((r.prompt_id, r.sample_index, r.version), ()) for r in records]
@@ -329,5 +351,9 @@ def episode_metrics(
         "episode/tool_error_rate": (
             sum(x != "ok" for v in verdicts for x in v) / calls if calls else 0.0
         ),
+        "episode/tool_seconds": sum(
+            max((float(t.info.get("tool_seconds", 0.0)) for t in ts), default=0.0) for ts in steps
+        )
+        / len(records),
         "episode/given_fraction": given / max(1, sum(len(r.tokens) for r in records)),
     }

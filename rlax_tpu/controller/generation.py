@@ -400,6 +400,7 @@ class GenerationPool:
                 with self._lock:
                     self._episode_turns.pop(key, None)
                     self.counters["episodes"] += 1
+                self.threads.ended(worker, key)  # its last turn's parked pages can go
                 run.finish(rollout, record)
                 return
             if run.log is not None:

@@ -24,7 +24,9 @@ from rlax_tpu.data.datasets import DatasetError, PromptMixture, PromptRecord, pr
 SFT_STREAM = 7919  # the warm start's prompt stream: seed + SFT_STREAM
 
 
-def sft_rows(config: RunConfig, tokenizer: Any, records: list[PromptRecord]) -> tuple:
+def sft_rows(
+    config: RunConfig, tokenizer: Any, records: list[PromptRecord], episodes: Any = None
+) -> tuple:
     """(tokens, targets, loss_mask) of prompt + SFT target + eos, the loss on the target
     part: int32[rows, seq], int32[rows, seq], float32[rows, seq] (seq a multiple of 16).
     The SFT target is the record's `sft_text`: the reference answer, or the dataset's
@@ -32,15 +34,30 @@ def sft_rows(config: RunConfig, tokenizer: Any, records: list[PromptRecord]) -> 
 
     The prompt is rendered exactly as RL sends it (datasets.prompt_tokens: the chat template
     for chat rows and, where the tokenizer has one, for text rows), so the warm start
-    teaches the answer in the format the policy is later asked in. A row longer than
-    trainer.max_seq_len is refused (the datasets scan finds them all before the run)."""
+    teaches the answer in the format the policy is later asked in. With `episodes` (the
+    run's Episodes: controller.environment) a row is the record's demonstration built as its
+    episode is (`Episodes.demonstration`), the loss on the assistant turns only. A row
+    longer than trainer.max_seq_len is refused (the datasets scan finds them all before the
+    run)."""
     eos = tokenizer.eos_token_id
-    seqs, starts = [], []
+    seqs, masks = [], []
     for r in records:
-        prompt = list(prompt_tokens(tokenizer, r))
-        answer = tokenizer.encode(r.sft_text, add_special_tokens=False)
-        seqs.append(prompt + answer + ([eos] if eos is not None else []))
-        starts.append(len(prompt))
+        if episodes is not None:
+            seq, mask = episodes.demonstration(r)
+        elif r.sft_messages:
+            raise DatasetError(
+                f"SFT row {r.id!r} of dataset {r.dataset!r} is a demonstration (its sft_field "
+                "holds messages) and only a run with an environment can follow it: set "
+                "controller.environment.name, or point the dataset's sft_field at a text "
+                "target ('' = the reference answer)"
+            )
+        else:
+            prompt = list(prompt_tokens(tokenizer, r))
+            answer = tokenizer.encode(r.sft_text, add_special_tokens=False)
+            answer += [eos] if eos is not None else []
+            seq, mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
+        seqs.append(seq)
+        masks.append(mask)
         if len(seqs[-1]) > config.trainer.max_seq_len:
             raise DatasetError(
                 f"SFT row {r.id!r} of dataset {r.dataset!r} has {len(seqs[-1])} tokens, more "
@@ -49,9 +66,9 @@ def sft_rows(config: RunConfig, tokenizer: Any, records: list[PromptRecord]) -> 
     seq = min(config.trainer.max_seq_len, 16 * -(-max(len(s) for s in seqs) // 16))
     tokens = np.zeros((len(seqs), seq), np.int32)
     mask = np.zeros((len(seqs), seq), np.float32)
-    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
         tokens[i, : len(s)] = s
-        mask[i, start - 1 : len(s) - 1] = 1.0  # position t predicts tokens[t + 1]
+        mask[i, : len(s) - 1] = m[1:]  # position t predicts tokens[t + 1]
     targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
     return tokens, targets, mask
 
@@ -65,12 +82,13 @@ def run_warm_start(
     next_step: int,
     report: Callable[[str], None] = print,
     stop: threading.Event | None = None,
+    episodes: Any = None,
 ) -> None:
     """SFT steps [next_step, trainer.warm_start.steps) on `trainer` (a TrainerClient, or a
     Trainer in this process); `mixture` is the run's prompt mixture, whose sibling stream
-    they draw from. Returns early once `stop` is set (the trainer is then at a step
-    boundary). `report` gets a line after the first step, every ~10% of the steps and after
-    the last."""
+    they draw from; `episodes` the run's Episodes where it has an environment (`sft_rows`).
+    Returns early once `stop` is set (the trainer is then at a step boundary). `report`
+    gets a line after the first step, every ~10% of the steps and after the last."""
     ctl = config.controller
     stream = mixture.sibling(config.seed + SFT_STREAM)
     stream.draw(next_step * ctl.global_batch_size)  # the steps the trainer has done
@@ -81,7 +99,7 @@ def run_warm_start(
         if stop is not None and stop.is_set():
             return
         records = stream.draw(ctl.global_batch_size)
-        result = trainer.sft_step(step, *sft_rows(config, tokenizer, records))
+        result = trainer.sft_step(step, *sft_rows(config, tokenizer, records, episodes))
         # The first step says the trainer compiled and runs; then every ~10% and the last.
         if step == next_step or (step + 1) % every == 0 or step == steps - 1:
             report(

@@ -234,12 +234,22 @@ class WorkerThreads:
         self._closing = threading.Event()
         self._jobs = JobQueue(merge=merge_jobs)
         self._lock = threading.Lock()
+        # Per worker, episodes that ended since its last Generate call: their parked pages
+        # are dropped with the next one (`ended`).
+        self._ended: list[list[tuple[str, int, int]]] = [[] for _ in self.workers]
         self._republish_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def put(self, job: Job) -> None:
         """Queue `job`: the threads take jobs in `priority` order."""
         self._jobs.put(job)
+
+    def ended(self, i: int, key: tuple[str, int, int]) -> None:
+        """The episode of request `key` (prompt id, sample index, version), whose last turn
+        worker `i` generated, is over: its next Generate call tells it to drop the pages it
+        parked. Memory only: a worker that never hears of it evicts them in time."""
+        with self._lock:
+            self._ended[i].append(key)
 
     def start(self) -> None:
         if self._threads:
@@ -320,6 +330,9 @@ class WorkerThreads:
     def _generate(self, i: int, client: Any, job: Job, done: set[str]) -> None:
         t_loaded = time.perf_counter()
         retry, finished = [], []
+        with self._lock:
+            ended, self._ended[i] = self._ended[i], []
+        extra = {"ended": ended} if ended else {}
         if self.liveness_s > 0:
             deadline_s, why = self.generate_deadline(job.requests)
             watch = Watch(
@@ -329,9 +342,9 @@ class WorkerThreads:
                 deadline_s=deadline_s,
                 deadline_why=why,
             )
-            stream = client.generate(job.requests, version=job.version, watch=watch)
+            stream = client.generate(job.requests, version=job.version, watch=watch, **extra)
         else:
-            stream = client.generate(job.requests, version=job.version)
+            stream = client.generate(job.requests, version=job.version, **extra)
         paused: list[Rollout] = []
         try:
             for rollout in stream:

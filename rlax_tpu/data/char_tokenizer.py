@@ -24,11 +24,13 @@ PRINTABLE_ASCII = string.printable
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ '\\n' }}{% endfor %}"
 
 # The tool-use demo's tokenizer (model.tokenizer = "builtin:char_tools"): one more special
-# token, the end of a turn, and a Hermes-style template: a turn's calls are
+# token, the end of a turn; the call tags as single (not special) tokens, as Qwen's vocabulary
+# has them; and a Hermes-style template: a turn's calls are
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (as Qwen writes them, without its
 # newlines), a turn ends with <|im_end|>, a tool's result is "\n=<result>\n", and the tools'
 # names head the prompt. Prefix-preserving (TurnRenderer.check_prefix_preserving).
 TOOLS_SPECIAL = ("<pad>", "<bos>", "<eos>", "<|im_end|>")
+TOOLS_ADDED = ("<tool_call>", "</tool_call>")
 TOOLS_CHAT_TEMPLATE = (
     "{%- if tools %}{{ 'tools:' }}{% for t in tools %}{{ ' ' + t.function.name }}{% endfor %}"
     "{{ '\\n' }}{%- endif %}"
@@ -48,20 +50,27 @@ def char_tokenizer(
     alphabet: str = PRINTABLE_ASCII,
     *,
     extra_special: Sequence[str] = ("<pad>", "<bos>", "<eos>"),
+    added: Sequence[str] = (),
 ) -> tokenizers.Tokenizer:
     """The `tokenizers` tokenizer: ids are the specials in order (pad=0, bos=1, eos=2), then
-    the characters of `alphabet` in order. Text outside the alphabet cannot be encoded."""
+    the characters of `alphabet` in order, then the `added` tokens (multi-character tokens
+    that are not special: decoding keeps them). Text outside the alphabet cannot be
+    encoded."""
     if not alphabet:
         raise ValueError("alphabet must not be empty")
     repeated = sorted({c for c in alphabet if alphabet.count(c) > 1})
     if repeated:
         raise ValueError(f"alphabet repeats the characters {repeated!r}")
-    if len(set(extra_special)) != len(extra_special) or not all(extra_special):
-        raise ValueError(f"extra_special must be distinct non-empty tokens, got {extra_special!r}")
-    clash = [t for t in extra_special if t in alphabet and len(t) == 1]
+    tokens = [*extra_special, *added]
+    if len(set(tokens)) != len(tokens) or not all(tokens):
+        raise ValueError(
+            f"special and added tokens must be distinct and non-empty, got {extra_special!r}, "
+            f"{added!r}"
+        )
+    clash = [t for t in tokens if t in alphabet and len(t) == 1]
     if clash:
-        raise ValueError(f"special tokens {clash!r} are also characters of the alphabet")
-    vocab = {token: i for i, token in enumerate([*extra_special, *alphabet])}
+        raise ValueError(f"tokens {clash!r} are also characters of the alphabet")
+    vocab = {token: i for i, token in enumerate([*extra_special, *alphabet, *added])}
     # The unknown token is absent from the vocabulary on purpose: an unknown character is an
     # error rather than a silent placeholder the model was never trained on.
     tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -70,6 +79,7 @@ def char_tokenizer(
     tokenizer.add_special_tokens(
         [tokenizers.AddedToken(t, special=True, normalized=False) for t in extra_special]
     )
+    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in added])
     return tokenizer
 
 
@@ -78,6 +88,7 @@ def write_char_tokenizer(
     alphabet: str = PRINTABLE_ASCII,
     *,
     extra_special: Sequence[str] = ("<pad>", "<bos>", "<eos>"),
+    added: Sequence[str] = (),
     chat_template: str = CHAT_TEMPLATE,
 ) -> str:
     """Save a character-level tokenizer to `directory` (local path or gs://) and return it.
@@ -90,22 +101,22 @@ def write_char_tokenizer(
         raise ValueError(
             f"extra_special needs at least the pad, bos and eos tokens, got {extra_special!r}"
         )
-    tokenizer = char_tokenizer(alphabet, extra_special=extra_special)
+    tokenizer = char_tokenizer(alphabet, extra_special=extra_special, added=added)
     pad, bos, eos = extra_special[:3]
-    added = {
-        str(i): {
+    decoder = {
+        str(tokenizer.token_to_id(token)): {
             "content": token,
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": token in extra_special,
         }
-        for i, token in enumerate(extra_special)
+        for token in (*extra_special, *added)
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
+        "added_tokens_decoder": decoder,
         "pad_token": pad,
         "bos_token": bos,
         "eos_token": eos,
@@ -121,3 +132,10 @@ def write_char_tokenizer(
         storage.join(directory, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n"
     )
     return directory
+
+
+def write_char_tools_tokenizer(directory: str) -> str:
+    """The tool-use demo's tokenizer (`builtin:char_tools`) saved to `directory`."""
+    return write_char_tokenizer(
+        directory, extra_special=TOOLS_SPECIAL, added=TOOLS_ADDED, chat_template=TOOLS_CHAT_TEMPLATE
+    )

@@ -50,6 +50,10 @@ class PromptRecord:
     `reward_function` and `metadata` (the row's other fields) are for a reward function.
     `sft_target` is what the SFT warm start trains on when it is not the reference (the
     dataset's sft_field: a worked solution); `sft_text` is the one it trains on.
+    `sft_messages` is a demonstration instead (an sft_field holding a list of messages): the
+    turns after the prompt, assistant turns (tool calls among them) and the tool results
+    between them, for runs with an environment (controller.environment), whose warm start
+    trains on the assistant turns' tokens only.
     """
 
     dataset: str
@@ -65,6 +69,7 @@ class PromptRecord:
     apply_chat_template: bool = True
     template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sft_target: str = ""
+    sft_messages: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if bool(self.prompt) == bool(self.messages):
@@ -109,7 +114,11 @@ class PromptRecord:
         for name in _OPTIONAL_FIELDS:  # only where not the default: older records unchanged
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
-                out[name] = dict(value) if isinstance(value, Mapping) else value
+                if isinstance(value, Mapping):
+                    value = dict(value)
+                elif isinstance(value, tuple):
+                    value = [dict(m) for m in value]
+                out[name] = value
         return out
 
     @classmethod
@@ -119,8 +128,9 @@ class PromptRecord:
         if unknown:
             raise DatasetError(f"prompt record has unknown fields {sorted(unknown)}: {data!r}")
         fields = dict(data)
-        if "messages" in fields:
-            fields["messages"] = tuple(dict(m) for m in fields["messages"])
+        for key in ("messages", "sft_messages"):
+            if key in fields:
+                fields[key] = tuple(dict(m) for m in fields[key])
         try:
             return cls(**fields)
         except TypeError as e:  # a required field is missing
@@ -135,6 +145,7 @@ _OPTIONAL_FIELDS = (
     "apply_chat_template",
     "template_kwargs",
     "sft_target",
+    "sft_messages",
 )
 
 
@@ -283,14 +294,26 @@ def scan_datasets(
     run uses, a scan per dataset). A prompt over inference.max_prompt_len (and, with `sft`
     and the SFT warm start, prompt + SFT target + EOS over trainer.max_seq_len) is an error
     naming the rows and the --set that fits them, or, with controller.overlong_prompts=drop,
-    left out (and counted). Nothing is ever truncated."""
+    left out (and counted). Nothing is ever truncated. Demonstrations (sft_messages) are
+    measured by the controller, as their episodes render them (Controller's episode check);
+    in a run without an environment they are an error here."""
     limit, seq = config.inference.max_prompt_len, config.trainer.max_seq_len
     with_sft = sft and config.trainer.warm_start.steps > 0
     kept, scans = {}, {}
     for name, rows in records.items():
+        demonstration = next((r for r in rows if r.sft_messages), None)
+        if with_sft and demonstration and not config.controller.environment.enabled:
+            raise DatasetError(
+                f"dataset {name!r}: row {demonstration.id!r} has a demonstration for the SFT "
+                "warm start (its sft_field holds messages), which only a run with an "
+                "environment can follow: set controller.environment.name, or point the "
+                "dataset's sft_field at a text target ('' = the reference answer)"
+            )
         lengths = [len(prompt_tokens(tokenizer, r)) for r in rows]
         sft_lengths = [
-            n + len(tokenizer.encode(r.sft_text, add_special_tokens=False)) + 1 if with_sft else 0
+            n + len(tokenizer.encode(r.sft_text, add_special_tokens=False)) + 1
+            if with_sft and not r.sft_messages
+            else 0
             for r, n in zip(rows, lengths, strict=True)
         ]
         over = tuple((r.id, n) for r, n in zip(rows, lengths, strict=True) if n > limit)
@@ -764,10 +787,14 @@ def _record(row: Any, dataset: str, index: int, config: DatasetConfig) -> Prompt
         reference = _either(row, "answer", "reference")
     else:
         reference = _text(row, answer_field)
-    sft_target = ""
+    sft_target, sft_messages = "", ()
     if config.sft_field:
-        sft_target = _text(row, config.sft_field)
-        if not sft_target:
+        value = row.get(config.sft_field)
+        if isinstance(value, list):  # a demonstration: the turns after the prompt
+            sft_messages = _demonstration(value, config.sft_field)
+        else:
+            sft_target = _text(row, config.sft_field)
+        if not (sft_target or sft_messages):
             raise DatasetError(
                 f"has no {config.sft_field!r} (the dataset's sft_field: the SFT warm start's "
                 f"target); the row's fields are: {', '.join(sorted(row)) or 'none'}"
@@ -789,7 +816,25 @@ def _record(row: Any, dataset: str, index: int, config: DatasetConfig) -> Prompt
         apply_chat_template=config.apply_chat_template,
         template_kwargs=config.template_kwargs(),
         sft_target=sft_target,
+        sft_messages=sft_messages,
     )
+
+
+# The roles a demonstration's turns may have: the policy's, and what is given between them.
+_DEMONSTRATION_ROLES = ("assistant", "tool", "user")
+
+
+def _demonstration(value: list[Any], field: str) -> tuple[dict[str, Any], ...]:
+    messages = _messages(value, field)
+    roles = [m["role"] for m in messages]
+    unknown = sorted(set(roles) - set(_DEMONSTRATION_ROLES))
+    if unknown or not roles or roles[0] != "assistant" or roles[-1] != "assistant":
+        raise DatasetError(
+            f"{field!r} is a demonstration (a list of messages) and must run from an assistant "
+            f"turn to an assistant turn with only {', '.join(_DEMONSTRATION_ROLES)} messages "
+            f"between (the turns after the prompt), got roles {roles}"
+        )
+    return messages
 
 
 def _problem_link(row: Mapping[str, Any], mapped: set[str]) -> str:

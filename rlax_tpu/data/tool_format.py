@@ -318,6 +318,18 @@ class TurnRenderer:
             f"before them. {_PREFIX_FIX}",
         )
 
+    def episode_ids(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+        """(ids, loss_mask) of a whole conversation built as an episode is: `prompt_ids` of the
+        messages before the first assistant turn, then each assistant turn as the policy
+        writes it (the template's rendering of the turn at the end of the conversation,
+        through its end-of-turn token; mask 1), then `observation_ids` of the messages up to
+        the next assistant turn (mask 0). For SFT on demonstrations: the warm start then
+        trains on exactly the tokens an RL episode of the same turns holds. The conversation
+        ends with an assistant turn."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("an episode's conversation ends with an assistant turn")
+        return self._build(list(messages), self._policy_turns(messages))
+
     def check_prefix_preserving(self, messages: Sequence[Message] | None = None) -> None:
         """Raises TemplateNotPrefixPreservingError unless rendering `messages` all at once gives
         the same ids as building it turn by turn: prompt_ids, then each assistant turn as the
@@ -434,19 +446,29 @@ class TurnRenderer:
             turns[i] = self._through_turn_end(rendered[len(prompt) :], first=True)
         return turns
 
+    def _build(self, messages: list[Message], turns: dict[int, str]) -> tuple[list[int], list[int]]:
+        """The episode's (ids, loss_mask) from its policy turns' texts, each read back first."""
+        first = min(turns)
+        ids = self.prompt_ids(messages[:first])
+        mask = [0] * len(ids)
+        indices = sorted(turns)
+        for i, next_i in zip(indices, [*indices[1:], None], strict=True):
+            self._check_reads_back(messages[i], turns[i], i)
+            turn = self._encode(turns[i])
+            ids += turn
+            mask += [1] * len(turn)
+            if next_i is not None:
+                observation = self.observation_ids(messages[i + 1 : next_i])
+                ids += observation
+                mask += [0] * len(observation)
+        return ids, mask
+
     def _check_episode(self, messages: list[Message], turns: dict[int, str] | None = None) -> None:
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("check a conversation that ends with an assistant turn")
         if turns is None:
             turns = self._policy_turns(messages)
-        first = min(turns)
-        ids = self.prompt_ids(messages[:first])
-        indices = sorted(turns)
-        for i, next_i in zip(indices, [*indices[1:], None], strict=True):
-            self._check_reads_back(messages[i], turns[i], i)
-            ids += self._encode(turns[i])
-            if next_i is not None:
-                ids += self.observation_ids(messages[i + 1 : next_i])
+        ids, _ = self._build(messages, turns)
         full = self._encode(self._render(messages, add_generation_prompt=False))
         if full[: len(ids)] != ids:
             raise self._not_prefix_error(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -177,6 +177,11 @@ class Engine:
         self._weights.load(version, params)  # validated first: a bad tree changes nothing
         return self._scheduler.load(version)
 
+    def release(self, ended: Sequence[tuple[str, int, int]]) -> None:
+        """Drop the parked pages of episodes that ended: (prompt id, sample index, key
+        version) each (`GenerateRequest.ended`)."""
+        self._scheduler.release(ended)
+
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request. One that can never run (empty or too long a prompt, bad token ids,
         more pages than the pool) finishes at once with finish_reason "error"."""
@@ -320,6 +325,11 @@ class Engine:
         args = prefill_args(self.prefill_rows, bucket, self._scheduler.allocator.page_table, [])
         return self._steps.prefill_lowering(self.abstract_params(), args)
 
+    def _extend_lowering(self, bucket: int) -> Any:
+        table = self._scheduler.allocator.page_table
+        args = prefill_args(self.prefill_rows, bucket, table, [], extend=True)
+        return self._steps.extend_lowering(self.abstract_params(), args)
+
     def _decode_lowering(self, rows: int) -> Any:
         arrays = self._scheduler.arrays
         params = self.abstract_params()
@@ -336,9 +346,11 @@ class Engine:
 
     def lowerings(self) -> dict[str, Any]:
         """Every program of the engine at every bucket, by its key ("prefill@128",
-        "decode@64", "swap_out@8", "swap_in@8"): (jitted function, abstract arguments,
-        static argnums)."""
+        "extend@128", "decode@64", "swap_out@8", "swap_in@8"): (jitted function, abstract
+        arguments, static argnums). Extend calls (an episode's next turn, a "keep"
+        continuation after its parked pages) run at the prefill buckets."""
         out = {f"prefill@{b}": self._prefill_lowering(b) for b in self.prefill_buckets}
+        out.update({f"extend@{b}": self._extend_lowering(b) for b in self.prefill_buckets})
         out.update({f"decode@{r}": self._decode_lowering(r) for r in self.decode_rows})
         out[f"swap_out@{self.swap_pages}"] = self._steps.swap_out_lowering(self.swap_pages)
         out[f"swap_in@{self.swap_pages}"] = self._steps.swap_in_lowering(self.swap_pages)
@@ -350,6 +362,9 @@ class Engine:
 
     def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
         return self._steps.lower(self._prefill_lowering(bucket))
+
+    def lower_extend(self, bucket: int) -> jax.stages.Lowered:
+        return self._steps.lower(self._extend_lowering(bucket))
 
     def lower_decode(self, rows: int | None = None) -> jax.stages.Lowered:
         """Default: the largest decode bucket (max_decode_slots)."""

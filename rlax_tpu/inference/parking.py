@@ -107,6 +107,18 @@ class ParkedStore:
         self.allocator.drop_swapped(key)
         del self._parked[key]
 
+    def release(self, prompt_id: str, sample_index: int, version: int) -> int:
+        """Drop every parked sequence of the request (prompt id, sample, key version): an
+        episode that ended. Returns how many went."""
+        keys = [
+            k
+            for k in self._parked
+            if (k.prompt_id, k.sample_index, k.version) == (prompt_id, sample_index, version)
+        ]
+        for key in keys:
+            self.drop(key)
+        return len(keys)
+
     def evict(self) -> int:
         """Drop the oldest parked while their bytes exceed `max_bytes`; how many went."""
         evicted = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -443,6 +443,7 @@ class Scheduler:
             "parked": len(self._parked),
             "parked_bytes": self._parked.bytes,
             "parked_evictions": c["parked_evictions"],
+            "parked_released": c["parked_released"],
         }
 
     def paging_state(self) -> PagingState:
@@ -722,6 +723,13 @@ class Scheduler:
             self.arrays.page_table_dirty = True
         self._to_park = []
         self.counters["parked_evictions"] += self._parked.evict()
+
+    def release(self, ended: Sequence[tuple[str, int, int]]) -> None:
+        """Drop the parked pages of episodes that ended ((prompt id, sample, key version))."""
+        for prompt_id, sample_index, version in ended:
+            self.counters["parked_released"] += self._parked.release(
+                prompt_id, sample_index, version
+            )
 
     def _parked_pages(self, seq: SequenceState, calls: VersionedCalls | None) -> HostPages | None:
         """The host pages `seq` continues on, if it is a continuation whose prompt and first

@@ -38,7 +38,8 @@ class InferenceWorkerServicer(pb_grpc.InferenceWorkerServicer):
             defaults = self.worker.default_sampling
             requests = [request_from_proto(r, defaults) for r in request.requests]
             version = request.version if request.HasField("version") else None
-            stream = self.worker.generate(requests, version=version)
+            ended = [(e.prompt_id, e.sample_index, e.version) for e in request.ended]
+            stream = self.worker.generate(requests, version=version, ended=ended)
         except Exception as e:
             _abort(context, e)
         # A client that goes away must not hold this thread until its requests finish;

@@ -366,9 +366,9 @@ class StepPrograms:
     # -- lowering without hardware (rlax-tpu compile) and saved executables ----------------
     # Each program is lowered on abstract weights, cache and host arguments (the host arrays
     # the engine passes, as `put` places them): what `rlax-tpu compile` lowers, what
-    # `--save-compiled` saves under the program's key ("prefill@128", "decode@64",
-    # "swap_out@8", "swap_in@8"), and what a worker with `inference.compiled_dir` loads in
-    # place of compiling.
+    # `--save-compiled` saves under the program's key ("prefill@128", "extend@128",
+    # "decode@64", "swap_out@8", "swap_in@8"), and what a worker with
+    # `inference.compiled_dir` loads in place of compiling.
     def _abstract_host(self, tree: Any) -> Any:
         """Host arrays as `put` would place them (replicated), abstract."""
         sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
@@ -381,6 +381,11 @@ class StepPrograms:
         """The prefill step on `params` (abstract) and host `args` of one bucket."""
         args = self._abstract_host(args)
         return prefill_step, (self.static, params, self.abstract_cache, *args), (0,)
+
+    def extend_lowering(self, params: list, args: tuple[np.ndarray, ...]) -> Lowering:
+        """The extend step on `params` (abstract) and host `args` of one bucket."""
+        args = self._abstract_host(args)
+        return extend_step, (self.static, params, self.abstract_cache, *args), (0,)
 
     def decode_lowering(self, params: list, carry: tuple, sampling: tuple, rows: int) -> Lowering:
         """The decode step of `rows` live slots for `decode_steps_per_call` tokens."""

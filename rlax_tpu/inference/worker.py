@@ -166,13 +166,19 @@ class InferenceWorker:
         return self._version
 
     def generate(
-        self, requests: Sequence[GenerationRequest], *, version: int | None = None
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        version: int | None = None,
+        ended: Sequence[tuple[str, int, int]] = (),
     ) -> RolloutStream:
         """Start `requests` and return their rollouts as they complete.
 
         Idempotent by request id: an id completed with the version held returns its recorded
         rollout, an id in flight is joined rather than started again. With `version`, the
-        worker must hold exactly that version (VersionMismatchError otherwise).
+        worker must hold exactly that version (VersionMismatchError otherwise). `ended`:
+        episodes that ended ((prompt id, sample index, key version)), whose parked pages the
+        engine drops before it admits `requests`.
         """
         requests = list(requests)
         ids = [r.request_id for r in requests]
@@ -201,6 +207,9 @@ class InferenceWorker:
                         "request (prompt, sample index, sampling, partial response or "
                         "max_tokens differ); ids must be unique"
                     )
+            if ended:
+                ended = tuple(ended)
+                self._commands.put((lambda: self._engine.release(ended), None))
             new = []
             for request, key in zip(requests, keys, strict=True):
                 rid = request.request_id

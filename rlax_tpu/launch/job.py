@@ -2,7 +2,8 @@
 
 1. The run directory gets the config dump (a different config there is refused).
 2. Built-in inputs are materialised into it: `model.tokenizer = "builtin:char"` writes a
-   character tokenizer, a dataset path `builtin:arithmetic` writes the arithmetic task.
+   character tokenizer, a dataset path `builtin:arithmetic` (or `builtin:multiplication`,
+   the tool-use demo's) writes that task.
 3. The local launcher starts every component; the controller runs in the foreground: the
    SFT warm start first (`trainer.warm_start.steps`, through the trainer's SftStep), then RL.
 Running it again on the same run directory (or `rlax-tpu resume RUN_DIR`) resumes.
@@ -34,9 +35,10 @@ from rlax_tpu.api.verifier import VerifierClient
 from rlax_tpu.config import ConfigError, DatasetConfig, RunConfig, load_config
 from rlax_tpu.config.checkpoint import resolve_checkpoint_model
 from rlax_tpu.controller.controller import Components, Controller
+from rlax_tpu.controller.episodes import Episodes
 from rlax_tpu.controller.scoring import ServiceVerifier
 from rlax_tpu.controller.warm_start import run_warm_start
-from rlax_tpu.data.char_tokenizer import TOOLS_CHAT_TEMPLATE, TOOLS_SPECIAL, write_char_tokenizer
+from rlax_tpu.data.char_tokenizer import write_char_tokenizer, write_char_tools_tokenizer
 from rlax_tpu.data.datasets import (
     PromptMixture,
     held_out_overlap,
@@ -67,7 +69,12 @@ from rlax_tpu.verifiers.functions import (
     check_reward_functions,
     configured_reward_functions,
 )
-from rlax_tpu.verifiers.tasks import arithmetic_problems, arithmetic_space, arithmetic_split_of
+from rlax_tpu.verifiers.tasks import (
+    arithmetic_problems,
+    arithmetic_space,
+    arithmetic_split_of,
+    multiplication_problems,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -82,6 +89,13 @@ BUILTIN_CHAR_TOOLS_TOKENIZER = "builtin:char_tools"
 ARITHMETIC_MAX_OPERAND = 99
 ARITHMETIC_OPS = ("+", "-")
 ARITHMETIC_TRAIN_SIZE = 5000
+# The tool-use demo's task (tasks.multiplication_problems): 3-digit by 2-digit products,
+# 81,000 problems; the SFT warm start shows a calculator call in this fraction of its rows
+# and the bare answer in the rest, so RL has the tool's use to learn.
+BUILTIN_MULTIPLICATION = "builtin:multiplication"
+MULTIPLICATION_TRAIN_SIZE = 5000
+MULTIPLICATION_HELDOUT_SIZE = 2000
+MULTIPLICATION_TOOL_DEMONSTRATIONS = 0.125
 # How long a failed call waits for the launcher to see the component's process gone (it looks
 # every 0.2 s) before the call's own error is the stop's reason.
 DEATH_NOTICE_S = 3.0
@@ -112,12 +126,38 @@ def arithmetic_split(seed: int, split: str) -> list[dict[str, str]]:
     )
 
 
+def multiplication_split(seed: int, split: str) -> list[dict[str, Any]]:
+    """The tool-use demo's task: "train" rows (with demonstrations, a calculator call in
+    MULTIPLICATION_TOOL_DEMONSTRATIONS of them) from the training side, "heldout"
+    MULTIPLICATION_HELDOUT_SIZE problems of the test side."""
+    if split == "train":
+        return multiplication_problems(
+            seed,
+            MULTIPLICATION_TRAIN_SIZE,
+            split="train",
+            tool_demonstrations=MULTIPLICATION_TOOL_DEMONSTRATIONS,
+        )
+    if split != "heldout":
+        raise ValueError(f"split {split!r}: train or heldout")
+    rows = multiplication_problems(seed, MULTIPLICATION_HELDOUT_SIZE, split="test")
+    return [{k: v for k, v in r.items() if k != "demonstration"} for r in rows]
+
+
+# The built-in datasets (a dataset path or controller.eval_dataset), by name: their rows of a
+# split ("train" or "heldout") for a seed.
+BUILTIN_DATASETS = {
+    BUILTIN_ARITHMETIC: ("arithmetic", arithmetic_split),
+    BUILTIN_MULTIPLICATION: ("multiplication", multiplication_split),
+}
+
+
 def _materialise_dataset(path: str, seed: int, run_dir: str, split: str) -> str:
-    if path != BUILTIN_ARITHMETIC:
+    if path not in BUILTIN_DATASETS:
         return path
-    url = storage.join(run_dir, "data", f"arithmetic_{split}.jsonl")
+    name, rows_of = BUILTIN_DATASETS[path]
+    url = storage.join(run_dir, "data", f"{name}_{split}.jsonl")
     if not storage.exists(url):
-        rows = arithmetic_split(seed, split)
+        rows = rows_of(seed, split)
         if split == "heldout":  # judged exactly whatever the training rows' verifier is
             rows = [{**r, "verifier": "arithmetic"} for r in rows]
         storage.write_text(url, "".join(json.dumps(r) + "\n" for r in rows))
@@ -132,9 +172,7 @@ def materialise(config: RunConfig) -> RunConfig:
         directory = storage.join(run_dir, TOKENIZER)
         if not storage.exists(storage.join(directory, "tokenizer.json")):
             if model.tokenizer == BUILTIN_CHAR_TOOLS_TOKENIZER:
-                write_char_tokenizer(
-                    directory, extra_special=TOOLS_SPECIAL, chat_template=TOOLS_CHAT_TEMPLATE
-                )
+                write_char_tools_tokenizer(directory)
             else:
                 write_char_tokenizer(directory)
         model = dataclasses.replace(model, tokenizer=directory)
@@ -181,6 +219,10 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
     trainer = Trainer(config)
     trainer.initialize()
     mixture, _, _ = _prompt_sources(config, tokenizer)
+    environment = config.controller.environment
+    episodes = None
+    if environment.enabled:  # demonstrations built as the run's episodes are
+        episodes = Episodes(environment, tokenizer, max_new_tokens=config.inference.max_new_tokens)
     run_warm_start(
         config,
         trainer,
@@ -188,6 +230,7 @@ def warm_start(config: RunConfig, tokenizer: Any) -> str:
         mixture,
         next_step=trainer.warm_start_step,
         report=lambda line: print(line, flush=True),
+        episodes=episodes,
     )
     export_hf(trainer.params(), config.model, out, tokenizer_dir=tokenizer_path(config))
     trainer.close()

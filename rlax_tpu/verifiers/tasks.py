@@ -135,6 +135,74 @@ def arithmetic_problems(
     ]
 
 
+# --- multiplication with a calculator (the tool-use demo) -----------------------------------
+# Three-digit by two-digit products (81,000 problems, split as the arithmetic task is), which
+# the demo's tiny model cannot work out in its head but can with the calculator tool.
+MULTIPLICATION_FIRST = (100, 999)
+MULTIPLICATION_SECOND = (10, 99)
+_MULTIPLICATION_PROMPT = "What is {a} * {b}?"
+
+
+def multiplication_problems(
+    seed: int, count: int, *, split: str, tool_demonstrations: float = 0.0
+) -> list[dict[str, Any]]:
+    """`count` problems {"id", "prompt", "answer", "demonstration"} of one side of the
+    multiplication task, the same for the same arguments: "train" drawn with repeats from
+    the training side, "test" distinct problems of the test side (`arithmetic_split_of`
+    decides, so no seed or size puts a test problem in training data).
+
+    "demonstration" is the SFT warm start's target as a list of messages (a dataset's
+    sft_field may name it): for a `tool_demonstrations` fraction of rows (drawn by the seed)
+    a calculator call, its result and the answer; for the others the answer alone."""
+    if split not in ARITHMETIC_SPLITS:
+        raise ValueError(f"split {split!r}: choose one of {ARITHMETIC_SPLITS!r}")
+    if not 0.0 <= tool_demonstrations <= 1.0:
+        raise ValueError(f"tool_demonstrations must be in [0, 1], got {tool_demonstrations}")
+    (a_lo, a_hi), (b_lo, b_hi) = MULTIPLICATION_FIRST, MULTIPLICATION_SECOND
+    rng = random.Random(f"rlax_tpu.multiplication:{seed}:{split}")
+    if split == "test":
+        space = [
+            (a, b)
+            for a in range(a_lo, a_hi + 1)
+            for b in range(b_lo, b_hi + 1)
+            if arithmetic_split_of(a, "*", b) == "test"
+        ]
+        if count > len(space):
+            raise ValueError(
+                f"the multiplication task's test side holds {len(space)} problems, fewer than "
+                f"the {count} asked for"
+            )
+        rng.shuffle(space)
+        chosen = space[:count]
+    else:
+        chosen = []
+        while len(chosen) < count:
+            a, b = rng.randint(a_lo, a_hi), rng.randint(b_lo, b_hi)
+            if arithmetic_split_of(a, "*", b) == "train":
+                chosen.append((a, b))
+    shown = random.Random(f"rlax_tpu.multiplication:{seed}:{split}:demonstrations")
+    rows = []
+    for index, (a, b) in enumerate(chosen):
+        answer = str(a * b)
+        demonstration: list[dict[str, Any]] = []
+        if shown.random() < tool_demonstrations:  # row by row: a prefix of a longer draw
+            call = {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+            demonstration = [
+                {"role": "assistant", "content": "", "tool_calls": [{"function": call}]},
+                {"role": "tool", "name": "calculator", "content": answer},
+            ]
+        demonstration.append({"role": "assistant", "content": answer})
+        rows.append(
+            {
+                "id": f"mul-{split}-{seed}-{index}",
+                "prompt": _MULTIPLICATION_PROMPT.format(a=a, b=b),
+                "answer": answer,
+                "demonstration": demonstration,
+            }
+        )
+    return rows
+
+
 _LAST_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\d])")
 
 
