@@ -4,7 +4,9 @@ Three-digit by two-digit products ("What is 417 * 38?", tasks.multiplication_pro
 the tiny model cannot work out in its head. The SFT warm start shows a calculator call in one
 row of eight (the demonstration: the call, the tool's result, the answer) and the bare answer
 in the rest; RL (GRPO, on-policy) then raises held-out accuracy by calling the calculator
-more and copying the numbers right. Each episode: the policy writes
+more and copying the numbers right. The model, trainer mesh and objective are the Quickstart
+demo's (configs/tiny_cpu.py); the lengths, the task and the episodes are this demo's. Each
+episode: the policy writes
 <tool_call>{"name": "calculator", "arguments": {"expression": "417 * 38"}}</tool_call>, the
 controller runs it and appends "\\n=15846\\n" as given tokens (loss mask 0), and the policy
 answers on the same KV pages (docs/agents.md). configs/tiny_cpu_no_tools.py is the same run
@@ -13,59 +15,37 @@ without the tool, for tools/learning_curves.py's comparison.
 Run: rlax-tpu run configs/tiny_cpu_tools.py
 """
 
+import dataclasses
+from pathlib import Path
+
 from rlax_tpu.config import (
-    AlgorithmConfig,
     ControllerConfig,
     DatasetConfig,
     EnvironmentConfig,
-    InferenceConfig,
-    KLConfig,
-    MeshConfig,
-    ModelConfig,
     OptimizerConfig,
     RunConfig,
-    StalenessConfig,
     StorageConfig,
-    TrainerConfig,
     WarmStartConfig,
+    load_config,
 )
 
 
 def get_config() -> RunConfig:
-    return RunConfig(
+    demo = load_config(str(Path(__file__).with_name("tiny_cpu.py")))
+    return dataclasses.replace(
+        demo,
         name="tiny_cpu_tools",
-        seed=0,
-        cpu_devices=2,
-        model=ModelConfig(
-            vocab_size=128,  # the tool tokenizer's 106 ids, padded
-            hidden_size=128,
-            intermediate_size=512,
-            num_layers=3,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            max_position_embeddings=128,
-            tokenizer="builtin:char_tools",
-        ),
-        staleness=StalenessConfig.PRESETS["on_policy"](),
-        trainer=TrainerConfig(
-            mesh=MeshConfig(data=2, fsdp=1, tensor=1),
-            algorithm=AlgorithmConfig(name="grpo", kl=KLConfig(beta=0.0)),
-            behaviour_logprobs="cached",
-            mini_batch_size=64,
-            micro_batch_size=64,
+        # the tool tokenizer's 106 ids fit the demo's vocabulary of 128
+        model=dataclasses.replace(demo.model, tokenizer="builtin:char_tools"),
+        trainer=dataclasses.replace(
+            demo.trainer,
             # prompt (36) + call turn (66) + result (8) + answer (6): 116 tokens at most
             max_seq_len=128,
             optimizer=OptimizerConfig(learning_rate=1e-4),
             warm_start=WarmStartConfig(steps=600, learning_rate=1e-3),
-            checkpoint_every=4,
         ),
-        inference=InferenceConfig(
-            mesh=MeshConfig(data=1, fsdp=1, tensor=-1),
-            num_workers=1,
-            max_decode_slots=64,
-            prefill_batch_size=64,
-            prefill_buckets=(64,),
+        inference=dataclasses.replace(
+            demo.inference,
             max_prompt_len=40,
             max_new_tokens=88,
             # Episodes park their pages in host memory while the tool runs, up to the pool's
