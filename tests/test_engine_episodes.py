@@ -60,7 +60,7 @@ def test_the_next_turn_feeds_only_the_observation_over_the_parked_pages():
     # One prefill (turn 1's prompt); turn 2 swapped its pages in and fed 1 + 4 tokens.
     assert (stats["prefills"], stats["kv_reused"], stats["kv_rebuilt"]) == (1, 1, 0)
     assert (stats["extends"], stats["extend_tokens"]) == (1, 1 + len(OBSERVATION))
-    assert stats["parked"] == 1  # turn 2 ended at the stop token too, or by length: 0
+    assert stats["parked"] == (turn2.finish_reason == "stop")  # a turn ending at a stop parks
     # The new tokens are the model's greedy choices over the whole context, teacher-forced
     # (the extend attends the parked pages at the right positions).
     logprobs = teacher_forced_logprobs(PARAMS[0], turn2)[n + len(OBSERVATION) :]
@@ -156,3 +156,24 @@ def test_ended_episodes_travel_with_the_generate_call():
     message = pb.GenerateRequest(ended=[pb.EpisodeEnd(prompt_id="p0", sample_index=3, version=2)])
     decoded = pb.GenerateRequest.FromString(message.SerializeToString())
     assert [(e.prompt_id, e.sample_index, e.version) for e in decoded.ended] == [("p0", 3, 2)]
+
+
+def test_a_resume_load_forgets_what_a_requeued_continuations_pages_held():
+    """A turn continued on its parked pages (extend), then requeued by a "resume" load that
+    freed them, is prefilled anew when admitted again: not extended after positions its new
+    pages never held."""
+    engine = make_engine(inference=RESUME, params=PARAMS[0])
+    turn1, sampling = first_turn(engine, LONG)
+    engine.submit(next_turn(turn1, sampling, 0))
+    engine.step()  # admitted on its parked pages: one extend call, then decoding
+    before = engine.stats()
+    assert (before["extends"], before["kv_reused"], before["prefills"]) == (1, 1, 1)
+    assert engine.load(1, PARAMS[1]) == []  # "resume": requeued, its pages freed
+    finished = []
+    while engine.has_work():
+        finished.extend(engine.step())
+    (turn2,) = finished
+    stats = engine.stats()
+    assert (stats["extends"], stats["prefills"]) == (1, 2)  # prefilled anew, no second extend
+    n = len(turn1.tokens)
+    assert turn2.tokens[: n + len(OBSERVATION)] == turn1.tokens + OBSERVATION

@@ -90,6 +90,11 @@ def _manifest(directory: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def saved_names(directory: str | Path) -> set[str]:
+    """The programs `directory` holds executables of (its manifest's names)."""
+    return set(_manifest(Path(directory)))
+
+
 def load(
     directory: str | Path,
     name: str,

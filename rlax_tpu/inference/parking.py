@@ -97,7 +97,11 @@ class ParkedStore:
     def take(self, key: ParkedKey, slot: int, write_pages: Callable[[list[int], Any], None]) -> int:
         """Copy `key`'s pages into empty slot `slot` and forget them; returns their bytes."""
         nbytes = self.allocator.swapped[key].nbytes
-        self.allocator.swap_in(key, slot, write_pages)
+        if not self.allocator.swap_in(key, slot, write_pages):
+            raise RuntimeError(
+                f"the pool has too few free pages to take parked {key} back (the caller checks "
+                "that it fits first)"
+            )
         del self._parked[key]
         self.bytes -= nbytes
         return nbytes

@@ -330,7 +330,6 @@ class Scheduler:
         self.continuation_buckets = continuation_buckets(config.prefill_buckets, self.max_seq_len)
         self.on_demand = config.kv_admission == "on_demand"
         self.in_flight_update = config.in_flight_update
-        self.max_parked_bytes = max_parked_bytes
         self.served_version = -1  # what the engine serves: the version of each token sampled
         # Pages a live sequence may need for one decode call (the admission margin).
         self._growth_pages = -(-decode_steps_per_call // allocator.page_size)
@@ -702,6 +701,8 @@ class Scheduler:
             else:
                 self.allocator.drop_swapped(seq)
             seq.slot = -1
+            # Its pages are gone: nothing is cached, found parked or to be replayed any more.
+            seq.cached, seq.parked, seq.replay = 0, None, False
         self._swapped = []
         self._waiting.extendleft(reversed(seqs))
         self.counters["requeued"] += len(seqs)

@@ -440,7 +440,10 @@ class StepPrograms:
                 "saved executables are compiled for a mesh; this engine has none"
             )
         loaded = []
+        saved = executables.saved_names(directory)
         for key, lowering in lowerings.items():
+            if key not in saved:  # not compiled ahead (e.g. extend without episodes): not lowered
+                continue
             executable = executables.load(directory, key, self.lower(lowering), self.mesh)
             if executable is not None:
                 jitted, args, static = lowering
