@@ -521,3 +521,15 @@ def test_ended_episodes_go_to_their_worker_with_its_next_generate_call(tmp_path)
         pool.stop()
     assert workers[1].ended == [[("b0:d:7", 0, 0)], []]
     assert workers[0].ended == []
+
+
+def test_an_episode_turns_id_leads_back_to_its_first_request_whatever_the_dataset_ids():
+    """Turn n > 1 of an episode is requested as "<first id>/turn<n>"; a dataset id holding
+    "/turn" itself must not be cut (evaluation waited forever when two episodes' results
+    fell under one cut id)."""
+    from rlax_tpu.controller.generation import episode_root
+
+    assert episode_root("eval:d:7/v3/turn2") == "eval:d:7/v3"
+    assert episode_root("eval:d:a/turn1/v3") == "eval:d:a/turn1/v3"  # the first turn itself
+    assert episode_root("eval:d:a/turn1/v3/turn4") == "eval:d:a/turn1/v3"
+    assert episode_root("b0:d:x/turnstile/s0/v0") == "b0:d:x/turnstile/s0/v0"

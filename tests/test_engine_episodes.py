@@ -177,3 +177,39 @@ def test_a_resume_load_forgets_what_a_requeued_continuations_pages_held():
     assert (stats["extends"], stats["prefills"]) == (1, 2)  # prefilled anew, no second extend
     n = len(turn1.tokens)
     assert turn2.tokens[: n + len(OBSERVATION)] == turn1.tokens + OBSERVATION
+
+
+def test_an_ended_episode_named_over_the_service_releases_its_pages():
+    """The whole path: a Generate message naming an ended episode (`ended`) reaches the
+    worker's engine through the servicer, which drops the episode's parked pages."""
+    import time
+
+    from rlax_tpu.config import load_config
+    from rlax_tpu.inference.service import InferenceWorkerServicer
+    from rlax_tpu.inference.worker import InferenceWorker
+    from rlax_tpu.rpc.gen.rlax_tpu.v1 import inference_pb2 as pb
+
+    engine = make_engine(params=PARAMS[0])
+    config = dataclasses.replace(
+        load_config("configs/tiny_cpu.py"), model=LLAMA, inference=engine.config
+    )
+    worker = InferenceWorker(config, param_server=None, consumer_id="w", engine=engine)
+    try:
+        _, sampling = first_turn(make_engine(params=PARAMS[0]), LONG)
+        turn = dataclasses.replace(request(0, 9), sampling=sampling, keep_pages=True)
+        (rollout,) = list(worker.generate([turn]))
+        assert rollout.finish_reason == "stop" and engine.stats()["parked"] == 1
+
+        class Context:
+            def add_callback(self, callback):
+                pass
+
+        ended = [pb.EpisodeEnd(prompt_id="p0", sample_index=0, version=0)]
+        servicer = InferenceWorkerServicer(worker)
+        assert list(servicer.Generate(pb.GenerateRequest(ended=ended), Context())) == []
+        deadline = time.monotonic() + 30
+        while engine.stats()["parked_released"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (engine.stats()["parked"], engine.stats()["parked_released"]) == (0, 1)
+    finally:
+        worker.close()

@@ -385,3 +385,17 @@ def test_a_call_moves_to_another_replica_when_its_verifier_is_killed(served, tmp
         doomed_client.close()
     finally:
         group.stop_all()
+
+
+def test_a_tools_program_never_runs_unsandboxed_even_where_judging_may():
+    """verifiers.allow_unsandboxed lets code be judged with rlimits only; a tool's program
+    is not run that way: its output would go back to the policy from a process that can
+    read the verifier's environment and files."""
+    config = VerifierConfig(allow_unsandboxed=True, code_languages=("python",))
+    sandbox = Sandbox(bwrap="/nonexistent/bwrap", allow_unsandboxed=True)
+    assert sandbox.check().startswith("UNSANDBOXED")  # judging would run
+    result = ProgramRunner(config, sandbox=sandbox).execute(
+        ExecutionRequest(code="import os; print(os.environ)")
+    )
+    assert result.verdict == ExecutionVerdict.VERIFIER_ERROR and not result.stdout
+    assert "refusing to run a tool's program without the sandbox" in result.reason

@@ -5,6 +5,7 @@ config run end to end by `rlax-tpu run` on a tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -173,6 +174,13 @@ def test_the_tool_demo_runs_with_rlax_tpu_run(tmp_path):
         assert r["episode/tool_seconds"] >= 0.0
     evals = [r for r in rows if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1, 2] and evals[0]["eval_distinct"] == 16
+    # The built-in task it trained on: demonstrations of the calculator in some rows, and a
+    # held-out file of other problems, without demonstrations.
+    train = [json.loads(x) for x in (run_dir / "data" / "multiplication_train.jsonl").open()]
+    held_out = [json.loads(x) for x in (run_dir / "data" / "multiplication_heldout.jsonl").open()]
+    assert any(len(r["demonstration"]) == 3 for r in train)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert all("demonstration" not in r for r in held_out)
 
 
 def test_samples_shows_an_episode_turn_by_turn_with_its_masks_and_tool_messages(
@@ -288,3 +296,79 @@ def test_demonstrations_of_the_python_tool_need_no_verifier(tokenizer):
     step = episodes.step(rollout, record, [])
     assert step.result.info["verdicts"] == ["error"]
     assert "no verifier serves them" in step.result.observation[0]["content"]
+
+
+def test_an_environment_state_json_cannot_hold_stops_the_episode_naming_the_fix(
+    tmp_path, tokenizer
+):
+    """A resumed run restores environments from their logged state(): a state JSON cannot
+    hold exactly is an error at the step that logs it, not text restored as something else."""
+    from rlax_tpu.controller.episodes import EpisodeError
+
+    env_file = tmp_path / "sets.py"
+    env_file.write_text(
+        "from rlax_tpu.api.environments import Environment, StepResult\n"
+        "class Sets(Environment):\n"
+        "    def __init__(self, row, limits): self.prompt = row['prompt']\n"
+        "    def reset(self): return ({'role': 'user', 'content': self.prompt},)\n"
+        "    def step(self, action):\n"
+        "        return StepResult(({'role': 'tool', 'content': '1'},), 0.0, False, {})\n"
+        "    def state(self): return {'seen': {1, 2}}\n"
+        "    def restore(self, state): pass\n"
+        "def factory(row, limits): return Sets(row, limits)\n"
+    )
+    episodes = Episodes(EnvironmentConfig(name=f"{env_file}:factory"), tokenizer, max_new_tokens=80)
+    record = PromptRecord(dataset="d", id="1", prompt="Go.", reference="1")
+    prompt = episodes.prompt_tokens(record)
+    (end,) = episodes.stop_token_ids
+    turn = (*tokenizer.encode("hi"), end)
+    rollout = Rollout(
+        "r", "b0:d:1", 0, 0, prompt, turn, (-0.5,) * len(turn), "stop", loss_mask=(1,) * len(turn)
+    )
+    with pytest.raises(EpisodeError, match=r"state\(\) returned .*JSON cannot hold.*JSON types"):
+        episodes.step(rollout, record, [])
+
+
+def test_a_datasets_chat_template_arguments_reach_episode_prompts_and_demonstrations(tmp_path):
+    """chat_template_kwargs (Qwen3's enable_thinking, say) render single-turn prompts; an
+    episode's prompt, observations and SFT demonstration are rendered with them too."""
+    from rlax_tpu.data.char_tokenizer import (
+        TOOLS_ADDED,
+        TOOLS_CHAT_TEMPLATE,
+        TOOLS_SPECIAL,
+        write_char_tokenizer,
+    )
+
+    template = "{%- if loud %}{{ 'LOUD\\n' }}{%- endif %}" + TOOLS_CHAT_TEMPLATE
+    tokenizer = Tokenizer.load(
+        write_char_tokenizer(
+            str(tmp_path), extra_special=TOOLS_SPECIAL, added=TOOLS_ADDED, chat_template=template
+        )
+    )
+    episodes = Episodes(EnvironmentConfig(name="tools"), tokenizer, max_new_tokens=80)
+    plain = PromptRecord(dataset="d", id="1", prompt="What is 2 * 3?", reference="6")
+    loud = dataclasses.replace(plain, template_kwargs={"loud": True})
+    assert tokenizer.decode(episodes.prompt_tokens(plain)).startswith("tools: calculator\n")
+    assert tokenizer.decode(episodes.prompt_tokens(loud)).startswith("LOUD\ntools: calculator\n")
+    ids, _ = episodes.demonstration(loud)
+    assert tokenizer.decode(ids).startswith("LOUD\n")
+
+
+def test_no_turn_generates_past_the_episodes_token_limit(tmp_path, tokenizer):
+    """controller.environment.max_total_tokens is a hard cap: every turn's request (whose
+    max_new_tokens counts the episode's tokens so far) stops there."""
+    from rlax_tpu.api.inference import SamplingParams
+    from rlax_tpu.controller.generation import GenerationPool
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.controller.workers import WorkerThreads
+
+    episodes = Episodes(
+        EnvironmentConfig(name="tools", max_total_tokens=20), tokenizer, max_new_tokens=64
+    )
+    threads = WorkerThreads([], sampling=SamplingParams(max_new_tokens=64), counters={})
+    pool = GenerationPool(threads, RolloutLog(str(tmp_path)), samples=1, episodes=episodes)
+    try:
+        assert pool.sampling.max_new_tokens == 20
+        assert set(pool.sampling.stop_token_ids) >= set(episodes.stop_token_ids)
+    finally:
+        pool.stop()

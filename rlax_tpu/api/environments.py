@@ -136,7 +136,8 @@ class EpisodeLimits:
     step's info["end"], never an exception.
 
     max_turns:        the policy's turns per episode, the final answer's included.
-    max_total_tokens: the episode's tokens (prompt, turns and observations) at most.
+    max_total_tokens: the episode's response tokens (turns and observations, the prompt not
+                      counted) at most: no turn generates past it.
     tool_timeout_s:   how long one tool call may run (a tool's own timeout_s wins).
     """
 
@@ -152,7 +153,7 @@ class EpisodeLimits:
             )
         if not (isinstance(self.max_total_tokens, int) and self.max_total_tokens >= 1):
             raise ValueError(
-                f"max_total_tokens must be an integer >= 1 (the episode's prompt, turns and "
+                f"max_total_tokens must be an integer >= 1 (the episode's turns and "
                 f"observations together), got {self.max_total_tokens!r}"
             )
         if not (isinstance(self.tool_timeout_s, int | float) and self.tool_timeout_s > 0):

@@ -6,8 +6,10 @@ and renders the observation once into tokens, appended to the response as given 
 An episode's response is never re-tokenised: its tokens are the turns' sampled ids and the
 observations' rendered ids, in order. Each step is logged (the next turn's partial, the
 observation, the environment's `state()`) before the next turn is queued, so a resumed run
-restores the environment and carries the episode on from its last step: a tool call is never
-run twice, and the episode's tokens are those of the uninterrupted run.
+restores the environment and carries the episode on from its last logged step: a logged
+step's tool calls are never run again, and the episode's tokens are those of the
+uninterrupted run. (A step whose calls ran but whose log write had not finished when the run
+was killed is stepped again: make tools with side effects idempotent.)
 """
 
 from __future__ import annotations
@@ -163,7 +165,6 @@ class Episodes:
         *,
         max_new_tokens: int,
         verifier: Any = None,
-        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if not config.enabled:
             raise ValueError("Episodes needs controller.environment.name")
@@ -189,22 +190,25 @@ class Episodes:
         self.tool_format = fmt
         # The tokens that end a turn (and the final answer): the tool format's.
         self.stop_token_ids: tuple[int, ...] = fmt.turn_end_ids(tokenizer)
-        self._template_kwargs = dict(template_kwargs or {})
         self._renderers: dict[tuple[str, ...], TurnRenderer] = {}
         self._envs: dict[tuple[str, int, int], Environment] = {}
         self._lock = threading.Lock()
 
     # -- rendering ----------------------------------------------------------------------------
-    def renderer(self, env: Environment) -> TurnRenderer:
-        """The turn renderer for `env`'s tools (one per tool set), checked at first use."""
+    def renderer(self, env: Environment, record: PromptRecord) -> TurnRenderer:
+        """The turn renderer for `env`'s tools and `record`'s chat template arguments (its
+        dataset's chat_template_kwargs, as single-turn prompts get them): one per tool set and
+        arguments, checked at first use."""
         schemas = [tool.schema() for tool in env.tools]
-        key = tuple(json.dumps(s, sort_keys=True) for s in schemas)
+        kwargs = dict(record.template_kwargs)
+        key = (
+            *(json.dumps(s, sort_keys=True) for s in schemas),
+            json.dumps(kwargs, sort_keys=True),
+        )
         with self._lock:
             renderer = self._renderers.get(key)
         if renderer is None:
-            renderer = TurnRenderer(
-                self.tokenizer, schemas, tool_format=self.tool_format, **self._template_kwargs
-            )
+            renderer = TurnRenderer(self.tokenizer, schemas, tool_format=self.tool_format, **kwargs)
             if self.config.require_prefix_preserving:
                 renderer.check_prefix_preserving()
             with self._lock:
@@ -215,7 +219,7 @@ class Episodes:
         """An episode's prompt: the environment's first observation, rendered with its
         tools and the generation prompt."""
         env = self._make(record)
-        return tuple(self.renderer(env).prompt_ids(env.reset()))
+        return tuple(self.renderer(env, record).prompt_ids(env.reset()))
 
     def demonstration(self, record: PromptRecord) -> tuple[list[int], list[int]]:
         """(ids, loss_mask) of `record`'s SFT demonstration built as its episode would be:
@@ -224,12 +228,7 @@ class Episodes:
         turn answering with its `sft_text`."""
         env = self._make(record)
         turns = record.sft_messages or ({"role": "assistant", "content": record.sft_text},)
-        return self.renderer(env).episode_ids([*env.reset(), *turns])
-
-    def check(self, record: PromptRecord) -> None:
-        """Fail at start, not in the middle of a run: make an episode of `record` and its
-        renderer (the prefix check runs there)."""
-        self.prompt_tokens(record)
+        return self.renderer(env, record).episode_ids([*env.reset(), *turns])
 
     # -- steps --------------------------------------------------------------------------------
     def step(self, rollout: Rollout, record: PromptRecord, turns: Sequence[Turn]) -> StepOutcome:
@@ -265,7 +264,7 @@ class Episodes:
         if result.done:
             self._forget(key)
             return StepOutcome(result, None)
-        renderer = self.renderer(env)
+        renderer = self.renderer(env, record)
         observation = tuple(renderer.observation_ids(result.observation))
         partial = Partial.of(rollout).extended(observation, rollout_version(rollout))
         if len(partial.tokens) >= self.limits.max_total_tokens:
@@ -282,7 +281,7 @@ class Episodes:
             observation,
             tuple(dict(m) for m in result.observation),
             _plain(result.info),
-            _plain(env.state()),
+            _state(env, self.config.name),
             partial,
         )
         return StepOutcome(result, turn)
@@ -326,8 +325,23 @@ def rollout_version(rollout: Rollout) -> int:
 
 
 def _plain(value: Any) -> Any:
-    """`value` as JSON has it (tuples as lists, keys as text): what a logged step holds."""
+    """`value` as JSON has it (tuples as lists, keys as text): what a logged step holds.
+    What JSON cannot hold is logged as its text (info is for reading)."""
     return json.loads(json.dumps(value, default=str))
+
+
+def _state(env: Environment, name: str) -> Any:
+    """`env.state()` as logged: JSON exactly, since a resumed run restores from it (text in
+    place of a value would restore something else)."""
+    state = env.state()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise EpisodeError(
+            f"environment {name!r}: state() returned {state!r:.120}, which JSON cannot hold "
+            f"({e}); a resumed run restores the environment from it, so return JSON types "
+            "(dicts, lists, text, numbers, booleans, None)"
+        ) from None
 
 
 def episode_metrics(

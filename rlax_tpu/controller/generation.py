@@ -40,6 +40,16 @@ _log = logging.getLogger(__name__)
 GREEDY_SAMPLE = -1
 
 
+TURN_SUFFIX = "/turn"  # an episode's turn n > 1 is requested as "<first request's id>/turn<n>"
+
+
+def episode_root(request_id: str) -> str:
+    """The id of the episode's first request, whichever turn's id this is: only a trailing
+    "/turn<digits>" is cut (a dataset id may hold "/turn" itself)."""
+    root, sep, n = request_id.rpartition(TURN_SUFFIX)
+    return root if sep and n.isdigit() else request_id
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     """One prompt of one batch: `key` is unique per draw ("b<batch>:<dataset>:<id>"), so two
@@ -207,10 +217,14 @@ class GenerationPool:
             self.counters.setdefault("continued", 0)
         self.episodes = episodes
         if episodes is not None:
-            # A turn also ends at the template's end-of-turn token (and the pages stay).
+            # A turn also ends at the template's end-of-turn token (and the pages stay), and
+            # no turn runs past the episode's token limit (a request's max_new_tokens counts
+            # its partial's tokens: the episode's so far).
             stops = (*self.sampling.stop_token_ids, *episodes.stop_token_ids)
             self.sampling = dataclasses.replace(
-                self.sampling, stop_token_ids=tuple(dict.fromkeys(stops))
+                self.sampling,
+                stop_token_ids=tuple(dict.fromkeys(stops)),
+                max_new_tokens=min(self.sampling.max_new_tokens, episodes.limits.max_total_tokens),
             )
             self.turn_log = TurnLog(log.directory)
             self._steps = concurrent.futures.ThreadPoolExecutor(
@@ -417,10 +431,10 @@ class GenerationPool:
         """Queue the turn after `turn`: the same prompt and sampling key, the partial with the
         observation, on `worker` (its parked pages; None: any). Its id is the episode's
         first request's with the turn ("<id>/turn<n>")."""
-        root = base.request_id.split("/turn", 1)[0]
+        root = episode_root(base.request_id)
         request = dataclasses.replace(
             base,
-            request_id=f"{root}/turn{turn.turn + 1}",
+            request_id=f"{root}{TURN_SUFFIX}{turn.turn + 1}",
             partial=turn.partial,
             keep_pages=True,
             max_tokens=0,
@@ -588,7 +602,7 @@ class GenerationPool:
         def deliver(rollouts: list[Rollout]) -> None:
             with self._lock:
                 for rollout in rollouts:
-                    got[rollout.request_id.split("/turn", 1)[0]] = rollout
+                    got[episode_root(rollout.request_id)] = rollout
                 if len(got) == len(requests):
                     done.set()
 
@@ -598,12 +612,16 @@ class GenerationPool:
 
         run = None
         if self.episodes is not None and records is not None:
-            stops = self.sampling.stop_token_ids
+            stops, limit = self.sampling.stop_token_ids, self.sampling.max_new_tokens
             requests = [
                 dataclasses.replace(
                     r,
                     keep_pages=True,
-                    sampling=dataclasses.replace(r.sampling or self.sampling, stop_token_ids=stops),
+                    sampling=dataclasses.replace(
+                        r.sampling or self.sampling,
+                        stop_token_ids=stops,
+                        max_new_tokens=min((r.sampling or self.sampling).max_new_tokens, limit),
+                    ),
                 )
                 for r in requests
             ]

@@ -75,13 +75,21 @@ class ProgramRunner:
             )
         try:
             how = self.sandbox.check()
+            if how.startswith("UNSANDBOXED"):
+                # A tool's program hands its output back to the policy (and to the turn log):
+                # without the sandbox it would run as the verifier's uid, able to read the
+                # verifier's environment (its auth token) and the problems' tests.
+                # verifiers.allow_unsandboxed is for judging code only.
+                return _not_run(
+                    f"refusing to run a tool's program without the sandbox ({how}): its output "
+                    "goes back to the policy, so verifiers.allow_unsandboxed does not cover "
+                    "it; install bubblewrap (apt-get install bubblewrap)"
+                )
             result = self._run(request, lang, self.limits(request))
         except SandboxUnavailable as e:
             return _not_run(str(e))
         except OSError as e:  # the work directory cannot be made or written
             return _not_run(f"{type(e).__name__}: {e}")
-        if how.startswith("UNSANDBOXED"):
-            result = dataclasses.replace(result, reason=f"{result.reason} [{how}]")
         return result
 
     def _run(self, request: ExecutionRequest, lang: Language, limits: RunLimits) -> ExecutionResult:
