@@ -879,3 +879,17 @@ def test_a_run_killed_in_the_middle_of_episodes_resumes_bitwise(workspace):
         if r.loss_mask is not None
     ]
     assert given  # episodes with observations were trained on
+
+    # Each step's episode metrics (from the turns the pool keeps as it logs them, seeded
+    # from the log on resume) are the uninterrupted run's.
+    def episode_rows(run_dir: Path) -> dict[int, dict]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {
+            r["step"]: {
+                k: v for k, v in r.items() if k.startswith("episode/") and "seconds" not in k
+            }
+            for r in rows
+            if "episode/turns" in r
+        }
+
+    assert episode_rows(job.run_dir) == episode_rows(whole.run_dir)

@@ -281,7 +281,7 @@ class Controller:
                     "time/controller_step_s": time.perf_counter() - t_step,
                 }
                 if self.episodes is not None:  # turns, tool calls and their errors
-                    extra.update(self._episode_metrics(step, assembled.keys))
+                    extra.update(self._episode_metrics(batch, assembled.keys))
                 step += 1
                 self._after_step(step, batch, assembled, extra, result.metrics, t0)
                 if self.schedule.snapshot_due(step):
@@ -294,12 +294,16 @@ class Controller:
             self.recovery.close()
         return self._summary(start, step, time.perf_counter() - t0, trainer_busy)
 
-    def _episode_metrics(self, b: int, keys: Sequence[Any]) -> dict[str, float]:
-        """`episode_metrics` of the rows of batch `b` that step `b` trained on, from the
-        rollout log (rows a replay buffer drew from earlier batches are left out)."""
-        logged = self.log.rollouts(b)
-        records = [logged[k] for k in keys if k in logged]
-        return episode_metrics(records, self.pool.turn_log.turns(b))
+    def _episode_metrics(self, batch: Any, keys: Sequence[Any]) -> dict[str, float]:
+        """`episode_metrics` of the rows of `batch` its step trained on, from what the pool
+        holds in memory (rows a replay buffer drew from earlier batches are left out)."""
+        records = [
+            r
+            for k in keys
+            if (r := batch.rollouts.get((k.prompt_id, k.sample_index))) is not None
+            and r.version == k.version
+        ]
+        return episode_metrics(records, self.pool.logged_turns(batch.index))
 
     def _summary(self, start: int, step: int, wall: float, trainer_busy: float) -> dict[str, Any]:
         busy = self.pool.busy_s

@@ -232,6 +232,10 @@ class GenerationPool:
             )
             # Each live episode's logged steps, by (prompt key, sample index, version).
             self._episode_turns: dict[tuple[str, int, int], list[Turn]] = {}
+            # Every logged step of each batch, by episode: what its step's metrics read,
+            # kept here as they are logged (seeded from the log when a batch is submitted),
+            # so a step does not read its turn files back.
+            self._logged_turns: dict[int, dict[tuple[str, int, int], list[Turn]]] = {}
             for key in ("episodes", "episode_turns", "tool_calls"):
                 self.counters.setdefault(key, 0)
 
@@ -316,6 +320,9 @@ class GenerationPool:
         logged = self.log.rollouts(b)
         partials = self.log.partials(b) if self.in_flight is not None else {}
         stepped = self.turn_log.turns(b) if self.episodes is not None else {}
+        if self.episodes is not None:
+            with self._lock:
+                self._logged_turns[b] = {k: list(v) for k, v in stepped.items()}
         missing: list[GenerationRequest] = []
         carried: list[tuple[GenerationRequest, Rollout]] = []
         episodes: list[tuple[GenerationRequest, list[Turn]]] = []
@@ -369,6 +376,21 @@ class GenerationPool:
             )
 
     # -- multi-turn episodes --------------------------------------------------------------
+    def _log_turn(self, b: int, turn: Turn) -> None:
+        self.turn_log.append(b, turn)
+        with self._lock:
+            episode = (turn.prompt_id, turn.sample_index, turn.version)
+            self._logged_turns.setdefault(b, {}).setdefault(episode, []).append(turn)
+
+    def logged_turns(self, b: int) -> dict[tuple[str, int, int], list[Turn]]:
+        """Batch `b`'s logged steps by episode, in turn order, once (for its step's metrics:
+        then forgotten); from the turn log when this pool did not submit the batch."""
+        with self._lock:
+            turns = self._logged_turns.pop(b, None)
+        if turns is None:
+            return self.turn_log.turns(b)
+        return {k: sorted(v, key=lambda t: t.turn) for k, v in turns.items()}
+
     def _batch_run(self, batch: BatchState) -> _EpisodeRun:
         """A batch's episodes: steps logged, finished rollouts delivered to the batch."""
         return _EpisodeRun(
@@ -377,7 +399,7 @@ class GenerationPool:
                 batch, [rollout], {rollout.prompt_id: record}
             ),
             fail=lambda error: self._fail(batch, error),
-            log=lambda turn: self.turn_log.append(batch.index, turn),
+            log=lambda turn: self._log_turn(batch.index, turn),
             priority=batch.index,
             version=batch.version,
             timing=batch.timing,
