@@ -545,7 +545,11 @@ class GenerationPool:
         self, batch: BatchState, rollouts: list[Rollout], prompts: Mapping[str, PromptRecord]
     ) -> None:
         records = [rollout_record(batch.index, r) for r in rollouts]
-        self.log.append_prompts(batch.index, prompts)  # for people: `rlax-tpu samples`
+        with self._lock:  # a prompt's record once (an episode's samples finish one by one)
+            known = {prompt_id for prompt_id, _ in batch.rollouts}
+        prompts = {pid: record for pid, record in prompts.items() if pid not in known}
+        if prompts:
+            self.log.append_prompts(batch.index, prompts)  # for people: `rlax-tpu samples`
         self.log.append(batch.index, records)  # persisted before they can be trained on
         with self._lock:
             for record in records:
