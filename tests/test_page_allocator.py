@@ -1,6 +1,7 @@
 """The host-side page allocator: its invariants under any sequence of reserve/free, and of
-admit / grow / swap out / swap in / finish (with a numpy pool standing for the device's, so
-the pages' contents are checked too), and the pool size from a memory budget."""
+admit / grow / fork / swap out / swap in / finish (with a numpy pool standing for the
+device's, so the pages' contents are checked too: a page shared by a fork is never written,
+never freed while held, never leaked), and the pool size from a memory budget."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -98,15 +99,18 @@ TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=3
 
 
 class SwapMachine(RuleBasedStateMachine):
-    """Sequences admitted, grown token by token, swapped out to host copies and back into
-    other slots and pages, and finished, live or swapped. Every token's value is written
-    into the pool when it is stored, and must read back from wherever its page is now."""
+    """Sequences admitted, grown token by token, forked (a group's samples sharing their
+    prompt's pages), swapped out to host copies and back into other slots and pages, and
+    finished, live or swapped. Every token's value is written into the pool when it is
+    stored, only ever into a page no other slot holds, and must read back from wherever its
+    page is now; a page let go by its last holder is scribbled on, so a page freed while in
+    use shows up as a wrong value."""
 
     sequences = Bundle("sequences")
 
     def __init__(self):
         super().__init__()
-        self.tokens: dict[int, int] = {}  # key -> tokens stored
+        self.values: dict[int, list[int]] = {}  # key -> the value of each token stored
         self.slot_of: dict[int, int] = {}  # key -> slot, live sequences only
         self.next_key = 0
 
@@ -115,13 +119,23 @@ class SwapMachine(RuleBasedStateMachine):
         self.allocator = machine_allocator(num_pages)
         self.pool = np.zeros((num_pages, PAGE_SIZE), np.int64)
 
-    def value(self, key: int, position: int) -> int:
-        return 1000 * (key + 1) + position
+    def new_key(self) -> int:
+        key, self.next_key = self.next_key, self.next_key + 1
+        return key
 
     def store(self, key: int, first: int, last: int) -> None:
         pages = self.allocator.pages_of(self.slot_of[key])
         for p in range(first, last):
-            self.pool[pages[p // PAGE_SIZE], p % PAGE_SIZE] = self.value(key, p)
+            page = pages[p // PAGE_SIZE]
+            assert self.allocator.refcount(page) == 1, "a write into a page another slot holds"
+            self.pool[page, p % PAGE_SIZE] = 1000 * (key + 1) + p
+            self.values[key].append(1000 * (key + 1) + p)
+
+    def release(self, pages) -> None:
+        """Scribble on the pages no slot holds any more (whoever takes them next would)."""
+        for page in pages:
+            if self.allocator.refcount(page) == 0:
+                self.pool[page] = -1
 
     def read(self, pages):
         return self.pool[pages].copy()
@@ -129,13 +143,16 @@ class SwapMachine(RuleBasedStateMachine):
     def write(self, pages, data):
         self.pool[pages] = data
 
+    def free_slots(self) -> list[int]:
+        return [s for s in range(MAX_SEQS) if s not in self.slot_of.values()]
+
     @rule(target=sequences, tokens=st.integers(1, PAGES_PER_SEQ * PAGE_SIZE))
     def admit(self, tokens):
-        free = [s for s in range(MAX_SEQS) if s not in self.slot_of.values()]
+        free = self.free_slots()
         if not free or not self.allocator.try_reserve(free[0], tokens):
             return multiple()  # nothing admitted
-        key, self.next_key = self.next_key, self.next_key + 1
-        self.slot_of[key], self.tokens[key] = free[0], tokens
+        key = self.new_key()
+        self.slot_of[key], self.values[key] = free[0], []
         self.store(key, 0, tokens)
         return key
 
@@ -143,10 +160,36 @@ class SwapMachine(RuleBasedStateMachine):
     def grow(self, key, more):
         if key not in self.slot_of:
             return
-        tokens = min(self.tokens[key] + more, PAGES_PER_SEQ * PAGE_SIZE)
+        held = len(self.values[key])
+        tokens = min(held + more, PAGES_PER_SEQ * PAGE_SIZE)
         if self.allocator.try_reserve(self.slot_of[key], tokens):
-            self.store(key, self.tokens[key], tokens)
-            self.tokens[key] = tokens
+            self.store(key, held, tokens)
+
+    @rule(target=sequences, key=sequences, data=st.data())
+    def fork(self, key, data):
+        """Another sample of `key`'s first tokens (its group's prompt) in a free slot."""
+        free = self.free_slots()
+        if key not in self.slot_of or not free:
+            return multiple()
+        n = data.draw(st.integers(1, len(self.values[key])), label="prefix")
+        a, src = self.allocator, self.slot_of[key]
+        before = (a.page_table.copy(), a.free_pages)
+
+        def copy(page, to):
+            self.pool[to] = self.pool[page]
+
+        try:
+            a.fork(src, free[0], n, copy)
+        except OutOfPagesError:
+            assert n % PAGE_SIZE and before[1] == 0  # only the partial page's copy needs one
+            np.testing.assert_array_equal(a.page_table, before[0])
+            return multiple()
+        child = self.new_key()
+        self.slot_of[child], self.values[child] = free[0], self.values[key][:n]
+        shared = a.pages_of(src)[: n // PAGE_SIZE]
+        assert a.pages_of(free[0])[: len(shared)] == shared
+        assert a.free_pages == before[1] - (n % PAGE_SIZE > 0)  # shared pages cost nothing
+        return child
 
     @rule(key=sequences)
     def swap_out(self, key):
@@ -155,15 +198,15 @@ class SwapMachine(RuleBasedStateMachine):
         slot = self.slot_of.pop(key)
         pages = self.allocator.pages_of(slot)
         host = self.allocator.swap_out(slot, key, self.read)
-        self.pool[pages] = -1  # freed pages get scribbled on by whoever takes them
-        assert host.num_pages == self.allocator.pages_for(self.tokens[key])
+        self.release(pages)
+        assert host.num_pages == self.allocator.pages_for(len(self.values[key]))
         assert self.allocator.pages_of(slot) == []
 
     @rule(key=sequences)
     def swap_in(self, key):
         if key not in self.allocator.swapped:
             return
-        free = [s for s in range(MAX_SEQS) if s not in self.slot_of.values()]
+        free = self.free_slots()
         if not free:
             return
         fits = self.allocator.can_swap_in(key)
@@ -175,29 +218,34 @@ class SwapMachine(RuleBasedStateMachine):
     @rule(key=consumes(sequences))
     def finish(self, key):
         if key in self.slot_of:
-            self.allocator.free(self.slot_of.pop(key))
+            slot = self.slot_of.pop(key)
+            pages = self.allocator.pages_of(slot)
+            self.allocator.free(slot)
+            self.release(pages)
         elif key in self.allocator.swapped:
             self.allocator.drop_swapped(key)
-        del self.tokens[key]
+        del self.values[key]
 
     @invariant()
-    def pages_owned_once_and_contents_where_their_sequence_left_them(self):
+    def pages_held_as_counted_and_contents_where_their_sequence_left_them(self):
         if not hasattr(self, "allocator"):
             return
         a = self.allocator
         assert a.invariant_problems() == []
-        assert set(a.swapped) == set(self.tokens) - set(self.slot_of)  # host copies: no leak
+        assert set(a.swapped) == set(self.values) - set(self.slot_of)  # host copies: no leak
         assert a.swapped_bytes == sum(h.data.nbytes for h in a.swapped.values())
+        held = {p for slot in self.slot_of.values() for p in a.pages_of(slot)}
+        assert a.used_pages == len(held) and a.free_pages + len(held) == a.num_pages - 1
         for key, slot in self.slot_of.items():
             pages = a.pages_of(slot)
-            assert len(pages) == a.pages_for(self.tokens[key])
-            for p in range(self.tokens[key]):
-                assert self.pool[pages[p // PAGE_SIZE], p % PAGE_SIZE] == self.value(key, p)
+            assert len(pages) == a.pages_for(len(self.values[key]))
+            for p, value in enumerate(self.values[key]):
+                assert self.pool[pages[p // PAGE_SIZE], p % PAGE_SIZE] == value
 
     def teardown(self):
         if not hasattr(self, "allocator"):
             return
-        for key in list(self.tokens):
+        for key in list(self.values):
             self.finish(key)
         assert self.allocator.free_pages == self.allocator.num_pages - 1
         assert self.allocator.swapped == {} and self.allocator.invariant_problems() == []
@@ -270,3 +318,33 @@ def test_num_pages_for_budget_counts_keys_and_values_of_all_layers():
     assert num_pages_for_budget(10 * per_page + 1, **kwargs) == 10
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
         num_pages_for_budget(per_page, **kwargs)
+
+
+def test_fork_shares_full_pages_copies_the_partial_one_and_refuses_without_changing():
+    a = allocator(num_pages=8)
+    a.reserve(0, 10)  # 3 pages of 4: two full, one holding 2 tokens
+    src = a.pages_of(0)
+    copies = []
+    a.fork(0, 1, 10, lambda page, to: copies.append((page, to)))
+    forked = a.pages_of(1)
+    assert forked[:2] == src[:2] and forked[2] not in src and copies == [(src[2], forked[2])]
+    assert [a.refcount(p) for p in forked] == [2, 2, 1] and a.shared_pages == 2
+    assert a.used_pages == 4 and a.invariant_problems() == []
+    # The first of the two to finish leaves the shared pages to the other.
+    a.free(0)
+    assert [a.refcount(p) for p in forked] == [1, 1, 1] and a.free_pages == 4
+    before = (a.page_table.copy(), a.free_pages)
+    with pytest.raises(ValueError, match="still holds pages"):
+        a.fork(0, 1, 4, lambda page, to: None)
+    with pytest.raises(ValueError, match="fewer than 13 tokens"):
+        a.fork(1, 0, 13, lambda page, to: None)
+
+    def broken(page, to):
+        raise RuntimeError("device copy failed")
+
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        a.fork(1, 0, 6, broken)
+    np.testing.assert_array_equal(a.page_table, before[0])
+    assert a.free_pages == before[1] and a.invariant_problems() == []
+    a.fork(1, 0, 8, broken)  # a whole-page prefix copies nothing
+    assert a.pages_of(0) == forked[:2]

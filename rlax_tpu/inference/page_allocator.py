@@ -1,5 +1,10 @@
-"""Host-side bookkeeping of the KV page pool: which pages each decode slot owns, and the
+"""Host-side bookkeeping of the KV page pool: which pages each decode slot holds, and the
 host copies of sequences swapped out of the pool.
+
+Pages are reference-counted: `fork` lets a slot share another's full pages of a common
+prefix (the prompt of a GRPO group) read-only, and gives it a copy of the prefix's last,
+partial page, so a slot only ever writes pages no other slot holds. A page goes back to the
+pool when the last slot holding it lets go (`free`, a swap-out).
 
 The allocator owns the page table int32[max_seqs, pages_per_seq] on the host (0 = no
 page; page 0 is the padding page and is never handed out) and hands a copy to the device
@@ -73,6 +78,7 @@ class PageAllocator:
 
     page_table: int32[max_seqs, pages_per_seq]; row s lists slot s's pages in token
     order (token p lives in page page_table[s, p // page_size]), 0 past its last page.
+    A page may be in several rows (`fork`): `refcount(page)` says in how many.
     """
 
     def __init__(self, *, num_pages: int, max_seqs: int, pages_per_seq: int, page_size: int):
@@ -83,6 +89,7 @@ class PageAllocator:
         self.pages_per_seq = pages_per_seq
         self.page_table = np.zeros((max_seqs, pages_per_seq), np.int32)
         self._num_owned = np.zeros(max_seqs, np.int64)
+        self._refs = np.zeros(num_pages, np.int64)  # rows holding each page (0: free)
         # A stack: the most recently freed page is handed out first (still warm in caches).
         self._free = list(range(num_pages - 1, 0, -1))
         self.swapped: dict[Hashable, HostPages] = {}  # by key, in swap-out order
@@ -101,7 +108,17 @@ class PageAllocator:
 
     @property
     def used_pages(self) -> int:
-        return int(self._num_owned.sum())
+        """Pages held by any slot, a shared page once."""
+        return self.num_pages - 1 - len(self._free)
+
+    @property
+    def shared_pages(self) -> int:
+        """Pages held by more than one slot."""
+        return int((self._refs > 1).sum())
+
+    def refcount(self, page: int) -> int:
+        """How many slots hold `page` (0: free)."""
+        return int(self._refs[page])
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
@@ -137,7 +154,9 @@ class PageAllocator:
                 f"{len(self._free)} free"
             )
         for i in range(owned, owned + needed):
-            self.page_table[slot, i] = self._free.pop()
+            page = self._free.pop()
+            self.page_table[slot, i] = page
+            self._refs[page] = 1
         self._num_owned[slot] = owned + needed
 
     def try_reserve(self, slot: int, num_tokens: int) -> bool:
@@ -149,12 +168,51 @@ class PageAllocator:
         return True
 
     def free(self, slot: int) -> int:
-        """Return all of slot `slot`'s pages to the pool; returns how many."""
+        """Let go of all of slot `slot`'s pages: each goes back to the pool unless another
+        slot still holds it. Returns how many the slot held."""
         pages = self.pages_of(slot)
-        self._free.extend(reversed(pages))
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
         self.page_table[slot] = PADDING_PAGE
         self._num_owned[slot] = 0
         return len(pages)
+
+    def fork(self, src: int, dst: int, num_tokens: int, copy: Callable[[int, int], None]) -> None:
+        """Give empty slot `dst` the first `num_tokens` tokens of slot `src`: it shares the
+        full pages among them (read-only from then on: both slots write only past
+        `num_tokens`) and gets a fresh copy of the last, partial one, if any
+        (`copy(src_page, dst_page)` copies its contents). Raises OutOfPagesError when no page
+        is free for that copy, ValueError when `src` holds fewer tokens' pages or `dst`
+        holds pages; in each case nothing changes. If `copy` raises, nothing changes."""
+        if self._num_owned[dst]:
+            raise ValueError(f"slot {dst} still holds pages: free it before forking into it")
+        held = self.pages_of(src)
+        if self.pages_for(num_tokens) > len(held):
+            raise ValueError(
+                f"slot {src} holds {len(held)} page(s), fewer than {num_tokens} tokens need"
+            )
+        full, partial = divmod(num_tokens, self.page_size)
+        if partial and not self._free:
+            raise OutOfPagesError(
+                f"forking {num_tokens} tokens of slot {src} needs a page for its partial last "
+                "page, 0 free"
+            )
+        pages = held[:full]
+        if partial:
+            page = self._free.pop()
+            try:
+                copy(held[full], page)
+            except BaseException:
+                self._free.append(page)
+                raise
+            self._refs[page] = 1
+            pages.append(page)
+        for page in held[:full]:
+            self._refs[page] += 1
+        self.page_table[dst, : len(pages)] = pages
+        self._num_owned[dst] = len(pages)
 
     # -- swapping -------------------------------------------------------------------------
     @property
@@ -206,16 +264,24 @@ class PageAllocator:
 
     def invariant_problems(self) -> list[str]:
         """What is wrong with the bookkeeping ([] when sound): every page 1..num_pages-1 is
-        either free or owned by exactly one slot, rows hold their owned pages then padding,
-        and the owned counts add up."""
+        either free (once) or held, by as many rows as its reference count says, never both;
+        a page is in a row at most once; rows hold their pages then padding."""
         problems = []
-        owned = [p for s in range(self.max_seqs) for p in self.pages_of(s)]
-        everything = owned + self._free
-        if sorted(everything) != list(range(1, self.num_pages)):
+        held = [p for s in range(self.max_seqs) for p in self.pages_of(s)]
+        counts = np.bincount(np.asarray(held, np.int64), minlength=self.num_pages)
+        distinct = sorted(set(held))
+        if sorted(distinct + self._free) != list(range(1, self.num_pages)):
             problems.append(
-                f"pages owned {sorted(owned)} + free {sorted(self._free)} "
+                f"pages held {distinct} + free {sorted(self._free)} "
                 f"are not each of 1..{self.num_pages - 1} once"
             )
+        if not np.array_equal(counts[1:], self._refs[1:]) or counts[0]:
+            wrong = [p for p in range(1, self.num_pages) if counts[p] != self._refs[p]]
+            problems.append(f"pages {wrong} are held by other numbers of rows than counted")
+        for s in range(self.max_seqs):
+            pages = self.pages_of(s)
+            if len(set(pages)) != len(pages):
+                problems.append(f"slot {s} holds a page twice")
         for s in range(self.max_seqs):
             tail = self.page_table[s, self._num_owned[s] :]
             if tail.any():
