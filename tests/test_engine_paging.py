@@ -213,3 +213,95 @@ def test_whole_generations_through_the_pallas_kernels_match_the_jax_path():
     assert [r.tokens for r in got] == [r.tokens for r in want]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-2)
+
+
+def group_requests(sampling, lengths=(16, 3, 9, 13), k=4):
+    """K samples of each prompt, a GRPO group after another (the controller's order)."""
+    return [
+        GenerationRequest(f"r{i}.{s}", f"p{i}", s, prompt(n, i), sampling)
+        for i, n in enumerate(lengths)
+        for s in range(k)
+    ]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_a_group_sharing_its_prompt_pages_generates_bitwise_what_it_does_alone(sampling, rows):
+    """A group's samples share one prefill row and the prompt's full pages; under a pool that
+    preempts and swaps (shared pages included) every sample's tokens and log-probs are
+    bitwise those of prefilling each sample on its own in a pool that never swaps."""
+    alone = dataclasses.replace(LARGE, prefill_batch_size=rows, share_prompt_pages=False)
+    small = dataclasses.replace(SMALL, prefill_batch_size=rows)
+    e = engine(small)
+    got = e.run(group_requests(sampling))
+    stats = e.stats()
+    assert stats["prefill_shared"] > 0 and stats["pages_shared"] > 0
+    assert stats["preemptions"] > 0
+    assert stats["prefill_tokens"] < sum(16 + 3 + 9 + 13 for _ in range(4))
+    assert got == engine(alone).run(group_requests(sampling))
+    assert_clean(e)
+
+
+def test_shared_pages_are_counted_once_so_a_group_fits_where_it_could_not_alone():
+    """Four samples of a 16-token prompt (4 pages): sharing, they hold 4 + 4 pages (each its
+    first decode page) and all start in the first step; alone each needs 5 and the pool of
+    12 holds two of them."""
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=3)
+    requests_ = group_requests(sampling, lengths=(16,))
+    live = {}
+    for share in (True, False):
+        e = engine(dataclasses.replace(SMALL, share_prompt_pages=share))
+        for r in requests_:
+            e.submit(r)
+        e.step()
+        live[share] = e.stats()["active_slots"]
+        state = e.paging_state()
+        assert state.problems == ()
+        if share:  # the prompt's 4 pages are in every sample's row
+            rows = state.page_table[[state.slots.index(r.request_id) for r in requests_]]
+            assert (rows[:, :4] == rows[0, :4]).all() and len(set(rows[:, 4])) == 4
+        while e.has_work():
+            e.step()
+        assert_clean(e)
+    assert live == {True: 4, False: 2}
+
+
+@pytest.mark.parametrize("pool", [LARGE, SMALL], ids=["large", "small"])
+def test_samples_admitted_after_their_group_come_from_the_prefix_cache_bitwise(pool):
+    """Two slots for groups of four: a group's last samples are admitted rounds after its
+    prefill and, with a prefix cache, take its pages and logits instead of a prefill; every
+    rollout is bitwise the one of prefilling each sample alone. The small pool gives cached
+    prompts' pages back to running sequences (and preempts)."""
+    two = dict(max_decode_slots=2, prefill_batch_size=1)
+    cached = engine(dataclasses.replace(pool, prefix_cache_entries=2, **two))
+    got = cached.run(group_requests(SAMPLED))
+    stats = cached.stats()
+    if pool is LARGE:
+        assert stats["prefix_hits"] == 4 * 2 and stats["prefill_tokens"] == 16 + 3 + 9 + 13
+    else:
+        assert stats["prefix_evictions"] > 0 and stats["preemptions"] > 0
+    alone = dataclasses.replace(LARGE, share_prompt_pages=False, **two)
+    assert got == engine(alone).run(group_requests(SAMPLED))
+    assert cached.paging_state().problems == ()
+
+
+def test_a_weight_load_empties_the_prefix_cache():
+    """Cached prompts hold the keys and values of the weights that computed them: after a
+    load the same prompts are prefilled again under the new weights."""
+    e = engine(dataclasses.replace(LARGE, prefix_cache_entries=4))
+    e.run(group_requests(GREEDY, k=1))
+    assert e.stats()["prefix_entries"] == 4
+    again = [
+        dataclasses.replace(r, request_id=r.request_id + "'") for r in group_requests(GREEDY, k=1)
+    ]
+    e.run(again)
+    assert e.stats()["prefix_hits"] == 4  # the same prompts, the same version: all cached
+    e.load(1, init_params(LLAMA, seed=1))
+    assert e.stats()["prefix_entries"] == 0
+    got = e.run(group_requests(GREEDY, k=1))
+    assert e.stats()["prefix_hits"] == 4
+    fresh = Engine(LLAMA, LARGE, seed=3)
+    fresh.load(1, init_params(LLAMA, seed=1))
+    assert got == fresh.run(group_requests(GREEDY, k=1))
+    e.load(2, init_params(LLAMA, seed=2))  # gives every cached page back
+    assert_clean(e)

@@ -25,6 +25,7 @@ from rlax_tpu.inference.page_allocator import (
     SequenceTooLongError,
     num_pages_for_budget,
 )
+from rlax_tpu.inference.prefix_cache import PrefixCache
 
 MAX_SEQS, PAGES_PER_SEQ, PAGE_SIZE = 4, 5, 4
 
@@ -101,10 +102,11 @@ TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=3
 class SwapMachine(RuleBasedStateMachine):
     """Sequences admitted, grown token by token, forked (a group's samples sharing their
     prompt's pages), swapped out to host copies and back into other slots and pages, and
-    finished, live or swapped. Every token's value is written into the pool when it is
-    stored, only ever into a page no other slot holds, and must read back from wherever its
-    page is now; a page let go by its last holder is scribbled on, so a page freed while in
-    use shows up as a wrong value."""
+    finished, live or swapped; prompts kept by a prefix cache (`PrefixCache`: pages held past
+    their slots, a copy of the partial page), forked from there and evicted. Every token's
+    value is written into the pool when it is stored, only ever into a page no other slot
+    holds, and must read back from wherever its page is now; a page let go by its last
+    holder is scribbled on, so a page freed while in use shows up as a wrong value."""
 
     sequences = Bundle("sequences")
 
@@ -118,6 +120,8 @@ class SwapMachine(RuleBasedStateMachine):
     def start(self, num_pages):
         self.allocator = machine_allocator(num_pages)
         self.pool = np.zeros((num_pages, PAGE_SIZE), np.int64)
+        self.cache = PrefixCache(self.allocator, 3)
+        self.cached: dict[tuple[int, ...], list[int]] = {}  # context -> its values
 
     def new_key(self) -> int:
         key, self.next_key = self.next_key, self.next_key + 1
@@ -192,6 +196,53 @@ class SwapMachine(RuleBasedStateMachine):
         return child
 
     @rule(key=sequences)
+    def keep(self, key):
+        """The prefix cache keeps `key`'s tokens so far (a prompt just prefilled)."""
+        if key not in self.slot_of:
+            return
+        context = tuple(self.values[key])
+        if self.cache.get(context, 0) is not None:
+            return
+        before = {e.row: e.pages for e in self.cache._entries.values()}
+        added = self.cache.add(context, 0, self.slot_of[key])
+        self.release([p for pages in before.values() for p in pages])  # an eviction
+        self.cached = {c: v for c, v in self.cached.items() if self.cache.get(c, 0)}
+        if added is None:
+            return
+        _, copy = added
+        if copy is not None:
+            self.pool[copy[1]] = self.pool[copy[0]]
+        self.cache.settle()
+        self.cached[context] = list(context)
+
+    @rule(target=sequences, data=st.data())
+    def fork_cached(self, data):
+        """A later sample of a cached prompt, in a free slot, from the cache's pages."""
+        free = self.free_slots()
+        if not self.cached or not free:
+            return multiple()
+        context = data.draw(st.sampled_from(sorted(self.cached)), label="context")
+        entry = self.cache.get(context, 0)
+
+        def copy(page, to):
+            self.pool[to] = self.pool[page]
+
+        try:
+            self.allocator.fork_pages(entry.pages, free[0], len(context), copy)
+        except OutOfPagesError:
+            return multiple()
+        child = self.new_key()
+        self.slot_of[child], self.values[child] = free[0], list(self.cached[context])
+        return child
+
+    @rule()
+    def evict(self):
+        pages = {e.row: e.pages for e in self.cache._entries.values()}
+        if self.cache.evict():
+            self.release([p for ps in pages.values() for p in ps])
+            self.cached = {c: v for c, v in self.cached.items() if self.cache.get(c, 0)}
+
+    @rule(key=sequences)
     def swap_out(self, key):
         if key not in self.slot_of:
             return
@@ -235,7 +286,12 @@ class SwapMachine(RuleBasedStateMachine):
         assert set(a.swapped) == set(self.values) - set(self.slot_of)  # host copies: no leak
         assert a.swapped_bytes == sum(h.data.nbytes for h in a.swapped.values())
         held = {p for slot in self.slot_of.values() for p in a.pages_of(slot)}
+        held |= {p for e in self.cache._entries.values() for p in e.pages}
         assert a.used_pages == len(held) and a.free_pages + len(held) == a.num_pages - 1
+        for context in self.cached:  # a cached prompt's pages still hold it
+            pages = self.cache.get(context, 0).pages
+            for p, value in enumerate(context):
+                assert self.pool[pages[p // PAGE_SIZE], p % PAGE_SIZE] == value
         for key, slot in self.slot_of.items():
             pages = a.pages_of(slot)
             assert len(pages) == a.pages_for(len(self.values[key]))
@@ -247,6 +303,7 @@ class SwapMachine(RuleBasedStateMachine):
             return
         for key in list(self.values):
             self.finish(key)
+        self.cache.clear()
         assert self.allocator.free_pages == self.allocator.num_pages - 1
         assert self.allocator.swapped == {} and self.allocator.invariant_problems() == []
 

@@ -12,6 +12,12 @@ order, padded to the batch's longest prompt bucket, decoding until its longest o
 done); and Tunix's vanilla sampler when the `google-tunix` package is importable. Only
 response tokens a request asked for count; every system is timed warm (compiled).
 
+`group`: a GRPO batch of 64 samples, k in {4, 8, 16} samples of each 512-token prompt, 16-128
+new tokens each, through an engine sharing each group's prompt prefill and KV pages
+(inference.share_prompt_pages) and one prefilling every sample: tokens/s and the ratio
+(`speedup_shared_prefix`, at k = 8), prompt tokens prefilled and their FLOPs per group, KV
+pages per group at the peak, and whether the rollouts are bitwise equal (`--group-only`).
+
 A second case resembles one RL batch: 8 prompts x 8 samples of ~45 tokens, 4-16 new
 tokens each, all in flight at once (64 decode slots), so prefill weighs as much as decode.
 It is timed per batch with one prompt per prefill call and with batched prefill, on the
@@ -157,7 +163,11 @@ def inference_mesh():
 def rl_batch_runner(params, prefill_batch_size: int, decode_steps: int):
     """A warm engine with `prefill_batch_size` on the worker's mesh and a function that
     generates one RL batch through it."""
-    config = dataclasses.replace(RL_INFERENCE, prefill_batch_size=prefill_batch_size)
+    # Each sample prefilled on its own: the simulator's calibration separates a prefill
+    # call's cost from its tokens over these calls (a shared group is one row).
+    config = dataclasses.replace(
+        RL_INFERENCE, prefill_batch_size=prefill_batch_size, share_prompt_pages=False
+    )
     engine = Engine(
         MODEL, config, seed=SEED, decode_steps_per_call=decode_steps, mesh=inference_mesh()
     )
@@ -684,6 +694,132 @@ def kv_budget_case(
     return out
 
 
+# -- a GRPO group's shared prompt pages ---------------------------------------------------------
+GROUP_PROMPT_TOKENS = 512
+GROUP_SLOTS = 64  # every sample of the batch in flight at once, as in a rollout worker
+GROUP_SIZES = (4, 8, 16)
+
+
+def group_requests(k: int, seed: int = SEED) -> list[GenerationRequest]:
+    """GROUP_SLOTS / k prompts of GROUP_PROMPT_TOKENS tokens, k samples each (a GRPO batch),
+    16-128 new tokens per sample (no stop token: every engine generates the same work)."""
+    rng = np.random.default_rng(seed + k)
+    base = SamplingParams.from_config(INFERENCE)
+    out = []
+    for p in range(GROUP_SLOTS // k):
+        tokens = tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, GROUP_PROMPT_TOKENS))
+        for i in range(k):
+            sampling = dataclasses.replace(
+                base, max_new_tokens=int(rng.integers(16, 129)), stop_token_ids=()
+            )
+            out.append(GenerationRequest(f"g{k}.{p}.{i}", f"g{k}.{p}", i, tokens, sampling))
+    return out
+
+
+def _group_runner(engine: Engine, requests: list, last: dict, name: str):
+    """A run of `requests` through `engine`, stepped by hand to see the most KV pages in
+    use; its rollouts, prefill counters and that peak go to `last[name]`."""
+
+    def run() -> None:
+        before, peak, done = engine.stats(), 0, []
+        for r in requests:
+            engine.submit(r)
+        while engine.has_work():
+            done += engine.step()
+            stats = engine.stats()
+            peak = max(peak, stats["total_pages"] - stats["free_pages"])
+        after = engine.stats()
+        delta = {key: after[key] - before[key] for key in ("prefill_tokens", "prefills")}
+        last[name] = sorted(done, key=lambda r: r.request_id), delta, peak
+
+    return run
+
+
+def group_case(params, decode_steps: int, repeats: int, sizes=GROUP_SIZES) -> dict:
+    """Each group size k: the same batch through an engine that shares a group's prompt
+    pages (inference.share_prompt_pages, the default) and one that prefills every sample
+    (today's engine before it), both with 8 prefill rows and a pool holding every sample
+    unshared; timed warm (best of `repeats` interleaved rounds). Per group: the prompt
+    tokens prefilled and their model FLOPs, and the most KV pages in use at once."""
+    config = dataclasses.replace(
+        INFERENCE,
+        max_decode_slots=GROUP_SLOTS,
+        prefill_batch_size=8,
+        prefill_buckets=(GROUP_PROMPT_TOKENS,),
+        max_prompt_len=GROUP_PROMPT_TOKENS,
+        max_new_tokens=128,
+        # Every sample at its longest, unshared: pages never limit either engine.
+        kv_cache_bytes=(GROUP_SLOTS * -(-(GROUP_PROMPT_TOKENS + 128) // 16) + 1)
+        * int(MODEL.kv_bytes_per_token())
+        * 16,
+        page_size=16,
+    )
+    prefill_flops = decode_flops_per_token(MODEL, GROUP_PROMPT_TOKENS / 2)
+    out: dict = {
+        "prompt_tokens": GROUP_PROMPT_TOKENS,
+        "decode_slots": GROUP_SLOTS,
+        "prefill_batch_size": 8,
+        "decode_steps_per_call": decode_steps,
+        "new_tokens": "uniform 16-128 per sample",
+        "sizes": {},
+    }
+    for k in sizes:
+        requests = group_requests(k)
+        engines = {
+            name: Engine(
+                MODEL,
+                dataclasses.replace(config, share_prompt_pages=share),
+                seed=SEED,
+                decode_steps_per_call=decode_steps,
+            )
+            for name, share in (("shared", True), ("unshared", False))
+        }
+        last: dict = {}
+        runs = {name: _group_runner(engines[name], requests, last, name) for name in engines}
+        for name, engine in engines.items():
+            engine.load(0, params)
+            runs[name]()  # warm-up: compiles
+        seconds = best_seconds(runs, repeats)
+        groups = len(requests) // k
+        tokens = sum(len(r.tokens) for r in last["shared"][0])
+        row: dict = {"groups": groups, "requests": len(requests), "new_tokens": tokens}
+        for name in engines:
+            _, delta, peak = last[name]
+            row[name] = {
+                "seconds": round(seconds[name], 4),
+                "tokens_per_s": round(tokens / seconds[name], 1),
+                "prefill_tokens_per_group": delta["prefill_tokens"] / groups,
+                "prefill_flops_per_group": delta["prefill_tokens"] / groups * prefill_flops,
+                "peak_kv_pages": peak,
+                "kv_pages_per_group": round(peak / groups, 1),
+            }
+        row["speedup_shared_prefix"] = round(seconds["unshared"] / seconds["shared"], 3)
+        row["bitwise_equal"] = last["shared"][0] == last["unshared"][0]
+        out["sizes"][str(k)] = row
+    out["speedup_shared_prefix"] = out["sizes"].get("8", {}).get("speedup_shared_prefix")
+    return out
+
+
+def print_group_case(group: dict) -> None:
+    print(
+        f"shared prompt pages: {GROUP_SLOTS} samples in flight, {group['prompt_tokens']}-token "
+        f"prompts, {group['new_tokens']}, prefill_batch_size {group['prefill_batch_size']}"
+    )
+    print(
+        f"{'k':>4}{'system':>10}{'tokens/s':>11}{'ratio':>8}{'prefill tok/group':>19}"
+        f"{'GFLOP/group':>13}{'KV pages/group':>16}{'bitwise':>9}"
+    )
+    for k, row in group["sizes"].items():
+        for name in ("unshared", "shared"):
+            r = row[name]
+            ratio = row["speedup_shared_prefix"] if name == "shared" else 1.0
+            print(
+                f"{k:>4}{name:>10}{r['tokens_per_s']:>11.1f}{ratio:>7.2f}x"
+                f"{r['prefill_tokens_per_group']:>19.0f}{r['prefill_flops_per_group'] / 1e9:>13.2f}"
+                f"{r['kv_pages_per_group']:>16.1f}{str(row['bitwise_equal']):>9}"
+            )
+
+
 def print_kv_budget(kv: dict) -> None:
     """The KV-budget case's tables: one per pool size, ratios against today's engine."""
     print(
@@ -774,7 +910,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-repeats", type=int, default=1, help="timed rounds of the KV-budget case (default 1)"
     )
+    parser.add_argument(
+        "--group-only",
+        action="store_true",
+        help="run only the shared-prompt-pages case (GRPO groups of 4, 8, 16 samples)",
+    )
     args = parser.parse_args(argv)
+    if args.group_only:
+        params = nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(SEED)), nnx.Param))
+        group = group_case(params, args.decode_steps, args.repeats or 3)
+        figures = {
+            "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
+            "cpu_count": os.cpu_count(),
+            "speedup_shared_prefix": group["speedup_shared_prefix"],
+            "group": group,
+        }
+        print_group_case(group)
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        return 0
     num_requests = args.requests or (64 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 3)
     kv_requests = args.kv_requests or (192 if args.quick else 1024)
@@ -799,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     matmul_rate = matmul_flops_per_s()
     roofline = matmul_rate / flops
     kv = kv_budget_case(params, kv_requests, args.decode_steps, args.kv_repeats, kv_slots)
+    group = group_case(params, args.decode_steps, repeats, (8,) if args.quick else GROUP_SIZES)
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a / b, 3)
@@ -834,6 +989,10 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_on_demand_vs_reserved"
         ],
         "kv_budget": kv,
+        # A GRPO group's samples sharing their prompt's prefill and pages, against each
+        # sample prefilled alone (k = 8, 512-token prompts).
+        "speedup_shared_prefix": group["speedup_shared_prefix"],
+        "group": group,
         "rl_batch": {
             "requests": RL_PROMPTS * RL_SAMPLES,
             "decode_slots": RL_INFERENCE.max_decode_slots,
@@ -898,6 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
         + f"; {rl['speedup']:.2f}x"
     )
     print_kv_budget(kv)
+    print_group_case(group)
     for name, r in figures["worker_load"].items():
         print(
             f"worker load ({name} model, {r['arrays']} arrays, {r['bytes'] / 2**20:.2f} MB, "

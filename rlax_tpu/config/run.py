@@ -603,6 +603,21 @@ class InferenceConfig(ConfigBase):
     # call (padded). Raise it (e.g. 8) when many short prompts arrive at once, as a small
     # model's RL batch does; 1 (one prompt per call) wastes nothing on padding rows.
     prefill_batch_size: int = 1
+    # Samples of one prompt admitted together (a GRPO group) share its prefill and its KV
+    # pages: the prompt is prefilled in one row, every sample's first token is sampled from
+    # that row's logits with its own key, and the samples hold the prompt's full pages
+    # together (reference-counted, read-only), each with its own copy of the last, partial
+    # page. Bitwise the tokens and log-probs of prefilling each sample on its own (docs/
+    # inference.md, "Shared prompt pages"). False: each sample is prefilled alone.
+    share_prompt_pages: bool = True
+    # Prompts kept after their prefill (0 = none): each one's KV pages and the logits of its
+    # last position, keyed by (context tokens, weight version), so a sample of it admitted
+    # in a later round (a group larger than the free slots, a prompt repeated in an
+    # evaluation) takes its pages and draws its first token from those logits instead of
+    # being prefilled again, bitwise as its own prefill would. Least recently used first
+    # out, and whenever the pool needs the pages; a weight load clears it. Costs a float32
+    # row of vocab_size per entry on the device.
+    prefix_cache_entries: int = 0
     # the longest prompt in tokens (longer ones: controller.overlong_prompts)
     max_prompt_len: int = 128
     # the longest response in tokens
@@ -714,6 +729,12 @@ class InferenceConfig(ConfigBase):
             f"got {self.prefill_batch_size}",
         )
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        require(self.prefix_cache_entries >= 0, "prefix_cache_entries", "must be >= 0 (0 = off)")
+        require(
+            self.share_prompt_pages or not self.prefix_cache_entries,
+            "prefix_cache_entries",
+            "a prefix cache shares pages: it needs share_prompt_pages=True",
+        )
         require(self.tick_tokens >= 0, "tick_tokens", "must be >= 0 (0 = automatic)")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -723,6 +744,15 @@ class InferenceConfig(ConfigBase):
     def prefill_rows(self) -> int:
         """Rows of every prefill call."""
         return self.prefill_batch_size
+
+    @property
+    def sample_rows(self) -> int:
+        """Samples every prefill call can draw first tokens for: prefill_rows, or with
+        share_prompt_pages as many as there are decode slots (a multiple of prefill_rows,
+        sampled prefill_rows at a time; the call samples only the blocks it uses)."""
+        if not self.share_prompt_pages:
+            return self.prefill_rows
+        return -(-self.max_decode_slots // self.prefill_rows) * self.prefill_rows
 
     @property
     def decode_rows(self) -> tuple[int, ...]:

@@ -22,12 +22,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.api.inference import GenerationRequest, Rollout
 from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.inference.paged_cache import PagedKVCache, placed_layout
-from rlax_tpu.inference.scheduler import PagingState, Scheduler, prefill_args
+from rlax_tpu.inference.scheduler import PagingState, Scheduler, prefill_args, sample_args
 from rlax_tpu.inference.steps import StaticKey, StepPrograms, pow2
 from rlax_tpu.inference.weights import ServedWeights
 
@@ -48,6 +48,11 @@ class Engine:
     it, and those sharing a bucket are prefilled in one call of shape [prefill_rows,
     bucket] (unused rows are padding: no valid token, an all-padding page-table row, so they
     write nothing). The calls of one admission round share one device-to-host transfer.
+    With inference.share_prompt_pages, the samples of a prompt admitted in one round take
+    one row: the others share its full prompt pages (a copy of the partial last one each)
+    and sample their first token from its logits (`InferenceConfig.sample_rows`); with a
+    prefix cache, a sample of a prompt prefilled in an earlier round under the served
+    version takes the cache's pages and logits (a sample call, no prefill).
     Decode: the live slots, padded to the smallest of `inference.decode_rows` that holds
     them. Compiled shapes: one per prefill bucket and one per decode bucket used, plus the
     swap copies (page counts rounded up to powers of two), and one per continuation bucket
@@ -140,6 +145,17 @@ class Engine:
             decode_steps_per_call=decode_steps_per_call,
             progress=progress,
         )
+        # The prefix cache's last-position logits, a row per entry (one unused row without).
+        table_rows = max(1, inference_config.prefix_cache_entries)
+        replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self.abstract_logits_table = jax.ShapeDtypeStruct(
+            (table_rows, model_config.vocab_size), np.float32, sharding=replicated
+        )
+        self._logits_table = None
+        if allocate:
+            self._logits_table = jax.device_put(
+                np.zeros((table_rows, model_config.vocab_size), np.float32), replicated
+            )
         self._cache = None  # zeroed pools and page table, or abstract only (allocate=False)
         if allocate and mesh is None:
             self._cache = new_cache()
@@ -267,9 +283,16 @@ class Engine:
         outs = []
         leaves = self._weights.leaves if leaves is None else leaves
         for bucket, args in calls:
-            packed, self._cache = self._steps.prefill(bucket, leaves, self._cache, args)
+            packed, self._cache, self._logits_table = self._steps.prefill(
+                bucket, leaves, self._cache, self._logits_table, args
+            )
             outs.append(packed)
         return jax.device_get(outs)
+
+    def _sample(self, args: tuple[np.ndarray, ...]) -> np.ndarray:
+        """A sample call (prefix-cache hits); its packed first tokens, on the host."""
+        packed, self._cache = self._steps.sample(self._cache, self._logits_table, args)
+        return jax.device_get(packed)
 
     def _extend(
         self, calls: list[tuple[int, tuple[np.ndarray, ...]]], leaves: list
@@ -322,8 +345,17 @@ class Engine:
         return pow2(self.abstract_cache.pages_per_seq)
 
     def _prefill_lowering(self, bucket: int) -> Any:
-        args = prefill_args(self.prefill_rows, bucket, self._scheduler.allocator.page_table, [])
-        return self._steps.prefill_lowering(self.abstract_params(), args)
+        s = self._scheduler
+        args = prefill_args(
+            self.prefill_rows, bucket, s.allocator.page_table, [], sample_rows=s.sample_rows
+        )
+        params, table = self.abstract_params(), self.abstract_logits_table
+        return self._steps.prefill_lowering(params, table, args)
+
+    def _sample_lowering(self) -> Any:
+        s = self._scheduler
+        args = sample_args(self.prefill_rows, s.sample_rows, [])
+        return self._steps.sample_lowering(self.abstract_logits_table, args)
 
     def _extend_lowering(self, bucket: int) -> Any:
         table = self._scheduler.allocator.page_table
@@ -352,6 +384,8 @@ class Engine:
         out = {f"prefill@{b}": self._prefill_lowering(b) for b in self.prefill_buckets}
         out.update({f"extend@{b}": self._extend_lowering(b) for b in self.prefill_buckets})
         out.update({f"decode@{r}": self._decode_lowering(r) for r in self.decode_rows})
+        if self.config.prefix_cache_entries:
+            out[f"sample@{self._scheduler.sample_rows}"] = self._sample_lowering()
         out[f"swap_out@{self.swap_pages}"] = self._steps.swap_out_lowering(self.swap_pages)
         out[f"swap_in@{self.swap_pages}"] = self._steps.swap_in_lowering(self.swap_pages)
         return out
@@ -428,3 +462,6 @@ class _VersionedCalls:
 
     def decode(self, version: int, rows: np.ndarray) -> np.ndarray:
         return self._engine._decode_rows(rows, self._leaves(version))
+
+    def sample(self, args: tuple[np.ndarray, ...]) -> np.ndarray:
+        return self._engine._sample(args)

@@ -89,7 +89,8 @@ class PageAllocator:
         self.pages_per_seq = pages_per_seq
         self.page_table = np.zeros((max_seqs, pages_per_seq), np.int32)
         self._num_owned = np.zeros(max_seqs, np.int64)
-        self._refs = np.zeros(num_pages, np.int64)  # rows holding each page (0: free)
+        self._refs = np.zeros(num_pages, np.int64)  # holders of each page (0: free)
+        self._held = np.zeros(num_pages, np.int64)  # holders that are not slots (`hold`)
         # A stack: the most recently freed page is handed out first (still warm in caches).
         self._free = list(range(num_pages - 1, 0, -1))
         self.swapped: dict[Hashable, HostPages] = {}  # by key, in swap-out order
@@ -186,17 +187,29 @@ class PageAllocator:
         (`copy(src_page, dst_page)` copies its contents). Raises OutOfPagesError when no page
         is free for that copy, ValueError when `src` holds fewer tokens' pages or `dst`
         holds pages; in each case nothing changes. If `copy` raises, nothing changes."""
+        self.fork_pages(self.pages_of(src), dst, num_tokens, copy, source=f"slot {src}")
+
+    def fork_pages(
+        self,
+        held: list[int],
+        dst: int,
+        num_tokens: int,
+        copy: Callable[[int, int], None],
+        *,
+        source: str = "the pages given",
+    ) -> None:
+        """`fork` from pages in token order (a slot's, or ones kept by `hold`)."""
         if self._num_owned[dst]:
             raise ValueError(f"slot {dst} still holds pages: free it before forking into it")
-        held = self.pages_of(src)
+        held = list(held)
         if self.pages_for(num_tokens) > len(held):
             raise ValueError(
-                f"slot {src} holds {len(held)} page(s), fewer than {num_tokens} tokens need"
+                f"{source} hold {len(held)} page(s), fewer than {num_tokens} tokens need"
             )
         full, partial = divmod(num_tokens, self.page_size)
         if partial and not self._free:
             raise OutOfPagesError(
-                f"forking {num_tokens} tokens of slot {src} needs a page for its partial last "
+                f"forking {num_tokens} tokens of {source} needs a page for its partial last "
                 "page, 0 free"
             )
         pages = held[:full]
@@ -213,6 +226,41 @@ class PageAllocator:
             self._refs[page] += 1
         self.page_table[dst, : len(pages)] = pages
         self._num_owned[dst] = len(pages)
+
+    def new_page(self) -> int | None:
+        """A free page, held by the caller (`let_go` returns it); None when none is free."""
+        if not self._free:
+            return None
+        page = self._free.pop()
+        self._refs[page] = self._held[page] = 1
+        return page
+
+    def hold(self, pages: list[int]) -> None:
+        """Keep `pages` (each held by some slot now) past their slots' letting go: a holder
+        that is not a slot (the prefix cache). `let_go` ends it."""
+        for page in pages:
+            if self._refs[page] < 1:
+                raise ValueError(f"page {page} is free: only a page in use can be held")
+        for page in pages:
+            self._refs[page] += 1
+            self._held[page] += 1
+
+    def let_go(self, pages: list[int]) -> None:
+        """End a `hold` (or `new_page`) of `pages`: each goes back to the pool unless a slot or
+        another holder still has it."""
+        for page in pages:
+            if self._held[page] < 1:
+                raise ValueError(f"page {page} is not held")
+        for page in reversed(pages):
+            self._held[page] -= 1
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages kept by holders that are not slots (`hold`), each once."""
+        return int((self._held > 0).sum())
 
     # -- swapping -------------------------------------------------------------------------
     @property
@@ -268,6 +316,7 @@ class PageAllocator:
         a page is in a row at most once; rows hold their pages then padding."""
         problems = []
         held = [p for s in range(self.max_seqs) for p in self.pages_of(s)]
+        held += [p for p in np.flatnonzero(self._held).tolist() for _ in range(self._held[p])]
         counts = np.bincount(np.asarray(held, np.int64), minlength=self.num_pages)
         distinct = sorted(set(held))
         if sorted(distinct + self._free) != list(range(1, self.num_pages)):

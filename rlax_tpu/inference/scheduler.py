@@ -21,6 +21,7 @@ from rlax_tpu.api.inference import FinishReason, GenerationRequest, Rollout, Sam
 from rlax_tpu.config import InferenceConfig
 from rlax_tpu.inference.page_allocator import PADDING_PAGE, HostPages, PageAllocator
 from rlax_tpu.inference.parking import Parked, ParkedKey, ParkedStore
+from rlax_tpu.inference.prefix_cache import Entry, PrefixCache
 from rlax_tpu.inference.sampling import request_key_data
 
 # The device work the engine hands in. A prefill round: (bucket, `prefill_args`) per call ->
@@ -49,6 +50,10 @@ class VersionedCalls(Protocol):
     def decode(self, version: int, rows: np.ndarray) -> np.ndarray:
         """One decode call of the slots `rows` under `version`'s weights: its packed output,
         int32[3, steps, rows], on the host."""
+
+    def sample(self, args: tuple[np.ndarray, ...]) -> np.ndarray:
+        """A sample call (`sample_args`: first tokens from the prefix cache's logits, with
+        the page copies): its packed output, int32[2, sample_rows], on the host."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,17 @@ class SequenceState:
     parked: ParkedKey | None = None
     replay: bool = False
     cached: int = 0  # context positions whose keys and values its pages hold (once admitted)
+    # Admitted with a sequence of the same context (a GRPO group's first sample): it shares
+    # that one's prefill row and prompt pages, and has `copy` (src, dst) made of the last,
+    # partial page after the prefill writes it. Set from admission to its first token.
+    leader: SequenceState | None = None
+    copy: tuple[int, int] | None = None
+    # The prefix cache: the logits-table row of the entry it is admitted from (it samples
+    # from there, no prefill), or of the entry its prefill fills (with that entry's copy
+    # of its partial last page).
+    cached_row: int | None = None
+    entry_row: int | None = None
+    entry_copy: tuple[int, int] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -141,6 +157,10 @@ def continuation_buckets(prefill_buckets: tuple[int, ...], max_seq_len: int) -> 
     return tuple(out)
 
 
+# A logits-table row, or a page copy's destination, that the device step drops.
+NOT_KEPT = 2**30
+
+
 def prefill_args(
     rows: int,
     bucket: int,
@@ -148,49 +168,97 @@ def prefill_args(
     seqs: list[SequenceState],
     *,
     extend: bool = False,
+    sample_rows: int | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """The host arguments of a prefill call of `seqs` (at most `rows`, all in `bucket`) after
-    (params, cache): page-table rows, tokens (the prompt, then a continuation's response so
-    far), lengths, starts (the response index t of the token sampled: 0, or the tokens a
-    continuation has), key data, temperature, top_k, top_p, "sampled" flags. Unused rows
-    are padding: length 0 (no valid token), an all-padding page-table row (PADDING_PAGE;
-    writes there are dropped) and non-truncating sampling params.
+    """The host arguments of a prefill call of `seqs` (all in `bucket`) after (params,
+    cache, logits table), as `steps.prefill_step` takes them.
 
-    extend: the arguments of an extend call (`steps.extend_step`) instead: each row's tokens
-    are its context after the `cached` positions its pages hold, and `offsets` (those
-    positions: where its tokens start) follow the lengths."""
+    Model rows (at most `rows`: the sequences without a `leader`, in order): page-table
+    rows, tokens (the prompt, then a continuation's response so far), lengths, and the
+    prefix cache's logits-table row each is kept in (`entry_row`; NOT_KEPT: none). Sample
+    rows (`sample_rows`, default `rows`: every sequence, in order): `sampling_args`, each
+    sampling from its own model row or its leader's; then the blocks of `rows` sample rows
+    in use, and the page copies (src, dst: `sample_rows` + `rows` of them) of the sequences
+    that share their leader's pages and of the prompts the prefix cache keeps. Unused rows
+    are padding: length 0 (no valid token), an all-padding page-table row (PADDING_PAGE;
+    writes there are dropped), non-truncating sampling params, and a copy of the padding
+    page onto itself.
+
+    extend: the arguments of an extend call (`steps.extend_step`) instead: one row per
+    sequence (no leaders), each row's tokens its context after the `cached` positions its
+    pages hold, `offsets` (those positions: where its tokens start) after the lengths, and
+    the sampling arrays of the same rows."""
+    models = seqs if extend else [seq for seq in seqs if seq.leader is None]
     page_rows = np.full((rows, page_table.shape[1]), PADDING_PAGE, np.int32)
     tokens = np.zeros((rows, bucket), np.int32)
     lengths = np.zeros(rows, np.int32)
-    starts = np.zeros(rows, np.int32)
-    key_data = np.zeros((rows, 2), np.uint32)
-    temperature = np.ones(rows, np.float32)
-    top_k = np.zeros(rows, np.int32)
-    top_p = np.ones(rows, np.float32)
-    sampled_logprobs = np.zeros(rows, bool)
     offsets = np.zeros(rows, np.int32)
-    for row, seq in enumerate(seqs):
-        s = seq.sampling
+    logit_rows = np.full(rows, NOT_KEPT, np.int32)
+    model_row = {}
+    for row, seq in enumerate(models):
+        model_row[seq] = row
         page_rows[row] = page_table[seq.slot]
         fed = (*seq.request.prompt_tokens, *seq.tokens)[seq.cached :]
         tokens[row, : len(fed)] = fed
         lengths[row], offsets[row] = len(fed), seq.cached
-        starts[row] = len(seq.tokens)
-        key_data[row] = seq.key_data
-        temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
-        sampled_logprobs[row] = s.logprobs_of == "sampled"
+        if seq.entry_row is not None:
+            logit_rows[row] = seq.entry_row
+    if extend:
+        sampling = sampling_args(rows, seqs, [model_row[seq] for seq in seqs])
+        return (page_rows, tokens, lengths, offsets, *sampling[1:])
+    samples = rows if sample_rows is None else sample_rows
+    source = [model_row[seq.leader or seq] for seq in seqs]
+    copies = np.zeros((2, samples + rows), np.int32)  # the padding page onto itself
+    made = [seq.copy for seq in seqs] + [seq.entry_copy for seq in models]
+    for i, copy in enumerate(c for c in made if c is not None):
+        copies[:, i] = copy
+    blocks = np.int32(-(-max(len(seqs), 1) // rows))
     return (
         page_rows,
         tokens,
         lengths,
-        *((offsets,) if extend else ()),
-        starts,
-        key_data,
-        temperature,
-        top_k,
-        top_p,
-        sampled_logprobs,
+        logit_rows,
+        *sampling_args(samples, seqs, source),
+        blocks,
+        copies[0],
+        copies[1],
     )
+
+
+def sampling_args(
+    samples: int, seqs: list[SequenceState], source: list[int]
+) -> tuple[np.ndarray, ...]:
+    """The sample rows of a first-token call (padded to `samples`): the row of logits each
+    sequence samples from (`source`), starts (the response index t of the token sampled: 0,
+    or the tokens a continuation has), key data, temperature, top_k, top_p, "sampled"
+    flags."""
+    rows = np.zeros(samples, np.int32)
+    starts = np.zeros(samples, np.int32)
+    key_data = np.zeros((samples, 2), np.uint32)
+    temperature = np.ones(samples, np.float32)
+    top_k = np.zeros(samples, np.int32)
+    top_p = np.ones(samples, np.float32)
+    sampled_logprobs = np.zeros(samples, bool)
+    for row, (seq, src) in enumerate(zip(seqs, source, strict=True)):
+        s = seq.sampling
+        rows[row] = src
+        starts[row] = len(seq.tokens)
+        key_data[row] = seq.key_data
+        temperature[row], top_k[row], top_p[row] = s.temperature, s.top_k, s.top_p
+        sampled_logprobs[row] = s.logprobs_of == "sampled"
+    return (rows, starts, key_data, temperature, top_k, top_p, sampled_logprobs)
+
+
+def sample_args(rows: int, samples: int, seqs: list[SequenceState]) -> tuple[np.ndarray, ...]:
+    """The host arguments of a sample call (`steps.sample_step`) of `seqs`, whose prompts the
+    prefix cache holds (`cached_row`): `sampling_args` from their logits-table rows, the
+    blocks of `rows` in use, and each one's copy of the partial last page (src, dst)."""
+    copies = np.zeros((2, samples), np.int32)
+    for i, copy in enumerate(seq.copy for seq in seqs if seq.copy is not None):
+        copies[:, i] = copy
+    blocks = np.int32(-(-max(len(seqs), 1) // rows))
+    sampling = sampling_args(samples, seqs, [seq.cached_row for seq in seqs])
+    return (*sampling, blocks, copies[0], copies[1])
 
 
 class SlotArrays:
@@ -327,6 +395,7 @@ class Scheduler:
         self.decode_steps_per_call = decode_steps_per_call
         self.num_slots, self.max_seq_len = allocator.max_seqs, allocator.max_tokens_per_seq
         self.prefill_rows, self.decode_rows = config.prefill_rows, config.decode_rows
+        self.sample_rows, self.share_prompts = config.sample_rows, config.share_prompt_pages
         self.continuation_buckets = continuation_buckets(config.prefill_buckets, self.max_seq_len)
         self.on_demand = config.kv_admission == "on_demand"
         self.in_flight_update = config.in_flight_update
@@ -343,6 +412,8 @@ class Scheduler:
         # Paused sequences whose pages the allocator holds on the host, oldest first, and
         # those paused in this step (still in their slots until `park`).
         self._parked = ParkedStore(allocator, max_parked_bytes)
+        entries = config.prefix_cache_entries
+        self._prefix = PrefixCache(allocator, entries) if entries else None
         self._to_park: list[SequenceState] = []
         self.counters: collections.Counter = collections.Counter()
 
@@ -395,6 +466,8 @@ class Scheduler:
         for a newer one with "keep" (they continue) or "resume" (queued again as
         continuations, to be prefilled under the new weights)."""
         previous, self.served_version = self.served_version, version
+        if self._prefix is not None:  # keys and values of other weights: never reused
+            self.counters["prefix_evictions"] += self._prefix.clear()
         if self.in_flight_update == "off" or version < previous:
             return self.abort_all()
         if self.in_flight_update == "resume":
@@ -409,6 +482,16 @@ class Scheduler:
             "decode_calls": c["decode_calls"],
             "prefills": c["prefills"],
             "prefill_calls": c["prefill_calls"],
+            # Prompt tokens the prefill calls computed (a shared prompt once), sequences that
+            # shared another's prefill row and prompt pages, and the full pages they shared.
+            "prefill_tokens": c["prefill_tokens"],
+            "prefill_shared": c["prefill_shared"],
+            "pages_shared": c["pages_shared"],
+            # The prefix cache: samples admitted from it (no prefill), prompts it keeps now,
+            # and those it gave up (for pages, for room, at a weight load).
+            "prefix_hits": c["prefix_hits"],
+            "prefix_entries": 0 if self._prefix is None else len(self._prefix),
+            "prefix_evictions": c["prefix_evictions"],
             # Continuations that fed tokens after their pages (an episode's observation),
             # the calls and the tokens fed.
             "extends": c["extends"],
@@ -545,7 +628,9 @@ class Scheduler:
             if extend:
                 self._first_tokens(extend, calls, extend=True)
             if fresh:
-                self._first_tokens(fresh, prefill)
+                self._first_tokens(fresh, prefill, calls=calls)
+            if self._prefix is not None:
+                self._prefix.settle()
 
     def _fits(self, pages: int, joining: int = 0) -> bool:
         """Whether a sequence needing `pages` more pages may join the live ones and the
@@ -559,20 +644,37 @@ class Scheduler:
     def _take_waiting(
         self, write_pages: WritePages, calls: VersionedCalls | None
     ) -> tuple[int, list[SequenceState]]:
-        """Admit up to `prefill_rows` waiting sequences, first in first out, each into a free
-        slot: a continuation whose parked pages are held gets them back (swapped in, with
-        pages for the tokens after them); any other gets pages for its prompt and response
-        so far (on demand) or its whole sequence (reserve), to be prefilled, or replayed (a
-        "keep" continuation whose pages are lost). Stops at the first that does not fit: it
-        waits (FIFO) until a running sequence frees pages. Returns how many were admitted
-        and the admitted."""
-        free = [s for s, seq in enumerate(self._slots) if seq is None][: self.prefill_rows]
-        admitted, batch = 0, []
+        """Admit waiting sequences, first in first out, each into a free slot: a continuation
+        whose parked pages are held gets them back (swapped in, with pages for the tokens
+        after them); any other gets pages for its prompt and response so far (on demand) or
+        its whole sequence (reserve), to be prefilled, or replayed (a "keep" continuation
+        whose pages are lost). At most `prefill_rows` take a prefill row. With
+        share_prompt_pages one whose context (prompt and response so far) is that of a
+        sequence admitted before it in this round is prefilled in that one's row and shares
+        its full pages (`PageAllocator.fork`), taking pages only past them; with a prefix
+        cache, one whose context the cache holds under the served version forks the
+        cache's pages and is sampled from its logits (no prefill row), and every other
+        fresh prompt is kept in the cache. Cached prompts not in use give their pages back
+        when a sequence needs them. Stops at the first that does not fit: it waits (FIFO)
+        until a running sequence frees pages. Returns how many were admitted and the
+        admitted."""
+        free = [s for s, seq in enumerate(self._slots) if seq is None]
+        admitted, rows, batch = 0, 0, []
+        leaders: dict[tuple[int, ...], SequenceState] = {}  # by context, prefilled fresh
         for slot in free:
             if not self._waiting:
                 break
             seq = self._waiting[0]
             host = self._parked_pages(seq, calls)
+            fresh = host is None and not seq.replay and seq.cached == 0
+            context = (*seq.request.prompt_tokens, *seq.tokens) if fresh else None
+            leader = leaders.get(context) if self.share_prompts and fresh else None
+            entry = None
+            if fresh and leader is None and self._prefix is not None:
+                entry = self._prefix.get(context, self.served_version)
+                entry = None if entry is None or entry.pending else entry
+            if leader is None and entry is None and rows == self.prefill_rows:
+                break
             if self.on_demand:
                 # Pages for every position fed before the next decode call: all but the last
                 # token's when it decodes on from its pages, all with an extend or prefill.
@@ -581,37 +683,121 @@ class Scheduler:
             else:
                 tokens = seq.prompt_len + seq.stop_at
             if host is not None:
-                if not self._fits(max(host.num_pages, self.allocator.pages_for(tokens)), admitted):
-                    break
-            elif not self._fits(self.allocator.pages_for(tokens), admitted) or (
-                not self.allocator.try_reserve(slot, tokens)
-            ):
+                needed = max(host.num_pages, self.allocator.pages_for(tokens))
+            elif leader is not None or entry is not None:
+                shared = seq.context_len // self.allocator.page_size
+                needed = self.allocator.pages_for(tokens) - shared
+            else:
+                needed = self.allocator.pages_for(tokens)
+            if not self._room_for(needed, admitted, keep=entry):
+                break
+            if leader is not None:
+                self._share(leader.slot, seq, slot, tokens, leader=leader)
+            elif entry is not None:
+                self._share(None, seq, slot, tokens, entry=entry)
+            elif host is None and not self.allocator.try_reserve(slot, tokens):
                 break
             self._waiting.popleft()
             seq.slot, seq.order = slot, self._admissions
             self._admissions += 1
             self._slots[slot] = seq
             admitted += 1
+            rows += leader is None and entry is None
+            if fresh and leader is None and entry is None:
+                leaders[context] = seq
+                self._keep_prefix(seq, context)
             if host is not None:
                 self._unpark(seq, write_pages, tokens)
             batch.append(seq)
         return admitted, batch
 
+    def _room_for(self, pages: int, joining: int, keep: Entry | None) -> bool:
+        """`_fits`, giving back cached prompts' pages (not `keep`'s) until it does; False
+        when even that is not enough."""
+        while not self._fits(pages, joining):
+            if not self._evict_cached(keep=keep):
+                return False
+        return True
+
+    def _share(
+        self,
+        src: int | None,
+        seq: SequenceState,
+        slot: int,
+        tokens: int,
+        *,
+        leader: SequenceState | None = None,
+        entry: Entry | None = None,
+    ) -> None:
+        """Give `seq` (admitted into `slot`) the pages of its context that `leader` (in slot
+        `src`) or the prefix cache's `entry` holds, the full ones shared, the last, partial
+        one its own (copied by the round's prefill or sample call), then its own pages up to
+        `tokens` tokens; it samples from `leader`'s prefill row or `entry`'s logits."""
+        copies: list[tuple[int, int]] = []
+        n = seq.context_len
+        if leader is not None:
+            self.allocator.fork(src, slot, n, lambda s, d: copies.append((s, d)))
+            seq.leader = leader
+            self.counters["prefill_shared"] += 1
+        else:
+            self.allocator.fork_pages(entry.pages, slot, n, lambda s, d: copies.append((s, d)))
+            seq.cached_row = entry.row
+            self.counters["prefix_hits"] += 1
+        self.allocator.reserve(slot, tokens)
+        seq.copy = copies[0] if copies else None
+        self.counters["pages_shared"] += n // self.allocator.page_size
+
+    def _keep_prefix(self, seq: SequenceState, context: tuple[int, ...]) -> None:
+        """Keep a fresh prompt just admitted in the prefix cache (if any, and if it has room):
+        its prefill fills the entry."""
+        if self._prefix is None or self._prefix.get(context, self.served_version):
+            return
+        added = self._prefix.add(context, self.served_version, seq.slot)
+        if added is not None:
+            entry, seq.entry_copy = added
+            seq.entry_row = entry.row
+
+    def _evict_cached(self, keep: Entry | None = None) -> bool:
+        """Give back the pages of the least recently used cached prompt not in use this round
+        (nor `keep`); False when there is none."""
+        if self._prefix is None or not self._prefix.evict(keep):
+            return False
+        self.counters["prefix_evictions"] += 1
+        return True
+
     def _first_tokens(
-        self, batch: list[SequenceState], run: Prefill | VersionedCalls, *, extend: bool = False
+        self,
+        batch: list[SequenceState],
+        run: Prefill | VersionedCalls,
+        *,
+        extend: bool = False,
+        calls: VersionedCalls | None = None,
     ) -> None:
         """Prefill `batch` (admitted, in FIFO order; `run` a `Prefill`), or with `extend` feed
         each one's tokens after its cached positions (`run` the `VersionedCalls`, under the
         served version): one call per bucket of the tokens fed, then each sequence's next
-        token in order."""
+        token in order. Those whose prompt the prefix cache holds are sampled from its
+        logits by one sample call (`calls`) instead."""
+        first: dict[SequenceState, tuple[int, float]] = {}
+        cached = [seq for seq in batch if seq.cached_row is not None]
+        if cached:  # prompts the prefix cache holds: sampled from its logits, no prefill
+            if calls is None or extend:
+                raise RuntimeError("samples from the prefix cache need VersionedCalls")
+            packed = calls.sample(sample_args(self.prefill_rows, self.sample_rows, cached))
+            tokens, logprobs = packed[0].tolist(), packed[1].view(np.float32).tolist()
+            first.update((seq, (tokens[i], logprobs[i])) for i, seq in enumerate(cached))
+            batch_calls = [seq for seq in batch if seq.cached_row is None]
+        else:
+            batch_calls = batch
         buckets = self.config.prefill_buckets + self.continuation_buckets
         by_bucket: dict[int, list[SequenceState]] = {}
-        for seq in batch:
+        for seq in batch_calls:  # a leader comes before the sequences that share its row
             bucket = next(b for b in buckets if b >= seq.context_len - seq.cached)
             by_bucket.setdefault(bucket, []).append(seq)
         table, rows = self.allocator.page_table, self.prefill_rows
         args = [
-            (b, prefill_args(rows, b, table, seqs, extend=extend)) for b, seqs in by_bucket.items()
+            (b, prefill_args(rows, b, table, seqs, extend=extend, sample_rows=self.sample_rows))
+            for b, seqs in by_bucket.items()
         ]
         if extend:
             if run is None:
@@ -621,16 +807,20 @@ class Scheduler:
             self.counters["extends"] += len(batch)
             self.counters["extend_tokens"] += sum(s.context_len - s.cached for s in batch)
         else:
-            outs = run(args)
+            outs = run(args) if args else []
             self.counters["prefill_calls"] += len(by_bucket)
             self.counters["prefills"] += len(batch)
-        first: dict[SequenceState, tuple[int, float]] = {}
+            self.counters["prefill_tokens"] += sum(
+                s.context_len for s in batch_calls if s.leader is None
+            )
         for seqs, packed in zip(by_bucket.values(), outs, strict=True):
             tokens, logprobs = packed[0].tolist(), packed[1].view(np.float32).tolist()
             for row, seq in enumerate(seqs):
                 first[seq] = tokens[row], logprobs[row]
         self.arrays.page_table_dirty = True
         for seq in batch:
+            seq.leader = seq.copy = seq.entry_copy = None
+            seq.cached_row = seq.entry_row = None
             self.arrays.set_sampling(seq.slot, seq)
             token, logprob = first[seq]
             if not self._append(seq, token, logprob):
@@ -641,20 +831,23 @@ class Scheduler:
         """Give every live sequence the pages its next decode call writes, oldest admission
         first; when the pool runs out, swap out the most recently admitted live sequence
         (possibly the one growing; `read_pages` copies its pages to the host) and retry."""
-        k, free = self.decode_steps_per_call, self.allocator.free_pages
+        k = self.decode_steps_per_call
         for seq in sorted(self._live(), key=lambda q: q.order):
             if seq.slot < 0:
                 continue  # swapped out below, to make room for an older one
             # The token fed at position p is written there; the last one fed this call is
             # at prompt_len + stop_at - 2 (the final token is sampled, never fed).
             tokens = min(int(self.arrays.position[seq.slot]) + k, seq.prompt_len + seq.stop_at - 1)
+            held = len(self.allocator.pages_of(seq.slot))
             while not self.allocator.try_reserve(seq.slot, tokens):
+                if self._evict_cached():  # pages no slot holds: the page table is unchanged
+                    continue
                 victim = max(self._live(), key=lambda q: q.order)
                 self._swap_out(victim, read_pages)
                 if victim is seq:
                     break
-        if self.allocator.free_pages != free:
-            self.arrays.page_table_dirty = True
+            if seq.slot >= 0 and len(self.allocator.pages_of(seq.slot)) != held:
+                self.arrays.page_table_dirty = True
 
     def _live(self) -> list[SequenceState]:
         return [self._slots[s] for s in np.flatnonzero(self.arrays.active).tolist()]
@@ -801,7 +994,10 @@ class Scheduler:
 
         def first_token(version: int, view: SequenceState, extend: bool) -> tuple[int, int]:
             bucket = next(b for b in buckets if b >= view.context_len - view.cached)
-            args = prefill_args(rows_of, bucket, self.allocator.page_table, [view], extend=extend)
+            table = self.allocator.page_table
+            args = prefill_args(
+                rows_of, bucket, table, [view], extend=extend, sample_rows=self.sample_rows
+            )
             run = calls.extend if extend else calls.prefill
             (packed,) = run(version, [(bucket, args)])
             return int(packed[0][0]), int(packed[1][0])

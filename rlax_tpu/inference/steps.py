@@ -24,7 +24,7 @@ from rlax_tpu.inference.page_allocator import PADDING_PAGE
 from rlax_tpu.inference.paged_cache import PagedKVCache
 from rlax_tpu.inference.sampling import sample_tokens
 from rlax_tpu.models import Transformer
-from rlax_tpu.sharding import use_mesh
+from rlax_tpu.sharding import constrain, use_mesh
 
 # A jitted step as `rlax-tpu compile` lowers it: (the jitted function, its abstract arguments,
 # the static argnums).
@@ -60,21 +60,49 @@ class StaticKey:
         return self is other
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
 def prefill_step(
-    static, params, cache, rows, tokens, lengths, starts, key_data, temperature, top_k, top_p, lp
+    static,
+    params,
+    cache,
+    logits_table,
+    rows,
+    tokens,
+    lengths,
+    logit_rows,
+    source,
+    starts,
+    key_data,
+    temperature,
+    top_k,
+    top_p,
+    lp,
+    blocks,
+    copy_src,
+    copy_dst,
 ):
-    """Prefill a batch of prompts and sample each one's next response token (t = starts).
+    """Prefill a batch of prompts, then sample the next response token of every sample of
+    them (t = starts) and copy the pages of samples that share a prompt.
 
-    rows: int32[batch, pages_per_seq], each prompt's page-table row; tokens: int32[batch,
-    bucket] (right-padded: the prompt, then a continuation's response so far); lengths:
-    int32[batch] their lengths (0 = a padding row: it writes nothing and its output is
-    garbage); starts: int32[batch], the response index t of the token sampled (0 for a
-    fresh prompt, the tokens so far for a continuation); key_data: uint32[batch, 2];
-    temperature, top_p: float32[batch]; top_k: int32[batch]; lp: bool[batch] ("sampled"
-    log-probs).
-    Returns (packed int32[2, batch]: tokens and log-probs as float32 bits, so the host
-    fetches them in one transfer; cache with the prompts' keys/values written).
+    Model rows (the prompts, one per distinct context): rows: int32[batch, pages_per_seq],
+    each prompt's page-table row; tokens: int32[batch, bucket] (right-padded: the prompt,
+    then a continuation's response so far); lengths: int32[batch] their lengths (0 = a
+    padding row: it writes nothing and its output is garbage); logit_rows: int32[batch],
+    the row of `logits_table` (float32[entries, vocab], the prefix cache's) each prompt's
+    last logits are kept in (entries: not kept).
+    Sample rows (`sample_rows` = a multiple of batch): source: int32[sample_rows], the model
+    row whose last logits each samples from; starts: the response index t of the token
+    sampled (0 for a fresh prompt, the tokens so far for a continuation); key_data:
+    uint32[sample_rows, 2]; temperature, top_p: float32; top_k: int32; lp: bool ("sampled"
+    log-probs). They are sampled `batch` rows at a time, the first `blocks` (int32[]) blocks
+    only: each block is the sampler's call on a prefill's batch, so a sample's token and
+    log-prob do not depend on the rows it shares its prompt with.
+    copy_src, copy_dst: int32[n] pages copied after the prompts are written (a sharing
+    sample's, or the prefix cache's, own copy of its prompt's last, partial page; a copy of
+    the padding page onto itself is padding).
+    Returns (packed int32[2, sample_rows]: tokens and log-probs as float32 bits, so the host
+    fetches them in one transfer; cache with the prompts' keys/values written; the logits
+    table).
     """
     model = static.model(params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -86,9 +114,53 @@ def prefill_step(
         cache.for_prefill(rows),
         logits_index=jnp.maximum(lengths - 1, 0),
     )
-    token, logprob = sample_tokens(logits, key_data, starts, temperature, top_k, top_p, lp)
-    packed = jnp.stack([token, jax.lax.bitcast_convert_type(logprob, jnp.int32)])
-    return packed, cache.with_page_table(table)
+    logits = logits.astype(jnp.float32)
+    # Replicated, as the engine places it: a call's output is the next call's input.
+    logits_table = constrain(logits_table.at[logit_rows].set(logits, mode="drop"), (None, None))
+    sampling = (source, starts, key_data, temperature, top_k, top_p, lp)
+    packed = sample_blocks(logits, sampling, blocks, tokens.shape[0])
+    return packed, copy_pages(cache, copy_src, copy_dst).with_page_table(table), logits_table
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def sample_step(block, cache, logits_table, sampling, blocks, copy_src, copy_dst):
+    """The first tokens of samples whose prompt the prefix cache holds: as `prefill_step`'s
+    sample rows, `source` a row of `logits_table` (float32[entries, vocab], filled by the
+    prefill that computed the prompt), sampled `block` (prefill_rows) rows at a time; and
+    each one's copy of its prompt's partial last page (from the cache's copy). Returns
+    (packed int32[2, sample_rows], cache)."""
+    packed = sample_blocks(logits_table, sampling, blocks, block)
+    return packed, copy_pages(cache, copy_src, copy_dst)
+
+
+def sample_blocks(logits, sampling, blocks, block):
+    """Sample rows (source, starts, key_data, temperature, top_k, top_p, lp: each
+    [sample_rows]) from `logits[source]`, `block` rows at a time, the first `blocks` blocks:
+    int32[2, sample_rows] (tokens, log-prob bits; zeros past the blocks)."""
+    source = sampling[0]
+
+    def sample_block(b, packed):
+        def take(x):
+            return jax.lax.dynamic_slice_in_dim(x, b * block, block)
+
+        _, starts, key_data, *params = (take(x) for x in sampling)
+        token, logprob = sample_tokens(logits[take(source)], key_data, starts, *params)
+        out = jnp.stack([token, jax.lax.bitcast_convert_type(logprob, jnp.int32)])
+        return jax.lax.dynamic_update_slice_in_dim(packed, out, b * block, axis=1)
+
+    return jax.lax.fori_loop(0, blocks, sample_block, jnp.zeros((2, source.shape[0]), jnp.int32))
+
+
+def copy_pages(cache, src, dst):
+    """`cache` with pages `src` (int32[n]) copied to pages `dst` in every layer; a dst out of
+    range (num_pages: padding) is dropped."""
+
+    def copy(pool):
+        return pool.at[:, dst].set(pool[:, src], mode="drop")
+
+    return cache.replace(
+        keys=tuple(copy(k) for k in cache.keys), values=tuple(copy(v) for v in cache.values)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -238,13 +310,41 @@ class StepPrograms:
 
     # -- running ---------------------------------------------------------------------------
     def prefill(
-        self, bucket: int, params: list, cache: PagedKVCache, args: tuple[np.ndarray, ...]
-    ) -> tuple[jax.Array, PagedKVCache]:
+        self,
+        bucket: int,
+        params: list,
+        cache: PagedKVCache,
+        logits_table: jax.Array,
+        args: tuple[np.ndarray, ...],
+    ) -> tuple[jax.Array, PagedKVCache, jax.Array]:
         """Dispatch one prefill call (`args`: `scheduler.prefill_args`); returns its packed
-        int32[2, prefill_rows] (first tokens, log-prob bits), still on the device, and the
-        cache."""
+        int32[2, sample_rows] (first tokens, log-prob bits), still on the device, the cache
+        and the prefix cache's logits table."""
         what = f"prefill for {self.prefill_rows}x{bucket} prompt tokens"
-        return self._first_tokens("prefill", prefill_step, bucket, what, params, cache, args)
+        return self._first_tokens(
+            "prefill", prefill_step, bucket, what, params, (cache, logits_table), args
+        )
+
+    def sample(
+        self, cache: PagedKVCache, logits_table: jax.Array, args: tuple[np.ndarray, ...]
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """Dispatch one sample call (`sample_step`; `args`: `scheduler.sample_args`): the
+        first tokens of samples of prompts the prefix cache holds."""
+        sampling, rest = args[:7], args[7:]
+        rows = len(sampling[0])
+        step = self.programs.get(f"sample@{rows}", sample_step)
+        first = None
+        if step is sample_step:
+            first = self._first_call(f"sample:{rows}", f"sampling of {rows} prefix-cache rows")
+        with self.mesh_context():
+            packed, cache = step(
+                self.prefill_rows, cache, logits_table, self.put(sampling), *self.put(rest)
+            )
+        if first is not None:
+            seconds = first()
+            if self.progress is not None:
+                self.progress(f"sampling of {rows} prefix-cache rows: compiled in {seconds:.1f}s")
+        return packed, cache
 
     def extend(
         self, bucket: int, params: list, cache: PagedKVCache, args: tuple[np.ndarray, ...]
@@ -252,23 +352,32 @@ class StepPrograms:
         """Dispatch one extend call (`args`: `scheduler.prefill_args(..., extend=True)`);
         returns its packed int32[2, prefill_rows], still on the device, and the cache."""
         what = f"extend for {self.prefill_rows}x{bucket} tokens after cached pages"
-        return self._first_tokens("extend", extend_step, bucket, what, params, cache, args)
+        return self._first_tokens("extend", extend_step, bucket, what, params, (cache,), args)
 
     def _first_tokens(
-        self, name: str, jitted: Any, bucket: int, what: str, params: list, cache: Any, args: tuple
-    ) -> tuple[jax.Array, PagedKVCache]:
-        """One call of a step that samples each row's next token (prefill, extend)."""
+        self,
+        name: str,
+        jitted: Any,
+        bucket: int,
+        what: str,
+        params: list,
+        donated: tuple,
+        args: tuple,
+    ) -> tuple:
+        """One call of a step that samples each row's next token (prefill, extend), on the
+        `donated` device state (the cache, and the logits table for prefill): (packed,
+        *donated)."""
         step = self.programs.get(f"{name}@{bucket}", jitted)
         first = None
         if step is jitted:
             first = self._first_call(f"{name}:{self.prefill_rows}x{bucket}", what)
         with self.mesh_context():
-            packed, cache = step(self.static, params, cache, *self.put(args))
+            out = step(self.static, params, *donated, *self.put(args))
         if first is not None:  # the call returns once compiled; it runs asynchronously
             seconds = first()
             if self.progress is not None:
                 self.progress(f"{what}: compiled in {seconds:.1f}s")
-        return packed, cache
+        return out
 
     def decode(
         self, params: list, cache: PagedKVCache, carry: Any, sampling: Any, live: jax.Array
@@ -377,10 +486,27 @@ class StepPrograms:
             tree,
         )
 
-    def prefill_lowering(self, params: list, args: tuple[np.ndarray, ...]) -> Lowering:
-        """The prefill step on `params` (abstract) and host `args` of one bucket."""
+    def prefill_lowering(
+        self, params: list, logits_table: Any, args: tuple[np.ndarray, ...]
+    ) -> Lowering:
+        """The prefill step on `params` and the logits table (abstract) and host `args` of one
+        bucket."""
         args = self._abstract_host(args)
-        return prefill_step, (self.static, params, self.abstract_cache, *args), (0,)
+        return (
+            prefill_step,
+            (self.static, params, self.abstract_cache, logits_table, *args),
+            (0,),
+        )
+
+    def sample_lowering(self, logits_table: Any, args: tuple[np.ndarray, ...]) -> Lowering:
+        """The sample step (prefix-cache hits) on the logits table (abstract) and host
+        `args` (`scheduler.sample_args`)."""
+        sampling, rest = self._abstract_host(args[:7]), self._abstract_host(args[7:])
+        return (
+            sample_step,
+            (self.prefill_rows, self.abstract_cache, logits_table, sampling, *rest),
+            (0,),
+        )
 
     def extend_lowering(self, params: list, args: tuple[np.ndarray, ...]) -> Lowering:
         """The extend step on `params` (abstract) and host `args` of one bucket."""
