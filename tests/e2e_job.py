@@ -43,7 +43,7 @@ def e2e_config(
 ) -> RunConfig:
     """The e2e job: the tiny model on `data`, STEPS steps of 2 prompts x 4 samples after a
     40-step SFT warm start (so rewards and gradients are not zero), a checkpoint and a
-    snapshot every 2 steps; `staleness` picks η and N."""
+    snapshot every 2 steps, packed training rows; `staleness` picks η and N."""
     return tiny_job_config(
         "e2e",
         run_dir,
@@ -54,6 +54,11 @@ def e2e_config(
             "optimizer": OptimizerConfig(learning_rate=1e-3),
             "warm_start": WarmStartConfig(steps=40, learning_rate=3e-3),
             "checkpoint_every": 2,
+            # Packed rows (a mini-batch's 8 short sequences in one micro-batch of 2 rows),
+            # with a group's samples sharing their prompt pages (the default): the killed
+            # and resumed runs below hold both to the uninterrupted run's weights.
+            "micro_batch_size": 2,
+            "tokens_per_row": 64,
         },
         controller=ControllerConfig(
             num_steps=STEPS,

@@ -2,6 +2,7 @@
 fraction of the step, and MFU against a matmul rate measured in the same run.
 
     python tools/bench_trainer.py [--quick] [--json OUT] [--configs tiny,cpu_large,gpu_0p5b]
+                                  [--packed-only]
 
 Each config runs `Trainer.train_step` on synthetic rollouts (after a compile step);
 figures are medians over the timed steps; `compile_s` is the first step's excess over them.
@@ -15,6 +16,13 @@ It reports the jitted step, the publish, the rest of the call (batch placement, 
 `overhead_s`), the extra of a checkpoint step (`checkpoint_s`), and the compile of a new
 padded sequence length mid-run (`recompile_s`, 48 -> 64 tokens), which the controller's
 padding (rlax_tpu.shapes) causes whenever a batch's longest row crosses a length.
+
+`packed` (heavy-tailed lengths, `--packed-only` runs it alone) times `Trainer.train_step`
+(the π_old and reference recomputes and the update) on the same batches with padded rows
+and with packed rows (trainer.tokens_per_row = max_seq_len): most responses short
+(log-normal), one row in PACKED_LONG_EVERY the whole sequence. It reports tokens/s of the
+sequences' own tokens, the ratio packed / padded (`speedup_packed` in the JSON, with the
+configuration) and the share of padding in the micro-batches that run, before and after.
 """
 
 from __future__ import annotations
@@ -42,14 +50,17 @@ from rlax_tpu.config import (  # noqa: E402
     InferenceConfig,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     RunConfig,
     StorageConfig,
     TrainerConfig,
 )
+from rlax_tpu.sharding import build_mesh  # noqa: E402
 from rlax_tpu.trainer import (
     Trainer,  # noqa: E402
     perf,  # noqa: E402
 )
+from rlax_tpu.trainer.packing import sequence_lengths  # noqa: E402
 
 CONFIGS = {
     # name: (model, prompts_per_batch, samples_per_prompt, mini, micro, seq)
@@ -105,7 +116,7 @@ def _config(name: str, run_dir: str) -> RunConfig:
             mini_batch_size=mini,
             micro_batch_size=micro,
             max_seq_len=seq,
-            learning_rate=1e-6,
+            optimizer=OptimizerConfig(learning_rate=1e-6),
             checkpoint_every=10**6,
         ),
         # Prompts and responses that fit the trained sequence (RunConfig.validate).
@@ -234,6 +245,162 @@ def bench_service(steps: int) -> dict[str, float]:
     }
 
 
+# -- packed rows on heavy-tailed lengths (issue 42) --------------------------------------------
+# (model, prompts_per_batch, samples_per_prompt, mini, micro, seq): 2 updates of 8 micro-batches.
+PACKED = (CONFIGS["cpu_large"][0], 8, 4, 16, 2, 256)
+PACKED_PROMPT = (16, 48)  # prompt tokens, uniform
+PACKED_RESPONSE_MEDIAN, PACKED_RESPONSE_SIGMA = 24, 1.0  # log-normal response tokens
+PACKED_LONG_EVERY = 16  # one row in this many runs to max_seq_len (the heavy tail)
+
+
+def _packed_config(run_dir: str, tokens_per_row: int) -> RunConfig:
+    model, prompts, samples, mini, micro, seq = PACKED
+    config = _config("cpu_large", run_dir)
+    return config.apply_overrides(
+        [
+            f"controller.prompts_per_batch={prompts}",
+            f"controller.samples_per_prompt={samples}",
+            f"trainer.mini_batch_size={mini}",
+            f"trainer.micro_batch_size={micro}",
+            f"trainer.max_seq_len={seq}",
+            f"trainer.tokens_per_row={tokens_per_row}",
+            f"inference.max_prompt_len={seq // 2}",
+            f"inference.max_new_tokens={seq // 2}",
+            f"inference.prefill_buckets=[{seq // 2}]",
+        ]
+    )
+
+
+def _heavy_tailed_batch(config: RunConfig, seed: int) -> RolloutBatch:
+    """Step `seed`'s batch: prompts of PACKED_PROMPT tokens, log-normal responses capped at
+    the sequence, one row in PACKED_LONG_EVERY filling it; padded to max_seq_len."""
+    rng = np.random.default_rng(seed)
+    rows, seq = config.controller.global_batch_size, config.trainer.max_seq_len
+    prompt = rng.integers(*PACKED_PROMPT, rows)
+    response = np.round(
+        rng.lognormal(np.log(PACKED_RESPONSE_MEDIAN), PACKED_RESPONSE_SIGMA, rows)
+    ).astype(int)
+    response = np.clip(response, 1, seq - prompt)
+    response[::PACKED_LONG_EVERY] = seq - prompt[::PACKED_LONG_EVERY]
+    t = np.arange(seq)[None, :]
+    # Position t scores token t + 1: a response of n tokens after p prompt tokens is scored
+    # at p - 1 .. p + n - 2 (the last position's target is padding).
+    mask = (t >= prompt[:, None] - 1) & (t < (prompt + response)[:, None] - 1)
+    tokens = rng.integers(1, config.model.vocab_size, (rows, seq))
+    tokens = np.where(t < (prompt + response)[:, None], tokens, 0)
+    return RolloutBatch(
+        tokens=jnp.asarray(tokens, jnp.int32),
+        response_mask=jnp.asarray(mask),
+        group_ids=jnp.asarray(np.arange(rows) // config.controller.samples_per_prompt),
+        rewards=jnp.asarray(rng.normal(size=rows), jnp.float32),
+        behaviour_logprobs=jnp.full((rows, seq), -np.log(config.model.vocab_size), jnp.float32),
+        versions=jnp.full((rows,), seed, jnp.int32),
+    )
+
+
+def bench_packed(steps: int) -> dict:
+    """`Trainer.train_step` on heavy-tailed batches with padded rows and with packed rows,
+    on one device: both trainers compile on step 0, then take steps 1..`steps` in turn (the
+    same batches; alternating, so a busy host slows both alike); medians over those."""
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    layouts = {"padded": 0, "packed": PACKED[-1]}
+    with tempfile.TemporaryDirectory() as run_dir:
+        configs = {
+            name: _packed_config(os.path.join(run_dir, name), tokens_per_row)
+            for name, tokens_per_row in layouts.items()
+        }
+        trainers = {name: Trainer(config, mesh=mesh) for name, config in configs.items()}
+        results: dict[str, list] = {name: [] for name in layouts}
+        for step in range(steps + 1):  # step 0 compiles
+            for name, trainer in trainers.items():
+                if step == 0:
+                    trainer.initialize()
+                result = trainer.train_step(step, _heavy_tailed_batch(configs[name], step))
+                if step:
+                    results[name].append(result.metrics)
+        for trainer in trainers.values():
+            trainer.close()
+    config = configs["padded"]
+    tokens = statistics.median(
+        int(sequence_lengths(np.asarray(_heavy_tailed_batch(config, s).response_mask)).sum())
+        for s in range(1, steps + 1)
+    )
+    padded_tokens = config.controller.global_batch_size * config.trainer.max_seq_len
+    figures = {}
+    for name, metrics in results.items():
+        step_s = statistics.median(m["time/step_s"] for m in metrics)
+        padding = (
+            statistics.median(m["packing/padding_fraction"] for m in metrics)
+            if layouts[name]
+            else 1 - tokens / padded_tokens
+        )
+        figures[name] = {
+            "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
+            "padding_fraction": padding,
+            "sequence_tokens": tokens,
+        }
+    trainer = trainers["packed"]
+    model, prompts, samples, mini, micro, seq = PACKED
+    return {
+        "speedup_packed": figures["padded"]["step_s"] / figures["packed"]["step_s"],
+        "padded": figures["padded"],
+        "packed": figures["packed"],
+        "configuration": {
+            "model": "cpu_large",
+            "params": trainer.num_params,
+            "algorithm": "grpo",
+            "rows": prompts * samples,
+            "max_seq_len": seq,
+            "tokens_per_row": seq,
+            "mini_batch_size": mini,
+            "micro_batch_size": micro,
+            "devices": 1,
+            "platform": jax.devices()[0].platform,
+            "host": _host(),
+            "steps": steps,
+            "prompt_tokens": f"uniform{list(PACKED_PROMPT)}",
+            "response_tokens": (
+                f"lognormal(median {PACKED_RESPONSE_MEDIAN}, sigma {PACKED_RESPONSE_SIGMA}), "
+                f"1 row in {PACKED_LONG_EVERY} at max_seq_len"
+            ),
+        },
+    }
+
+
+def _host() -> str:
+    """The CPU model and core count (the figures' host)."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def print_packed(r: dict) -> None:
+    c = r["configuration"]
+    print(
+        f"packed rows, heavy-tailed lengths ({c['model']}, {c['params']:,} params, GRPO, "
+        f"{c['rows']} x {c['max_seq_len']} tokens, mini {c['mini_batch_size']}, micro "
+        f"{c['micro_batch_size']}, tokens_per_row {c['tokens_per_row']}, {c['devices']} "
+        f"{c['platform']} device):"
+    )
+    print(f"host: {c['host']}")
+    print(f"{'layout':<8} {'step s':>8} {'tokens/s':>10} {'ratio':>6} {'padding':>8}")
+    for name in ("padded", "packed"):
+        f = r[name]
+        ratio = f["tokens_per_s"] / r["padded"]["tokens_per_s"]
+        print(
+            f"{name:<8} {f['step_s']:>8.3f} {f['tokens_per_s']:>10.0f} {ratio:>5.2f}x "
+            f"{f['padding_fraction']:>8.1%}"
+        )
+    print(f"speedup_packed {r['speedup_packed']:.2f}x (tokens/s of the sequences' own tokens)")
+
+
 def _num_arrays(config: RunConfig) -> int:
     from flax import nnx
 
@@ -250,7 +417,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--configs", default="", help="comma-separated subset of " + ",".join(CONFIGS)
     )
+    parser.add_argument(
+        "--packed-only", action="store_true", help="only the packed vs padded comparison"
+    )
     args = parser.parse_args(argv)
+    if args.packed_only:
+        packed = bench_packed(2 if args.quick else 5)
+        print(f"devices: {jax.devices()[0].platform} × {len(jax.devices())}")
+        print_packed(packed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {"speedup_packed": packed["speedup_packed"], "packed": packed}, f, indent=2
+                )
+        return 0
     accelerator = jax.devices()[0].platform != "cpu"
     names = (
         args.configs.split(",")
@@ -260,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = 2 if args.quick else 5
     out = {name: bench(name, steps) for name in names}
     service = bench_service(16 if args.quick else 32)
+    packed = bench_packed(2 if args.quick else 5)
     header = f"{'config':<10} {'params':>11} {'tok/step':>9} {'tokens/s':>10} {'step s':>8} "
     header += f"{'recompute':>9} {'MFU':>8} {'peak TF/s':>9}"
     print(f"devices: {jax.devices()[0].platform} × {len(jax.devices())}")
@@ -276,11 +457,19 @@ def main(argv: list[str] | None = None) -> int:
         "{publish_s:.3f} + rest {overhead_s:.3f}; checkpoint +{checkpoint_s:.3f}; compile "
         "{compile_s:.2f}, recompile at a new length {recompile_s:.2f}".format(**service)
     )
+    print_packed(packed)
     if args.json:
         with open(args.json, "w") as f:
             # Top-level keys: the last (largest) config; every config under "configs".
             json.dump(
-                {**out[names[-1]], "config": names[-1], "configs": out, "service": service},
+                {
+                    **out[names[-1]],
+                    "config": names[-1],
+                    "configs": out,
+                    "service": service,
+                    "speedup_packed": packed["speedup_packed"],
+                    "packed": packed,
+                },
                 f,
                 indent=2,
             )

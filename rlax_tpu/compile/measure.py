@@ -41,7 +41,7 @@ KNOBS = {
         "activations_and_temporaries": (
             "trainer.micro_batch_size, trainer.remat_policy (full keeps least), "
             "trainer.logprob_chunk_size, trainer.attention_backend, trainer.scan_layers, "
-            "trainer.max_seq_len"
+            "trainer.max_seq_len, trainer.tokens_per_row (packed rows)"
         ),
         "inputs": (
             "trainer.max_seq_len, the global batch (controller.prompts_per_batch × "

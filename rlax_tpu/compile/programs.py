@@ -10,7 +10,9 @@ compiled here are the ones the run executes, at the shapes it executes them:
              init_opt    the optimizer state from the params (the SFT warm start's, or RL's),
                          with the reference copy the trainer then keeps beside them
              rl_step     one train step's update of the global batch (prompts_per_batch ×
-                         samples_per_prompt rows of trainer.max_seq_len tokens)
+                         samples_per_prompt rows of trainer.max_seq_len tokens; with
+                         trainer.tokens_per_row, packed in rows of that many, sized for
+                         every packed micro-batch used)
              recompute   π_old (and V_old) of the global batch, micro-batch by micro-batch;
                          run again on the reference params when the objective has a KL term
              sft_step    one SFT warm-start step (only when trainer.warm_start.steps > 0)
@@ -114,6 +116,17 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
         f"{levels.global_size} × {seq} tokens: {levels.num_updates} update(s) of "
         f"{levels.mini_size}, micro-batch {levels.micro_size}"
     )
+    rows_of = f"{levels.global_size} × {seq} tokens"
+    # Packed batches (trainer.tokens_per_row): each micro-batch is micro rows of that many
+    # tokens, and the programs are sized, and their FLOPs counted, for the worst case: every
+    # packed micro-batch used (a skipped one costs nothing at run time).
+    packed = config.trainer.tokens_per_row
+    if packed:
+        rows_of = f"{levels.global_size} × {seq} tokens packed in rows of {packed}"
+        batch = (
+            f"{rows_of}: {levels.num_updates} update(s) of {levels.mini_size}, "
+            f"micro-batch {levels.micro_size} × {packed} tokens"
+        )
 
     # The trainer's own table of what it runs at which abstract arguments (the same that
     # `trainer.compiled_dir` loads saved executables against).
@@ -130,7 +143,7 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
 
     dims = {
         "rows": levels.global_size,
-        "seq_len": seq,
+        "seq_len": packed or seq,  # tokens per row of the micro-batches
         "micro_batch": levels.micro_size,
         "updates": levels.num_updates,
     }
@@ -201,7 +214,7 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
             Program(
                 "recompute",
                 "trainer",
-                f"{levels.global_size} × {seq} tokens, micro-batch {levels.micro_size}",
+                f"{rows_of}, micro-batch {levels.micro_size}",
                 "twice per train step (π_old, reference)" if reference else "once per train step",
                 2 if reference else 1,
                 lowering("recompute"),

@@ -513,6 +513,12 @@ class TrainerConfig(ConfigBase):
     # Sequences per forward/backward pass; gradients accumulate over mini/micro passes.
     micro_batch_size: int = 8
     max_seq_len: int = 256  # tokens of a training sequence: prompt and response
+    # Packed batches (docs/trainer.md, "Packed batches"): each mini-batch's sequences are
+    # packed by first fit into rows of this many tokens, micro_batch_size rows per packed
+    # micro-batch, and only the micro-batches holding tokens run (micro-batching splits by
+    # tokens). 0 = off: every sequence padded to the batch's length in a row of its own.
+    # At least max_seq_len (a sequence never spans rows).
+    tokens_per_row: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     # Memory of the training forward (docs/trainer.md, "Memory"). remat_policy: what each
@@ -576,6 +582,14 @@ class TrainerConfig(ConfigBase):
             f"must divide mini_batch_size ({self.mini_batch_size}), got {self.micro_batch_size}",
         )
         require(self.max_seq_len >= 2, "max_seq_len", "must be >= 2")
+        require(
+            self.tokens_per_row == 0 or self.tokens_per_row >= self.max_seq_len,
+            "tokens_per_row",
+            f"must be 0 (packing off) or at least max_seq_len ({self.max_seq_len}): a packed "
+            f"row holds whole sequences, got {self.tokens_per_row}; set "
+            f"trainer.tokens_per_row={self.max_seq_len} or more (the same activation memory "
+            "per micro-batch as padded rows at that value), or 0",
+        )
         require(
             self.logprob_chunk_size >= 0,
             "logprob_chunk_size",
@@ -1318,6 +1332,11 @@ ADDED_FIELDS: dict[str, Any] = {
     "inference.tick_tokens": 0,
     "controller.datasets[].sft_field": "",
     "data.sft_field": "",
+    "trainer.tokens_per_row": 0,  # padded batches, as every run before packing
+    # Sharing a group's prompt pages gives bitwise the rollouts of prefilling each sample:
+    # what every run before it generated.
+    "inference.share_prompt_pages": True,
+    "inference.prefix_cache_entries": 0,
     # No run executed programs for its tools before these existed.
     "verifiers.execute_time_limit_s": 10.0,
     "verifiers.execute_memory_limit_bytes": 512 * 2**20,

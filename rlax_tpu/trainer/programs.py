@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -24,6 +25,7 @@ from rlax_tpu.models import Transformer
 from rlax_tpu.models.options import ForwardOptions
 from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import logical_to_spec, state_shardings
+from rlax_tpu.trainer.packing import PackedLayout, packed_layout, sequence_lengths
 from rlax_tpu.trainer.step import (
     BatchLevels,
     Optimizer,
@@ -102,13 +104,17 @@ class TrainerPrograms:
     graphdef, param_shardings, abstract_params, num_params, rl / sft (`OptimizerLayout`s of
     the RL optimizer and of the SFT warm start's), and the jitted functions:
 
-      recompute(params, tokens, values: static bool) -> Recomputed   (π_old, V_old)
-      rl_step(params, opt_state, batch, step, behaviour) -> (params, opt_state, metrics)
-      sft_step(params, opt_state, tokens, targets, loss_mask) -> (params, opt_state, metrics)
+      recompute(params, tokens, values: static bool[, layout]) -> Recomputed   (π_old, V_old)
+      rl_step(params, opt_state, batch, step, behaviour[, layout]) -> (params, opt_state, metrics)
+      sft_step(params, opt_state, tokens, targets, loss_mask[, layout]) -> (params, opt_state,
+          metrics)
       init_opt(params), init_sft_opt(params), mismatch(recomputed, cached, mask),
       random_init() -> params
 
-    rl_step and sft_step donate params and optimizer state (updated in place).
+    rl_step and sft_step donate params and optimizer state (updated in place). With
+    trainer.tokens_per_row > 0 (`tokens_per_row`) the recompute and the steps take the
+    batch's packed `layout` (`layout(mask, chunks=...)`, placed by `layout_shardings`) and
+    run packed rows.
     """
 
     def __init__(self, config: RunConfig, mesh: Mesh) -> None:
@@ -116,6 +122,9 @@ class TrainerPrograms:
         self.mesh = mesh
         self.rules = config.trainer.mesh.logical_axis_rules
         self.levels = BatchLevels.from_config(config)
+        # Packed batches (issue 42): > 0 packs each chunk's sequences into rows of this many
+        # tokens; 0 runs the padded rows.
+        self.tokens_per_row = config.trainer.tokens_per_row
         self.objective = build_objective(config.trainer.algorithm)
         self.inputs = objective_inputs(self.objective)  # optional batch fields it reads
         # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
@@ -178,9 +187,9 @@ class TrainerPrograms:
             self.sft.optimizer.transform.init, out_shardings=self.sft.shardings
         )
         graphdef, levels, options = self.graphdef, self.levels, self.forward_options
-        temperature = self.temperature
+        temperature, packed = self.temperature, self.tokens_per_row > 0
         self.recompute = jax.jit(
-            lambda params, tokens, values: recompute(
+            lambda params, tokens, values, layout=None: recompute(
                 graphdef,
                 params,
                 tokens,
@@ -188,6 +197,7 @@ class TrainerPrograms:
                 values=values,
                 temperature=temperature,
                 options=options,
+                layout=layout,
             ),
             static_argnums=2,
         )
@@ -199,12 +209,13 @@ class TrainerPrograms:
                 levels,
                 temperature=temperature,
                 options=options,
+                packed=packed,
             ),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, self.rl.shardings, replicated),
         )
         self.sft_step = jax.jit(
-            make_sft_step(graphdef, self.sft.optimizer, levels, options=options),
+            make_sft_step(graphdef, self.sft.optimizer, levels, options=options, packed=packed),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, self.sft.shardings, replicated),
         )
@@ -236,6 +247,47 @@ class TrainerPrograms:
     def row_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
         """A batch array with rows first (and sequence second): rows over the batch axes."""
         return self.sharding(("batch", "length")[: len(shape)], shape)
+
+    # -- packed layouts (trainer.tokens_per_row > 0) ----------------------------------------
+    def layout(self, mask: Any, *, chunks: int) -> PackedLayout:
+        """The host `PackedLayout` of a global batch whose loss / response mask is `mask`
+        (bool|float[G, T]) split into `chunks` chunks: the mini-batches of a train step
+        (`levels.num_updates`), or 1 for the recompute. A function of the mask alone, so a
+        resumed step packs as the uninterrupted one did."""
+        mask = np.asarray(mask)
+        return packed_layout(
+            sequence_lengths(mask),
+            chunks=chunks,
+            micro_size=self.levels.micro_size,
+            tokens_per_row=self.tokens_per_row,
+            seq=mask.shape[1],
+        )
+
+    def layout_shardings(self, layout: PackedLayout) -> PackedLayout:
+        """Where a layout's arrays go: packed rows (and the unpack index's padded rows) over
+        the batch axes, as the micro-batches they index (the leading chunk and micro-batch
+        axes, scanned over, are not sharded); the used counts replicated. `layout` may hold
+        arrays or shapes."""
+        packed = (None, None, "batch", "length")
+        return PackedLayout(
+            *(self.sharding(packed, np.shape(x)) for x in layout[:3]),
+            unpack=self.sharding((None, "batch", "length"), np.shape(layout.unpack)),
+            used=self.replicated,
+        )
+
+    def abstract_layout(self, chunks: int, seq_len: int) -> PackedLayout:
+        """A `PackedLayout` of the global batch of `seq_len` tokens in `chunks` chunks, as
+        abstract arrays placed as `Trainer` places one."""
+        rows = self.levels.global_size // chunks
+        micro = self.levels.micro_size
+        packed = (chunks, rows // micro, micro, self.tokens_per_row)
+        shapes = (packed, packed, packed, (chunks, rows, seq_len), (chunks,))
+        layout = PackedLayout(*(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes))
+        return jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            layout,
+            self.layout_shardings(layout),
+        )
 
     # -- abstract inputs (rlax-tpu compile) ------------------------------------------------
     def abstract_rows(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -272,7 +324,10 @@ class TrainerPrograms:
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
         behaviour = {"recomputed": per_token, "cached": per_token}
         batch = self.abstract_rollout_batch(seq_len)
-        return self.abstract_params, self.rl.abstract, batch, step, behaviour
+        args = (self.abstract_params, self.rl.abstract, batch, step, behaviour)
+        if self.tokens_per_row:
+            args += (self.abstract_layout(self.levels.num_updates, seq_len),)
+        return args
 
     def lowerings(self) -> dict[str, tuple[Any, tuple, tuple[int, ...]]]:
         """The programs `rlax-tpu compile` compiles and `trainer.compiled_dir` can replace:
@@ -287,7 +342,8 @@ class TrainerPrograms:
             "rl_step": (self.rl_step, self.abstract_rl_step_args(seq), ()),
             "recompute": (
                 self.recompute,
-                (self.abstract_params, self.abstract_tokens(seq), values),
+                (self.abstract_params, self.abstract_tokens(seq), values)
+                + ((self.abstract_layout(1, seq),) if self.tokens_per_row else ()),
                 (2,),
             ),
         }
@@ -322,4 +378,7 @@ class TrainerPrograms:
         shape = (self.levels.global_size, seq_len)
         tokens = self.abstract_rows(shape, jnp.int32)
         mask = self.abstract_rows(shape, jnp.float32)
-        return self.abstract_params, self.sft.abstract, tokens, tokens, mask
+        args = (self.abstract_params, self.sft.abstract, tokens, tokens, mask)
+        if self.tokens_per_row:
+            args += (self.abstract_layout(self.levels.num_updates, seq_len),)
+        return args

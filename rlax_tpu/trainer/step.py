@@ -3,7 +3,9 @@ recompute and the RL / SFT update over one global batch.
 
 Everything here is a function of (params, optimizer state, batch, step); the `Trainer`
 class owns the state, the mesh, versions and checkpoints and calls these under
-`use_mesh`. Shapes: G = global batch, T = sequence length, V = vocab.
+`use_mesh`. With trainer.tokens_per_row > 0 the steps and the recompute run packed rows
+(issue 42; `packing.PackedLayout`, passed next to the padded batch) and read the padded
+layout everywhere else. Shapes: G = global batch, T = sequence length, V = vocab.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rlax_tpu.algorithms.metrics import masked_mean, masked_quantile
 from rlax_tpu.config import InferenceConfig, OptimizerConfig, RunConfig
 from rlax_tpu.models.options import REFERENCE, ForwardOptions
 from rlax_tpu.sharding import constrain
+from rlax_tpu.trainer.packing import PackedLayout
 
 Params = Any  # a pure dict of arrays (nnx.to_pure_dict of the model's nnx.Param state)
 Metrics = dict[str, jax.Array]
@@ -179,14 +182,23 @@ def policy_outputs(
     entropy: bool,
     temperature: float = 1.0,
     options: ForwardOptions = REFERENCE,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """log π(targets) float32[b, s], and the value head and entropies when asked; π (and
-    its entropy) is softmax(logits / temperature)."""
+    its entropy) is softmax(logits / temperature). positions, segment_ids: int32[b, s] of
+    packed rows (`Transformer.forward_train`); None for padded rows."""
     tokens = constrain(tokens, ("batch", "length"))
     targets = constrain(targets, ("batch", "length"))
     model = nnx.merge(graphdef, params)
     out = model.forward_train(
-        tokens, targets, return_entropy=entropy, temperature=temperature, options=options
+        tokens,
+        targets,
+        positions=positions,
+        segment_ids=segment_ids,
+        return_entropy=entropy,
+        temperature=temperature,
+        options=options,
     )
     return out.logprobs, (out.values if values else None), out.entropies
 
@@ -194,6 +206,55 @@ def policy_outputs(
 def _chunks(x: jax.Array, n: int) -> jax.Array:
     """[n·k, ...] -> [n, k, ...] (row blocks, in order)."""
     return x.reshape((n, x.shape[0] // n, *x.shape[1:]))
+
+
+# -- packed batches (issue 42) -------------------------------------------------------------
+# A chunk (a mini-batch, or the whole batch for the recompute) of B padded rows of T tokens
+# runs as M packed micro-batches of R rows of P = trainer.tokens_per_row tokens
+# (packing.PackedLayout): its tokens and targets are gathered from the padded arrays, the
+# model's outputs are gathered back to the padded layout (0 off the sequences), where every
+# objective, normalisation and metric reads them as it does a padded batch's.
+
+
+def _pack(x: jax.Array, source: jax.Array) -> jax.Array:
+    """A chunk's padded x[B, T, ...] gathered into the packed layout: [*source.shape, ...],
+    0 on padding (`source` points past the end there)."""
+    flat = x.reshape((-1, *x.shape[2:]))
+    flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])
+    return flat[source]
+
+
+def _unpack(x: jax.Array, unpack: jax.Array) -> jax.Array:
+    """Packed outputs x[M, R, P, ...] of a chunk gathered back to its padded layout:
+    [*unpack.shape, ...] ([B, T, ...]), 0 past each sequence's length."""
+    flat = x.reshape((-1, *x.shape[3:]))
+    flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])
+    return flat[unpack]
+
+
+def _packed_inputs(tokens: jax.Array, targets: jax.Array, layout: PackedLayout) -> tuple:
+    """(tokens, targets, positions, segment_ids), each int32[M, R, P], of one chunk. The
+    targets are the padded rows' (tokens shifted left), so a sequence's last target is its
+    own next token, never the next segment's first."""
+    source = layout.source
+    return _pack(tokens, source), _pack(targets, source), layout.positions, layout.segment_ids
+
+
+def _over_used(fn: Callable, xs: Any, used: jax.Array) -> Any:
+    """fn over the packed micro-batches xs (leading axis M), stacked; a micro-batch past the
+    `used` ones (all padding) is skipped and gives zeros. A scan of M steps whose body runs
+    only for the used ones (`lax.cond`): the work follows the tokens, and the trip count
+    stays static, so `rlax-tpu compile` counts the worst case (every micro-batch used)."""
+    m = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.tree.map(lambda x: x[0], xs)
+    shapes = jax.eval_shape(fn, first)
+
+    def micro(_, ys):
+        k, x = ys
+        skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+        return None, jax.lax.cond(k < used, lambda: fn(x), skip)
+
+    return jax.lax.scan(micro, None, (jnp.arange(m), xs))[1]
 
 
 class Recomputed(NamedTuple):
@@ -210,6 +271,7 @@ def recompute(
     values: bool = False,
     temperature: float = 1.0,
     options: ForwardOptions = REFERENCE,
+    layout: PackedLayout | None = None,
 ) -> Recomputed:
     """π_old's log-probs of every row's targets (and the value head's V_old when `values`),
     micro-batch by micro-batch, under `params` and without gradient; π_old is
@@ -220,17 +282,34 @@ def recompute(
     and log-probs use the sampler's formula (`logprob_formula="inference"`:
     rlax_tpu.models.logprobs.inference_logprobs), so the recomputed π_old matches the
     inference workers' log-probs (docs/trainer.md says how closely).
+
+    layout: the whole batch packed as one chunk (trainer.tokens_per_row > 0; arrays with a
+    leading axis of 1): the used packed micro-batches run instead of the padded ones, and
+    the results are 0 past each row's sequence length (`packing.sequence_lengths`).
     """
 
-    def forward(p, t):
+    def forward(p, t, targets=None, positions=None, segment_ids=None):
         t = constrain(t, ("batch", "length"))
-        targets = _targets(t)
+        if targets is None:
+            targets = _targets(t)
         out = nnx.merge(graphdef, p).forward_train(
-            t, targets, logprob_formula="inference", temperature=temperature, options=options
+            t,
+            targets,
+            positions=positions,
+            segment_ids=segment_ids,
+            logprob_formula="inference",
+            temperature=temperature,
+            options=options,
         )
         return out.logprobs, (out.values if values else None)
 
     forward = jax.checkpoint(forward, policy=jax.checkpoint_policies.nothing_saveable)
+    if layout is not None:
+        one = jax.tree.map(lambda x: x[0], layout)
+        xs = _packed_inputs(tokens, _targets(tokens), one)
+        outs = _over_used(lambda x: forward(params, *x), xs, one.used)
+        lp, v = jax.tree.map(lambda o: jax.lax.stop_gradient(_unpack(o, one.unpack)), outs)
+        return Recomputed(lp, None if v is None else v.astype(jnp.float32))
     n = tokens.shape[0] // micro_size
     lp, v = jax.lax.map(lambda t: forward(params, t), _chunks(tokens, n))
     lp = jax.lax.stop_gradient(lp.reshape(tokens.shape))
@@ -247,10 +326,17 @@ def recompute_logprobs(
     micro_size: int,
     temperature: float = 1.0,
     options: ForwardOptions = REFERENCE,
+    layout: PackedLayout | None = None,
 ) -> jax.Array:
     """`recompute(...).logprobs`: float32[G, T]."""
     return recompute(
-        graphdef, params, tokens, micro_size=micro_size, temperature=temperature, options=options
+        graphdef,
+        params,
+        tokens,
+        micro_size=micro_size,
+        temperature=temperature,
+        options=options,
+        layout=layout,
     ).logprobs
 
 
@@ -292,10 +378,11 @@ def make_rl_step(
     *,
     temperature: float = 1.0,
     options: ForwardOptions = REFERENCE,
+    packed: bool = False,
 ) -> Callable:
     """The RL update of one global batch, to be jitted:
 
-        (params, opt_state, batch, step, behaviour) -> (params, opt_state, metrics)
+        (params, opt_state, batch, step, behaviour[, layout]) -> (params, opt_state, metrics)
 
     batch: a `RolloutBatch` of G rows whose behaviour_logprobs (and reference_logprobs,
     values) already hold what the objective should read. It is split into `num_updates`
@@ -315,21 +402,32 @@ def make_rl_step(
     temperature: log π_θ and the entropies are of softmax(logits / temperature), the
     temperature the batch's behaviour (and reference) log-probs were computed at
     (`policy_temperature`).
+
+    packed (trainer.tokens_per_row > 0): the step takes `layout`, a `PackedLayout` of the
+    batch's mini-batches (one chunk each), and each mini-batch runs as its used packed
+    micro-batches instead of its padded ones, always in the two passes above: pass 1
+    gathers log π (values, entropies) back to the padded [mini, T] layout (0 off the
+    sequences), where the objective runs exactly as on a padded batch; its cotangents are
+    gathered into the packed layout for pass 2 (also with micro_per_mini == 1: no
+    differentiable gather path). The loss, every metric and the gradient are the padded
+    step's within float rounding.
     """
     need_values = objective.needs_values
     need_entropy = objective.needs_entropy
     m = levels.micro_per_mini
 
-    def outputs(params, tokens):
+    def outputs(params, tokens, targets=None, positions=None, segment_ids=None):
         return policy_outputs(
             graphdef,
             params,
             tokens,
-            _targets(tokens),
+            _targets(tokens) if targets is None else targets,
             values=need_values,
             entropy=need_entropy,
             temperature=temperature,
             options=options,
+            positions=positions,
+            segment_ids=segment_ids,
         )
 
     def loss_of(mini: RolloutBatch, step, lp, values, entropy):
@@ -374,16 +472,63 @@ def make_rl_step(
         grads, _ = jax.lax.scan(micro, zeros, (_chunks(mini.tokens, m), cot_chunks))
         return (loss, metrics), grads, lp
 
+    def packed_grads(params, mini, step, layout: PackedLayout):
+        # Pass 1: outputs of the used packed micro-batches, no grad, in the padded layout.
+        xs = _packed_inputs(mini.tokens, _targets(mini.tokens), layout)
+        outs = _over_used(lambda x: outputs(params, *x), xs, layout.used)
+        lp, values, entropy = jax.tree.map(lambda o: _unpack(o, layout.unpack), outs)
+        (loss, metrics), cotangents = jax.value_and_grad(
+            lambda o: loss_of(mini, step, *o), has_aux=True
+        )((lp, values, entropy))
+        cot_packed = jax.tree.map(lambda c: _pack(c, layout.source), cotangents)
+
+        # Pass 2: back-propagate the packed cotangents through each used micro-batch.
+        def micro(grads, ys):
+            k, x, cot = ys
+
+            def surrogate(p):
+                o = outputs(p, *x)
+                return sum(
+                    jnp.sum(c.astype(jnp.float32) * y.astype(jnp.float32))
+                    for c, y in zip(cot, o, strict=True)
+                    if c is not None
+                )
+
+            def accumulate():
+                return jax.tree.map(jnp.add, grads, jax.grad(surrogate)(params))
+
+            return jax.lax.cond(k < layout.used, accumulate, lambda: grads), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(micro, zeros, (jnp.arange(m), xs, cot_packed))
+        return (loss, metrics), grads, lp
+
     grads_of = direct_grads if m == 1 else accumulated_grads
 
-    def rl_step(params, opt_state, batch: RolloutBatch, step, behaviour: dict[str, jax.Array]):
+    def rl_step(
+        params,
+        opt_state,
+        batch: RolloutBatch,
+        step,
+        behaviour: dict[str, jax.Array],
+        layout: PackedLayout | None = None,
+    ):
+        if packed != (layout is not None):
+            raise TypeError(
+                "a packed RL step takes the batch's PackedLayout, a padded one none "
+                f"(packed={packed}, layout given: {layout is not None})"
+            )
         minis = jax.tree.map(lambda x: _chunks(x, levels.num_updates), (batch, behaviour))
+        minis = (*minis, layout)
 
         def update(carry, xs):
             params, opt_state = carry
-            mini, mini_behaviour = xs
+            mini, mini_behaviour, mini_layout = xs
             mini = mini.replace(group_ids=_dense_group_ids(mini.group_ids))
-            (loss, metrics), grads, lp = grads_of(params, mini, step)
+            if packed:
+                (loss, metrics), grads, lp = packed_grads(params, mini, step, mini_layout)
+            else:
+                (loss, metrics), grads, lp = grads_of(params, mini, step)
             params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
             metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
             metrics.update(loss=loss, grad_norm=grad_norm)
@@ -434,44 +579,68 @@ def make_sft_step(
     levels: BatchLevels,
     *,
     options: ForwardOptions = REFERENCE,
+    packed: bool = False,
 ) -> Callable:
     """The SFT update of one global batch, to be jitted:
 
-        (params, opt_state, tokens, targets, loss_mask) -> (params, opt_state, metrics)
+        (params, opt_state, tokens, targets, loss_mask[, layout]) -> (params, opt_state, metrics)
 
     tokens, targets: int32[G, T]; loss_mask: float[G, T]. The loss of a mini-batch is the
     token-mean NLL −Σ mask·log π / Σ mask; its gradient w.r.t. log π is −mask / Σ mask,
     known before the forward, so micro-batches accumulate it exactly in one pass each.
     SFT trains the model's own distribution: log π at temperature 1, whatever the
     inference temperature.
+
+    packed (trainer.tokens_per_row > 0): the step takes `layout`, a `PackedLayout` of the
+    mini-batches (sequence lengths from the loss mask), and each mini-batch's used packed
+    micro-batches run instead of its padded ones, with the tokens, targets and loss mask
+    gathered into the packed layout: the same loss and gradient within float rounding.
     """
     m = levels.micro_per_mini
 
     def update(carry, xs):
         params, opt_state = carry
-        tokens, targets, mask = xs
+        tokens, targets, mask, layout = xs
         mask = mask.astype(jnp.float32)
         total = jnp.maximum(jnp.sum(mask), 1.0)
 
         def micro(acc, ys):
             grads, nll = acc
-            t, y, w = ys
+            if packed:
+                k, (t, y, positions, segment_ids), w = ys
+            else:
+                (t, y, w), positions, segment_ids = ys, None, None
 
             def loss_fn(p):
                 lp = policy_outputs(
-                    graphdef, p, t, y, values=False, entropy=False, options=options
+                    graphdef,
+                    p,
+                    t,
+                    y,
+                    values=False,
+                    entropy=False,
+                    options=options,
+                    positions=positions,
+                    segment_ids=segment_ids,
                 )[0]
                 return -jnp.sum(jnp.where(w > 0, lp * w, 0.0)) / total
 
-            loss, g = jax.value_and_grad(loss_fn)(params)
-            return (jax.tree.map(jnp.add, grads, g), nll + loss), None
+            def accumulate():
+                loss, g = jax.value_and_grad(loss_fn)(params)
+                return jax.tree.map(jnp.add, grads, g), nll + loss
+
+            if packed:
+                return jax.lax.cond(k < layout.used, accumulate, lambda: (grads, nll)), None
+            return accumulate(), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, nll), _ = jax.lax.scan(
-            micro,
-            (zeros, jnp.zeros((), jnp.float32)),
-            (_chunks(tokens, m), _chunks(targets, m), _chunks(mask, m)),
-        )
+        init = (zeros, jnp.zeros((), jnp.float32))
+        if packed:
+            packed_mask = _pack(mask, layout.source)
+            ys = (jnp.arange(m), _packed_inputs(tokens, targets, layout), packed_mask)
+        else:
+            ys = (_chunks(tokens, m), _chunks(targets, m), _chunks(mask, m))
+        (grads, nll), _ = jax.lax.scan(micro, init, ys)
         params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
         return (params, opt_state), {
             "loss": nll,
@@ -480,9 +649,14 @@ def make_sft_step(
             "tokens": total,
         }
 
-    def sft_step(params, opt_state, tokens, targets, loss_mask):
+    def sft_step(params, opt_state, tokens, targets, loss_mask, layout=None):
+        if packed != (layout is not None):
+            raise TypeError(
+                "a packed SFT step takes the batch's PackedLayout, a padded one none "
+                f"(packed={packed}, layout given: {layout is not None})"
+            )
         n = levels.num_updates
-        xs = (_chunks(tokens, n), _chunks(targets, n), _chunks(loss_mask, n))
+        xs = (_chunks(tokens, n), _chunks(targets, n), _chunks(loss_mask, n), layout)
         (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), xs)
         out = _mean_metrics(metrics)
         out["learning_rate"] = optimizer.last_learning_rate(opt_state)

@@ -183,19 +183,38 @@ class Trainer:
         self._last_metrics: dict[str, float] = {}
         self._peak_flops: float | None = None
 
-    def _place_rows(self, x: Any, dtype=None) -> jax.Array:
-        """A host or device array with rows first, sharded over the batch axes.
+    def _place_rows(self, x: Any, dtype=None, sharding: NamedSharding | None = None) -> jax.Array:
+        """A host or device array with rows first, sharded over the batch axes (or as
+        `sharding` says).
 
         Multi-host: every process passes the same global batch and places the rows of its
         own devices (no cross-process traffic, no equality check).
         """
-        sharding = self.programs.row_sharding(tuple(np.shape(x)))
+        sharding = sharding or self.programs.row_sharding(tuple(np.shape(x)))
         if sharding.is_fully_addressable or (
             isinstance(x, jax.Array) and not x.is_fully_addressable
         ):
             x = jnp.asarray(x, dtype) if dtype is not None else x
             return jax.device_put(x, sharding)
         return _from_host(np.asarray(x, dtype), sharding)
+
+    def _layout(self, mask: Any, *, chunks: int) -> tuple[tuple, dict[str, float]]:
+        """The packed layout of a batch with loss / response `mask` in `chunks` chunks,
+        placed on the mesh, as the extra argument of a packed program, and its padding
+        figures (`packing/*`); no argument and no figures when packing is off."""
+        if not self.programs.tokens_per_row:
+            return (), {}
+        layout = self.programs.layout(mask, chunks=chunks)
+        shardings = self.programs.layout_shardings(layout)
+        placed = type(layout)(
+            *(self._place_rows(x, sharding=sh) for x, sh in zip(layout, shardings, strict=True))
+        )
+        figures = {
+            # The share of the token slots that run which are padding, packed and padded.
+            "packing/padding_fraction": 1 - layout.sequence_tokens / max(layout.packed_tokens, 1),
+            "packing/padding_fraction_padded": 1 - layout.sequence_tokens / layout.padded_tokens,
+        }
+        return (placed,), figures
 
     # -- state ----------------------------------------------------------------------------
     def _require_state(self) -> None:
@@ -368,6 +387,10 @@ class Trainer:
         self._check_staleness(step, batch)
         self._check_inputs(batch)
         batch = batch.replace(token_versions=None)  # checked; no objective part reads it
+        # Packed rows (trainer.tokens_per_row): the layouts of the update's mini-batches and
+        # of the recompute's whole batch, from the response mask alone.
+        packed, packing = self._layout(batch.response_mask, chunks=self.levels.num_updates)
+        packed_recompute, _ = self._layout(batch.response_mask, chunks=1)
         batch = jax.tree.map(self._place_rows, batch)
         first = self._first_of_shape("train step", rows, seq)
         start, compiled = time.perf_counter(), perf.compile_seconds()
@@ -378,7 +401,9 @@ class Trainer:
             recomputed, extra, recompute_s = cached, {}, 0.0
             if recompute:
                 # π_old and, for GAE, V_old: the value head before the update (stop-gradient).
-                recomputed, old_values = self._recompute(self._params, batch.tokens, needs_values)
+                recomputed, old_values = self._recompute(
+                    self._params, batch.tokens, needs_values, *packed_recompute
+                )
                 recomputed.block_until_ready()
                 recompute_s = time.perf_counter() - start
                 extra = self._mismatch(recomputed, cached, batch.response_mask)
@@ -391,7 +416,9 @@ class Trainer:
                 batch = batch.replace(values=old_values)
             if self.objective.needs_reference_logprobs:
                 batch = batch.replace(
-                    reference_logprobs=self._recompute(self._reference, batch.tokens, False)[0]
+                    reference_logprobs=self._recompute(
+                        self._reference, batch.tokens, False, *packed_recompute
+                    )[0]
                 )
             self._params, self._opt_state, metrics = self._rl_step(
                 self._params,
@@ -399,8 +426,9 @@ class Trainer:
                 batch,
                 jnp.asarray(step, jnp.int32),
                 {"recomputed": recomputed, "cached": cached},
+                *packed,
             )
-            metrics = {**jax.device_get(metrics), **jax.device_get(extra)}
+            metrics = {**jax.device_get(metrics), **jax.device_get(extra), **packing}
             if not recompute:  # the same program ran with recomputed = cached: not a figure
                 metrics = {k: v for k, v in metrics.items() if "recomputed" not in k}
         step_s = time.perf_counter() - start
@@ -524,6 +552,7 @@ class Trainer:
         failpoint("trainer.sft_step", step)  # dies mid warm start (kill test)
         rows, seq = np.shape(tokens)
         self.levels.check(rows, seq, self.config.trainer.max_seq_len)
+        packed, packing = self._layout(loss_mask, chunks=self.levels.num_updates)
         tokens = self._place_rows(tokens, jnp.int32)
         targets = self._place_rows(targets, jnp.int32)
         loss_mask = self._place_rows(loss_mask, jnp.float32)
@@ -531,9 +560,9 @@ class Trainer:
         start, compiled = time.perf_counter(), perf.compile_seconds()
         with use_mesh(self.mesh, self.rules):
             self._params, self._sft_opt_state, metrics = self._sft_step(
-                self._params, self._sft_opt_state, tokens, targets, loss_mask
+                self._params, self._sft_opt_state, tokens, targets, loss_mask, *packed
             )
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics = {k: float(v) for k, v in {**jax.device_get(metrics), **packing}.items()}
         if first:
             seconds = time.perf_counter() - start
             self.progress(f"SFT step {rows}x{seq}: compiled and ran in {seconds:.1f}s")
