@@ -1,4 +1,5 @@
-"""The shapes batches are padded to, shared by the controller and the simulator (JAX-free).
+"""The shapes batches are padded or packed to, shared by the controller, the trainer and the
+simulator (JAX-free).
 
 Every distinct shape of the trainer's batch is one compile of its jitted step (seconds on a
 CPU, minutes for a large model on a TPU pod), so the sequence length of a training batch is
@@ -8,6 +9,8 @@ shapes (25 up to 4096), and pads its longest sequence by less than 25% above 64 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 MIN_SEQ_LEN = 64
 STEPS_PER_OCTAVE = 4
@@ -23,3 +26,23 @@ def padded_seq_len(longest: int, max_seq_len: int) -> int:
     octave = 1 << ((longest - 1).bit_length() - 1)  # largest power of two < longest
     step = octave // STEPS_PER_OCTAVE
     return min(max_seq_len, step * -(-longest // step))
+
+
+def first_fit(lengths: Sequence[int], tokens_per_row: int) -> tuple[list[int], list[int], int]:
+    """Sequences of `lengths` (in batch order, each at most `tokens_per_row`) packed into rows
+    of `tokens_per_row` tokens by first fit: each goes into the first row with room left,
+    else a new row; a zero-length one takes no room (row 0, offset 0). Returns each one's
+    row and offset in it, and the number of rows (at least 1). A function of the lengths
+    alone: the trainer's packed batches (rlax_tpu.trainer.packing) and the simulator's
+    count of them."""
+    used: list[int] = []  # tokens used in each row so far
+    rows, offsets = [0] * len(lengths), [0] * len(lengths)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        row = next((r for r, u in enumerate(used) if u + n <= tokens_per_row), len(used))
+        if row == len(used):
+            used.append(0)
+        rows[b], offsets[b] = row, used[row]
+        used[row] += n
+    return rows, offsets, max(1, len(used))

@@ -35,7 +35,7 @@ from rlax_tpu.simulator import (
 )
 from rlax_tpu.simulator import workloads as bench_workload
 from rlax_tpu.simulator.fit import fit_to_measurement
-from rlax_tpu.simulator.model import CalibrationError
+from rlax_tpu.simulator.model import CalibrationError, train_s, train_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
@@ -157,6 +157,101 @@ def test_batched_prefill_pays_one_call_per_round_of_rows():
     per_token = dataclasses.replace(timing, prefill_call_s=0.0, prefill_s_per_token=1e-4)
     bucket = eight.bucket(44)
     assert generation_s(per_token, eight, [44] * 3, [3] * 3) == pytest.approx(8 * bucket * 1e-4)
+
+
+# -- shared prompt pages and packed batches (issue 42) ------------------------------------------
+PREFILL_ONLY = TimingModel(
+    prefill_call_s=0.0,
+    prefill_s_per_token=1e-4,
+    decode_call_s=0.0,
+    decode_step_s=0.0,
+    job_overhead_s=0.0,
+)
+
+
+def long_prompt_groups(samples_per_prompt: int, *, share: bool = True) -> Workload:
+    """The tiny workload with 500-token prompts (one 512-token bucket), 8 prefill rows, 64
+    decode slots and 64 samples per batch, `samples_per_prompt` of each prompt."""
+    return dataclasses.replace(
+        tiny_workload(1, 0, steps=4, response=Distribution(kind="fixed", median=16)),
+        prompts_per_batch=64 // samples_per_prompt,
+        samples_per_prompt=samples_per_prompt,
+        prompt_tokens=Distribution(kind="fixed", median=500),
+        prefill_buckets=(512,),
+        prefill_rows=8,
+        decode_slots=64,
+        share_prompt_pages=share,
+    )
+
+
+def test_the_samples_of_a_prompt_admitted_together_take_one_prefill_row():
+    """With share_prompt_pages a round prefills each group's prompt once: 8 groups of 8 in
+    one round of 64 slots are one call of 8 rows, not 8 calls."""
+    prompts, responses = [500] * 64, [16] * 64
+    groups = [i // 8 for i in range(64)]
+    call = 8 * 512 * 1e-4  # 8 rows of the 512-token bucket
+    shared = generation_s(PREFILL_ONLY, long_prompt_groups(8), prompts, responses, groups=groups)
+    unshared = long_prompt_groups(8, share=False)
+    assert shared == pytest.approx(call)
+    assert generation_s(PREFILL_ONLY, unshared, prompts, responses, groups=groups) == (
+        pytest.approx(8 * call)
+    )
+    # Without groups (K = 1: every prompt its own) sharing changes nothing.
+    alone = generation_s(PREFILL_ONLY, long_prompt_groups(1), prompts, responses, groups=range(64))
+    assert (
+        alone == generation_s(PREFILL_ONLY, unshared, prompts, responses) == pytest.approx(8 * call)
+    )
+    # 16 slots: four rounds of two groups each, one call per round (two unshared).
+    few = dataclasses.replace(long_prompt_groups(8), decode_slots=16)
+    assert generation_s(PREFILL_ONLY, few, prompts, responses, groups=groups) == (
+        pytest.approx(4 * call)
+    )
+
+
+def test_sharing_prompt_pages_shortens_the_simulated_generation_of_groups():
+    def busy(workload: Workload) -> float:
+        return sum(simulate(workload, PREFILL_ONLY).worker_busy_s)
+
+    # Two workers, a job of 4 groups each: one prefill call per job instead of 4.
+    assert busy(long_prompt_groups(8)) < busy(long_prompt_groups(8, share=False)) / 3
+    assert busy(long_prompt_groups(1)) == busy(long_prompt_groups(1, share=False))
+
+
+def packed_workload(tokens_per_row: int) -> Workload:
+    """Mini-batches of 8, micro-batches of 2 rows, sequences of at most 256 tokens."""
+    return dataclasses.replace(
+        tiny_workload(1, 0, steps=4),
+        max_seq_len=256,
+        mini_batch_size=8,
+        micro_batch_size=2,
+        tokens_per_row=tokens_per_row,
+    )
+
+
+def test_a_packed_step_trains_only_its_used_packed_micro_batches():
+    timing = TimingModel(train_fixed_s=0.5, train_s_per_token=1e-4)
+    # Mini-batch 1: seven 30-token sequences and one of 250; mini-batch 2: eight of 250.
+    prompts = [10] * 16
+    responses = [20] * 7 + [240] + [240] * 8
+    padded, packed = packed_workload(0), packed_workload(256)
+    # Padded: 16 rows of the batch's padded length (256); no change without packing.
+    assert train_tokens(padded, prompts, responses) == 16 * 256
+    assert train_s(timing, padded, prompts, responses) == pytest.approx(0.5 + 16 * 256 * 1e-4)
+    # Packed: first fit puts the 30s in one row and the 250 in a second (one micro-batch
+    # of 2 rows); the 250s take a row each (4 micro-batches): 5 micro-batches of 2 × 256.
+    assert train_tokens(packed, prompts, responses) == 5 * 2 * 256
+    assert train_s(timing, packed, prompts, responses) == pytest.approx(0.5 + 2560 * 1e-4)
+
+
+def test_packing_shortens_the_simulated_train_step_of_heavy_tailed_lengths():
+    timing = TimingModel(train_fixed_s=0.0, train_s_per_token=1e-3, decode_step_s=0.0)
+    tail = Distribution(kind="lognormal", median=16, sigma=1.5, maximum=240)
+
+    def busy(tokens_per_row: int) -> float:
+        workload = dataclasses.replace(packed_workload(tokens_per_row), response_tokens=tail)
+        return simulate(workload, timing).trainer_busy_s
+
+    assert busy(256) < busy(0) / 2
 
 
 def test_a_new_padded_length_compiles_the_train_step_again():

@@ -145,6 +145,14 @@ def test_the_rooflines_give_the_train_prefill_and_decode_costs(tmp_path):
     assert "without a cost estimate" in text  # decode's paged-attention kernel
 
 
+def test_a_packed_steps_roofline_is_per_packed_token(tmp_path):
+    """Packed, the compiled step counts every packed micro-batch: rows × tokens_per_row."""
+    config = tpu_config("trainer.tokens_per_row=128")
+    timing, notes = _calibrate(tmp_path, config, compile_report(config))
+    assert timing.train_s_per_token == pytest.approx(0.3 / 0.4 / (64 * 128))
+    assert "64 × 128 packed tokens" in "\n".join(notes)
+
+
 def test_the_roofline_efficiency_is_explicit_and_settings_still_win(tmp_path):
     config = tpu_config()
     timing, notes = _calibrate(

@@ -141,7 +141,8 @@ def from_compile_report(
 
     * trainer: train_s_per_token = train_step_roofline_s (rl_step + recompute × its calls)
       / compiled_train_efficiency / (rows × max_seq_len, the tokens the compiled step
-      trains); train_fixed_s = 0 (a roofline has no fixed part);
+      trains; packed, rows × trainer.tokens_per_row: the compiled step counts every packed
+      micro-batch as used); train_fixed_s = 0 (a roofline has no fixed part);
     * prefill: prefill_s_per_token = roofline / compiled_prefill_efficiency / (rows ×
       largest bucket) (exact at the compiled bucket, linear below it);
     * decode: decode_step_s = roofline / compiled_decode_efficiency / tokens per call (one
@@ -191,13 +192,16 @@ def from_compile_report(
     else:
         step_s, eff = float(report["train_step_roofline_s"]), hardware.compiled_train_efficiency
         rows, seq = _shape(programs["rl_step"], source)
+        # Packed, its roofline counts every packed micro-batch as used: rows packed rows.
+        seq = workload.tokens_per_row or seq
         figures["train_s_per_token"] = step_s / eff / (rows * seq)
         figures["train_fixed_s"] = 0.0
         notes.append(
             f"{source}: train_s_per_token {figures['train_s_per_token']:.3g} s, train_fixed_s 0: "
             f"the train step's roofline {_ms(step_s)} (rl_step + recompute × "
             f"{programs['recompute']['calls_per_step']}, {programs['rl_step']['bound']}-bound; "
-            f"{rows} × {seq} tokens on {where('trainer')}) at {eff:.0%} of it "
+            f"{rows} × {seq} {'packed ' if workload.tokens_per_row else ''}tokens on "
+            f"{where('trainer')}) at {eff:.0%} of it "
             "(hardware.compiled_train_efficiency)"
         )
     why = missing(("prefill",))

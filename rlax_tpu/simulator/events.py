@@ -5,11 +5,13 @@ The schedule is the controller's (rlax_tpu/controller/controller.py), step for s
 step b (trainer at version b) every batch b' in [b, b + N] (and < num_steps) whose
 `StalenessPolicy.generation_version(b', b)` is not None is launched, in order, as jobs of
 whole groups, one per worker; a worker takes the earliest job (eval jobs first, then by
-batch), loads the job's version if it holds another, generates and delivers; when batch b
-is complete it is verified, assembled and trained, and the train step makes version b + 1,
-published when workers may load it (every η-th) or it is the run's last. Held-out
-evaluations, snapshots at reload boundaries and preemptions (a restart from the newest
-snapshot's checkpoint, reusing the rollout log) are simulated too.
+batch), loads the job's version if it holds another, generates and delivers (the samples
+of a group have their prompt's length and, with share_prompt_pages, share its prefill:
+`generation_s`); when batch b is complete it is verified, assembled and trained (its rows
+padded, or packed: `train_s`), and the train step makes version b + 1, published when
+workers may load it (every η-th) or it is the run's last. Held-out evaluations, snapshots
+at reload boundaries and preemptions (a restart from the newest snapshot's checkpoint,
+reusing the rollout log) are simulated too.
 
 With in-flight weight updates (`Workload.in_flight`, staleness.InFlightPlan) the launch of
 batch k opens tick k: a request that paused at its budget in an earlier tick continues in
@@ -499,10 +501,13 @@ class _Segment:
         w = self.w
         batch = _Batch(b, version, w.batch_size)
         rng = self._rng("lengths", b, version)  # a regenerated rollout is the same rollout
-        batch.lengths = [
-            (w.prompt_tokens.tokens(rng), w.response_tokens.tokens(rng))
-            for _ in range(batch.expected)
-        ]
+        # Group by group: one prompt length per group, its samples' (so a group's samples
+        # can share their prompt's prefill); samples_per_prompt 1 draws as before.
+        for _ in range(batch.expected // w.samples_per_prompt):
+            prompt = w.prompt_tokens.tokens(rng)
+            batch.lengths += [
+                (prompt, w.response_tokens.tokens(rng)) for _ in range(w.samples_per_prompt)
+            ]
         self.batches[b] = batch
         self.ticks[b] = version
         for worker, request in self.waiting.pop(b, []):
@@ -642,7 +647,9 @@ class _Segment:
                     for r, (_, n), d in zip(requests, lengths, done, strict=True)
                 ]
                 self.r.continuations += len(call.continuing)
-                duration = generation_s(t, w, [p for p, _ in lengths], new, done)
+                # A request's group: its batch's index and its prompt's in the batch.
+                groups = [(r.batch.index, r.index // w.samples_per_prompt) for r in requests]
+                duration = generation_s(t, w, [p for p, _ in lengths], new, done, groups)
             yield self.host.work(compile_s + duration, t.worker_cores)
             self._mark(f"worker {i}", "eval" if evaluation else f"gen {call.tick}", t1)
             del self.running[i]

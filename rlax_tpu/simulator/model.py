@@ -14,12 +14,12 @@ import dataclasses
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from rlax_tpu.config import ConfigBase, Distribution, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
 from rlax_tpu.hardware import STATED_EFFICIENCY
-from rlax_tpu.shapes import padded_seq_len
+from rlax_tpu.shapes import first_fit, padded_seq_len
 from rlax_tpu.staleness import InFlightPlan, StalenessPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -96,7 +96,9 @@ class TimingModel(ConfigBase):
     # slots padded to a bucket, and the simulator does not model KV-page pressure),
     # `decode_steps_per_call` steps per device call (a rollout worker's engine runs 1).
     # Waiting prompts are admitted into free slots in rounds; a round prefills them
-    # inference.prefill_batch_size rows per call (padded rows compute too), per bucket.
+    # inference.prefill_batch_size rows per call (padded rows compute too), per bucket;
+    # with inference.share_prompt_pages the samples of one prompt admitted in a round
+    # take one row between them.
     decode_step_s: float = 0.002
     decode_call_s: float = 0.002
     decode_steps_per_call: int = 1
@@ -112,10 +114,12 @@ class TimingModel(ConfigBase):
     # the power of two the swap copies compile at), each way at this rate. A guess (a
     # host-device copy, about PCIe 4 x16): nothing here measures it yet.
     kv_swap_bytes_per_s: float = 1e10
-    # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token,
-    # plus train_overhead_s around the jitted step (batch placement, bookkeeping) and, every
-    # trainer.checkpoint_every steps, checkpoint_s to start the async checkpoint. Every new
-    # padded sequence length (rlax_tpu.shapes) compiles the step: trainer_compile_s.
+    # Trainer: one train step on `tokens` tokens = train_fixed_s + tokens·train_s_per_token
+    # (`train_tokens`: the padded rows, or with trainer.tokens_per_row the packed rows the
+    # step runs), plus train_overhead_s around the jitted step (batch placement,
+    # bookkeeping) and, every trainer.checkpoint_every steps, checkpoint_s to start the
+    # async checkpoint. Every new padded sequence length (rlax_tpu.shapes) compiles the
+    # step, packed or not: trainer_compile_s.
     train_fixed_s: float = 0.05
     train_s_per_token: float = 1e-4
     train_overhead_s: float = 0.0
@@ -273,8 +277,14 @@ class Workload:
     decode_slots: int
     prefill_buckets: tuple[int, ...]
     prefill_rows: int
+    # The samples of one prompt admitted in a round share its prefill row and its full KV
+    # pages (inference.share_prompt_pages).
+    share_prompt_pages: bool
     max_new_tokens: int
     max_seq_len: int
+    mini_batch_size: int  # sequences per optimizer update (trainer.mini_batch_size)
+    micro_batch_size: int  # rows per forward/backward pass (trainer.micro_batch_size)
+    tokens_per_row: int  # packed rows of this many tokens; 0 = padded rows (trainer's)
     policy: StalenessPolicy
     checkpoint_every: int
     eval_every: int
@@ -308,8 +318,12 @@ class Workload:
             decode_slots=inf.max_decode_slots,
             prefill_buckets=tuple(inf.prefill_buckets),
             prefill_rows=inf.prefill_rows,
+            share_prompt_pages=inf.share_prompt_pages,
             max_new_tokens=inf.max_new_tokens,
             max_seq_len=config.trainer.max_seq_len,
+            mini_batch_size=config.trainer.mini_batch_size,
+            micro_batch_size=config.trainer.micro_batch_size,
+            tokens_per_row=config.trainer.tokens_per_row,
             policy=policy,
             checkpoint_every=config.trainer.checkpoint_every,
             eval_every=ctl.eval_every,
@@ -367,6 +381,7 @@ def generation_s(
     prompt_tokens: Sequence[int],
     response_tokens: Sequence[int],
     done_tokens: Sequence[int] = (),
+    groups: Sequence[Hashable] = (),
 ) -> float:
     """One Generate call of these requests on one worker (already loaded and compiled).
 
@@ -377,6 +392,14 @@ def generation_s(
     it holds a slot for ceil((tokens - 1)/k) decode calls (a request that ends at its first
     token frees its slot in the same round). The call lasts until its longest slot is
     done, so a heavy-tailed length leaves a straggler.
+
+    `groups`: a key per request, equal for the samples of one prompt (none: every request
+    a prompt of its own). With `workload.share_prompt_pages` the new requests of a group
+    admitted in the same round take one prefill row between them, as the engine's
+    scheduler prefills a prompt once for the samples admitted with it (a sample admitted
+    in a later round, when slots free up one by one, is prefilled again). Their shared KV
+    pages cost no time here: the simulator does not model the page pool, and each sample's
+    decode still reads its whole context.
 
     With in-flight updates a request may continue one paused in an earlier tick:
     `done_tokens` are its tokens so far (none or 0: a new request) and `response_tokens`
@@ -390,9 +413,14 @@ def generation_s(
     keep = workload.in_flight is not None and workload.in_flight.mode == "keep"
     free_at = [0] * min(workload.decode_slots, max(1, len(response_tokens)))  # in calls
     heapq.heapify(free_at)
-    admitted: dict[tuple[int, int], int] = {}  # (round = decode call index, bucket) -> prompts
+    # A prefill row per prompt: its group's when the samples of a prompt share one.
+    prompts = groups if workload.share_prompt_pages and groups else range(len(response_tokens))
+    # (round = decode call index, bucket) -> the prompts it prefills (a row each)
+    admitted: dict[tuple[int, int], set[Hashable]] = {}
     end, swap = 0, 0.0
-    for prompt, tokens, done in zip(prompt_tokens, response_tokens, done_tokens, strict=True):
+    for i, (prompt, tokens, done) in enumerate(
+        zip(prompt_tokens, response_tokens, done_tokens, strict=True)
+    ):
         kept = keep and done > 0
         calls = math.ceil((tokens if kept else max(0, tokens - 1)) / k)
         start = heapq.heappop(free_at)
@@ -403,11 +431,14 @@ def generation_s(
             bucket = (
                 workload.continuation_bucket(prompt + done) if done else workload.bucket(prompt)
             )
-            admitted[(start, bucket)] = admitted.get((start, bucket), 0) + 1
+            # A continuation's context is its own (prompt and tokens so far): its own row.
+            row = prompts[i] if not done else ("continuation", i)
+            admitted.setdefault((start, bucket), set()).add(row)
         end = max(end, start + calls)
     prefill = sum(
-        math.ceil(n / rows) * (t.prefill_call_s + rows * bucket * t.prefill_s_per_token)
-        for (_, bucket), n in admitted.items()
+        math.ceil(len(round_rows) / rows)
+        * (t.prefill_call_s + rows * bucket * t.prefill_s_per_token)
+        for (_, bucket), round_rows in admitted.items()
     )
     decode = end * (t.decode_call_s + k * t.decode_step_s)
     return t.job_overhead_s + prefill + swap + decode + len(response_tokens) * t.rollout_overhead_s
@@ -430,11 +461,38 @@ def train_seq_len(workload: Workload, prompt_tokens, response_tokens) -> int:
     return padded_seq_len(longest, workload.max_seq_len)
 
 
+def train_tokens(workload: Workload, prompt_tokens, response_tokens) -> int:
+    """Token slots one train step computes for a batch (sequences in batch order, the
+    mini-batches consecutive chunks of it). Padded (trainer.tokens_per_row = 0): every row
+    at the batch's padded length (`train_seq_len`). Packed: each mini-batch's sequences
+    (prompt + response) packed by first fit into rows of tokens_per_row tokens, and only
+    the micro-batches of micro_batch_size rows that hold them run. The per-token cost is
+    that of the whole step, so its recompute (the trainer packs the whole batch as one
+    chunk for it: about as many rows) scales alike."""
+    if not workload.tokens_per_row:
+        return len(response_tokens) * train_seq_len(workload, prompt_tokens, response_tokens)
+    lengths = [
+        min(p + r, workload.max_seq_len)
+        for p, r in zip(prompt_tokens, response_tokens, strict=True)
+    ]
+    mini, micro, width = (
+        workload.mini_batch_size,
+        workload.micro_batch_size,
+        workload.tokens_per_row,
+    )
+    micro_batches = sum(
+        math.ceil(first_fit(lengths[start : start + mini], width)[2] / micro)
+        for start in range(0, len(lengths), mini)
+    )
+    return micro_batches * micro * width
+
+
 def train_s(timing: TimingModel, workload: Workload, prompt_tokens, response_tokens) -> float:
-    """One train step (without the publish): rows padded as the controller pads them
-    (rlax_tpu.shapes.padded_seq_len of the batch's longest prompt + response)."""
-    seq = train_seq_len(workload, prompt_tokens, response_tokens)
-    return timing.train_fixed_s + len(response_tokens) * seq * timing.train_s_per_token
+    """One train step (without the publish) on its `train_tokens`: rows padded as the
+    controller pads them (rlax_tpu.shapes.padded_seq_len of the batch's longest prompt +
+    response), or packed."""
+    tokens = train_tokens(workload, prompt_tokens, response_tokens)
+    return timing.train_fixed_s + tokens * timing.train_s_per_token
 
 
 def publish_s(timing: TimingModel, workload: Workload) -> float:

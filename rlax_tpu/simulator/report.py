@@ -29,6 +29,8 @@ def describe(workload: Workload, timing: TimingModel) -> dict[str, Any]:
         "in_flight_update": plan.mode if plan else "off",
         "tick_tokens": plan.tick_tokens if plan else 0,
         "ticks_carried": plan.segments if plan else 0,  # J = N - η
+        "share_prompt_pages": workload.share_prompt_pages,
+        "tokens_per_row": workload.tokens_per_row,  # 0: padded train rows
         "model_bytes": workload.model_bytes,
         "response_tokens_mean": workload.response_tokens.mean(),
         "timing": timing.to_dict(),
@@ -105,6 +107,8 @@ def format_table(figures: dict[str, Any]) -> str:
         f"({run['schedule']}), {run['model_bytes'] / 2**30:.2f} GiB per version, "
         f"mean response {run['response_tokens_mean']:.0f} tokens",
     ]
+    if run["tokens_per_row"]:
+        lines[0] += f", train rows packed into {run['tokens_per_row']} tokens"
     if run["in_flight_update"] != "off":
         lines[0] += (
             f", in-flight updates {run['in_flight_update']} (a response carried into up to "

@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rlax_tpu import shapes
+
 
 class PackingError(ValueError):
     """A sequence longer than a packed row can hold."""
@@ -116,18 +118,10 @@ def first_fit(lengths: Sequence[int], tokens_per_row: int) -> Packing:
             f"(trainer.tokens_per_row={tokens_per_row}): raise tokens_per_row to at least "
             f"{int(lengths.max())}"
         )
-    used: list[int] = []  # tokens used in each row so far
-    rows = np.zeros(len(lengths), np.int64)
-    offsets = np.zeros(len(lengths), np.int64)
-    for b, n in enumerate(lengths.tolist()):
-        if n == 0:
-            continue
-        row = next((r for r, u in enumerate(used) if u + n <= tokens_per_row), len(used))
-        if row == len(used):
-            used.append(0)
-        rows[b], offsets[b] = row, used[row]
-        used[row] += n
-    return Packing(lengths, rows, offsets, max(1, len(used)), tokens_per_row)
+    rows, offsets, num_rows = shapes.first_fit(lengths.tolist(), tokens_per_row)
+    return Packing(
+        lengths, np.asarray(rows, np.int64), np.asarray(offsets, np.int64), num_rows, tokens_per_row
+    )
 
 
 def sequence_lengths(mask: np.ndarray) -> np.ndarray:
