@@ -51,6 +51,9 @@ def get_config() -> RunConfig:
             mini_batch_size=256,
             micro_batch_size=32,
             max_seq_len=16384,
+            # Packed rows of one max-length sequence: a padded micro-batch's shapes (so the
+            # same memory), and only the packed micro-batches a mini-batch fills run.
+            tokens_per_row=16384,
             # Memory (docs/trainer.md): without these one decoder layer's temporaries at
             # 32 × 16384 tokens exceed a chip. `rlax-tpu compile` on this config: rl_step
             # needs 35.9 GiB of a v5p chip's 95; save_dot_except_mlp: 58.2 GiB for 2.7%

@@ -44,6 +44,9 @@ def get_config() -> RunConfig:
             mini_batch_size=64,
             micro_batch_size=8,
             max_seq_len=8192,
+            # Packed rows of one max-length sequence: a padded micro-batch's shapes (so the
+            # same memory), and only the packed micro-batches a mini-batch fills run.
+            tokens_per_row=8192,
             # A v6e chip has a third of a v5p's HBM: full remat and scanned layers as the
             # v5p config, a smaller log-prob chunk (docs/trainer.md, "Memory"; the figures
             # of `rlax-tpu compile` on this config are in its table).

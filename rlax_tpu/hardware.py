@@ -113,3 +113,17 @@ def prepare_environment(*, cpu_devices: int = 0, on_gpu: bool = False) -> None:
     os.environ["TPU_SKIP_MDS_QUERY"] = "1"
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+
+
+def host_cpu() -> str:
+    """This host's CPU model and core count, as benchmarks name the host of their figures
+    (XLA:CPU rounds differently on different CPUs)."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"

@@ -1,30 +1,22 @@
 """Packing a batch into token-budget rows (rlax_tpu/trainer/packing.py): the first-fit
 layout places every token of every sequence once within a row's budget, deterministically;
 pack and unpack are inverses, and so are the trainer's index arrays (`packed_layout`); a
-sequence ends at its last masked position; and the model's per-token log-probs, and the
-gradients of a masked loss over them, are the padded batch's within float rounding when the
-sequences are packed as segments."""
+sequence ends at its last masked position. (That a packed step gives the padded one's loss,
+metrics and gradients, and not without segment ids: tests/test_trainer_packing.py.)"""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlax_tpu.config import ModelConfig
-from rlax_tpu.models import Transformer
 from rlax_tpu.trainer.packing import (
     PackingError,
     first_fit,
     packed_layout,
     sequence_lengths,
 )
-
-MODEL = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=4, head_dim=8)
 
 
 @settings(max_examples=60, deadline=None)
@@ -139,68 +131,3 @@ def test_the_packed_layout_gathers_each_chunks_sequences_and_back(data):
         )
     assert layout.sequence_tokens == sum(lengths)
     assert layout.sequence_tokens <= layout.packed_tokens <= chunks * rows * width
-
-
-def _logprob_loss(params, graphdef, tokens, targets, mask, positions=None, segment_ids=None):
-    model = nnx.merge(graphdef, params)
-    out = model.forward_train(tokens, targets, positions=positions, segment_ids=segment_ids)
-    return out.logprobs, (out.logprobs * mask).sum() / mask.sum()
-
-
-def test_packed_log_probs_and_gradients_equal_the_padded_batchs():
-    """The same sequences, padded to [4, 24] and packed into rows of 32 tokens: the
-    per-token log-probs agree within float rounding, and so do the gradients of a masked
-    mean over them (the form of every token-level objective), taken through the unpacking
-    gather."""
-    rng = np.random.default_rng(0)
-    lengths = [24, 9, 17, 5]
-    seq, budget = max(lengths), 32
-    tokens = np.zeros((len(lengths), seq), np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, :n] = rng.integers(1, MODEL.vocab_size, n)
-    targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
-    mask = (np.arange(seq)[None, :] < np.asarray(lengths)[:, None] - 1).astype(np.float32)
-    mask[:, :2] = 0.0  # a "prompt" the loss leaves out
-    model = Transformer(MODEL, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    def padded_loss(p):
-        return _logprob_loss(p, graphdef, tokens, targets, mask)
-
-    packing = first_fit(lengths, budget)
-    assert packing.num_rows == 2 and packing.padding_fraction < 0.25  # vs 1 - 55/96 padded
-    rows, cols = packing.gather_indices(seq)
-    packed_args = (
-        packing.pack(tokens),
-        packing.pack(targets),
-        packing.positions,
-        packing.segment_ids,
-    )
-
-    def packed_loss(p):
-        ptokens, ptargets, positions, segments = packed_args
-        out = nnx.merge(graphdef, p).forward_train(
-            ptokens, ptargets, positions=positions, segment_ids=segments
-        )
-        logprobs = out.logprobs[rows, cols]  # back to the padded layout
-        return logprobs, (logprobs * mask).sum() / mask.sum()
-
-    want_logprobs, want_loss = padded_loss(params)
-    got_logprobs, got_loss = packed_loss(params)
-    want_grad = jax.grad(lambda p: padded_loss(p)[1])(params)
-    got_grad = jax.grad(lambda p: packed_loss(p)[1])(params)
-    valid = mask > 0
-    np.testing.assert_allclose(
-        np.asarray(got_logprobs)[valid], np.asarray(want_logprobs)[valid], atol=1e-5
-    )
-    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6, atol=1e-6)
-    for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
-    # Without segment ids the packed sequences would attend to each other: not the same.
-    crossed = nnx.merge(graphdef, params).forward_train(
-        packed_args[0], packed_args[1], positions=packed_args[2]
-    )
-    assert not np.allclose(
-        np.asarray(crossed.logprobs[rows, cols])[valid], np.asarray(want_logprobs)[valid], atol=1e-3
-    )
-    assert jnp.isfinite(got_loss)

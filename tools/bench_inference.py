@@ -79,6 +79,7 @@ from bench_param_server import start_param_server  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlax_tpu.config import MeshConfig, ModelConfig, RunConfig  # noqa: E402
+from rlax_tpu.hardware import host_cpu  # noqa: E402
 from rlax_tpu.inference.engine import Engine, GenerationRequest  # noqa: E402
 from rlax_tpu.inference.sampling import SamplingParams, request_key_data, sample_tokens  # noqa: E402
 from rlax_tpu.models import DenseKVCache, Transformer  # noqa: E402
@@ -921,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         group = group_case(params, args.decode_steps, args.repeats or 3)
         figures = {
             "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
+            "host": host_cpu(),
             "cpu_count": os.cpu_count(),
             "speedup_shared_prefix": group["speedup_shared_prefix"],
             "group": group,
@@ -960,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
 
     figures = {
         "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
+        "host": host_cpu(),
         "cpu_count": os.cpu_count(),
         "requests": num_requests,
         "useful_tokens": tokens,

@@ -55,6 +55,7 @@ from rlax_tpu.config import (  # noqa: E402
     StorageConfig,
     TrainerConfig,
 )
+from rlax_tpu.hardware import host_cpu  # noqa: E402
 from rlax_tpu.sharding import build_mesh  # noqa: E402
 from rlax_tpu.trainer import (
     Trainer,  # noqa: E402
@@ -357,7 +358,7 @@ def bench_packed(steps: int) -> dict:
             "micro_batch_size": micro,
             "devices": 1,
             "platform": jax.devices()[0].platform,
-            "host": _host(),
+            "host": host_cpu(),
             "steps": steps,
             "prompt_tokens": f"uniform{list(PACKED_PROMPT)}",
             "response_tokens": (
@@ -366,19 +367,6 @@ def bench_packed(steps: int) -> dict:
             ),
         },
     }
-
-
-def _host() -> str:
-    """The CPU model and core count (the figures' host)."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def print_packed(r: dict) -> None:
