@@ -305,3 +305,11 @@ def test_a_weight_load_empties_the_prefix_cache():
     assert got == fresh.run(group_requests(GREEDY, k=1))
     e.load(2, init_params(LLAMA, seed=2))  # gives every cached page back
     assert_clean(e)
+
+
+def test_rlax_tpu_compile_lowers_the_sample_call_only_with_a_prefix_cache():
+    def keys(entries):
+        inference = dataclasses.replace(LARGE, prefix_cache_entries=entries)
+        return set(Engine(LLAMA, inference, seed=0, allocate=False).lowerings())
+
+    assert "sample@8" in keys(2) and not any(k.startswith("sample") for k in keys(0))
