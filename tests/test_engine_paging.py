@@ -229,7 +229,8 @@ def group_requests(sampling, lengths=(16, 3, 9, 13), k=4):
 def test_a_group_sharing_its_prompt_pages_generates_bitwise_what_it_does_alone(sampling, rows):
     """A group's samples share one prefill row and the prompt's full pages; under a pool that
     preempts and swaps (shared pages included) every sample's tokens and log-probs are
-    bitwise those of prefilling each sample on its own in a pool that never swaps."""
+    bitwise those of prefilling each sample on its own in a pool that never swaps. With
+    pages reserved at admission a sharing sample reserves only past the shared pages."""
     alone = dataclasses.replace(LARGE, prefill_batch_size=rows, share_prompt_pages=False)
     small = dataclasses.replace(SMALL, prefill_batch_size=rows)
     e = engine(small)
@@ -237,6 +238,12 @@ def test_a_group_sharing_its_prompt_pages_generates_bitwise_what_it_does_alone(s
     stats = e.stats()
     assert stats["prefill_shared"] > 0 and stats["pages_shared"] > 0
     assert stats["preemptions"] > 0
+    if rows == 4:  # reserving: once is enough
+        reserve = dataclasses.replace(LARGE, prefill_batch_size=rows, kv_admission="reserve")
+        reserving = engine(reserve)
+        assert reserving.run(group_requests(sampling)) == got
+        assert reserving.stats()["prefill_shared"] > 0 and reserving.stats()["preemptions"] == 0
+        assert_clean(reserving)
     assert stats["prefill_tokens"] < sum(16 + 3 + 9 + 13 for _ in range(4))
     assert got == engine(alone).run(group_requests(sampling))
     assert_clean(e)
