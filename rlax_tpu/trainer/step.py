@@ -405,12 +405,13 @@ def make_rl_step(
 
     packed (trainer.tokens_per_row > 0): the step takes `layout`, a `PackedLayout` of the
     batch's mini-batches (one chunk each), and each mini-batch runs as its used packed
-    micro-batches instead of its padded ones, always in the two passes above: pass 1
-    gathers log π (values, entropies) back to the padded [mini, T] layout (0 off the
-    sequences), where the objective runs exactly as on a padded batch; its cotangents are
-    gathered into the packed layout for pass 2 (also with micro_per_mini == 1: no
-    differentiable gather path). The loss, every metric and the gradient are the padded
-    step's within float rounding.
+    micro-batches instead of its padded ones, in the two passes above: pass 1 gathers log π
+    (values, entropies) back to the padded [mini, T] layout (0 off the sequences), where the
+    objective runs exactly as on a padded batch; its cotangents are gathered into the packed
+    layout for pass 2. With micro_per_mini == 1 the one packed micro-batch is differentiated
+    directly through the unpacking gather (one forward, one backward; packing saves nothing
+    there: the packed micro-batch has the padded one's shape). The loss, every metric and
+    the gradient are the padded step's within float rounding.
     """
     need_values = objective.needs_values
     need_entropy = objective.needs_entropy
@@ -503,7 +504,23 @@ def make_rl_step(
         grads, _ = jax.lax.scan(micro, zeros, (jnp.arange(m), xs, cot_packed))
         return (loss, metrics), grads, lp
 
+    def packed_direct_grads(params, mini, step, layout: PackedLayout):
+        # One packed micro-batch holds the mini-batch (micro == mini): differentiate the
+        # objective through the unpacking gather, one forward and one backward, as padded.
+        xs = _packed_inputs(mini.tokens, _targets(mini.tokens), layout)
+        one = jax.tree.map(lambda x: x[0], xs)
+
+        def loss_fn(p):
+            outs = outputs(p, *one)
+            lp, values, entropy = jax.tree.map(lambda o: _unpack(o[None], layout.unpack), outs)
+            loss, metrics = loss_of(mini, step, lp, values, entropy)
+            return loss, (metrics, lp)
+
+        (loss, (metrics, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return (loss, metrics), grads, lp
+
     grads_of = direct_grads if m == 1 else accumulated_grads
+    packed_grads_of = packed_direct_grads if m == 1 else packed_grads
 
     def rl_step(
         params,
@@ -526,7 +543,7 @@ def make_rl_step(
             mini, mini_behaviour, mini_layout = xs
             mini = mini.replace(group_ids=_dense_group_ids(mini.group_ids))
             if packed:
-                (loss, metrics), grads, lp = packed_grads(params, mini, step, mini_layout)
+                (loss, metrics), grads, lp = packed_grads_of(params, mini, step, mini_layout)
             else:
                 (loss, metrics), grads, lp = grads_of(params, mini, step)
             params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
