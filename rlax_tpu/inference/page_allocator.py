@@ -125,6 +125,10 @@ class PageAllocator:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
+    def num_pages_of(self, slot: int) -> int:
+        """How many pages slot `slot` holds (`len(pages_of(slot))`, without the list)."""
+        return int(self._num_owned[slot])
+
     def pages_of(self, slot: int) -> list[int]:
         """The pages slot `slot` owns, in token order."""
         return self.page_table[slot, : self._num_owned[slot]].tolist()

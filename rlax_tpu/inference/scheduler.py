@@ -838,7 +838,7 @@ class Scheduler:
             # The token fed at position p is written there; the last one fed this call is
             # at prompt_len + stop_at - 2 (the final token is sampled, never fed).
             tokens = min(int(self.arrays.position[seq.slot]) + k, seq.prompt_len + seq.stop_at - 1)
-            held = len(self.allocator.pages_of(seq.slot))
+            held = self.allocator.num_pages_of(seq.slot)
             while not self.allocator.try_reserve(seq.slot, tokens):
                 if self._evict_cached():  # pages no slot holds: the page table is unchanged
                     continue
@@ -846,7 +846,7 @@ class Scheduler:
                 self._swap_out(victim, read_pages)
                 if victim is seq:
                     break
-            if seq.slot >= 0 and len(self.allocator.pages_of(seq.slot)) != held:
+            if seq.slot >= 0 and self.allocator.num_pages_of(seq.slot) != held:
                 self.arrays.page_table_dirty = True
 
     def _live(self) -> list[SequenceState]:
