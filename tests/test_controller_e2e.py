@@ -138,6 +138,12 @@ def test_an_off_policy_run_trains_every_batch_once_within_the_staleness_bound(re
     metrics = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert any(m["reward_mean"] > 0 for m in metrics)
+    # The job trains packed rows (e2e_config; only packed steps report these). Its
+    # sequences are ~45 tokens of a padded 64, one a row: no less padding than padded.
+    assert all(
+        m["train/packing/padding_fraction"] <= m["train/packing/padding_fraction_padded"]
+        for m in metrics
+    )
     assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
     snapshots = SnapshotStore(str(reference), keep=10)
     assert snapshots.steps() == [0, 2, 4, 6, 8]
