@@ -35,7 +35,7 @@ from rlax_tpu.models.hf import build_model, load_hf_config, load_hf_params
 from rlax_tpu.run_dir import prepare_run_dir
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import Trainer
-from rlax_tpu.trainer.checkpoints import COMMIT_MARKER
+from rlax_tpu.checkpoints import COMMIT_MARKER
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")

@@ -388,7 +388,7 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
     from rlax_tpu.api.trainer import TrainerClient
     from rlax_tpu.config import load_config
     from rlax_tpu.rpc.process import CHILD_LAUNCHER
-    from rlax_tpu.trainer.checkpoints import CheckpointStore
+    from rlax_tpu.checkpoints import CheckpointStore
 
     token = secrets.token_hex(16)
     run_dir = str(tmp_path / "run")

@@ -4,7 +4,7 @@
 What is exported: the run's newest loadable RL checkpoint (RUN_DIR/checkpoints), the one of
 `--step S`, or the checkpoint directory named (RUN_DIR/checkpoints/S); a run with no RL
 checkpoint exports its SFT warm start's (RUN_DIR/checkpoints_warm_start). Checkpoints are
-restored by the trainer's own store (trainer/checkpoints.py), so one whose save did not
+restored by the trainer's own store (rlax_tpu/checkpoints.py), so one whose save did not
 finish, or whose arrays do not match their checksums, is never exported; but onto one CPU
 device, without the trainer service or the run's devices. The run's config is its
 effective_config.json (the config its trainer ran, with the tokenizer directory
@@ -71,9 +71,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`rlax-tpu export`: exit 0 with the export written, 2 with one line saying why not."""
+    from rlax_tpu.checkpoints import NoValidCheckpointError
     from rlax_tpu.data.tokenizer import TokenizerError
     from rlax_tpu.models.hf import CheckpointError
-    from rlax_tpu.trainer.checkpoints import NoValidCheckpointError
 
     try:
         source = locate(args.source, step=args.step)
@@ -185,9 +185,9 @@ def restore_params(config: RunConfig, source: ExportSource) -> tuple[Any, str]:
     _use_cpu()
     import jax
 
+    from rlax_tpu.checkpoints import NoValidCheckpointError
     from rlax_tpu.config import MeshConfig
     from rlax_tpu.sharding import build_mesh
-    from rlax_tpu.trainer.checkpoints import NoValidCheckpointError
     from rlax_tpu.trainer.programs import TrainerPrograms
 
     mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices("cpu")[:1])
@@ -217,7 +217,7 @@ def restore_params(config: RunConfig, source: ExportSource) -> tuple[Any, str]:
 def _restore(
     config: RunConfig, programs: Any, kind: Kind, directory: str, step: int | None
 ) -> tuple[Any, str]:
-    from rlax_tpu.trainer.checkpoints import CheckpointStore
+    from rlax_tpu.checkpoints import CheckpointStore
 
     if not storage.exists(directory):
         raise ExportError(f"nothing to export: {directory} does not exist")

@@ -139,12 +139,12 @@ def sft_main(args: argparse.Namespace) -> int:
 # -- eval --------------------------------------------------------------------------------------
 def eval_main(args: argparse.Namespace) -> int:
     """`rlax-tpu eval CONFIG [--model DIR] [--json OUT]`."""
+    from rlax_tpu.checkpoints import NoValidCheckpointError
     from rlax_tpu.data.datasets import DatasetError
     from rlax_tpu.data.tokenizer import Tokenizer
     from rlax_tpu.launch.job import materialise, tokenizer_path
     from rlax_tpu.models import CheckpointError
     from rlax_tpu.runtime import configure_jax
-    from rlax_tpu.trainer.checkpoints import NoValidCheckpointError
 
     config = load_config(args.config, args.overrides)
     configure_jax(config)
@@ -208,7 +208,7 @@ def newest_model(config: RunConfig) -> ModelSource:
 def finalized_steps(directory: str) -> list[int]:
     """Steps of the trainer checkpoints under `directory` whose save finished."""
     from rlax_tpu import storage
-    from rlax_tpu.trainer.checkpoints import COMMIT_MARKER
+    from rlax_tpu.checkpoints import COMMIT_MARKER
 
     try:
         names = storage.listdir(directory)

@@ -118,6 +118,41 @@ class RopeScalingConfig(ConfigBase):
             )
 
 
+# The projections LoRA may adapt, by their Hugging Face (and PEFT) module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LoraConfig(ConfigBase):
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the named projections: each adapted weight
+    W is used as W + (alpha / rank) · A B with A: [in, rank], B: [rank, out]. The trainer
+    trains A and B only (the base is frozen: no gradient, no optimizer state), publishes
+    only them, and workers add them in the matmul on the base they hold once."""
+
+    # the adapters' rank r
+    rank: int = 8
+    # the adapters' scale is alpha / rank (PEFT's lora_alpha)
+    alpha: float = 16.0
+    # the projections adapted, by Hugging Face module name (see LORA_TARGETS)
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def validate(self) -> None:
+        require(self.rank > 0, "rank", f"must be positive, got {self.rank}")
+        require(self.alpha > 0, "alpha", f"must be positive, got {self.alpha}")
+        require(bool(self.targets), "targets", f"name at least one of {list(LORA_TARGETS)}")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        require(
+            not unknown,
+            "targets",
+            f"unknown projections {unknown}; LoRA adapts any of {list(LORA_TARGETS)}",
+        )
+        require(len(set(self.targets)) == len(self.targets), "targets", "names a projection twice")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig(ConfigBase):
     """A decoder-only transformer of the Llama 3 / Qwen2 / Qwen3 family."""
@@ -167,6 +202,8 @@ class ModelConfig(ConfigBase):
     # Directory with tokenizer.json (and tokenizer_config.json for the chat template);
     # "" = the hf_checkpoint directory.
     tokenizer: str = ""
+    # Low-rank adapters trained on a frozen base (None = full fine-tuning); see LoraConfig.
+    lora: LoraConfig | None = None
 
     def validate(self) -> None:
         for name in (
@@ -1343,6 +1380,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "verifiers.execute_output_limit_bytes": 64 * 2**10,
     # Single-turn runs, as every run was before episodes.
     "controller.environment": EnvironmentConfig().to_dict(),
+    "model.lora": None,  # full fine-tuning, as every run before LoRA
 }
 
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import grpc
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rlax_tpu.api.inference import NoParamServerError, PullFailedError, UnknownVersionError
 from rlax_tpu.api.param_server import ParamServerCallError, PullMismatchError
 from rlax_tpu.config import RunConfig
-from rlax_tpu.models import Transformer
+from rlax_tpu.models import Transformer, lora, lora_base
 from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.sharding import state_shardings
 
@@ -45,6 +46,12 @@ class WeightFetcher:
         self.config, self.param_server, self.mesh = config, param_server, mesh
         self._stopped = stopped
         self._like: Any = None  # the param tree's shapes and shardings, built on first use
+        # LoRA (model.lora): versions hold the adapters and their base's digest; the base is
+        # read once from the run's base store (rlax_tpu.models.lora_base) and kept here.
+        self.lora = config.model.lora is not None
+        self._base: Any = None
+        self._base_digest: bytes | None = None
+        self.base_loads = 0  # bases read from the base store
         # The next version's bytes, fetched while generating: (version, future of
         # TreeClient.fetch), or None.
         self._prefetch: tuple[int, concurrent.futures.Future] | None = None
@@ -60,9 +67,41 @@ class WeightFetcher:
         self._prefetch = None
 
     def like(self) -> Any:
-        """The served model's param pure dict (`ModelConfig.served`: the published dtype) as
-        jax.ShapeDtypeStruct leaves with the shardings the engine uses: the inference mesh's
-        (by logical axes), else the first device."""
+        """What a version pulls into: the served model's param pure dict (`ModelConfig.served`:
+        the published dtype) as jax.ShapeDtypeStruct leaves with the shardings the engine
+        uses: the inference mesh's (by logical axes), else the first device. With LoRA the
+        adapters alone and the base's digest (`lora_base.DIGEST_KEY`, uint8[32])."""
+        full = self.full_like()
+        if not self.lora:
+            return full
+        adapters = lora.split(full)[0]
+        digest = jax.ShapeDtypeStruct((32,), np.uint8, sharding=self._replicated())
+        return {**adapters, lora_base.DIGEST_KEY: digest}
+
+    def _replicated(self) -> Any:
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return SingleDeviceSharding(jax.devices()[0])
+
+    def complete(self, pulled: Any) -> Any:
+        """The whole params tree of a pulled version: itself, or with LoRA its adapters on
+        the base its digest names (read from the base store when it is not the one held)."""
+        if not self.lora:
+            return pulled
+        pulled = dict(pulled)
+        digest = lora_base.digest_of_leaf(pulled.pop(lora_base.DIGEST_KEY))
+        if digest != self._base_digest:
+            store = lora_base.LoraBaseStore(self.config.storage.run_dir)
+            try:
+                self._base = store.read(digest, lora.split(self.full_like())[1])
+            finally:
+                store.close()
+            self._base_digest = digest
+            self.base_loads += 1
+        return lora.combine(self._base, pulled)
+
+    def full_like(self) -> Any:
+        """The served model's whole param tree, abstract (see `like`)."""
         if self._like is None:
             served = self.config.model.served()
             abstract = nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
@@ -122,7 +161,7 @@ class WeightFetcher:
             _log.debug("prefetching version %d failed (%s); pulling it", version, e)
             return None
         self.prefetched_loads += 1
-        return self.param_server.place(fetched, self.like())
+        return self.complete(self.param_server.place(fetched, self.like()))
 
     def pull(self, version: int) -> Any:
         if self.param_server is None:
@@ -131,7 +170,7 @@ class WeightFetcher:
                 "--param-server ADDR)"
             )
         try:
-            return self.param_server.pull(version, self.like())
+            pulled = self.param_server.pull(version, self.like())
         except PullMismatchError as e:  # this worker's config is not the trainer's
             raise PullFailedError(f"version {version} cannot be loaded: {e}") from e
         except ParamServerCallError as e:
@@ -146,3 +185,7 @@ class WeightFetcher:
                     f"version {version} is not on the parameter server ({e})"
                 ) from e
             raise PullFailedError(f"pulling version {version} failed: {e}") from e
+        try:
+            return self.complete(pulled)
+        except lora_base.BaseMismatchError as e:
+            raise PullFailedError(f"version {version} cannot be loaded: {e}") from e

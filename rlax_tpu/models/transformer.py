@@ -25,6 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from rlax_tpu.config import ModelConfig
+from rlax_tpu.models import lora as lora_lib
 from rlax_tpu.models.attention import train_attention
 from rlax_tpu.models.kv_cache import KVCache
 from rlax_tpu.models.logprobs import (
@@ -54,6 +55,10 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "save_out_proj": _save("out_proj"),
     "save_dot_except_mlp": _save("query_proj", "key_proj", "value_proj", "out_proj"),
 }
+
+
+def _lora_scale(config: ModelConfig) -> float:
+    return config.lora.scale if config.lora is not None else 0.0
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -150,9 +155,13 @@ class Attention(nnx.Module):
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
         """x: [b, s, embed] -> q: [b, s, heads, d], k, v: [b, s, kv_heads, d], RoPE applied."""
         dt = x.dtype
+        scale = _lora_scale(self.config)
         q = jnp.einsum("bse,ehd->bshd", x, self.wq.get_value().astype(dt))
         k = jnp.einsum("bse,ehd->bshd", x, self.wk.get_value().astype(dt))
         v = jnp.einsum("bse,ehd->bshd", x, self.wv.get_value().astype(dt))
+        q = lora_lib.adapted(self, "wq", x, q, scale)
+        k = lora_lib.adapted(self, "wk", x, k, scale)
+        v = lora_lib.adapted(self, "wv", x, v, scale)
         q = checkpoint_name(q, "query_proj")
         k = checkpoint_name(k, "key_proj")
         v = checkpoint_name(v, "value_proj")
@@ -171,6 +180,7 @@ class Attention(nnx.Module):
 
     def out(self, attn: jax.Array) -> jax.Array:
         y = jnp.einsum("bshd,hde->bse", attn, self.wo.get_value().astype(attn.dtype))
+        y = lora_lib.adapted(self, "wo", attn, y, _lora_scale(self.config))
         return constrain(checkpoint_name(y, "out_proj"), ("batch", "length", "act_embed"))
 
 
@@ -179,6 +189,7 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c, pd = config, _dtype(config.param_dtype)
+        self.lora_scale = _lora_scale(c)
         self.w_gate = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
         self.w_up = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd)
         self.w_down = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pd)
@@ -187,9 +198,12 @@ class MLP(nnx.Module):
         dt = x.dtype
         gate = jnp.einsum("bse,em->bsm", x, self.w_gate.get_value().astype(dt))
         up = jnp.einsum("bse,em->bsm", x, self.w_up.get_value().astype(dt))
+        gate = lora_lib.adapted(self, "w_gate", x, gate, self.lora_scale)
+        up = lora_lib.adapted(self, "w_up", x, up, self.lora_scale)
         gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
         y = jnp.einsum("bsm,me->bse", h, self.w_down.get_value().astype(dt))
+        y = lora_lib.adapted(self, "w_down", h, y, self.lora_scale)
         return constrain(checkpoint_name(y, "mlp_down"), ("batch", "length", "act_embed"))
 
 
@@ -235,13 +249,17 @@ class Transformer(nnx.Module):
         self.scan_layers = scan_layers
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
         layers = [DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)]
-        self.layers = _stack_layers(layers) if scan_layers else nnx.List(layers)
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
         if c.value_head:
             self.value_w = _param(rngs, (c.hidden_size,), ("embed",), pd, "zeros")
             self.value_b = _param(rngs, (), (), pd, "zeros")
+        if c.lora is not None:
+            # Drawn after every base parameter: the base is the one the model has without LoRA.
+            for layer in layers:
+                lora_lib.add_adapters(layer, c.lora, rngs)
+        self.layers = _stack_layers(layers) if scan_layers else nnx.List(layers)
 
     # -- pieces ---------------------------------------------------------------------
     def _embed(self, tokens: jax.Array) -> jax.Array:

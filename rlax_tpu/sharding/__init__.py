@@ -76,6 +76,11 @@ def _hybrid_grid(config: MeshConfig, devices: list[jax.Device]) -> np.ndarray:
     )
 
 
+# Logical axes placed without a rule in the mesh's logical_axis_rules (a rule there wins):
+# the LoRA rank, a handful of columns every device keeps whole.
+IMPLICIT_RULES: dict[str, tuple[str, ...]] = {"lora_rank": ()}
+
+
 def logical_to_spec(
     logical_axes: LogicalAxes,
     rules: Rules,
@@ -90,7 +95,7 @@ def logical_to_spec(
     dropped, so a small dimension (e.g. 2 KV heads on tensor=4) is replicated instead
     of failing.
     """
-    table = dict(rules)
+    table = {**IMPLICIT_RULES, **dict(rules)}
     used: set[str] = set()
     spec: list[str | tuple[str, ...] | None] = []
     for dim, name in enumerate(logical_axes):

@@ -8,7 +8,7 @@ versions published to the parameter server, and orbax checkpoints.
 `step` holds the pure jitted functions (batch levels, optimizer, recompute, updates),
 `checkpoints` the orbax store. docs/trainer.md explains batch levels and recompute."""
 
-from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
+from rlax_tpu.checkpoints import CheckpointStore, NoValidCheckpointError
 from rlax_tpu.trainer.step import BatchLevels, BatchSizeError
 from rlax_tpu.trainer.trainer import (
     BatchMismatchError,

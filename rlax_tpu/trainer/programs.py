@@ -36,6 +36,7 @@ from rlax_tpu.trainer.step import (
     mismatch_metrics,
     policy_temperature,
     recompute,
+    trainable_parts,
 )
 
 # RolloutBatch's optional fields the trainer computes itself before the update (π_ref, V_old,
@@ -94,6 +95,7 @@ class OptimizerLayout:
     optimizer: Optimizer
     shardings: Any
     abstract: Any
+    split: Any  # params -> (what it trains, what stays frozen): `trainable_parts`
 
 
 class TrainerPrograms:
@@ -144,6 +146,15 @@ class TrainerPrograms:
             self.param_shardings,
         )
         self.num_params = count_params(self.abstract_params)
+        # LoRA (model.lora): RL trains the adapters only, on a frozen base; an SFT warm start
+        # trains the base (the adapters, still the identity, wait for RL). `split_trainable`
+        # cuts RL's trainable part out of a params tree (`trainable_parts`).
+        self.lora = config.model.lora is not None
+        self.trainable = "adapters" if self.lora else "all"
+        self.sft_trainable = "base" if self.lora else "all"
+        self.split_trainable, self.join_trainable = trainable_parts(self.trainable)
+        self.abstract_trainable = self.split_trainable(self.abstract_params)[0]
+        self.num_trainable = count_params(self.abstract_trainable)
 
         ctl, warm, updates = config.controller, config.trainer.warm_start, self.levels.num_updates
         optimizer = config.trainer.optimizer
@@ -152,7 +163,8 @@ class TrainerPrograms:
                 optimizer,
                 num_steps=optimizer.lr_decay_steps or ctl.num_steps,
                 updates_per_step=updates,
-            )
+            ),
+            self.trainable,
         )
         # The SFT warm start's own optimizer: its learning rate, a schedule over its steps.
         self.sft = self._optimizer_layout(
@@ -160,31 +172,36 @@ class TrainerPrograms:
                 warm.optimizer(optimizer),
                 num_steps=max(warm.steps, 1),
                 updates_per_step=updates,
-            )
+            ),
+            self.sft_trainable,
         )
         self._build_functions()
 
-    def _optimizer_layout(self, optimizer: Optimizer) -> OptimizerLayout:
-        abstract = jax.eval_shape(optimizer.transform.init, self.abstract_params)
+    def _optimizer_layout(self, optimizer: Optimizer, trainable: str) -> OptimizerLayout:
+        split = trainable_parts(trainable)[0]
+        abstract = jax.eval_shape(optimizer.transform.init, split(self.abstract_params)[0])
         shardings = optax.tree_map_params(
             optimizer.transform,
             lambda _, s: s,
             abstract,
-            self.param_shardings,
+            split(self.param_shardings)[0],
             transform_non_params=lambda _: self.replicated,
         )
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
         )
-        return OptimizerLayout(optimizer, shardings, abstract)
+        return OptimizerLayout(optimizer, shardings, abstract, split)
 
     def _build_functions(self) -> None:
         p_sh = self.param_shardings
         # Metrics replicated: every process of a multi-host mesh can read them.
         replicated = self.replicated
-        self.init_opt = jax.jit(self.rl.optimizer.transform.init, out_shardings=self.rl.shardings)
+        rl, sft = self.rl, self.sft
+        self.init_opt = jax.jit(
+            lambda p: rl.optimizer.transform.init(rl.split(p)[0]), out_shardings=rl.shardings
+        )
         self.init_sft_opt = jax.jit(
-            self.sft.optimizer.transform.init, out_shardings=self.sft.shardings
+            lambda p: sft.optimizer.transform.init(sft.split(p)[0]), out_shardings=sft.shardings
         )
         graphdef, levels, options = self.graphdef, self.levels, self.forward_options
         temperature, packed = self.temperature, self.tokens_per_row > 0
@@ -210,12 +227,20 @@ class TrainerPrograms:
                 temperature=temperature,
                 options=options,
                 packed=packed,
+                trainable=self.trainable,
             ),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, self.rl.shardings, replicated),
         )
         self.sft_step = jax.jit(
-            make_sft_step(graphdef, self.sft.optimizer, levels, options=options, packed=packed),
+            make_sft_step(
+                graphdef,
+                self.sft.optimizer,
+                levels,
+                options=options,
+                packed=packed,
+                trainable=self.sft_trainable,
+            ),
             donate_argnums=(0, 1),
             out_shardings=(p_sh, self.sft.shardings, replicated),
         )
@@ -227,13 +252,18 @@ class TrainerPrograms:
         )
         # The params as the inference workers serve them (cast to model.publish_dtype, per
         # layer when the trainer scans stacked layers); None when they are the params as is.
+        # With LoRA the adapters alone (`publish`) and, once, the frozen base (`publish_base`).
         dtype = jnp.dtype(config.model.published_dtype)
         unchanged = not config.trainer.scan_layers and all(
             x.dtype == dtype for x in jax.tree.leaves(self.abstract_params)
         )
-        self.publish = (
-            None if unchanged else jax.jit(lambda p: cast_floats(unstack_layers(p), dtype))
-        )
+        served = lambda p: cast_floats(unstack_layers(p), dtype)  # noqa: E731
+        self.publish_base = None
+        if self.lora:
+            self.publish = jax.jit(lambda p: served(self.split_trainable(p)[0]))
+            self.publish_base = jax.jit(lambda p: served(self.split_trainable(p)[1]))
+        else:
+            self.publish = None if unchanged else jax.jit(served)
 
     # -- placement -----------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from flax import nnx
 from rlax_tpu.algorithms import Objective, RolloutBatch
 from rlax_tpu.algorithms.metrics import masked_mean, masked_quantile
 from rlax_tpu.config import InferenceConfig, OptimizerConfig, RunConfig
+from rlax_tpu.models import lora as lora_lib
 from rlax_tpu.models.options import REFERENCE, ForwardOptions
 from rlax_tpu.sharding import constrain
 from rlax_tpu.trainer.packing import PackedLayout
@@ -355,6 +356,27 @@ def _mean_metrics(metrics: Metrics) -> Metrics:
     return {k: jnp.nanmean(v.astype(jnp.float32)) for k, v in metrics.items()}
 
 
+TRAINABLE = ("all", "adapters", "base")
+
+
+def trainable_parts(trainable: str) -> tuple[Callable, Callable]:
+    """(split, join) of a params tree into what an optimizer trains and what stays frozen:
+    "all": the whole tree is trained (split(params) = (params, None)); with LoRA
+    (model.lora), "adapters": split(params) = (adapters, base), the RL steps'; "base":
+    (base, adapters), a warm start's (its SFT trains the base the adapters then sit on).
+    join(train, frozen) is the whole tree again."""
+    if trainable == "adapters":
+        return lora_lib.split, lambda train, frozen: lora_lib.combine(frozen, train)
+    if trainable == "base":
+        return (
+            lambda params: lora_lib.split(params)[::-1],
+            lambda train, frozen: lora_lib.combine(train, frozen),
+        )
+    if trainable != "all":
+        raise ValueError(f"trainable must be one of {TRAINABLE}, got {trainable!r}")
+    return (lambda params: (params, None)), (lambda train, frozen: train)
+
+
 def _apply(optimizer: Optimizer, params, opt_state, grads):
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.transform.update(grads, opt_state, params)
@@ -379,6 +401,7 @@ def make_rl_step(
     temperature: float = 1.0,
     options: ForwardOptions = REFERENCE,
     packed: bool = False,
+    trainable: str = "all",
 ) -> Callable:
     """The RL update of one global batch, to be jitted:
 
@@ -412,7 +435,11 @@ def make_rl_step(
     directly through the unpacking gather (one forward, one backward; packing saves nothing
     there: the packed micro-batch has the padded one's shape). The loss, every metric and
     the gradient are the padded step's within float rounding.
+
+    trainable: what of `params` is differentiated and updated (`trainable_parts`; with LoRA
+    "adapters": the optimizer state is the adapters', the base goes through unchanged).
     """
+    split_params, join_params = trainable_parts(trainable)
     need_values = objective.needs_values
     need_entropy = objective.needs_entropy
     m = levels.micro_per_mini
@@ -434,18 +461,19 @@ def make_rl_step(
     def loss_of(mini: RolloutBatch, step, lp, values, entropy):
         return objective(mini, lp, values=values, entropy=entropy, step=step)
 
-    def direct_grads(params, mini, step):
+    def direct_grads(params, frozen, mini, step):
         def loss_fn(p):
-            lp, values, entropy = outputs(p, mini.tokens)
+            lp, values, entropy = outputs(join_params(p, frozen), mini.tokens)
             loss, metrics = loss_of(mini, step, lp, values, entropy)
             return loss, (metrics, lp)
 
         (loss, (metrics, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return (loss, metrics), grads, lp
 
-    def accumulated_grads(params, mini, step):
+    def accumulated_grads(params, frozen, mini, step):
         # Pass 1: outputs of the whole mini-batch, micro-batch by micro-batch, no grad.
-        outs = jax.lax.map(lambda t: outputs(params, t), _chunks(mini.tokens, m))
+        whole = join_params(params, frozen)
+        outs = jax.lax.map(lambda t: outputs(whole, t), _chunks(mini.tokens, m))
         lp, values, entropy = jax.tree.map(
             lambda x: x.reshape((levels.mini_size, *x.shape[2:])), outs
         )
@@ -459,7 +487,7 @@ def make_rl_step(
             tokens, cot = xs
 
             def surrogate(p):
-                o = outputs(p, tokens)
+                o = outputs(join_params(p, frozen), tokens)
                 return sum(
                     jnp.sum(c.astype(jnp.float32) * x.astype(jnp.float32))
                     for c, x in zip(cot, o, strict=True)
@@ -473,10 +501,11 @@ def make_rl_step(
         grads, _ = jax.lax.scan(micro, zeros, (_chunks(mini.tokens, m), cot_chunks))
         return (loss, metrics), grads, lp
 
-    def packed_grads(params, mini, step, layout: PackedLayout):
+    def packed_grads(params, frozen, mini, step, layout: PackedLayout):
         # Pass 1: outputs of the used packed micro-batches, no grad, in the padded layout.
         xs = _packed_inputs(mini.tokens, _targets(mini.tokens), layout)
-        outs = _over_used(lambda x: outputs(params, *x), xs, layout.used)
+        whole = join_params(params, frozen)
+        outs = _over_used(lambda x: outputs(whole, *x), xs, layout.used)
         lp, values, entropy = jax.tree.map(lambda o: _unpack(o, layout.unpack), outs)
         (loss, metrics), cotangents = jax.value_and_grad(
             lambda o: loss_of(mini, step, *o), has_aux=True
@@ -488,7 +517,7 @@ def make_rl_step(
             k, x, cot = ys
 
             def surrogate(p):
-                o = outputs(p, *x)
+                o = outputs(join_params(p, frozen), *x)
                 return sum(
                     jnp.sum(c.astype(jnp.float32) * y.astype(jnp.float32))
                     for c, y in zip(cot, o, strict=True)
@@ -504,14 +533,14 @@ def make_rl_step(
         grads, _ = jax.lax.scan(micro, zeros, (jnp.arange(m), xs, cot_packed))
         return (loss, metrics), grads, lp
 
-    def packed_direct_grads(params, mini, step, layout: PackedLayout):
+    def packed_direct_grads(params, frozen, mini, step, layout: PackedLayout):
         # One packed micro-batch holds the mini-batch (micro == mini): differentiate the
         # objective through the unpacking gather, one forward and one backward, as padded.
         xs = _packed_inputs(mini.tokens, _targets(mini.tokens), layout)
         one = jax.tree.map(lambda x: x[0], xs)
 
         def loss_fn(p):
-            outs = outputs(p, *one)
+            outs = outputs(join_params(p, frozen), *one)
             lp, values, entropy = jax.tree.map(lambda o: _unpack(o[None], layout.unpack), outs)
             loss, metrics = loss_of(mini, step, lp, values, entropy)
             return loss, (metrics, lp)
@@ -537,15 +566,18 @@ def make_rl_step(
             )
         minis = jax.tree.map(lambda x: _chunks(x, levels.num_updates), (batch, behaviour))
         minis = (*minis, layout)
+        params, frozen = split_params(params)
 
         def update(carry, xs):
             params, opt_state = carry
             mini, mini_behaviour, mini_layout = xs
             mini = mini.replace(group_ids=_dense_group_ids(mini.group_ids))
             if packed:
-                (loss, metrics), grads, lp = packed_grads_of(params, mini, step, mini_layout)
+                (loss, metrics), grads, lp = packed_grads_of(
+                    params, frozen, mini, step, mini_layout
+                )
             else:
-                (loss, metrics), grads, lp = grads_of(params, mini, step)
+                (loss, metrics), grads, lp = grads_of(params, frozen, mini, step)
             params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
             metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
             metrics.update(loss=loss, grad_norm=grad_norm)
@@ -555,7 +587,7 @@ def make_rl_step(
         (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), minis)
         out = _mean_metrics(metrics)
         out["learning_rate"] = optimizer.last_learning_rate(opt_state)
-        return params, opt_state, out
+        return join_params(params, frozen), opt_state, out
 
     return rl_step
 
@@ -597,6 +629,7 @@ def make_sft_step(
     *,
     options: ForwardOptions = REFERENCE,
     packed: bool = False,
+    trainable: str = "all",
 ) -> Callable:
     """The SFT update of one global batch, to be jitted:
 
@@ -612,10 +645,13 @@ def make_sft_step(
     mini-batches (sequence lengths from the loss mask), and each mini-batch's used packed
     micro-batches run instead of its padded ones, with the tokens, targets and loss mask
     gathered into the packed layout: the same loss and gradient within float rounding.
+
+    trainable: what of `params` is trained, as in `make_rl_step`.
     """
     m = levels.micro_per_mini
+    split_params, join_params = trainable_parts(trainable)
 
-    def update(carry, xs):
+    def update(carry, xs, frozen):
         params, opt_state = carry
         tokens, targets, mask, layout = xs
         mask = mask.astype(jnp.float32)
@@ -631,7 +667,7 @@ def make_sft_step(
             def loss_fn(p):
                 lp = policy_outputs(
                     graphdef,
-                    p,
+                    join_params(p, frozen),
                     t,
                     y,
                     values=False,
@@ -674,11 +710,14 @@ def make_sft_step(
             )
         n = levels.num_updates
         xs = (_chunks(tokens, n), _chunks(targets, n), _chunks(loss_mask, n), layout)
-        (params, opt_state), metrics = jax.lax.scan(update, (params, opt_state), xs)
+        params, frozen = split_params(params)
+        (params, opt_state), metrics = jax.lax.scan(
+            lambda carry, x: update(carry, x, frozen), (params, opt_state), xs
+        )
         out = _mean_metrics(metrics)
         out["learning_rate"] = optimizer.last_learning_rate(opt_state)
         out["tokens"] = jnp.sum(metrics["tokens"])
-        return params, opt_state, out
+        return join_params(params, frozen), opt_state, out
 
     return sft_step
 

@@ -39,15 +39,16 @@ from rlax_tpu import run_dir as run_dir_layout
 from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
 from rlax_tpu.api.trainer import BatchFormatError, StepResult, batch_digest
+from rlax_tpu.checkpoints import CheckpointStore, NoValidCheckpointError
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.config.run import rollout_correction_conflict
 from rlax_tpu.failpoints import failpoint
+from rlax_tpu.models import lora_base
 from rlax_tpu.models.hf import load_hf_sharded
 from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import build_mesh, use_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import perf
-from rlax_tpu.trainer.checkpoints import CheckpointStore, NoValidCheckpointError
 from rlax_tpu.trainer.programs import SENT_FIELDS, TrainerPrograms
 from rlax_tpu.trainer.step import train_flops
 
@@ -182,6 +183,7 @@ class Trainer:
         self._results: dict[int, StepResult] = {}
         self._last_metrics: dict[str, float] = {}
         self._peak_flops: float | None = None
+        self._base_digest: bytes | None = None  # the LoRA base written (_lora_base_digest)
 
     def _place_rows(self, x: Any, dtype=None, sharding: NamedSharding | None = None) -> jax.Array:
         """A host or device array with rows first, sharded over the batch axes (or as
@@ -223,6 +225,17 @@ class Trainer:
 
     def _copy(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
+
+    def _reference_copy(self) -> Any:
+        """What the reference policy keeps of the current params: a copy of what training
+        changes (with LoRA the adapters alone: the frozen base is the current one's)."""
+        return self._copy(self.programs.split_trainable(self._params)[0])
+
+    def _reference_params(self) -> Any:
+        """The reference policy's whole params tree (`_reference_copy` on the frozen base)."""
+        return self.programs.join_trainable(
+            self._reference, self.programs.split_trainable(self._params)[1]
+        )
 
     def _initial_params(self) -> Any:
         model_cfg = self.config.model
@@ -275,9 +288,10 @@ class Trainer:
     def _start_rl(self) -> None:
         """Version 0 from the current params: a fresh RL optimizer state and reference."""
         self._opt_state = self._init_opt(self._params)
-        self._reference = self._copy(self._params) if self._keeps_reference else None
+        self._reference = self._reference_copy() if self._keeps_reference else None
         self._sft_opt_state = None
         self.warm_start_step = self.warm_start_steps
+        self._base_digest = None
 
     def _publish(self, version: int) -> None:
         """Publish `version` if anything may read it (StalenessPolicy.publishes: a version
@@ -318,7 +332,27 @@ class Trainer:
         parameter server and the workers: cast and sliced in one jitted call."""
         if self.programs.publish is None:
             return self._params
+        if self.programs.lora:
+            digest = lora_base.digest_leaf(self._lora_base_digest())
+            return {**self.programs.publish(self._params), lora_base.DIGEST_KEY: digest}
         return self.programs.publish(self._params)
+
+    def _lora_base_digest(self) -> bytes:
+        """The digest of the frozen base a LoRA version names, the base written to the run's
+        base store (rlax_tpu.models.lora_base) first if it is not there. Computed once per
+        base: RL steps never change it; only the start of RL (`_start_rl`, a warm start's
+        end) and a restore bring a base, and they forget the digest."""
+        if self._base_digest is None:
+            base = self.programs.publish_base(self._params)
+            digest = lora_base.base_digest(base)
+            store = lora_base.LoraBaseStore(self.config.storage.run_dir)
+            try:
+                store.write(base, digest)
+            finally:
+                store.close()
+            del base
+            self._base_digest = digest
+        return self._base_digest
 
     def params(self) -> Any:
         """The current params: a pure dict of sharded jax arrays (do not mutate), per layer
@@ -417,7 +451,7 @@ class Trainer:
             if self.objective.needs_reference_logprobs:
                 batch = batch.replace(
                     reference_logprobs=self._recompute(
-                        self._reference, batch.tokens, False, *packed_recompute
+                        self._reference_params(), batch.tokens, False, *packed_recompute
                     )[0]
                 )
             self._params, self._opt_state, metrics = self._rl_step(
@@ -620,7 +654,7 @@ class Trainer:
         self.step = step + 1
         if self._keeps_reference and reference_reset_due(self.config.trainer.algorithm, self.step):
             _log.info("resetting the reference policy to version %d", self.step)
-            self._reference = self._copy(self._params)
+            self._reference = self._reference_copy()
         result = StepResult(step=step, version=self.step, metrics=metrics, batch_digest=digest)
         self._results[step] = result
         self._trained_here = True
@@ -642,7 +676,7 @@ class Trainer:
     def _abstract_state(self) -> dict[str, Any]:
         state = {"params": self._abstract_params, "opt_state": self._abstract_opt}
         if self._keeps_reference:
-            state["reference"] = self._abstract_params
+            state["reference"] = self.programs.abstract_trainable
         return state
 
     def save(self, *, wait: bool = True) -> int:
@@ -696,6 +730,7 @@ class Trainer:
         self._params = state["params"]
         self._opt_state = state["opt_state"]
         self._reference = state.get("reference")
+        self._base_digest = None
         self._sft_opt_state, self._sft_results = None, {}
         self.warm_start_step = self.warm_start_steps  # an RL checkpoint follows the warm start
         self.step = restored.step

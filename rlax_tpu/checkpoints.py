@@ -1,9 +1,10 @@
-"""Trainer checkpoints: orbax `CheckpointManager` with async saves and keep-N, on a local
-directory, file:// or gs://, restorable onto any mesh.
+"""Checkpoints of arrays: orbax `CheckpointManager` with async saves and keep-N, on a local
+directory, file:// or gs://, restorable onto any mesh. The trainer's state (params,
+optimizer state, reference params) is kept here, and the frozen base of a LoRA run
+(rlax_tpu.models.lora_base), which the inference workers read.
 
-A checkpoint holds the train state (params, optimizer state, reference params) and a
-small JSON item (step, the recorded step results, exact checksums of every array).
-Restoring walks from the newest step down: one that is incomplete (orbax only lists
+A checkpoint holds the state and a small JSON item (step, the recorded step results, exact
+checksums of every array). Restoring walks from the newest step down: one that is incomplete (orbax only lists
 finalized saves), unreadable, or whose arrays do not match their checksums is skipped
 with the reason logged, and the previous one is used.
 """
