@@ -4,9 +4,9 @@ optimizer state, reference params) is kept here, and the frozen base of a LoRA r
 (rlax_tpu.models.lora_base), which the inference workers read.
 
 A checkpoint holds the state and a small JSON item (step, the recorded step results, exact
-checksums of every array). Restoring walks from the newest step down: one that is incomplete (orbax only lists
-finalized saves), unreadable, or whose arrays do not match their checksums is skipped
-with the reason logged, and the previous one is used.
+checksums of every array). Restoring walks from the newest step down: one that is
+incomplete (orbax only lists finalized saves), unreadable, or whose arrays do not match
+their checksums is skipped with the reason logged, and the previous one is used.
 """
 
 from __future__ import annotations

@@ -13,11 +13,16 @@ import pytest
 from flax import nnx
 from trainer_helpers import ENGINE, MODEL, rollout_batch, run_config
 
+from rlax_tpu import simulator
+from rlax_tpu.api.inference import PullFailedError
+from rlax_tpu.compile.programs import lora_savings
+from rlax_tpu.compile.report import format_lora_savings
 from rlax_tpu.config import LoraConfig
 from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.models import Transformer, lora, lora_base
 from rlax_tpu.param_server import ServeOptions, start_server
 from rlax_tpu.param_server.trees import TreeClient
+from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import Trainer
 from rlax_tpu.tree import flatten
 
@@ -60,18 +65,7 @@ def test_adapters_start_as_the_identity_and_the_base_is_the_model_without_lora()
     rng = np.random.default_rng(1)
     trained = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), adapters)
     _set(adapted, lora.combine(base, trained))
-    merged = jax.tree.map(np.array, base)
-    for path, a in flatten(trained).items():
-        if not path.endswith("_lora_a"):
-            continue
-        weight_path = path[: -len("_lora_a")]
-        b = flatten(trained)[weight_path + "_lora_b"]
-        delta = np.tensordot(np.asarray(a), np.asarray(b), axes=1) * LORA.scale
-        node = merged
-        *parents, last = weight_path.split("/")
-        for k in parents:
-            node = node[int(k) if k.isdigit() else k]
-        node[last] = node[last] + delta
+    merged = lora.merged(lora.combine(base, trained), LORA.scale)  # W + (alpha/r)·A·B
     _set(plain, merged)
     got = adapted.forward_train(tokens, tokens).logprobs
     np.testing.assert_allclose(got, plain.forward_train(tokens, tokens).logprobs, atol=2e-5)
@@ -193,3 +187,77 @@ def test_scanned_layers_train_and_publish_the_same_adapters(published, tmp_path)
     for k in got:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     scanned.close()
+
+
+def test_a_worker_refuses_a_version_whose_base_its_run_does_not_hold(published, tmp_path):
+    """A worker whose storage.run_dir is not the trainer's finds no base: the load fails
+    naming the base and the knob, and the worker serves nothing."""
+    config = published["config"]
+    other = dataclasses.replace(
+        config, storage=dataclasses.replace(config.storage, run_dir=str(tmp_path / "elsewhere"))
+    )
+    worker = InferenceWorker(other, param_server=published["client"], consumer_id="worker-1")
+    try:
+        with pytest.raises(PullFailedError, match="storage.run_dir"):
+            worker.load(1)
+        assert worker.engine.served_params() == []
+    finally:
+        worker.close()
+
+
+def test_the_simulator_and_the_compile_report_count_what_lora_trains_and_moves():
+    abstract = nnx.eval_shape(lambda: Transformer(LORA_MODEL, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    adapters = lora.split(params)[0]
+    assert simulator.count_params(LORA_MODEL) == sum(x.size for x in jax.tree.leaves(params))
+    assert simulator.lora_params(LORA_MODEL) == sum(x.size for x in jax.tree.leaves(adapters))
+    assert simulator.count_arrays(LORA_MODEL) == len(jax.tree.leaves(adapters)) + 1
+    assert simulator.model_bytes(LORA_MODEL) == 4 * simulator.lora_params(LORA_MODEL) + 32
+
+    config = _config("/tmp/unused")
+    mesh = build_mesh(config.trainer.mesh)
+    savings = lora_savings(config, mesh)
+    held, full = savings["bytes_per_chip"], savings["full_fine_tuning_bytes_per_chip"]
+    assert savings["trained_params"] == simulator.lora_params(LORA_MODEL)
+    assert held["params"] > full["params"]  # the base and the adapters
+    # Adam's two moments, of the adapters only (plus replicated counters and schedule).
+    assert held["optimizer_state"] < 3 * held["gradients"] < full["gradients"]
+    assert savings["saved_bytes_per_chip"] == sum(full.values()) - sum(held.values()) > 0
+    line = format_lora_savings(savings)
+    assert f"trains {savings['trained_params']:,} of {savings['total_params']:,}" in line
+
+
+def test_a_worker_serving_int8_quantizes_the_frozen_base_once_and_keeps_no_device_copy(
+    published,
+):
+    """inference.weight_dtype=int8: the base's projections are quantized at the first load
+    only (later versions change only the adapters), and the published-dtype projections the
+    worker keeps stay on the host, so the devices hold the int8 copy alone."""
+    config = published["config"]
+    config = dataclasses.replace(
+        config, inference=dataclasses.replace(config.inference, weight_dtype="int8")
+    )
+    worker = InferenceWorker(config, param_server=published["client"], consumer_id="worker-2")
+    try:
+        worker.load(1)
+        first = worker.engine.served_params()
+        worker.load(3)
+        later = worker.engine.served_params()
+        int8 = [i for i, x in enumerate(first) if x.dtype == np.int8]
+        assert len(int8) == 2 * 7  # 7 projections in each of the 2 layers
+        assert all(first[i] is later[i] for i in int8)  # quantized once
+        adapters = [
+            i for i, x in enumerate(first) if x.shape != later[i].shape or x is not later[i]
+        ]
+        assert adapters and not set(adapters) & set(int8)
+        base = flatten(worker.weights._base)
+        projections = {
+            k
+            for k in base
+            if k.rsplit("/", 1)[-1] in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        }
+        assert len(projections) == 14
+        assert all(isinstance(base[k], np.ndarray) for k in projections)
+        assert all(isinstance(v, jax.Array) for k, v in base.items() if k not in projections)
+    finally:
+        worker.close()

@@ -2,7 +2,7 @@
 """Inference-engine throughput against static batching (and Tunix, when installed).
 
     python tools/bench_inference.py [--quick] [--json OUT] [--requests N] [--decode-steps K]
-        [--kv-requests N] [--kv-repeats R]
+        [--kv-requests N] [--kv-repeats R] [--group-only] [--quantized-only]
 
 One mixed-length workload (prompt and output lengths lognormal, fixed seed; each output
 length is the request's max_new_tokens with no stop tokens, so every system generates
@@ -36,6 +36,13 @@ slots' worst case (max_prompt_len + max_new_tokens each) and at one holding ever
 Each: tokens/s and its ratio to today's engine, live sequences per decode call,
 preemptions and swap bytes per 1,000 tokens, and whether its rollouts equal today's
 engine's (bitwise, as the engine promises); timed after a warm-up run of the same pools.
+
+`quantized` (`--quantized-only`): the demo's model and the ~20M-parameter model of
+tools/bench_e2e.py served bf16 (the baseline), int8 and fp8 (`inference.weight_dtype`: the
+projections quantized by the engine at load) in one run: the served weights' bytes, the
+load of a fresh version (quantization included), generation tokens/s of a decode-heavy
+batch, each as a ratio against bf16, and the behaviour log-probs' mismatch against the
+trainer's recompute from the unquantized weights.
 
 `worker_load` times what a rollout worker pays per version of a small model (the tiny
 default model, and this benchmark's model): `InferenceWorker.load` of a version just
@@ -855,6 +862,167 @@ def print_kv_budget(kv: dict) -> None:
             print(f"  !!! ROLLOUTS DIFFER from today's engine's: {', '.join(differ)} !!!")
 
 
+# -- quantized serving: int8 / fp8 projections against bf16 ---------------------------------------
+QUANTIZED = ("", "int8", "fp8")  # inference.weight_dtype; "" = the bf16 baseline
+QUANT_PROMPT_TOKENS = 16
+QUANT_LOAD_VERSIONS = 5  # loads of fresh versions after the first (medians)
+
+
+def quantized_models() -> dict[str, ModelConfig]:
+    """The demo's model (configs/tiny_cpu.py) and the ~20M-parameter model of
+    tools/bench_e2e.py, served bf16 (bf16 published weights, bf16 compute)."""
+    from bench_e2e import SIZE_20M
+
+    from rlax_tpu.config import load_config
+
+    demo = load_config(str(ROOT / "configs" / "tiny_cpu.py"))
+    m20 = demo.apply_overrides([o for o in SIZE_20M if o.startswith("model.")])
+    return {
+        name: dataclasses.replace(config.model, dtype="bfloat16", publish_dtype="bfloat16")
+        for name, config in (("demo", demo), ("20m", m20))
+    }
+
+
+def _recompute_mismatch(model: ModelConfig, params, rollouts, seq: int) -> dict:
+    """|behaviour log-prob − the trainer's recompute from the unquantized weights| over the
+    rollouts' response tokens (the trainer's mismatch metric; also max)."""
+    from rlax_tpu.trainer.step import mismatch_metrics, recompute_logprobs
+
+    rows = len(rollouts)
+    tokens = np.zeros((rows, seq), np.int32)
+    mask = np.zeros((rows, seq), bool)
+    behaviour = np.zeros((rows, seq), np.float32)
+    for row, r in enumerate(rollouts):
+        full = list(r.prompt_tokens) + list(r.tokens)
+        tokens[row, : len(full)] = full
+        start = len(r.prompt_tokens) - 1
+        mask[row, start : start + len(r.tokens)] = True
+        behaviour[row, start : start + len(r.tokens)] = r.logprobs
+    abstract = nnx.eval_shape(lambda: Transformer(model.served(), rngs=nnx.Rngs(0)))
+    graphdef = nnx.split(abstract, nnx.Param)[0]
+    recomputed = np.asarray(
+        jax.jit(lambda p, t: recompute_logprobs(graphdef, p, t, micro_size=rows))(params, tokens)
+    )
+    metrics = mismatch_metrics(recomputed, behaviour, mask)
+    return {
+        "mean": float(metrics["mismatch/recomputed_vs_cached_mean"]),
+        "p95": float(metrics["mismatch/recomputed_vs_cached_p95"]),
+        "max": float(np.abs(recomputed - behaviour)[mask].max()),
+    }
+
+
+def quantized_case(repeats: int, rows: int, new_tokens: int) -> dict:
+    """Each model: engines serving the same bf16 weights as published (the baseline), int8
+    and fp8 (inference.weight_dtype), in one run. Per engine: the served weights' bytes, a
+    load of a fresh version (quantization at load included: the first load, which also
+    compiles the quantizers, and the median of later ones), generation tokens/s of `rows`
+    requests of QUANT_PROMPT_TOKENS-token prompts and `new_tokens` new tokens each (no stop
+    token; decode is most of it), best of `repeats` interleaved rounds, and the behaviour
+    log-probs' mismatch against the trainer's recompute from the unquantized weights."""
+    out: dict = {
+        "rows": rows,
+        "prompt_tokens": QUANT_PROMPT_TOKENS,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "compute_dtype": "bfloat16",
+        "models": {},
+    }
+    inference = dataclasses.replace(
+        INFERENCE,
+        max_decode_slots=rows,
+        prefill_batch_size=rows,
+        prefill_buckets=(QUANT_PROMPT_TOKENS,),
+        max_prompt_len=QUANT_PROMPT_TOKENS,
+        max_new_tokens=new_tokens,
+        decode_buckets=(rows,),
+    )
+    base = SamplingParams.from_config(inference)
+    sampling = dataclasses.replace(base, max_new_tokens=new_tokens, stop_token_ids=())
+    for name, model in quantized_models().items():
+        rng = np.random.default_rng(SEED)
+        requests = [
+            GenerationRequest(
+                f"q{i}",
+                f"q{i}",
+                0,
+                tuple(int(t) for t in rng.integers(0, model.vocab_size, QUANT_PROMPT_TOKENS)),
+                sampling,
+            )
+            for i in range(rows)
+        ]
+        params = nnx.to_pure_dict(nnx.state(Transformer(model, rngs=nnx.Rngs(SEED)), nnx.Param))
+        # As a worker's pull gives them: the published dtype, on the device.
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+        pool = rows * -(-(QUANT_PROMPT_TOKENS + new_tokens) // 16) + 1
+        config = dataclasses.replace(
+            inference, kv_cache_bytes=pool * 16 * int(model.kv_bytes_per_token())
+        )
+        engines, loads, runs, last = {}, {}, {}, {}
+        for weight_dtype in QUANTIZED:
+            engine = Engine(
+                model, dataclasses.replace(config, weight_dtype=weight_dtype), seed=SEED,
+                decode_steps_per_call=4,
+            )  # fmt: skip
+            times = []
+            for version in range(QUANT_LOAD_VERSIONS + 1):
+                fresh = jax.block_until_ready(jax.tree.map(jnp.copy, params))
+                t0 = time.perf_counter()
+                engine.load(version, fresh)
+                jax.block_until_ready(engine.served_params())
+                times.append(time.perf_counter() - t0)
+            engine.load(QUANT_LOAD_VERSIONS + 1, params)
+            engines[weight_dtype], loads[weight_dtype] = engine, times
+
+            def run(engine=engine, key=weight_dtype, requests=requests, last=last) -> None:
+                last[key] = engine.run(requests)
+
+            run()  # warm-up: compiles
+            runs[weight_dtype] = run
+        seconds = best_seconds(runs, repeats)
+        tokens = rows * new_tokens
+        row: dict = {"params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "by": {}}
+        for weight_dtype, engine in engines.items():
+            label = weight_dtype or "bf16"
+            assert sum(len(r.tokens) for r in last[weight_dtype]) == tokens
+            row["by"][label] = {
+                "weight_bytes": int(sum(x.nbytes for x in engine.served_params())),
+                "first_load_s": round(loads[weight_dtype][0], 4),
+                "load_s": round(statistics.median(loads[weight_dtype][1:]), 4),
+                "tokens_per_s": round(tokens / seconds[weight_dtype], 1),
+                "logprob_mismatch": _recompute_mismatch(
+                    model, params, last[weight_dtype], QUANT_PROMPT_TOKENS + new_tokens
+                ),
+            }
+        baseline = row["by"]["bf16"]
+        for r in row["by"].values():
+            r["weight_bytes_ratio"] = round(r["weight_bytes"] / baseline["weight_bytes"], 3)
+            r["tokens_per_s_ratio"] = round(r["tokens_per_s"] / baseline["tokens_per_s"], 3)
+            r["quantize_at_load_s"] = round(r["load_s"] - baseline["load_s"], 4)
+        out["models"][name] = row
+    return out
+
+
+def print_quantized_case(q: dict) -> None:
+    print(
+        f"quantized serving ({q['compute_dtype']} compute): {q['rows']} requests of "
+        f"{q['prompt_tokens']}-token prompts, {q['new_tokens']} new tokens each, best of "
+        f"{q['repeats']}; ratios against the bf16 engine of the same run"
+    )
+    print(
+        f"{'model':>6}{'weights':>8}{'MiB':>8}{'ratio':>7}{'load ms':>9}{'1st ms':>8}"
+        f"{'tokens/s':>10}{'ratio':>7}{'|dlogp| mean':>14}{'p95':>9}{'max':>9}"
+    )
+    for name, row in q["models"].items():
+        for label, r in row["by"].items():
+            m = r["logprob_mismatch"]
+            print(
+                f"{name:>6}{label:>8}{r['weight_bytes'] / 2**20:>8.2f}"
+                f"{r['weight_bytes_ratio']:>6.2f}x{r['load_s'] * 1e3:>9.1f}"
+                f"{r['first_load_s'] * 1e3:>8.0f}{r['tokens_per_s']:>10.1f}"
+                f"{r['tokens_per_s_ratio']:>6.2f}x{m['mean']:>14.2e}{m['p95']:>9.2e}{m['max']:>9.2e}"
+            )
+
+
 # -- roofline ------------------------------------------------------------------------------------
 def matmul_flops_per_s(n: int = 1024, repeats: int = 10) -> float:
     """The best float32 [n, n] x [n, n] rate jitted XLA reaches on this machine."""
@@ -916,7 +1084,33 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run only the shared-prompt-pages case (GRPO groups of 4, 8, 16 samples)",
     )
+    parser.add_argument(
+        "--quantized-only",
+        action="store_true",
+        help="run only the quantized-serving case: int8 and fp8 projections against bf16 "
+        "(demo and 20m models; --quantized-rows, --quantized-new-tokens)",
+    )
+    parser.add_argument(
+        "--quantized-rows", type=int, default=16, help="requests (= decode slots), default 16"
+    )
+    parser.add_argument(
+        "--quantized-new-tokens", type=int, default=32, help="new tokens a request, default 32"
+    )
     args = parser.parse_args(argv)
+    if args.quantized_only:
+        quantized = quantized_case(
+            args.repeats or 3, args.quantized_rows, args.quantized_new_tokens
+        )
+        figures = {
+            "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
+            "host": host_cpu(),
+            "cpu_count": os.cpu_count(),
+            "quantized": quantized,
+        }
+        print_quantized_case(quantized)
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        return 0
     if args.group_only:
         params = nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(SEED)), nnx.Param))
         group = group_case(params, args.decode_steps, args.repeats or 3)

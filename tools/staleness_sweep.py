@@ -327,12 +327,47 @@ def start_from_warm_start(run_dir: Path, warm: Path) -> None:
 # -- KL of the final policy to the reference -----------------------------------------------------
 def final_params(run_dir: Path, like: Any) -> tuple[int, Any]:
     """(version, params) of the newest version the run's parameter server persisted."""
+    import numpy as np
+
+    from rlax_tpu.models import lora_base
     from rlax_tpu.param_server.store import VersionStore
     from rlax_tpu.tree import flatten, unflatten_like
 
     store = VersionStore(str(run_dir / "params"), hot_versions=1)
     version = max(v.version for v in store.versions())
-    return version, unflatten_like(like, {p: store.read(version, p) for p in flatten(like)})
+    stored = {piece.path for piece in store.layout()}
+    if lora_base.DIGEST_KEY not in stored:
+        return version, unflatten_like(like, {p: store.read(version, p) for p in flatten(like)})
+    # A LoRA run's version holds its adapters: fold them into the base it names.
+    import jax
+
+    from rlax_tpu.models import lora
+
+    effective = RunConfig.from_dict(json.loads((run_dir / EFFECTIVE_CONFIG).read_text()))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
+    base_store = lora_base.LoraBaseStore(str(run_dir))
+    try:
+        digest = lora_base.digest_of_leaf(store.read(version, lora_base.DIGEST_KEY))
+        base = flatten(base_store.read(digest, abstract))
+    finally:
+        base_store.close()
+    adapters = {p: store.read(version, p) for p in stored - {lora_base.DIGEST_KEY}}
+    whole = unflatten_nested({**base, **adapters})
+    folded = flatten(lora.merged(whole, effective.model.lora.scale))
+    return version, unflatten_like(like, {p: np.asarray(folded[p]) for p in flatten(like)})
+
+
+def unflatten_nested(values: dict[str, Any]) -> dict[str, Any]:
+    """{"layers/0/attn/wq": x} -> {"layers": {"0": {"attn": {"wq": x}}}} (string keys)."""
+    out: dict[str, Any] = {}
+    for path, value in values.items():
+        *parents, last = path.split("/")
+        node = out
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return out
 
 
 def sequence_kl(

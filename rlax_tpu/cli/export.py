@@ -9,6 +9,10 @@ finish, or whose arrays do not match their checksums, is never exported; but ont
 device, without the trainer service or the run's devices. The run's config is its
 effective_config.json (the config its trainer ran, with the tokenizer directory
 materialised), else its config.json.
+
+A LoRA run (model.lora) is written as PEFT loads it: OUT is a PEFT adapter directory and
+OUT/base the base model it applies to (models/export.py, `export_peft`); `--merged` writes
+instead one plain model directory with the adapters folded into the base.
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the tokenizer directory whose files go with the model (default: the run's)",
     )
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run: fold the adapters into the base (W + alpha/rank·A·B) and write one "
+        "plain model directory instead of a PEFT adapter and its base",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -78,6 +88,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         source = locate(args.source, step=args.step)
         config = run_config(source.run_dir)
+        lora = config.model.lora
+        if args.merged and lora is None:
+            raise ExportError(
+                f"--merged folds LoRA adapters into their base, but the run {source.run_dir} "
+                "has none (model.lora is unset): its export is a plain model; drop --merged"
+            )
         tokenizer_dir = args.tokenizer or run_tokenizer_dir(config, source.run_dir)
         out = _normalise(args.out)
         if storage.exists(storage.join(out, DIGEST_FILE)):
@@ -88,18 +104,37 @@ def main(args: argparse.Namespace) -> int:
                 "the tokenizer to ship with --tokenizer DIR"
             )
         params, description = restore_params(config, source)
-        from rlax_tpu.models.export import export_hf
+        from rlax_tpu.models.export import BASE_DIR, export_hf, export_merged, export_peft
 
-        written = export_hf(params, config.model, out, tokenizer_dir=tokenizer_dir)
+        if lora is None or args.merged:
+            export = export_merged if args.merged else export_hf
+            written = export(params, config.model, out, tokenizer_dir=tokenizer_dir)
+            report = f"  to {out}: {_listing(written, out)}"
+        else:
+            base_dir = storage.join(out, BASE_DIR)
+            written = export_peft(
+                params, config.model, out, tokenizer_dir=tokenizer_dir, base_dir=base_dir
+            )
+            adapter = [u for u in written if not u.startswith(base_dir + "/")]
+            report = (
+                f"  as a PEFT adapter (LoRA rank {lora.rank}) to {out}: "
+                f"{_listing(adapter, out)}\n"
+                f"  with the base model it applies to in {base_dir}: "
+                f"{_listing([u for u in written if u not in adapter], base_dir)}"
+            )
     except NoValidCheckpointError as e:
         print(f"rlax-tpu export: nothing to export: {e}", file=sys.stderr)
         return 2
     except (ExportError, ConfigError, CheckpointError, TokenizerError, OSError) as e:
         print(f"rlax-tpu export: {e}", file=sys.stderr)
         return 2
-    names = ", ".join(sorted(u.rsplit("/", 1)[-1] for u in written))
-    print(f"exported {description}\n  to {out}: {names}", flush=True)
+    print(f"exported {description}\n{report}", flush=True)
     return 0
+
+
+def _listing(written: list[str], directory: str) -> str:
+    """The names of the files `written` in `directory`, sorted, comma-separated."""
+    return ", ".join(sorted(u.removeprefix(directory + "/") for u in written))
 
 
 # -- what to export --------------------------------------------------------------------------
@@ -225,7 +260,8 @@ def _restore(
     if kind == "rl":
         abstract = {"params": programs.abstract_params, "opt_state": programs.rl.abstract}
         if programs.objective.needs_reference_logprobs:
-            abstract["reference"] = programs.abstract_params
+            # what training changes: the whole params, or a LoRA run's adapters alone
+            abstract["reference"] = programs.abstract_trainable
     else:
         abstract = {"params": programs.abstract_params, "opt_state": programs.sft.abstract}
     store = CheckpointStore(

@@ -56,6 +56,13 @@ _DTYPE_BYTES = {
     "c128": 16,
     "s4": 0.5,
     "u4": 0.5,
+    # float8 (inference.weight_dtype="fp8" serves float8_e4m3fn weights)
+    "f8e4m3fn": 1,
+    "f8e4m3": 1,
+    "f8e5m2": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3b11fnuz": 1,
 }
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY )?%([^\s(]+) .*\{$")

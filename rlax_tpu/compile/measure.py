@@ -55,7 +55,10 @@ KNOBS = {
         ),
     },
     "inference": {
-        "params": "inference.mesh (more tensor parallelism), model.publish_dtype",
+        "params": (
+            "inference.mesh (more tensor parallelism), model.publish_dtype, "
+            "inference.weight_dtype (int8 / fp8 projections)"
+        ),
         "kv_cache": "inference.kv_cache_bytes, inference.mesh (tensor shards the KV heads)",
         "activations_and_temporaries": (
             "inference.max_decode_slots, inference.prefill_batch_size, "

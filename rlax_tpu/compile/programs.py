@@ -102,6 +102,37 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
+def lora_savings(config: RunConfig, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """What LoRA (model.lora) saves the trainer, per chip of `mesh`: the parameters it trains,
+    and the bytes of its optimizer state, gradients and reference copy against full
+    fine-tuning of the same model (abstract layouts: nothing is compiled or allocated)."""
+    from rlax_tpu.trainer.programs import TrainerPrograms
+
+    full_config = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=None))
+    lora, full = TrainerPrograms(config, mesh), TrainerPrograms(full_config, mesh)
+    reference = lora.objective.needs_reference_logprobs
+
+    def held(tp: TrainerPrograms) -> dict[str, int]:
+        trained = per_chip_bytes(tp.abstract_trainable)
+        return {
+            "params": per_chip_bytes(tp.abstract_params),
+            "optimizer_state": per_chip_bytes(tp.rl.abstract),
+            "gradients": trained,
+            "reference": trained if reference else 0,
+        }
+
+    with_lora, without = held(lora), held(full)
+    return {
+        "rank": config.model.lora.rank,
+        "targets": list(config.model.lora.targets),
+        "trained_params": lora.num_trainable,
+        "total_params": lora.num_params,
+        "bytes_per_chip": with_lora,
+        "full_fine_tuning_bytes_per_chip": without,
+        "saved_bytes_per_chip": sum(without.values()) - sum(with_lora.values()),
+    }
+
+
 def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]) -> list[Program]:
     from rlax_tpu.trainer.programs import TrainerPrograms
 
@@ -109,9 +140,13 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
     levels, seq = tp.levels, config.trainer.max_seq_len
     params = per_chip_bytes(tp.abstract_params)
     rl_opt = per_chip_bytes(tp.rl.abstract)
+    # What RL trains (with LoRA the adapters alone: gradients, optimizer state and the
+    # reference copy are theirs) and what the warm start's SFT trains (the base).
+    trained = per_chip_bytes(tp.abstract_trainable)
+    sft_trained = per_chip_bytes(tp.sft.split(tp.abstract_params)[0])
     # The reference copy (π_ref) the trainer keeps beside the params in RL, when the
     # objective reads reference log-probs.
-    reference_copy = {"reference": params} if tp.objective.needs_reference_logprobs else {}
+    reference_copy = {"reference": trained} if tp.objective.needs_reference_logprobs else {}
     batch = (
         f"{levels.global_size} × {seq} tokens: {levels.num_updates} update(s) of "
         f"{levels.mini_size}, micro-batch {levels.micro_size}"
@@ -203,7 +238,7 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
                 1,
                 lowering("rl_step"),
                 {"params": params, "optimizer_state": rl_opt},
-                gradients=params,
+                gradients=trained,
                 resident=reference_copy,
                 dims=dims,
             )
@@ -234,7 +269,7 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
                 1,
                 lowering("sft_step"),
                 {"params": params, "optimizer_state": per_chip_bytes(tp.sft.abstract)},
-                gradients=params,
+                gradients=sft_trained,
                 dims=dims,
             )
         )
@@ -243,7 +278,8 @@ def trainer_programs(config: RunConfig, mesh: jax.sharding.Mesh, names: set[str]
             Program(
                 "publish",
                 "trainer",
-                f"params to {config.model.published_dtype}"
+                ("LoRA adapters" if tp.lora else "params")
+                + f" to {config.model.published_dtype}"
                 + (", per layer" if config.trainer.scan_layers else ""),
                 "once per published version",
                 1,
@@ -268,7 +304,10 @@ def inference_programs(
         "kv_cache": per_chip_bytes((cache.keys, cache.values)),
     }
     inference = config.inference
-    attention = f"attention {cache.backend}"
+    # The attention kernel, and the projections' dtype when served quantized.
+    serving = f"attention {cache.backend}"
+    if inference.weight_dtype:
+        serving += f", {inference.weight_dtype} projections"
     out = []
     # Calls that feed tokens at the prefill buckets (continuation buckets too, when used):
     # prompts, and with episodes or "keep" continuations fed after their cached pages.
@@ -291,7 +330,7 @@ def inference_programs(
                     name,
                     "inference",
                     f"{engine.prefill_rows} × {bucket} {tokens}, {cache.num_pages} pages of "
-                    f"{cache.page_size}, {attention}",
+                    f"{cache.page_size}, {serving}",
                     f"{calls} of bucket {bucket}",
                     1,
                     functools.partial(lower, bucket),
@@ -309,7 +348,7 @@ def inference_programs(
                     "decode",
                     "inference",
                     f"{rows} of {engine.num_slots} slots × {steps} token(s) of up to "
-                    f"{engine.max_seq_len}, {attention}",
+                    f"{engine.max_seq_len}, {serving}",
                     f"per {steps} token(s) of up to {rows} live slots",
                     1,
                     functools.partial(engine.lower_decode, rows),

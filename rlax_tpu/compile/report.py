@@ -16,6 +16,7 @@ from rlax_tpu.compile.programs import (
     COMPONENT_OF,
     PROGRAMS,
     inference_programs,
+    lora_savings,
     trainer_programs,
 )
 from rlax_tpu.compile.topology import gpu_devices, topology_mesh
@@ -141,6 +142,9 @@ class CompileReport:
     kv_capacity: KvCapacity | None = None
     # One train step's FLOPs, time and MFU (cost.train_step_cost; None: not both compiled).
     train_step: dict | None = None
+    # With model.lora: what it saves the trainer against full fine-tuning
+    # (programs.lora_savings; None without LoRA or without a trainer program).
+    lora: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -167,6 +171,7 @@ class CompileReport:
             "train_step_roofline_s": self.train_step_roofline_s,
             "train_step": self.train_step,
             "kv_capacity": self.kv_capacity.to_json() if self.kv_capacity else None,
+            "lora": self.lora,
             "chips": {k: c.to_json() for k, c in CHIPS.items()},
         }
 
@@ -248,11 +253,14 @@ def compile_config(
         raise ValueError(f"unknown programs {sorted(unknown)}; choose from {list(PROGRAMS)}")
     components = {}
     reports: list[ProgramReport] = []
+    savings = None
     for component, build in (("trainer", trainer_programs), ("inference", inference_programs)):
         if not any(COMPONENT_OF[n] == component for n in names):
             continue
         target, mesh = _target(config, component)
         components[component] = target
+        if component == "trainer" and config.model.lora is not None:
+            savings = lora_savings(config, mesh)
         for program in build(config, mesh, names):
             keep = None
             if save_dir and program.lower is not None:
@@ -285,7 +293,14 @@ def compile_config(
     if "trainer" in components:
         step = train_step_cost(reports, config, components["trainer"].chip)
     return CompileReport(
-        config.name, config.digest(), components, reports, problems, capacity, train_step=step
+        config.name,
+        config.digest(),
+        components,
+        reports,
+        problems,
+        capacity,
+        train_step=step,
+        lora=savings,
     )
 
 
@@ -423,6 +438,8 @@ def format_report(report: CompileReport) -> str:
             f"({step['mfu_at_roofline']:.1%} at the roofline)"
         )
     lines.extend(dict.fromkeys(notes))  # a note of every bucket of a program once
+    if report.lora is not None:
+        lines.append(format_lora_savings(report.lora))
     lines.append("")
     share = (
         " (a GPU process: of its share)"
@@ -435,6 +452,26 @@ def format_report(report: CompileReport) -> str:
         else "DOES NOT FIT:\n" + "\n".join(f"  {p}" for p in report.problems)
     )
     return "\n".join(lines)
+
+
+def format_lora_savings(lora: dict) -> str:
+    """One line: what LoRA trains and saves per trainer chip against full fine-tuning."""
+    held, full = lora["bytes_per_chip"], lora["full_fine_tuning_bytes_per_chip"]
+    kinds = ", ".join(
+        f"{kind.replace('_', ' ')} {_size(held[kind])} (full: {_size(full[kind])})"
+        for kind in ("optimizer_state", "gradients", "reference")
+        if full[kind]
+    )
+    return (
+        f"LoRA rank {lora['rank']} on {', '.join(lora['targets'])}: trains "
+        f"{lora['trained_params']:,} of {lora['total_params']:,} parameters "
+        f"({lora['trained_params'] / lora['total_params']:.2%}); per trainer chip {kinds}: "
+        f"{_size(lora['saved_bytes_per_chip'])} less than full fine-tuning"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 def format_kv_capacity(c: KvCapacity) -> list[str]:

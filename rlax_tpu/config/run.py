@@ -136,6 +136,13 @@ class LoraConfig(ConfigBase):
     # the projections adapted, by Hugging Face module name (see LORA_TARGETS)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
+    # `--set model.lora=attention` (q/k/v/o) or `=all_linear` (and the MLP), then e.g.
+    # `--set model.lora.rank=16`.
+    PRESETS = {
+        "attention": lambda: LoraConfig(),
+        "all_linear": lambda: LoraConfig(targets=LORA_TARGETS),
+    }
+
     def validate(self) -> None:
         require(self.rank > 0, "rank", f"must be positive, got {self.rank}")
         require(self.alpha > 0, "alpha", f"must be positive, got {self.alpha}")
@@ -734,6 +741,15 @@ class InferenceConfig(ConfigBase):
     # version (LlamaRL's "break down long generations"); a response may span N - η + 1
     # ticks and finishes in its last. 0 = max_new_tokens / (N - η + 1), rounded up.
     tick_tokens: int = 0
+    # The dtype each worker holds the decoder layers' projection weights in (attention
+    # q/k/v/o, MLP gate/up/down): "" = as published, bit for bit; "int8" or "fp8"
+    # (float8_e4m3fn) = quantized by the worker at load, one float32 scale per output channel
+    # (symmetric absmax), dequantized in the matmul: about half of bf16's weight memory and
+    # bytes read per decode step. Embedding, lm_head, norms, LoRA adapters, the KV cache and
+    # the compute dtype are unchanged. The behaviour log-probs then differ from the
+    # trainer's: pair it with a rollout correction (trainer.algorithm.rollout_correction,
+    # e.g. token-level TIS; docs/inference.md, "Quantized serving").
+    weight_dtype: Literal["", "int8", "fp8"] = ""
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
@@ -1381,6 +1397,7 @@ ADDED_FIELDS: dict[str, Any] = {
     # Single-turn runs, as every run was before episodes.
     "controller.environment": EnvironmentConfig().to_dict(),
     "model.lora": None,  # full fine-tuning, as every run before LoRA
+    "inference.weight_dtype": "",  # weights served as published, as every run before it
 }
 
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from rlax_tpu.api.inference import NoParamServerError, PullFailedError, UnknownVersionError
 from rlax_tpu.api.param_server import ParamServerCallError, PullMismatchError
 from rlax_tpu.config import RunConfig
-from rlax_tpu.models import Transformer, lora, lora_base
+from rlax_tpu.models import Transformer, lora, lora_base, quantization
 from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.sharding import state_shardings
 
@@ -28,6 +28,10 @@ _log = logging.getLogger(__name__)
 # A prefetch waits for the next version in calls of this length, until the version comes or
 # the prefetch is abandoned (a load of another version), so an abandoned one ends soon.
 PREFETCH_WAIT_S = 5.0
+
+
+def _keys(path: tuple) -> tuple:
+    return tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
 
 
 class WeightFetcher:
@@ -93,9 +97,18 @@ class WeightFetcher:
         if digest != self._base_digest:
             store = lora_base.LoraBaseStore(self.config.storage.run_dir)
             try:
-                self._base = store.read(digest, lora.split(self.full_like())[1])
+                base = store.read(digest, lora.split(self.full_like())[1])
             finally:
                 store.close()
+            if self.config.inference.weight_dtype:
+                # Served quantized: the engine keeps the projections' int8/fp8 copies, made
+                # once from these same arrays (ServedWeights), so the published-dtype ones
+                # stay on the host, not beside them on the devices.
+                base = jax.tree_util.tree_map_with_path(
+                    lambda path, x: np.asarray(x) if quantization.is_projection(_keys(path)) else x,
+                    base,
+                )
+            self._base = base
             self._base_digest = digest
             self.base_loads += 1
         return lora.combine(self._base, pulled)

@@ -1,11 +1,15 @@
 """The served weights of an inference engine: where each leaf of the model state comes from
 in a params tree, in which dtype and placement the jitted steps take it, and the placement
 of a version's params (a mesh's devices each get their own shard of a host array, no
-device ever the whole of it)."""
+device ever the whole of it). With `inference.weight_dtype` the projections are quantized
+here, at load, on the devices (rlax_tpu.models.quantization): the trainer and the parameter
+server keep publishing and holding the published dtype."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
-from rlax_tpu.models import Transformer
+from rlax_tpu.models import Transformer, quantization
 from rlax_tpu.sharding import state_shardings
 
 
@@ -32,6 +36,8 @@ class _Leaf:
     shape: tuple[int, ...]
     dtype: Any
     sharding: Any  # None without a mesh
+    # A quantized projection's values: the index of its scale's leaf in the layout; -1 else.
+    scale: int = -1
 
 
 def _on_mesh(value: Any, leaf: _Leaf) -> jax.Array:
@@ -62,17 +68,28 @@ class ServedWeights:
     in the served dtype (the published one, `ModelConfig.served`) and placed on `mesh` (none:
     the default device). `graphdef` and `treedef` rebuild the model from the leaves.
     `load` places a version's params; `version` and `leaves` are what is served now (-1 and
-    None before any load)."""
+    None before any load).
+
+    With `inference.weight_dtype` ("int8", "fp8") each decoder layer's projection is two
+    leaves, its quantized values and `<name>_scale` (`quantization.quantize_model`), made
+    from the published weight by `place`; the params given are the published tree as
+    before."""
 
     def __init__(
         self, model_config: ModelConfig, inference_config: InferenceConfig, mesh: Mesh | None
     ):
         self.model_config = model_config
+        self.weight_dtype = inference_config.weight_dtype
         self._mesh = mesh
         self._rules = inference_config.mesh.logical_axis_rules
         self.graphdef, abstract_state = nnx.split(self._abstract_model())
         self.treedef = jax.tree.structure(abstract_state)
         self._layout = self._param_leaves(abstract_state)  # keys, shape, dtype, placement
+        # The last quantization of each projection: (weak reference to the published array
+        # it was made from, values, scale). A LoRA worker gives the same frozen base arrays
+        # with every version's adapters: they are quantized once.
+        self._quantized: dict[int, tuple[weakref.ref, jax.Array, jax.Array]] = {}
+        self._quantizers: dict[tuple, Any] = {}  # jitted, by projection shape and sharding
         self.version = -1
         self.leaves: list[jax.Array] | None = None
 
@@ -103,8 +120,14 @@ class ServedWeights:
         else:
             rules = self._rules
             shardings = jax.tree.leaves(state_shardings(abstract_state, self._mesh, rules))
+        index = {keys: i for i, keys in enumerate(order)}
+
+        def scale_of(keys: tuple) -> int:
+            scale_keys = (*keys[:-1], f"{keys[-1]}{quantization.SCALE_SUFFIX}")
+            return index.get(scale_keys, -1)
+
         return [
-            _Leaf(keys, tuple(a.shape), a.dtype, sharding)
+            _Leaf(keys, tuple(a.shape), a.dtype, sharding, scale_of(keys))
             for keys, a, sharding in zip(order, abstract, shardings, strict=True)
         ]
 
@@ -114,9 +137,14 @@ class ServedWeights:
         missing or misshapen). Pulled params already have that dtype and placement; a float32
         master tree given in-process is rounded to it as the trainer's publish rounds it. On a
         mesh, a host array goes to each device as that device's slice (`_on_mesh`): no device
-        holds more of it than its shard."""
+        holds more of it than its shard. With `inference.weight_dtype` the projections are
+        quantized from the published weights (`_place_quantized`)."""
+        scales = {leaf.scale for leaf in self._layout if leaf.scale >= 0}
         missing, wrong, values = [], [], []
-        for leaf in self._layout:
+        for i, leaf in enumerate(self._layout):
+            if i in scales:  # made from its projection's published weight
+                values.append(None)
+                continue
             node: Any = params
             for k in leaf.keys:
                 if isinstance(node, Mapping) and k in node:
@@ -137,16 +165,78 @@ class ServedWeights:
                 f"params do not match the model config: missing {missing[:5]}"
                 f"{'...' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
             )
+        if not scales:
+            if self._mesh is None:
+                leaves = zip(values, self._layout, strict=True)
+                return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
+            return [_on_mesh(v, leaf) for v, leaf in zip(values, self._layout, strict=True)]
+        return self._place_quantized(values)
+
+    def _place_quantized(self, values: list[Any]) -> list[jax.Array]:
+        """`place` with quantized projections: each leaf placed as it is served, a projection
+        first in the published dtype and sharding, then quantized on its devices, one at a
+        time (of a host tree, at most one projection is on the devices unquantized). A
+        projection given as the same array as in the last load (a LoRA base: host arrays,
+        `WeightFetcher.complete`) keeps its quantized leaves."""
+        published = jnp.dtype(self.model_config.served().param_dtype)
+        out: list[Any] = [None] * len(self._layout)
+        for i, (value, leaf) in enumerate(zip(values, self._layout, strict=True)):
+            if value is None:  # a scale: set with its projection
+                continue
+            if leaf.scale < 0:
+                out[i] = self._put(value, leaf)
+                continue
+            scale_leaf = self._layout[leaf.scale]
+            cached = self._quantized.get(i)
+            if (
+                isinstance(value, (jax.Array, np.ndarray))
+                and cached is not None
+                and cached[0]() is value
+            ):
+                out[i], out[leaf.scale] = cached[1], cached[2]
+                continue
+            source = self._put(value, dataclasses.replace(leaf, dtype=published, scale=-1))
+            q, scale = self._quantizer(leaf, scale_leaf)(source)
+            out[i], out[leaf.scale] = q, scale
+            if isinstance(value, (jax.Array, np.ndarray)):
+                self._quantized[i] = (weakref.ref(value), q, scale)
+        return out
+
+    def _put(self, value: Any, leaf: _Leaf) -> jax.Array:
         if self._mesh is None:
-            leaves = zip(values, self._layout, strict=True)
-            return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
-        return [_on_mesh(v, leaf) for v, leaf in zip(values, self._layout, strict=True)]
+            return jax.device_put(jnp.asarray(value, leaf.dtype))
+        return _on_mesh(value, leaf)
+
+    def _quantizer(self, leaf: _Leaf, scale_leaf: _Leaf) -> Any:
+        """The jitted quantization of `leaf`'s published weight into its values and scale, in
+        their shardings (reducing over the dimensions the scale keeps at size 1); one per
+        projection shape, kept."""
+        key = (leaf.shape, leaf.sharding, scale_leaf.shape, scale_leaf.sharding)
+        if key not in self._quantizers:
+            in_axes = tuple(d for d, n in enumerate(scale_leaf.shape) if n == 1)
+            fn = functools.partial(
+                quantization.quantize, weight_dtype=self.weight_dtype, in_axes=in_axes
+            )
+            if self._mesh is None:
+                self._quantizers[key] = jax.jit(fn)
+            else:
+                shardings = (leaf.sharding, scale_leaf.sharding)
+                self._quantizers[key] = jax.jit(fn, out_shardings=shardings)
+        return self._quantizers[key]
 
     def _abstract_model(self) -> Transformer:
-        # Weights in the published dtype (what the parameter server holds); the KV cache and
-        # compute stay in model_config.dtype.
+        # Weights in the published dtype (what the parameter server holds), the projections
+        # quantized with inference.weight_dtype; the KV cache and compute stay in
+        # model_config.dtype.
         served = self.model_config.served()
-        return nnx.eval_shape(lambda: Transformer(served, rngs=nnx.Rngs(0)))
+
+        def build() -> Transformer:
+            model = Transformer(served, rngs=nnx.Rngs(0))
+            if self.weight_dtype:
+                quantization.quantize_model(model, self.weight_dtype)
+            return model
+
+        return nnx.eval_shape(build)
 
     def abstract(self) -> list[jax.ShapeDtypeStruct]:
         """The served weights as the jitted steps take them (leaves in the served dtype,

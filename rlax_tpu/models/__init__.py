@@ -2,7 +2,7 @@
 tokenizers."""
 
 from rlax_tpu.models.attention import train_attention
-from rlax_tpu.models.export import export_hf
+from rlax_tpu.models.export import export_hf, export_merged, export_peft
 from rlax_tpu.models.hf import (
     CheckpointError,
     CheckpointMismatchError,
@@ -12,6 +12,7 @@ from rlax_tpu.models.hf import (
     load_hf_params,
     load_hf_sharded,
     save_hf,
+    save_peft_adapter,
 )
 from rlax_tpu.models.kv_cache import DenseKVCache, KVCache, grouped_attention
 from rlax_tpu.models.logprobs import logprob_head
@@ -37,6 +38,8 @@ __all__ = [
     "UnsupportedCheckpointError",
     "apply_rope",
     "export_hf",
+    "export_merged",
+    "export_peft",
     "grouped_attention",
     "load_hf_config",
     "load_hf_model",
@@ -45,6 +48,7 @@ __all__ = [
     "logprob_head",
     "rope_inv_freq",
     "save_hf",
+    "save_peft_adapter",
     "stack_layers",
     "token_logprobs",
     "train_attention",

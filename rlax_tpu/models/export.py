@@ -4,7 +4,9 @@ the tokenizer's own files, and generation_config.json with its bos, eos and pad 
 `rlax-tpu export` (cli/export.py) writes one from a run's checkpoint, and the SFT warm start
 (launch/job.py) writes RUN_DIR/sft_model with it, so either loads with transformers'
 AutoModelForCausalLM and AutoTokenizer, and `generate()` stops on the tokens the run's
-rollouts stopped on.
+rollouts stopped on. A LoRA run's policy is written as PEFT loads it (`export_peft`: a PEFT
+adapter directory and the base it applies to), or with its adapters folded into the base
+(`export_merged`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Any
 from rlax_tpu import storage
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.data.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
-from rlax_tpu.models.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointError, save_hf
+from rlax_tpu.models import lora
+from rlax_tpu.models.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    PEFT_CONFIG_FILE,
+    PEFT_WEIGHTS_FILE,
+    CheckpointError,
+    save_hf,
+    save_peft_adapter,
+)
+from rlax_tpu.models.transformer import unstack_layers
 
 # The files a tokenizer directory may hold, copied as they are when present (a checkpoint
 # directory also holds weights, so the directory is not copied whole). The chat template
@@ -36,6 +47,8 @@ TOKENIZER_FILES = (
 # Written by transformers when a generation config was derived from a model's config.json;
 # this one is not.
 _DERIVED_MARKER = "_from_model_config"
+# Where a PEFT adapter directory written by `export_peft` holds the base model it applies to.
+BASE_DIR = "base"
 
 
 def export_hf(
@@ -55,24 +68,87 @@ def export_hf(
     `model_config.hf_checkpoint`) and sets bos_token_id, pad_token_id and eos_token_id —
     every stop token: the tokenizer's eos_token_ids, which include the source's.
     config.json is written last (by save_hf), so its presence means the export is complete.
-    Returns the files written.
+    A PEFT adapter's files that an earlier export left in `out` are removed: transformers
+    would apply that adapter to these weights. Returns the files written.
     """
     storage.makedirs(out)
+    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE):
+        if storage.exists(stale := storage.join(out, name)):
+            storage.remove(stale)
     written: list[str] = []
     tokenizer = None
     if tokenizer_dir is not None:
         tokenizer = Tokenizer.load(tokenizer_dir)  # refuses a directory without tokenizer.json
-        for name in TOKENIZER_FILES:
-            src, dst = storage.join(tokenizer_dir, name), storage.join(out, name)
-            if storage.exists(src) and src != dst:
-                storage.copy(src, dst)
-                written.append(dst)
+        written += _copy_tokenizer_files(tokenizer_dir, out)
     source = _source_generation_config([tokenizer_dir, model_config.hf_checkpoint])
     generation = generation_config(tokenizer, source)
     generation_url = storage.join(out, GENERATION_CONFIG_FILE)
     storage.write_text(generation_url, json.dumps(generation, indent=2, sort_keys=True) + "\n")
     written.append(generation_url)
     return written + save_hf(params, model_config, out, max_shard_bytes=max_shard_bytes)
+
+
+def export_peft(
+    params: Any,
+    model_config: ModelConfig,
+    out: str,
+    *,
+    tokenizer_dir: str | None,
+    base_dir: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write a LoRA model (`params` with adapters, `model_config.lora`) as PEFT loads it: the
+    directory `out` is a PEFT adapter (adapter_model.safetensors, adapter_config.json and the
+    tokenizer's files), and `base_dir` (default OUT/base) the base the adapters apply to, a
+    whole model directory as `export_hf` writes it, which adapter_config.json names as
+    base_model_name_or_path.
+
+    A LoRA run's base is its own (an SFT warm start trains it), so it is written, not
+    named: `peft.AutoPeftModelForCausalLM.from_pretrained(out)` loads base and adapters
+    while the base is where it was written, and `peft.PeftModel.from_pretrained(
+    AutoModelForCausalLM.from_pretrained(base_dir), out)` wherever the two are moved.
+    adapter_config.json is written last: its presence means the export is complete.
+    Returns the files written.
+    """
+    base_dir = base_dir if base_dir is not None else storage.join(out, BASE_DIR)
+    base = lora.split(params)[1]
+    written = export_hf(
+        base, model_config, base_dir, tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes
+    )
+    storage.makedirs(out)
+    if tokenizer_dir is not None:
+        written += _copy_tokenizer_files(tokenizer_dir, out)
+    return written + save_peft_adapter(params, model_config, out, base_model=base_dir)
+
+
+def export_merged(
+    params: Any,
+    model_config: ModelConfig,
+    out: str,
+    *,
+    tokenizer_dir: str | None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """`export_hf` of a LoRA model (`model_config.lora`) with its adapters folded into the
+    weights they adapt (`lora.merged`: W + (alpha / rank)·A·B, in model.param_dtype): a
+    plain model that needs no PEFT. `params` per layer or scan-stacked."""
+    if model_config.lora is None:
+        raise CheckpointError("the model has no LoRA adapters to merge (model.lora is unset)")
+    merged = lora.merged(unstack_layers(params), model_config.lora.scale)
+    return export_hf(
+        merged, model_config, out, tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes
+    )
+
+
+def _copy_tokenizer_files(tokenizer_dir: str, out: str) -> list[str]:
+    """Copy the TOKENIZER_FILES that `tokenizer_dir` has into `out`; returns the copies."""
+    written = []
+    for name in TOKENIZER_FILES:
+        src, dst = storage.join(tokenizer_dir, name), storage.join(out, name)
+        if storage.exists(src) and src != dst:
+            storage.copy(src, dst)
+            written.append(dst)
+    return written
 
 
 def generation_config(

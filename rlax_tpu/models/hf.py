@@ -10,6 +10,9 @@ loads with `transformers.AutoModelForCausalLM.from_pretrained`; export -> import
 bit-exact. Every mismatch between a checkpoint and the model raises
 `CheckpointMismatchError` naming the tensor, the expected and found shapes and the file.
 
+A LoRA model's adapters are written as a PEFT adapter (`save_peft_adapter`: its
+adapter_config.json and adapter_model.safetensors), in the layout of the weights they adapt.
+
 The optional value head is not part of the HF format: import keeps the model's own
 (zero-initialised) head unless the checkpoint holds `value_head.weight` [hidden] and
 `value_head.bias` [], which `save_hf(..., include_value_head=True)` writes.
@@ -31,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from rlax_tpu import storage
-from rlax_tpu.config import ModelConfig
+from rlax_tpu.config import LoraConfig, ModelConfig
 from rlax_tpu.config.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -44,6 +47,7 @@ from rlax_tpu.config.checkpoint import (
     config_from_hf_dict,  # noqa: F401 - re-exported: the HF config mapping lives there
     load_hf_config,
 )
+from rlax_tpu.models.lora import TARGET_WEIGHTS
 from rlax_tpu.models.transformer import Transformer, is_stacked, unstack_layers
 
 VALUE_HEAD_WEIGHT = "value_head.weight"
@@ -744,6 +748,108 @@ def _pure_params(model_or_params: Any) -> Mapping[str, Any]:
     if isinstance(model_or_params, nnx.State):
         model_or_params = nnx.to_pure_dict(model_or_params)
     return unstack_layers(model_or_params)
+
+
+# -- LoRA adapters as a PEFT adapter ------------------------------------------------------------
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+# Where PEFT's LoraModel holds the wrapped model's modules: the prefix of a saved adapter's
+# tensor names.
+_PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict[str, Any]:
+    """adapter_config.json of `lora` as PEFT's LoraConfig reads it: plain LoRA (no dropout,
+    bias, rsLoRA or DoRA), so PEFT scales by lora_alpha / r, `lora.scale`."""
+    alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": alpha,
+        "target_modules": list(lora.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def peft_adapter_tensors(
+    model_or_params: Transformer | nnx.State | Mapping[str, Any], config: ModelConfig
+) -> dict[str, np.ndarray]:
+    """The adapters of a LoRA model (`config.lora`) by PEFT tensor name, in torch's Linear
+    layout and config.param_dtype: `<module>.lora_A.weight`: [r, in_features] and
+    `<module>.lora_B.weight`: [out_features, r], <module> being PEFT's name of the HF module
+    whose weight the adapted one is written as (base_model.model.model.layers.0.self_attn.
+    q_proj).
+
+    A weight W: [in..., out...] is written as W.reshape(prod(in), prod(out)).T (`_to_hf`:
+    q/k/v outputs and o_proj's input are flattened heads-major, [H, D] -> H*D), so the HF
+    form of the update scale·A·B, with A2 = A.reshape(prod(in), r) and
+    B2 = B.reshape(r, prod(out)), is scale · B2.T @ A2.T: lora_B = B2.T, lora_A = A2.T.
+    """
+    lora = config.lora
+    if lora is None:
+        raise CheckpointError("the model has no LoRA adapters to export (model.lora is unset)")
+    params = _pure_params(model_or_params)
+    param_dtype = _PARAM_NP_DTYPE[config.param_dtype]
+    in_ndims = {TARGET_WEIGHTS[t][:2]: TARGET_WEIGHTS[t][2] for t in lora.targets}
+    r = lora.rank
+    tensors: dict[str, np.ndarray] = {}
+    for spec in _specs(config):
+        in_ndim = in_ndims.get(spec.path[-2:])
+        if spec.path[0] != "layers" or in_ndim is None:
+            continue
+        module = _PEFT_PREFIX + spec.name.removesuffix(".weight")
+        ins, outs = spec.model_shape[:in_ndim], spec.model_shape[in_ndim:]
+        *parent, weight = spec.path
+        for suffix, name, shape, rows in (
+            ("_lora_a", "lora_A", (*ins, r), math.prod(ins)),
+            ("_lora_b", "lora_B", (r, *outs), r),
+        ):
+            path = (*parent, weight + suffix)
+            try:
+                value = np.asarray(_get_path(params, path))
+            except KeyError:
+                raise CheckpointMismatchError(
+                    f"adapter {'/'.join(map(str, path))} (of model.lora.targets) is missing "
+                    "from the params to export"
+                ) from None
+            if value.shape != shape:
+                raise CheckpointMismatchError(
+                    f"adapter {'/'.join(map(str, path))} has shape {list(value.shape)}, "
+                    f"expected {list(shape)}"
+                )
+            value = value.astype(param_dtype, copy=False).reshape(rows, -1)
+            tensors[f"{module}.{name}.weight"] = np.ascontiguousarray(value.T)
+    return tensors
+
+
+def save_peft_adapter(
+    model_or_params: Transformer | nnx.State | Mapping[str, Any],
+    config: ModelConfig,
+    path: str,
+    *,
+    base_model: str | None,
+) -> list[str]:
+    """Write the adapters of a LoRA model (`config.lora`) to `path` as a PEFT adapter:
+    adapter_model.safetensors (`peft_adapter_tensors`) and adapter_config.json, last, naming
+    `base_model` (the directory or hub id of the base they apply to) when given. Returns the
+    files written."""
+    tensors = peft_adapter_tensors(model_or_params, config)
+    storage.makedirs(path)
+    weights_url = storage.join(path, PEFT_WEIGHTS_FILE)
+    storage.write_bytes(weights_url, _safetensors_bytes(tensors))
+    config_url = storage.join(path, PEFT_CONFIG_FILE)
+    adapter_config = peft_adapter_config(config.lora, base_model)
+    storage.write_text(config_url, json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+    return [weights_url, config_url]
 
 
 # -- nested-dict helpers ----------------------------------------------------------------------

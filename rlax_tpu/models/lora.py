@@ -122,3 +122,27 @@ def combine(base: Mapping[str, Any], adapters: Mapping[str, Any]) -> dict[str, A
         else:
             out[k] = v
     return out
+
+
+def merged(params: Mapping[str, Any], scale: float) -> dict[str, Any]:
+    """The params tree with every adapter folded into its weight, W + scale · A·B, and the
+    adapters removed: the model without LoRA that computes what the adapted one does (within
+    rounding). A per-layer tree (`layers/0/...`), host or device arrays."""
+    adapters, base = split(params)
+
+    def fold(node: Mapping, extra: Mapping) -> dict:
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, Mapping):
+                out[k] = fold(v, extra.get(k, {}))
+            elif k + "_lora_a" in extra:
+                a, b = extra[k + "_lora_a"], extra[k + "_lora_b"]
+                delta = jnp.tensordot(
+                    jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), axes=1
+                )
+                out[k] = (jnp.asarray(v, jnp.float32) + scale * delta).astype(v.dtype)
+            else:
+                out[k] = v
+        return out
+
+    return fold(base, adapters)

@@ -4,7 +4,9 @@ bias) and Qwen3 (q/k RMSNorm), in Flax NNX.
 Parameters carry logical axis names (see rlax_tpu.sharding); activations are
 constrained by name. Two entry points: `forward_train` over whole sequences (per-token
 log-probs of given targets) and `decode` through a KV cache (rlax_tpu.models.kv_cache).
-Norms, softmax and logits are float32; matmuls run in `config.dtype`.
+Norms, softmax and logits are float32; matmuls run in `config.dtype`. The projections read
+their weights through `quantization.weight`: a served model may hold them quantized (int8 or
+fp8 with per-channel scales, rlax_tpu.models.quantization), dequantized in the matmul.
 
 Memory of the training forward is chosen by `ForwardOptions` (rlax_tpu.models.options):
 each decoder layer under `jax.checkpoint` with a remat policy, and the attention backend
@@ -26,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models import lora as lora_lib
+from rlax_tpu.models import quantization
 from rlax_tpu.models.attention import train_attention
 from rlax_tpu.models.kv_cache import KVCache
 from rlax_tpu.models.logprobs import (
@@ -156,9 +159,9 @@ class Attention(nnx.Module):
         """x: [b, s, embed] -> q: [b, s, heads, d], k, v: [b, s, kv_heads, d], RoPE applied."""
         dt = x.dtype
         scale = _lora_scale(self.config)
-        q = jnp.einsum("bse,ehd->bshd", x, self.wq.get_value().astype(dt))
-        k = jnp.einsum("bse,ehd->bshd", x, self.wk.get_value().astype(dt))
-        v = jnp.einsum("bse,ehd->bshd", x, self.wv.get_value().astype(dt))
+        q = jnp.einsum("bse,ehd->bshd", x, quantization.weight(self, "wq", dt))
+        k = jnp.einsum("bse,ehd->bshd", x, quantization.weight(self, "wk", dt))
+        v = jnp.einsum("bse,ehd->bshd", x, quantization.weight(self, "wv", dt))
         q = lora_lib.adapted(self, "wq", x, q, scale)
         k = lora_lib.adapted(self, "wk", x, k, scale)
         v = lora_lib.adapted(self, "wv", x, v, scale)
@@ -179,7 +182,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def out(self, attn: jax.Array) -> jax.Array:
-        y = jnp.einsum("bshd,hde->bse", attn, self.wo.get_value().astype(attn.dtype))
+        y = jnp.einsum("bshd,hde->bse", attn, quantization.weight(self, "wo", attn.dtype))
         y = lora_lib.adapted(self, "wo", attn, y, _lora_scale(self.config))
         return constrain(checkpoint_name(y, "out_proj"), ("batch", "length", "act_embed"))
 
@@ -196,13 +199,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        gate = jnp.einsum("bse,em->bsm", x, self.w_gate.get_value().astype(dt))
-        up = jnp.einsum("bse,em->bsm", x, self.w_up.get_value().astype(dt))
+        gate = jnp.einsum("bse,em->bsm", x, quantization.weight(self, "w_gate", dt))
+        up = jnp.einsum("bse,em->bsm", x, quantization.weight(self, "w_up", dt))
         gate = lora_lib.adapted(self, "w_gate", x, gate, self.lora_scale)
         up = lora_lib.adapted(self, "w_up", x, up, self.lora_scale)
         gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        y = jnp.einsum("bsm,me->bse", h, self.w_down.get_value().astype(dt))
+        y = jnp.einsum("bsm,me->bse", h, quantization.weight(self, "w_down", dt))
         y = lora_lib.adapted(self, "w_down", h, y, self.lora_scale)
         return constrain(checkpoint_name(y, "mlp_down"), ("batch", "length", "act_embed"))
 

@@ -21,6 +21,7 @@ from rlax_tpu.simulator.model import (
     count_arrays,
     count_params,
     generation_s,
+    lora_params,
     model_bytes,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "calibrate",
     "count_arrays",
     "count_params",
+    "lora_params",
     "generation_s",
     "model_bytes",
     "simulate",

@@ -44,13 +44,39 @@ def count_params(model: ModelConfig) -> int:
         total += c.hidden_size * c.vocab_size
     if c.value_head:
         total += c.hidden_size + 1
-    return total
+    return total + lora_params(model)
+
+
+def _lora_shapes(model: ModelConfig) -> list[tuple[int, int]]:
+    """(in features, out features) of each projection one decoder layer adapts."""
+    c = model
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    dims = {
+        "q_proj": (c.hidden_size, q),
+        "k_proj": (c.hidden_size, kv),
+        "v_proj": (c.hidden_size, kv),
+        "o_proj": (q, c.hidden_size),
+        "gate_proj": (c.hidden_size, c.intermediate_size),
+        "up_proj": (c.hidden_size, c.intermediate_size),
+        "down_proj": (c.intermediate_size, c.hidden_size),
+    }
+    return [dims[t] for t in model.lora.targets] if model.lora is not None else []
+
+
+def lora_params(model: ModelConfig) -> int:
+    """Parameters of the LoRA adapters (model.lora; 0 without): r·(in + out) per adapted
+    projection and layer."""
+    r = model.lora.rank if model.lora is not None else 0
+    return model.num_layers * sum(r * (i + o) for i, o in _lora_shapes(model))
 
 
 def count_arrays(model: ModelConfig) -> int:
-    """Arrays in the params tree of `rlax_tpu.models.Transformer` for `model`: what a publish
-    and a pull pay a fixed cost for each of (rlax_tpu.param_server sends array by array)."""
+    """Arrays of one published version of `model`: what a publish and a pull pay a fixed
+    cost for each of (rlax_tpu.param_server sends array by array). The params tree of
+    `rlax_tpu.models.Transformer`, or with LoRA its adapters and the base's digest."""
     c = model
+    if c.lora is not None:
+        return 2 * len(_lora_shapes(c)) * c.num_layers + 1
     layer = 9 + (3 if c.qkv_bias else 0) + (2 if c.qk_norm else 0)  # q k v o, 3 mlp, 2 norms
     total = c.num_layers * layer + 2  # embedding, final norm
     if not c.tie_word_embeddings:
@@ -62,7 +88,10 @@ def count_arrays(model: ModelConfig) -> int:
 
 def model_bytes(model: ModelConfig) -> int:
     """Bytes of one published version (the parameters in the published dtype,
-    `model.publish_dtype`, "" = param_dtype): what a publish and a pull move."""
+    `model.publish_dtype`, "" = param_dtype; with LoRA the adapters and the base's 32-byte
+    digest): what a publish and a pull move."""
+    if model.lora is not None:
+        return lora_params(model) * DTYPE_BYTES[model.published_dtype] + 32
     return count_params(model) * DTYPE_BYTES[model.published_dtype]
 
 
@@ -79,9 +108,12 @@ def decode_flops_per_token(model: ModelConfig, context: float) -> float:
 
 def train_flops_per_token(model: ModelConfig, seq_len: float) -> float:
     """Forward + backward FLOPs per trained token: 6·N (the trainer's MFU count) plus causal
-    attention, 6·layers·heads·head_dim·seq (negligible for short sequences)."""
+    attention, 6·layers·heads·head_dim·seq (negligible for short sequences). With LoRA the
+    frozen base needs no weight gradients: 4·N + 6·(adapter parameters) (`train_flops`)."""
     c = model
-    return 6.0 * count_params(model) + 6.0 * c.num_layers * c.num_heads * c.head_dim * seq_len
+    attention = 6.0 * c.num_layers * c.num_heads * c.head_dim * seq_len
+    trained = lora_params(model) if model.lora is not None else count_params(model)
+    return 4.0 * count_params(model) + 2.0 * trained + attention
 
 
 # -- the timing model -----------------------------------------------------------------------------

@@ -729,6 +729,9 @@ def count_params(params: Params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def train_flops(num_params: int, tokens: int) -> float:
-    """Model FLOPs of a forward + backward over `tokens` tokens: 6·N·tokens."""
-    return 6.0 * num_params * tokens
+def train_flops(num_params: int, tokens: int, trained: int | None = None) -> float:
+    """Model FLOPs of a forward + backward over `tokens` tokens: 2·N forward, 2·N for the
+    activations' gradients and 2 per trained parameter for the weights' (`trained`, default
+    all N): 6·N·tokens, or with LoRA's frozen base (4·N + 2·adapters)·tokens."""
+    trained = num_params if trained is None else trained
+    return (4.0 * num_params + 2.0 * trained) * tokens

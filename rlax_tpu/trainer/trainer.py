@@ -637,7 +637,11 @@ class Trainer:
             "time/step_s": step_s,
             "time/compile_s": compile_s,
             "tokens_per_s": tokens / run_s,
-            "mfu": perf.mfu(train_flops(self.num_params, tokens), run_s, self._peak_flops),
+            "mfu": perf.mfu(
+                train_flops(self.num_params, tokens, self.programs.num_trainable),
+                run_s,
+                self._peak_flops,
+            ),
         }
 
     def _finish(
