@@ -3,7 +3,7 @@
 import string
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rlax_tpu.data.char_tokenizer import PRINTABLE_ASCII, write_char_tokenizer
@@ -49,6 +49,8 @@ def test_custom_alphabet_and_specials(tmp_path):
 @PROPERTY
 @given(printable_text)
 def test_printable_text_round_trips_one_token_per_character(tokenizer, text):
+    # A special token's text ("<eos>") is one id by design (the next test), not characters.
+    assume(not any(tokenizer.id_to_token(i) in text for i in range(3)))
     ids = tokenizer.encode(text)
     assert len(ids) == len(text)  # no BOS/EOS added, one token per character
     assert tokenizer.decode(ids) == text

@@ -279,7 +279,7 @@ def warm_start_key(config: RunConfig) -> str:
         trainer.pop(field)
     parts = {
         "seed": config.seed,
-        "model": config.model.to_dict(),
+        "model": flat["model"],  # without fields added since (ADDED_FIELDS at their default)
         "trainer": trainer,
         # The rows, not how RL judges them (the graded variant shares the warm start).
         "datasets": [
