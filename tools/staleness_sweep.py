@@ -352,7 +352,13 @@ def final_params(run_dir: Path, like: Any) -> tuple[int, Any]:
         base = flatten(base_store.read(digest, abstract))
     finally:
         base_store.close()
-    adapters = {p: store.read(version, p) for p in stored - {lora_base.DIGEST_KEY}}
+    from flax import nnx
+
+    from rlax_tpu.models import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(effective.model.served(), rngs=nnx.Rngs(0)))
+    adapters_like = lora.split(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
+    adapters = flatten(lora.unpack(store.read(version, lora.PACKED_KEY), adapters_like))
     whole = unflatten_nested({**base, **adapters})
     folded = flatten(lora.merged(whole, effective.model.lora.scale))
     return version, unflatten_like(like, {p: np.asarray(folded[p]) for p in flatten(like)})

@@ -74,13 +74,20 @@ class WeightFetcher:
         """What a version pulls into: the served model's param pure dict (`ModelConfig.served`:
         the published dtype) as jax.ShapeDtypeStruct leaves with the shardings the engine
         uses: the inference mesh's (by logical axes), else the first device. With LoRA the
-        adapters alone and the base's digest (`lora_base.DIGEST_KEY`, uint8[32])."""
+        adapters alone, packed in one flat array (`lora.PACKED_KEY`, models.lora.pack), and
+        the base's digest (`lora_base.DIGEST_KEY`, uint8[32])."""
         full = self.full_like()
         if not self.lora:
             return full
         adapters = lora.split(full)[0]
-        digest = jax.ShapeDtypeStruct((32,), np.uint8, sharding=self._replicated())
-        return {**adapters, lora_base.DIGEST_KEY: digest}
+        dtype = jax.tree.leaves(adapters)[0].dtype
+        packed = (lora.packed_size(adapters),)
+        return {
+            lora.PACKED_KEY: jax.ShapeDtypeStruct(packed, dtype, sharding=self._replicated()),
+            lora_base.DIGEST_KEY: jax.ShapeDtypeStruct(
+                (32,), np.uint8, sharding=self._replicated()
+            ),
+        }
 
     def _replicated(self) -> Any:
         if self.mesh is not None:
@@ -111,7 +118,8 @@ class WeightFetcher:
             self._base = base
             self._base_digest = digest
             self.base_loads += 1
-        return lora.combine(self._base, pulled)
+        adapters = lora.unpack(pulled[lora.PACKED_KEY], lora.split(self.full_like())[0])
+        return lora.combine(self._base, adapters)
 
     def full_like(self) -> Any:
         """The served model's whole param tree, abstract (see `like`)."""

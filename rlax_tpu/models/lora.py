@@ -29,9 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rlax_tpu.config import LoraConfig
+from rlax_tpu.tree import flatten, unflatten_like
 
 # Hugging Face module name -> (module attribute of the decoder layer, weight attribute,
 # number of leading input dimensions of the weight).
@@ -146,3 +148,42 @@ def merged(params: Mapping[str, Any], scale: float) -> dict[str, Any]:
         return out
 
     return fold(base, adapters)
+
+
+# The published form of a LoRA version's adapters: one flat array (`pack`), so that a version
+# costs the parameter server, its storage and every pull one array, not two per adapted
+# projection and layer (each array carries a fixed cost: framing, hashing, a TensorStore
+# write), while the bytes are the adapters' own.
+PACKED_KEY = "lora_adapters"
+
+
+def pack(adapters: Mapping[str, Any]) -> jax.Array:
+    """The adapters' leaves raveled and concatenated, in the order of their sorted paths
+    (`unpack` reverses it on a tree of the same paths and shapes); one dtype."""
+    flat = flatten(adapters)
+    return jnp.concatenate([jnp.ravel(flat[path]) for path in sorted(flat)])
+
+
+def unpack(packed: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+    """The adapters tree shaped as `like` (arrays or ShapeDtypeStructs) from `pack`'s flat
+    array (host numpy slices of a host copy of it)."""
+    if isinstance(packed, jax.Array) and not packed.is_fully_addressable:
+        packed = packed.addressable_shards[0].data  # replicated: any shard holds it all
+    host = np.asarray(packed)
+    flat = flatten(like)
+    values, offset = {}, 0
+    for path in sorted(flat):
+        shape = tuple(flat[path].shape)
+        size = math.prod(shape)
+        values[path] = host[offset : offset + size].reshape(shape)
+        offset += size
+    if offset != host.size:
+        raise ValueError(
+            f"a packed LoRA version holds {host.size} values but the adapters of this model "
+            f"take {offset}: the worker's model.lora is not the trainer's"
+        )
+    return unflatten_like(like, values)
+
+
+def packed_size(like: Mapping[str, Any]) -> int:
+    return sum(math.prod(x.shape) for x in flatten(like).values())

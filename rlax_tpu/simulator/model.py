@@ -73,10 +73,11 @@ def lora_params(model: ModelConfig) -> int:
 def count_arrays(model: ModelConfig) -> int:
     """Arrays of one published version of `model`: what a publish and a pull pay a fixed
     cost for each of (rlax_tpu.param_server sends array by array). The params tree of
-    `rlax_tpu.models.Transformer`, or with LoRA its adapters and the base's digest."""
+    `rlax_tpu.models.Transformer`, or with LoRA its adapters packed in one array and the
+    base's digest."""
     c = model
     if c.lora is not None:
-        return 2 * len(_lora_shapes(c)) * c.num_layers + 1
+        return 2  # the packed adapters (models.lora.pack) and the base's digest
     layer = 9 + (3 if c.qkv_bias else 0) + (2 if c.qk_norm else 0)  # q k v o, 3 mlp, 2 norms
     total = c.num_layers * layer + 2  # embedding, final norm
     if not c.tie_word_embeddings:

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.algorithms import RolloutBatch, build_objective
 from rlax_tpu.config import RunConfig
-from rlax_tpu.models import Transformer
+from rlax_tpu.models import Transformer, lora
 from rlax_tpu.models.options import ForwardOptions
 from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import logical_to_spec, state_shardings
@@ -252,7 +252,8 @@ class TrainerPrograms:
         )
         # The params as the inference workers serve them (cast to model.publish_dtype, per
         # layer when the trainer scans stacked layers); None when they are the params as is.
-        # With LoRA the adapters alone (`publish`) and, once, the frozen base (`publish_base`).
+        # With LoRA the adapters alone, packed in one array (`publish`, models.lora.pack), and,
+        # once, the frozen base (`publish_base`).
         dtype = jnp.dtype(config.model.published_dtype)
         unchanged = not config.trainer.scan_layers and all(
             x.dtype == dtype for x in jax.tree.leaves(self.abstract_params)
@@ -260,7 +261,10 @@ class TrainerPrograms:
         served = lambda p: cast_floats(unstack_layers(p), dtype)  # noqa: E731
         self.publish_base = None
         if self.lora:
-            self.publish = jax.jit(lambda p: served(self.split_trainable(p)[0]))
+            self.publish = jax.jit(
+                lambda p: lora.pack(served(self.split_trainable(p)[0])),
+                out_shardings=self.replicated,
+            )
             self.publish_base = jax.jit(lambda p: served(self.split_trainable(p)[1]))
         else:
             self.publish = None if unchanged else jax.jit(served)

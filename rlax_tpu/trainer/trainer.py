@@ -43,7 +43,7 @@ from rlax_tpu.checkpoints import CheckpointStore, NoValidCheckpointError
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.config.run import rollout_correction_conflict
 from rlax_tpu.failpoints import failpoint
-from rlax_tpu.models import lora_base
+from rlax_tpu.models import lora, lora_base
 from rlax_tpu.models.hf import load_hf_sharded
 from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import build_mesh, use_mesh
@@ -334,7 +334,8 @@ class Trainer:
             return self._params
         if self.programs.lora:
             digest = lora_base.digest_leaf(self._lora_base_digest())
-            return {**self.programs.publish(self._params), lora_base.DIGEST_KEY: digest}
+            packed = self.programs.publish(self._params)
+            return {lora.PACKED_KEY: packed, lora_base.DIGEST_KEY: digest}
         return self.programs.publish(self._params)
 
     def _lora_base_digest(self) -> bytes:
