@@ -48,35 +48,38 @@ def test_adapters_start_as_the_identity_and_the_base_is_the_model_without_lora()
     """Same seed: the LoRA model's base is bitwise the plain model's, and with B = 0 its
     log-probs are too; adapters with B ≠ 0 equal the merged weight W + (alpha/r)·A·B."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 10)), jnp.int32)
-    plain = Transformer(MODEL, rngs=nnx.Rngs(3))
-    adapted = Transformer(LORA_MODEL, rngs=nnx.Rngs(3))
-    params = nnx.to_pure_dict(nnx.state(adapted, nnx.Param))
+    plain_graph, plain_params = _split(Transformer(MODEL, rngs=nnx.Rngs(3)))
+    lora_graph, params = _split(Transformer(LORA_MODEL, rngs=nnx.Rngs(3)))
     adapters, base = lora.split(params)
-    assert _equal(base, nnx.to_pure_dict(nnx.state(plain, nnx.Param)))
+    assert _equal(base, plain_params)
     assert {k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1] for k in flatten(adapters)} == {
         f"{m}/{w}{s}"
         for m, w in [("attn", "wq"), ("attn", "wv"), ("attn", "wo"), ("mlp", "w_down")]
         for s in lora.SUFFIXES
     }
-    np.testing.assert_array_equal(
-        plain.forward_train(tokens, tokens).logprobs, adapted.forward_train(tokens, tokens).logprobs
-    )
+    plain = _logprobs(plain_graph)
+    adapted = _logprobs(lora_graph)
+    untrained = plain(plain_params, tokens)
+    np.testing.assert_array_equal(untrained, adapted(params, tokens))
     # Non-zero B: unmerged adapters give what the merged weights give.
     rng = np.random.default_rng(1)
     trained = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), adapters)
-    _set(adapted, lora.combine(base, trained))
+    got = adapted(lora.combine(base, trained), tokens)
     merged = lora.merged(lora.combine(base, trained), LORA.scale)  # W + (alpha/r)·A·B
-    _set(plain, merged)
-    got = adapted.forward_train(tokens, tokens).logprobs
-    np.testing.assert_allclose(got, plain.forward_train(tokens, tokens).logprobs, atol=2e-5)
-    untrained = Transformer(MODEL, rngs=nnx.Rngs(3)).forward_train(tokens, tokens).logprobs
+    np.testing.assert_allclose(got, plain(merged, tokens), atol=2e-5)
     assert np.abs(got - untrained).max() > 1e-3
 
 
-def _set(model, params) -> None:
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(model, state)
+def _split(model):
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def _logprobs(graphdef):
+    """A jitted (params, tokens) -> log-probs of the tokens shifted by one, for `graphdef`."""
+    return jax.jit(
+        lambda params, tokens: nnx.merge(graphdef, params).forward_train(tokens, tokens).logprobs
+    )
 
 
 @pytest.fixture(scope="module")
