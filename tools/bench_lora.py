@@ -13,9 +13,10 @@ every byte). Figures, medians over the versions:
 
 * `publish_ms`: the trainer's publish of a version (the step's `time/publish_s`): the whole
   model, or the adapters and the base's 32-byte digest;
-* `publish_ready_ms`: the same publish (as another version) once every array of the step is
-  ready: the step's own publish also waits for the tail of the step's SPMD program, which
-  `time/step_s` (read when the replicated metrics arrive) does not include;
+* `publish_ready_ms`: the same publish (as another version) timed after the step's own,
+  once every array of the step is ready: on a 2-core CPU the publish right after a step
+  waits on the devices for work the step leaves queued (not the step's outputs: blocking on
+  them first does not remove it), which this figure leaves out;
 * `load_ms`: the worker's load of it (pull + placement; with LoRA the adapters joined to the
   base the worker holds); `first_load_ms`: version 0's, which with LoRA also reads the base
   from the run's base store once;
@@ -147,7 +148,7 @@ def run_mode(size: str, lora: str | None, rank: int, versions: int) -> dict:
             for k in range(versions + 1):  # the first step compiles: not counted
                 result = trainer.train_step(k, synthetic_batch(config, k, seed=k))
                 # The same publish once every array of the step is ready, as another
-                # version (the step's own publish also waits for the step's tail).
+                # version (the step's own waits for work the step leaves queued).
                 jax.block_until_ready((trainer._params, trainer._opt_state))
                 t0 = time.perf_counter()
                 client.publish(EXTRA_VERSIONS + k, trainer._published_params())
