@@ -185,3 +185,16 @@ def test_warm_start_keys_are_those_of_before_the_configs_were_nested():
     assert sweep.warm_start_key(load_config(tiny, ["seed=1"])) == "2c91df6952e1"
     longer = load_config(tiny, ["seed=0", "trainer.warm_start.steps=1601"])
     assert sweep.warm_start_key(longer) != "8be884569ab8"
+
+
+def test_the_long_variants_train_three_times_the_steps_from_the_same_warm_start(tmp_path):
+    """The 'more steps' condition of issue 36: each compared objective at LONG_STEPS, its
+    algorithm and warm start unchanged (so N = 16's SFT-era share of updates shrinks)."""
+    base = sweep.sweep_config(quick=False, steps=None, extra=[])
+    for name in sweep.LONG:
+        preset = name[: -len("_long")]
+        long, plain = (sweep.run_config(base, a, 16, tmp_path / a) for a in (name, preset))
+        long.validate()
+        assert long.controller.num_steps == sweep.LONG_STEPS == 3 * plain.controller.num_steps
+        assert long.trainer.algorithm == plain.trainer.algorithm
+        assert sweep.warm_start_key(long) == sweep.warm_start_key(plain)

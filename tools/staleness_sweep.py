@@ -78,6 +78,10 @@ from rlax_tpu.config.run import RENAMED_FIELDS, leave_out_added  # noqa: E402
 from rlax_tpu.run_dir import EFFECTIVE_CONFIG  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
+# The compared objectives run 3× longer (LONG_STEPS): at N = 16 the first 16 updates train on
+# data of the SFT policy, 20 % of an 80-step run and 7 % of a 240-step one.
+LONG = ("grpo_long", "aipo_long", "trajectory_balance_long", "online_dpo_long")
+LONG_STEPS = 240
 ALGORITHMS = (
     "grpo",
     "dr_grpo",
@@ -92,7 +96,14 @@ ALGORITHMS = (
     "online_dpo_k2",
     "tb_tba",
     "online_dpo_graded",
+    *LONG,
 )
+LABELS_OF_PRESETS = {
+    "grpo": "GRPO",
+    "aipo": "AIPO",
+    "trajectory_balance": "TB",
+    "online_dpo": "online DPO",
+}
 LABELS = {
     "grpo": "GRPO",
     "dr_grpo": "Dr. GRPO",
@@ -107,6 +118,7 @@ LABELS = {
     "online_dpo_k2": "online DPO, K=2",
     "tb_tba": "TB as in TBA",
     "online_dpo_graded": "online DPO, graded reward",
+    **{f"{p}_long": f"{LABELS_OF_PRESETS[p]}, {LONG_STEPS} steps" for p in (n[:-5] for n in LONG)},
 }
 # The graded reward of the online DPO variant (a reward function of your own, by path).
 GRADED_REWARD = f"{ROOT / 'tools' / 'graded_arithmetic.py'}:reward"
@@ -173,6 +185,8 @@ VARIANTS = {
     # with the task's binary reward the best and worst of a group tie whenever all its
     # samples are right or all wrong.
     "online_dpo_graded": ("online_dpo", {}, {}, {"reward_function": GRADED_REWARD}),
+    # More steps (LONG): the same objective and learning rate, 3× the updates.
+    **{name: (name[: -len("_long")], {}, {}, {"num_steps": LONG_STEPS}) for name in LONG},
 }
 STALENESS = (0, 16)
 SEEDS = tuple(range(10))
