@@ -316,8 +316,9 @@ class InferenceWorker:
 
     # -- weights ------------------------------------------------------------------------------
     def param_like(self) -> Any:
-        """The served model's param pure dict (`ModelConfig.served`: the published dtype) as
-        jax.ShapeDtypeStruct leaves with the shardings the engine uses (WeightFetcher.like)."""
+        """What a version is pulled into (WeightFetcher.like): the served model's param pure
+        dict (`ModelConfig.served`: the published dtype) as jax.ShapeDtypeStruct leaves with
+        the shardings the engine uses; with LoRA the packed adapters and the base's digest."""
         return self.weights.like()
 
     # -- the engine thread --------------------------------------------------------------------
