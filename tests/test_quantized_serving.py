@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from trainer_helpers import rollout_rows
 
 from rlax_tpu.config import InferenceConfig, LoraConfig, MeshConfig, ModelConfig
 from rlax_tpu.config.run import LORA_TARGETS
@@ -62,19 +63,8 @@ def _generate(model: ModelConfig, weight_dtype: str, params: dict, **engine) -> 
 
 
 def _behaviour(rollouts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens int32[rows, seq], response mask, behaviour log-probs float32[rows, seq]) as the
-    trainer's batch lays them out (the log-prob of token t+1 at t)."""
-    seq = PROMPT + NEW
-    tokens = np.zeros((len(rollouts), seq), np.int32)
-    mask = np.zeros((len(rollouts), seq), bool)
-    behaviour = np.zeros((len(rollouts), seq), np.float32)
-    for row, r in enumerate(rollouts):
-        full = list(r.prompt_tokens) + list(r.tokens)
-        tokens[row, : len(full)] = full
-        start = len(r.prompt_tokens) - 1
-        mask[row, start : start + len(r.tokens)] = True
-        behaviour[row, start : start + len(r.tokens)] = r.logprobs
-    return tokens, mask, behaviour
+    """The rollouts as the trainer's batch lays them out (trainer_helpers.rollout_rows)."""
+    return rollout_rows(rollouts, PROMPT + NEW)
 
 
 @functools.cache

@@ -55,6 +55,8 @@ class WeightFetcher:
         self.lora = config.model.lora is not None
         self._base: Any = None
         self._base_digest: bytes | None = None
+        self._pull_like: Any = None  # what a LoRA version pulls into (`like`), built once
+        self._parts: tuple | None = None  # (adapters, base) of full_like(), abstract
         self.base_loads = 0  # bases read from the base store
         # The next version's bytes, fetched while generating: (version, future of
         # TreeClient.fetch), or None.
@@ -76,18 +78,26 @@ class WeightFetcher:
         uses: the inference mesh's (by logical axes), else the first device. With LoRA the
         adapters alone, packed in one flat array (`lora.PACKED_KEY`, models.lora.pack), and
         the base's digest (`lora_base.DIGEST_KEY`, uint8[32])."""
-        full = self.full_like()
         if not self.lora:
-            return full
-        adapters = lora.split(full)[0]
+            return self.full_like()
+        if self._pull_like is not None:
+            return self._pull_like
+        adapters = self._lora_parts()[0]
         dtype = jax.tree.leaves(adapters)[0].dtype
         packed = (lora.packed_size(adapters),)
-        return {
+        self._pull_like = {
             lora.PACKED_KEY: jax.ShapeDtypeStruct(packed, dtype, sharding=self._replicated()),
             lora_base.DIGEST_KEY: jax.ShapeDtypeStruct(
                 (32,), np.uint8, sharding=self._replicated()
             ),
         }
+        return self._pull_like
+
+    def _lora_parts(self) -> tuple[Any, Any]:
+        """(adapters, base) of the served model's abstract tree, split once."""
+        if self._parts is None:
+            self._parts = lora.split(self.full_like())
+        return self._parts
 
     def _replicated(self) -> Any:
         if self.mesh is not None:
@@ -104,7 +114,7 @@ class WeightFetcher:
         if digest != self._base_digest:
             store = lora_base.LoraBaseStore(self.config.storage.run_dir)
             try:
-                base = store.read(digest, lora.split(self.full_like())[1])
+                base = store.read(digest, self._lora_parts()[1])
             finally:
                 store.close()
             if self.config.inference.weight_dtype:
@@ -118,7 +128,7 @@ class WeightFetcher:
             self._base = base
             self._base_digest = digest
             self.base_loads += 1
-        adapters = lora.unpack(pulled[lora.PACKED_KEY], lora.split(self.full_like())[0])
+        adapters = lora.unpack(pulled[lora.PACKED_KEY], self._lora_parts()[0])
         return lora.combine(self._base, adapters)
 
     def full_like(self) -> Any:
