@@ -16,6 +16,14 @@ from rlax_tpu.config import RunConfig
 
 _log = logging.getLogger(__name__)
 _FLAG = "--xla_force_host_platform_device_count"
+# With several virtual CPU devices, XLA:CPU runs each device's part of a program on a thread
+# of its Eigen pool, the same pool its ops split their own work into. A device part that
+# waits in a collective's rendezvous holds its thread, and one that waits for its op's split
+# work holds its thread too; when every thread of the pool waits on one of the two, the
+# partners never arrive and XLA aborts the process after 40 s (seen in CI: the smoke job on
+# 8 devices, 4 device parts in an all-reduce, their 4 partners never started). Single-threaded
+# ops per device cannot wait on split work; the devices still run in parallel.
+CPU_DEVICES_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -29,6 +37,7 @@ def jax_environment(config: RunConfig, environ: dict[str, str] | None = None) ->
     xla = _joined(environ.get("XLA_FLAGS", ""), config.xla_flags)
     if config.cpu_devices > 0 and _FLAG not in xla:
         xla = f"{xla} {_FLAG}={config.cpu_devices}".strip()
+    xla = cpu_devices_flags(xla)
     if xla:
         out["XLA_FLAGS"] = xla
     libtpu = _joined(environ.get("LIBTPU_INIT_ARGS", ""), config.libtpu_flags)
@@ -86,6 +95,17 @@ def compilation_cache_dir(config: RunConfig) -> str:
     if "://" not in run_dir or run_dir.startswith("file://"):
         return os.path.join(os.path.abspath(run_dir.removeprefix("file://")), "compile_cache")
     return os.path.join(os.path.expanduser("~"), ".cache", "rlax_tpu", "compile_cache")
+
+
+def cpu_devices_flags(xla_flags: str) -> str:
+    """`xla_flags` with CPU_DEVICES_FLAGS added (unless already set, either way) when they
+    ask for more than one virtual CPU device."""
+    counts = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(f"{_FLAG}=")]
+    if not counts or int(counts[-1]) <= 1:
+        return xla_flags
+    names = {f.split("=", 1)[0] for f in xla_flags.split()}
+    extra = [f for f in CPU_DEVICES_FLAGS if f.split("=", 1)[0] not in names]
+    return " ".join([*xla_flags.split(), *extra])
 
 
 def _joined(present: str, wanted: str) -> str:

@@ -11,10 +11,16 @@ import os
 import shutil
 import tempfile
 
+from rlax_tpu.runtime import cpu_devices_flags
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+    _flags = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+# Several CPU devices need single-threaded ops per device (rlax_tpu.runtime.CPU_DEVICES_FLAGS:
+# else a program with collectives can deadlock XLA:CPU's thread pool); the components the
+# tests start inherit these flags.
+os.environ["XLA_FLAGS"] = cpu_devices_flags(_flags)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="rlax-tests-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

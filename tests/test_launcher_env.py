@@ -2,6 +2,7 @@
 inference workers from the config, no accelerator for the parameter server and the
 verifier, and overlapping shares refused before anything starts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -257,12 +258,18 @@ def test_the_run_and_compile_start_jax_with_the_same_compiler_flags():
     chosen = {"JAX_PLATFORMS": "cpu"}  # the platform the caller chose is left alone
     env = jax_environment(config, {"XLA_FLAGS": "--xla_a=1", **chosen})
     assert env == {
-        "XLA_FLAGS": "--xla_a=1 --xla_b=2 --xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": "--xla_a=1 --xla_b=2 --xla_force_host_platform_device_count=4"
+        " --xla_cpu_multi_thread_eigen=false",  # several CPU devices: runtime.CPU_DEVICES_FLAGS
         "LIBTPU_INIT_ARGS": "--t=1",
     }
     # A child that inherits its parent's variables gets the same, not the flags twice.
     assert jax_environment(config, {**env, **chosen}) == env
     assert jax_environment(RunConfig(compilation_cache="off"), chosen) == {}
+    # One CPU device keeps XLA's multi-threaded ops; a flag the caller set is kept as set.
+    one = jax_environment(dataclasses.replace(config, cpu_devices=1), chosen)
+    assert "eigen" not in one["XLA_FLAGS"]
+    mine = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=true", **chosen}
+    assert jax_environment(config, mine)["XLA_FLAGS"].count("eigen") == 1
     assert "jax_environment(" in inspect.getsource(compile_cli.main)
 
 

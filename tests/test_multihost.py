@@ -36,6 +36,7 @@ from rlax_tpu.distributed import (
     initialize,
 )
 from rlax_tpu.param_server.trees import TreeClient
+from rlax_tpu.runtime import cpu_devices_flags
 from rlax_tpu.trainer import Trainer
 from rlax_tpu.trainer.server import replica_plan_for_model
 from rlax_tpu.tree import flatten
@@ -239,7 +240,7 @@ class Cluster:
             env = {
                 **base,
                 "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "XLA_FLAGS": cpu_devices_flags("--xla_force_host_platform_device_count=4"),
                 "RLAX_TPU_AUTH_TOKEN": self.token,
                 "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
                 "RLAX_TPU_NUM_PROCESSES": str(PROCESSES),
@@ -386,9 +387,9 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
     from test_trainer_service import rollout_batch as service_batch
 
     from rlax_tpu.api.trainer import TrainerClient
+    from rlax_tpu.checkpoints import CheckpointStore
     from rlax_tpu.config import load_config
     from rlax_tpu.rpc.process import CHILD_LAUNCHER
-    from rlax_tpu.checkpoints import CheckpointStore
 
     token = secrets.token_hex(16)
     run_dir = str(tmp_path / "run")
@@ -401,7 +402,7 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
 
         def env(p: int) -> dict[str, str]:
             return {
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "XLA_FLAGS": cpu_devices_flags("--xla_force_host_platform_device_count=4"),
                 "RLAX_TPU_AUTH_TOKEN": token,
                 "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
                 "RLAX_TPU_NUM_PROCESSES": "2",

@@ -36,7 +36,11 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from rlax_tpu.runtime import cpu_devices_flags
+
+os.environ["XLA_FLAGS"] = cpu_devices_flags(
+    os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
