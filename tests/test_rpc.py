@@ -250,3 +250,33 @@ def test_a_component_that_stays_down_is_named_after_the_wait_and_a_refusal_is_no
     with pytest.raises(grpc.RpcError) as info:
         retry_unreachable(refused, wait_s=30, what="y")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and calls == [1]
+
+
+def test_the_channel_adds_the_token_once_beside_the_callers_metadata_on_every_call_form():
+    """make_channel adds the token to each call without gRPC interceptors: a caller's own
+    metadata arrives with it, a token the caller put there is replaced (sent once), and
+    `with_call` and `future` carry it too."""
+    seen = []
+
+    def record(request, context):
+        seen.append([(k, v) for k, v in context.invocation_metadata() if not k.startswith(":")])
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        "test.Md", {"Call": grpc.unary_unary_rpc_method_handler(record)}
+    )
+    server, port = make_server("127.0.0.1", 0, auth_token=TOKEN, max_workers=2)
+    server.add_generic_rpc_handlers((handler,))
+    server.start()
+    try:
+        with make_channel(format_address("127.0.0.1", port), auth_token=TOKEN) as channel:
+            call = channel.unary_unary("/test.Md/Call")
+            mine = [("x-mine", "1"), ("authorization", "Bearer stale")]
+            assert call(b"a", timeout=5, metadata=mine) == b"a"
+            assert call.with_call(b"b", timeout=5)[0] == b"b"
+            assert call.future(b"c", timeout=5).result() == b"c"
+        bearer = ("authorization", f"Bearer {TOKEN}")
+        assert [md.count(bearer) for md in seen] == [1, 1, 1]
+        assert ("x-mine", "1") in seen[0] and ("authorization", "Bearer stale") not in seen[0]
+    finally:
+        server.stop(grace=None).wait()

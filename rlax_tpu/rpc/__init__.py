@@ -5,8 +5,8 @@ Messages and stubs generated from protos/ are in `rlax_tpu.rpc.protos` (e.g. `co
 
 from rlax_tpu.rpc.auth import (
     DEFAULT_AUTH_TOKEN_ENV,
+    AuthChannel,
     AuthTokenError,
-    ClientAuthInterceptor,
     ServerAuthInterceptor,
     auth_token_from_env,
 )
@@ -26,7 +26,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "RpcCallError",
     "AuthTokenError",
-    "ClientAuthInterceptor",
+    "AuthChannel",
     "ComponentClient",
     "ComponentUnreachableError",
     "HealthServicer",

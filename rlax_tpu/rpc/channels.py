@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 
-from rlax_tpu.rpc.auth import DEFAULT_AUTH_TOKEN_ENV, ClientAuthInterceptor, ServerAuthInterceptor
+from rlax_tpu.rpc.auth import DEFAULT_AUTH_TOKEN_ENV, AuthChannel, ServerAuthInterceptor
 
 MAX_MESSAGE_BYTES = 256 * 2**20
 _OPTIONS = [
@@ -70,6 +70,4 @@ def make_channel(
 ) -> grpc.Channel:
     """A channel to `address` ("host:port") that sends `auth_token` on every call."""
     channel = grpc.insecure_channel(address, options=_OPTIONS)
-    return grpc.intercept_channel(
-        channel, ClientAuthInterceptor(auth_token, env_var=auth_token_env)
-    )
+    return AuthChannel(channel, auth_token, env_var=auth_token_env)
