@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from trainer_helpers import ENGINE, rollout_batch, run_config
 
 from rlax_tpu import storage
+from rlax_tpu.checkpoints import COMMIT_MARKER
 from rlax_tpu.cli import main
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.data.char_tokenizer import write_char_tokenizer
@@ -35,7 +36,6 @@ from rlax_tpu.models.hf import build_model, load_hf_config, load_hf_params
 from rlax_tpu.run_dir import prepare_run_dir
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import Trainer
-from rlax_tpu.checkpoints import COMMIT_MARKER
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")

@@ -19,11 +19,11 @@ from processes import ProcessGroup
 from trainer_helpers import assert_trees_close, rollout_batch, run_config
 
 from rlax_tpu.api.trainer import batch_digest
+from rlax_tpu.checkpoints import COMMIT_MARKER, checksums
 from rlax_tpu.config import AlgorithmConfig, MeshConfig
 from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.trainer import BatchMismatchError, OutOfOrderStepError, Trainer
-from rlax_tpu.checkpoints import COMMIT_MARKER, checksums
 
 TOKEN = secrets.token_hex(8)
 FOUR_DEVICES = MeshConfig(data=1, fsdp=2, tensor=2)
