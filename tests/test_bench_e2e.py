@@ -29,6 +29,11 @@ def rows_and_summary(step_s: float, eval_s: float, steps: int = 10):
                 "time/controller_step_s": step_s,
                 "time/worker_generate_s": step_s / 4 if s > 2 else 5.0,  # compiles at first
                 "train/time/step_s": step_s / 2,
+                # 4096 tokens an update (64 x 64), a tenth of the first steps' compiling.
+                "train/time/compile_s": step_s / 20 if s <= 2 else 0.0,
+                "train/tokens_per_s": 4096 / (step_s / 2 - (step_s / 20 if s <= 2 else 0.0)),
+                "train/mfu": 0.01 * s,
+                "response_tokens": 256,  # 4 a sample
             }
         )
         if s == 5:
@@ -92,6 +97,49 @@ def test_without_a_target_or_evaluations_target_and_accuracy_figures_are_none():
     assert figures["final_accuracy"] is None and figures["initial_accuracy"] is None
 
 
+def test_mfu_is_a_steps_model_flops_at_its_rate_over_the_peak():
+    from rlax_tpu.simulator.model import decode_flops_per_token
+
+    config = bench_e2e.bench_config("demo", True, 1, [])
+    rows, summary = rows_and_summary(step_s=0.25, eval_s=3.0)
+    figures = bench_e2e.figures(summary, rows, 0.7, config, peak_flops=1e11)
+    # The update: 6·N a token of 4096; generation: 256 tokens at a context of the expected
+    # prompt (half of max_prompt_len 60) and half the 4-token mean response.
+    generation = 256 * decode_flops_per_token(config.model, 30 + 2)
+    per_step = 6 * bench_e2e.num_params(config) * 4096 + generation
+    assert figures["model_flops_per_step"] == pytest.approx(per_step)
+    assert figures["model_flops_per_s"] == pytest.approx(per_step * figures["steps_per_s"])
+    assert figures["peak_flops"] == 1e11
+    assert figures["mfu"] == pytest.approx(figures["model_flops_per_s"] / 1e11)
+    assert 0 < figures["mfu"] < 1
+    # The trainer's own, over the warm steps 3-10: 0.03 ... 0.10.
+    assert figures["trainer_mfu"] == pytest.approx(0.065)
+
+
+def test_mfu_figures_are_none_without_the_config_or_the_trainers_figures():
+    rows, summary = rows_and_summary(step_s=0.25, eval_s=3.0)
+    assert all(bench_e2e.figures(summary, rows, 0.7)[k] is None for k in ("mfu", "peak_flops"))
+    config = bench_e2e.bench_config("demo", True, 1, [])
+    rows = [{k: v for k, v in r.items() if k != "train/tokens_per_s"} for r in rows]
+    figures = bench_e2e.figures(summary, rows, 0.7, config, peak_flops=1e10)
+    assert figures["model_flops_per_step"] is None and figures["mfu"] is None
+
+
+def test_tunix_mfu_is_our_on_policy_steps_flops_at_its_rate():
+    tunix = bench_e2e.tunix_mfu({"steps_per_s": 2.0}, {"model_flops_per_step": 1e9}, 1e10)
+    assert tunix == {
+        "model_flops_per_step": 1e9,
+        "model_flops_per_s": pytest.approx(2e9),
+        "peak_flops": 1e10,
+        "mfu": pytest.approx(0.2),
+    }
+    assert (
+        bench_e2e.tunix_mfu({"steps_per_s": None}, {"model_flops_per_step": 1e9}, 1e10)["mfu"]
+        is None
+    )
+    assert bench_e2e.tunix_mfu({"steps_per_s": 2.0}, None, 1e10)["mfu"] is None
+
+
 # -- over rounds ---------------------------------------------------------------------------------
 def mode_round(steps_per_s, *, step=150.0, generate=40.0, update=85.0, to_target=10.0, acc=0.8):
     step_ms = {"controller_step": step, "worker_generate": generate, "trainer_jitted_step": update}
@@ -109,6 +157,34 @@ def mode_round(steps_per_s, *, step=150.0, generate=40.0, update=85.0, to_target
 
 def tunix_round(steps_per_s):
     return {"steps_per_s": steps_per_s, "status": "ok"}
+
+
+def test_mfu_medians_over_rounds_keep_their_digits_and_the_table_shows_them(capsys):
+    on = [mode_round(2.0), mode_round(2.0), mode_round(2.0)]
+    for r, mfu in zip(on, (0.012345, 0.015125, 0.0169), strict=True):
+        r.update(mfu=mfu, model_flops_per_step=1e9, model_flops_per_s=2e9, peak_flops=1e11)
+    # Tunix at 1, 0.5 and 4 steps/s: 1, 0.5 and 4 GFLOP/s of our step's 1 GFLOP.
+    tunix = [
+        {**tunix_round(rate), **bench_e2e.tunix_mfu({"steps_per_s": rate}, r, 1e11)}
+        for rate, r in zip((1.0, 0.5, 4.0), on, strict=True)
+    ]
+    demo = bench_e2e.size_report(
+        bench_e2e.bench_config("demo", True, 1, []),
+        None,
+        {"on_policy": on},
+        tunix,
+        {"sft_s": 1.0, "reused": True},
+    )
+    assert demo["on_policy"]["mfu"] == 0.015125  # the median, not rounded to 4 places
+    assert demo["on_policy"]["min_max"]["mfu"] == [0.012345, 0.0169]
+    assert demo["on_policy"]["model_flops_per_s"] == pytest.approx(2e9)
+    assert demo["tunix"]["mfu"] == pytest.approx(0.01)
+    assert demo["tunix"]["min_max"]["mfu"] == [pytest.approx(0.005), pytest.approx(0.04)]
+    report = bench_e2e.report_for({"demo": demo}, {"device": "2 x cpu", "num_rounds": 3})
+    assert report["on_policy"]["mfu"] == 0.015125
+    bench_e2e.print_table(report)
+    out = capsys.readouterr().out
+    assert "MFU" in out and "1.51% [1.23%–1.69%]" in out and "1.00% [0.50%–4.00%]" in out
 
 
 def test_a_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians():

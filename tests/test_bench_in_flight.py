@@ -65,6 +65,28 @@ def test_throughput_is_over_the_warm_steps_with_evaluations_out():
     assert (figures["initial_accuracy"], figures["final_accuracy"]) == (0.5, 0.8)
 
 
+def test_mfu_is_a_warm_steps_model_flops_at_its_rate_over_the_peak():
+    from rlax_tpu.simulator.model import decode_flops_per_token
+
+    train, heldout = Path("/data/train.jsonl"), Path("/data/heldout.jsonl")
+    config = bench_in_flight.bench_config(True, Path("/w"), train, heldout, None, [])
+    rows, summary = rows_and_summary(step_s=0.5, eval_s=3.0, tokens=640)
+    for r in rows[1:]:  # 2457.6 tokens a warm update; the first two compile a fifth
+        compile_s = 0.06 if r["step"] <= 2 else 0.0
+        r.update({"train/tokens_per_s": 8192.0, "train/time/step_s": 0.36})
+        r.update({"train/time/compile_s": compile_s, "train/mfu": 0.02})
+    figures = bench_in_flight.figures(summary, rows, 64, config, peak_flops=1e11)
+    # 640 tokens a step at a context of the expected prompt (max_prompt_len 48 / 2) and
+    # half the 10-token mean response.
+    generation = 640 * decode_flops_per_token(config.model, 24 + 5)
+    per_step = 6 * bench_in_flight.num_params(config) * 8192 * 0.36 + generation
+    assert figures["model_flops_per_step"] == pytest.approx(per_step)
+    assert figures["model_flops_per_s"] == pytest.approx(2.0 * per_step)
+    assert figures["mfu"] == pytest.approx(figures["model_flops_per_s"] / 1e11)
+    assert 0 < figures["mfu"] < 1 and figures["trainer_mfu"] == pytest.approx(0.02)
+    assert bench_in_flight.figures(summary, rows, 64)["mfu"] is None  # no config: none
+
+
 def test_time_to_accuracy_is_the_first_rl_evaluation_at_the_target():
     rows, summary = rows_and_summary(step_s=0.5, eval_s=3.0, tokens=640)
     figures = bench_in_flight.figures(summary, rows, batch_size=64)
@@ -105,6 +127,10 @@ def test_speedups_are_per_round_and_seed_ratios_to_off():
     assert s["keep"]["time_to_accuracy"] == {"median": 2.0, "min": 2.0, "max": 2.0}
     summary = bench_in_flight.summarise(runs, "keep")
     assert summary["target_reached"] == 1 and summary["runs"] == 2
+    assert set(bench_in_flight.MEDIAN_FIGURES) >= {"mfu", "model_flops_per_s", "peak_flops"}
+    for r, mfu in zip(runs, (0.012345, 0.0167, 0.0) * 2, strict=True):
+        r["figures"]["mfu"] = mfu
+    assert bench_in_flight.summarise(runs, "off")["mfu"] == 0.012345  # not rounded
     assert summary["time_to_accuracy_s"] is None  # half missed: the median is a miss
 
 

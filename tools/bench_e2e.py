@@ -17,7 +17,9 @@ off-policy (η=1, N=4); then, when the optional `google-tunix` package is import
 on-policy. That sequence is one round; R rounds run interleaved (A B C T, A B C T, ...) so
 that a noisy host slows every contender alike, and every figure is the median over rounds
 with its min-max, every ratio the median of the per-round ratios. Each mode also reports
-its step's compute (generation + the jitted update) against the rest (overhead).
+its step's compute (generation + the jitted update) against the rest (overhead), and its
+model FLOPs utilisation (MFU: a step's analytic FLOPs at its rate over the measured matmul
+peak).
 docs/controller.md ("End-to-end benchmark") explains the figures.
 """
 
@@ -119,6 +121,9 @@ SIZE_20M = [
 ]
 SIZES = ("demo", "20m")
 
+# A step's model FLOPs against the peak (a mode's, and Tunix's); medians of these are not
+# rounded (an MFU of a few per cent would lose its digits).
+MFU_FIGURES = ("model_flops_per_step", "model_flops_per_s", "peak_flops", "mfu", "trainer_mfu")
 # A mode's figures summarised as medians over rounds; "not reached" (None) counts as
 # slower than any time for the target figures.
 MEDIAN_FIGURES = (
@@ -135,6 +140,7 @@ MEDIAN_FIGURES = (
     "compute_ms",
     "overhead_ms",
     "step_vs_compute",
+    *MFU_FIGURES,
 )
 TARGET_FIGURES = ("time_to_target_s", "time_to_target_excl_eval_s", "steps_to_target")
 # Ratios between contenders, formed per round; a size reports the median over rounds.
@@ -203,10 +209,16 @@ def warm_start(config: RunConfig, work: Path, log: Path) -> tuple[Path, float, b
 
 # -- one mode: the whole job, from the warm start ------------------------------------------------
 def run_mode(
-    config: RunConfig, name: str, warm: Path, work: Path, log: Path, target: float | None
+    config: RunConfig,
+    name: str,
+    warm: Path,
+    work: Path,
+    log: Path,
+    target: float | None,
+    peak_flops: float | None = None,
 ) -> dict:
     """`name` in a fresh run directory work/<name> holding a copy of the warm start; the
-    job's output goes to `log`. Returns its figures."""
+    job's output goes to `log`. Returns its figures (MFU against `peak_flops`)."""
     from rlax_tpu.launch import job
 
     eta, n = MODES[name]
@@ -224,7 +236,7 @@ def run_mode(
     with open(log, "w") as out, contextlib.redirect_stdout(out):
         summary = job.run(config)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return figures(summary, rows, target)
+    return figures(summary, rows, target, config, peak_flops)
 
 
 def compute_split(step_ms: dict[str, float]) -> dict[str, float | None]:
@@ -242,8 +254,15 @@ def compute_split(step_ms: dict[str, float]) -> dict[str, float | None]:
     }
 
 
-def figures(summary: dict, rows: list[dict], target: float | None) -> dict:
-    """A mode's figures from the controller's summary and its metrics.jsonl rows (one run).
+def figures(
+    summary: dict,
+    rows: list[dict],
+    target: float | None,
+    config: RunConfig | None = None,
+    peak_flops: float | None = None,
+) -> dict:
+    """A mode's figures from the controller's summary and its metrics.jsonl rows (one run)
+    of `config` (None: no MFU figures), MFU against `peak_flops`.
 
     Step s's row has elapsed_s taken just before the evaluation at s (if any); the summary's
     eval_elapsed_s[s] is when that evaluation finished, so their difference is its length.
@@ -259,6 +278,7 @@ def figures(summary: dict, rows: list[dict], target: float | None) -> dict:
     # Warm training throughput: steps after the warm-up, evaluations taken out.
     warm = elapsed[last] - elapsed[WARMUP_STEPS]
     warm -= sum(d for s, d in eval_s.items() if WARMUP_STEPS <= s < last)
+    steps_per_s = round((last - WARMUP_STEPS) / warm, 3)
     reached = [s for s in sorted(evals) if target is not None and evals[s] >= target]
     first = reached[0] if reached else None
     # Medians over the warm steps, in ms: where a step's time goes (docs/controller.md).
@@ -269,7 +289,7 @@ def figures(summary: dict, rows: list[dict], target: float | None) -> dict:
     }
     return {
         "steps": steps,
-        "steps_per_s": round((last - WARMUP_STEPS) / warm, 3),
+        "steps_per_s": steps_per_s,
         "steps_per_s_wall": round(summary["steps_per_s"], 3),
         "wall_s": round(summary["wall_s"], 1),
         "eval_s": round(sum(eval_s.values()), 1),
@@ -289,7 +309,78 @@ def figures(summary: dict, rows: list[dict], target: float | None) -> dict:
         "reward_mean_last_10": round(statistics.mean(r["reward_mean"] for r in rows[-10:]), 3),
         "step_ms": step_ms,
         **compute_split(step_ms),
+        **mode_mfu(rows[WARMUP_STEPS:], config, steps_per_s, peak_flops),
     }
+
+
+# -- model FLOPs utilisation ---------------------------------------------------------------------
+def update_flops(row: dict, config: RunConfig) -> float | None:
+    """The jitted update's model FLOPs in a metrics row, as the trainer counts them: its
+    tokens (train/tokens_per_s × the step's time less its compile) through `train_flops`
+    with the model's parameters (LoRA: its adapters trained); None without those figures."""
+    from rlax_tpu.simulator.model import lora_params
+    from rlax_tpu.trainer.step import train_flops
+
+    keys = ("train/tokens_per_s", "train/time/step_s", "train/time/compile_s")
+    if any(key not in row for key in keys):
+        return None
+    tokens = row[keys[0]] * (row[keys[1]] - row[keys[2]])
+    trained = lora_params(config.model) if config.model.lora is not None else None
+    return train_flops(num_params(config), tokens, trained)
+
+
+def step_flops(rows: list[dict], config: RunConfig) -> float | None:
+    """A step's model FLOPs, the mean over `rows` (metrics rows): the update's
+    (`update_flops`) and generation's, response_tokens × `decode_flops_per_token` at a mean
+    context of the config's expected prompt length plus half the batch's mean response (the
+    simulator's); None when a row lacks the trainer's figures."""
+    from rlax_tpu.simulator.model import decode_flops_per_token
+
+    prompt = config.inference.length_distributions()[0].mean()
+    batch = config.controller.global_batch_size
+    per_step = []
+    for row in rows:
+        update = update_flops(row, config)
+        if update is None:
+            return None
+        tokens = row["response_tokens"]
+        context = prompt + tokens / batch / 2
+        per_step.append(update + tokens * decode_flops_per_token(config.model, context))
+    return statistics.mean(per_step) if per_step else None
+
+
+def per_step_mfu(
+    flops: float | None, steps_per_s: float | None, peak_flops: float | None
+) -> dict[str, float | None]:
+    """The MFU figures of steps of `flops` model FLOPs at `steps_per_s`: model_flops_per_step,
+    model_flops_per_s (their product), peak_flops and mfu (achieved / peak)."""
+    from rlax_tpu.trainer import perf
+
+    out = perf.mfu_figures(flops, 1 / steps_per_s if steps_per_s else None, peak_flops)
+    return {"model_flops_per_step": out.pop("model_flops"), **out}
+
+
+def mode_mfu(
+    rows: list[dict], config: RunConfig | None, steps_per_s: float, peak_flops: float | None
+) -> dict[str, float | None]:
+    """A mode's MFU_FIGURES over its warm steps' metrics `rows` (`step_flops` at
+    `steps_per_s`, against `peak_flops`) and trainer_mfu, the median of the trainer's own
+    train/mfu (its jitted update alone, against its mesh's peak); None where not measured."""
+    flops = None if config is None else step_flops(rows, config)
+    trainer = [r["train/mfu"] for r in rows if "train/mfu" in r]
+    return {
+        **per_step_mfu(flops, steps_per_s, peak_flops),
+        "trainer_mfu": statistics.median(trainer) if trainer else None,
+    }
+
+
+def tunix_mfu(
+    tunix: dict, on_policy: dict | None, peak_flops: float | None
+) -> dict[str, float | None]:
+    """Tunix's MFU figures: our on-policy step's model FLOPs (it runs the same prompts,
+    group size, batch and lengths) at Tunix's steps/s; None without either."""
+    flops = None if on_policy is None else on_policy.get("model_flops_per_step")
+    return per_step_mfu(flops, tunix.get("steps_per_s"), peak_flops)
 
 
 # -- Tunix (optional peer) -----------------------------------------------------------------------
@@ -313,33 +404,18 @@ def tunix_grpo(config: RunConfig, warm: Path, num_steps: int, log: Path) -> dict
     return {**result, **figures, "status": "ok"}
 
 
-def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
-    """Our Transformer behind Tunix's transformer interface (a dense per-layer cache dict
-    written at `end_index`, attention by the mask Tunix passes), driven by
-    `tunix.rl.grpo.grpo_learner.GRPOLearner` on an `RLCluster` whose actor and rollout share
-    one mesh of this process's devices (Tunix's colocated, synchronous mode).
-    Rewards are our arithmetic verifier's; prompts are drawn as our controller draws them."""
+def tunix_model(model):
+    """Our Transformer behind Tunix's transformer interface: called with (tokens, positions,
+    cache, attention_mask), a dense per-layer cache dict written at `end_index`, attention by
+    the mask Tunix passes. (tools/profile_update.py times Tunix's update of it.)"""
     import jax
-    import numpy as np
-    import optax
     from flax import nnx
-    from tunix.rl import rl_cluster as rl_cluster_lib
-    from tunix.rl.grpo import grpo_learner
-    from tunix.rl.rollout import base_rollout
 
-    from rlax_tpu.data.datasets import PromptMixture
-    from rlax_tpu.data.tokenizer import Tokenizer
-    from rlax_tpu.launch import job
-    from rlax_tpu.models import Transformer, grouped_attention
-    from rlax_tpu.models.hf import load_hf_model
+    from rlax_tpu.models import grouped_attention
     from rlax_tpu.models.transformer import rope_inv_freq
-    from rlax_tpu.verifiers.tasks import score_arithmetic
-
-    ctl, inf, tr = config.controller, config.inference, config.trainer
-    groups, samples = ctl.prompts_per_batch, ctl.samples_per_prompt
 
     class Model(nnx.Module):
-        def __init__(self, model: Transformer):
+        def __init__(self, model):
             self.model = model
             self.config = model.config  # num_layers, num_kv_heads, head_dim: Tunix's cache
 
@@ -369,6 +445,31 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
                 x = m._layer(layer, x, positions, inv_freq, attend)
             return m._logits(m.final_norm(x)), new_cache
 
+    return Model(model)
+
+
+def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
+    """Our Transformer behind Tunix's transformer interface (a dense per-layer cache dict
+    written at `end_index`, attention by the mask Tunix passes), driven by
+    `tunix.rl.grpo.grpo_learner.GRPOLearner` on an `RLCluster` whose actor and rollout share
+    one mesh of this process's devices (Tunix's colocated, synchronous mode).
+    Rewards are our arithmetic verifier's; prompts are drawn as our controller draws them."""
+    import jax
+    import numpy as np
+    import optax
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    from rlax_tpu.data.datasets import PromptMixture
+    from rlax_tpu.data.tokenizer import Tokenizer
+    from rlax_tpu.launch import job
+    from rlax_tpu.models.hf import load_hf_model
+    from rlax_tpu.verifiers.tasks import score_arithmetic
+
+    ctl, inf, tr = config.controller, config.inference, config.trainer.optimizer
+    groups, samples = ctl.prompts_per_batch, ctl.samples_per_prompt
+
     tokenizer = Tokenizer.load(str(warm / "tokenizer"))
 
     class TunixTokenizer:  # no BOS, as our controller encodes prompts
@@ -387,7 +488,7 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
         def pad_id(self):
             return tokenizer.pad_token_id
 
-    model = Model(load_hf_model(str(warm / "sft_model")))
+    model = tunix_model(load_hf_model(str(warm / "sft_model")))
     devices = np.asarray(jax.devices())
     mesh = jax.sharding.Mesh(devices.reshape(len(devices), 1), ("fsdp", "tp"))
     prompt_len = inf.max_prompt_len
@@ -480,17 +581,21 @@ def _tunix_grpo(config: RunConfig, warm: Path, num_steps: int) -> dict:
 
 
 # -- over rounds ---------------------------------------------------------------------------------
-def median(values: Sequence[float | None], *, missing_is_slowest: bool = False) -> float | None:
-    """The median of the values given; None ones are left out, or with `missing_is_slowest`
-    (a target not reached) count as infinitely long. None when nothing is left, or when the
-    median itself is a missing one."""
+def median(
+    values: Sequence[float | None], *, missing_is_slowest: bool = False, digits: int | None = 4
+) -> float | None:
+    """The median of the values given, rounded to `digits` decimals (None: not rounded);
+    None ones are left out, or with `missing_is_slowest` (a target not reached) count as
+    infinitely long. None when nothing is left, or when the median itself is a missing one."""
     if missing_is_slowest:
         values = [math.inf if v is None else v for v in values]
     present = [v for v in values if v is not None]
     if not present:
         return None
     mid = statistics.median(present)
-    return None if math.isinf(mid) else round(mid, 4)
+    if math.isinf(mid):
+        return None
+    return mid if digits is None else round(mid, digits)
 
 
 def spread(values: Sequence[float | None]) -> list[float] | None:
@@ -510,7 +615,8 @@ def summarise_mode(rounds: list[dict]) -> dict:
     ranges: dict[str, list[float] | None] = {}
     for key in MEDIAN_FIGURES:
         values = [r.get(key) for r in rounds]
-        out[key], ranges[key] = median(values), spread(values)
+        out[key] = median(values, digits=None if key in MFU_FIGURES else 4)
+        ranges[key] = spread(values)
     for key in TARGET_FIGURES:
         values = [r.get(key) for r in rounds]
         if key == "steps_to_target":  # a step that was evaluated (an even count has two)
@@ -570,7 +676,9 @@ def summarise_tunix(rounds: list[dict]) -> dict:
         key: median([r.get(key) for r in rounds])
         for key in ("steps_per_s", "rollout_s", "update_s", "wall_s", "reward_mean_last_10")
     }
-    out["min_max"] = {"steps_per_s": spread([r.get("steps_per_s") for r in rounds])}
+    for key in MFU_FIGURES[:-1]:  # trainer_mfu: the trainer's own, not Tunix's
+        out[key] = median([r.get(key) for r in rounds], digits=None)
+    out["min_max"] = {key: spread([r.get(key) for r in rounds]) for key in ("steps_per_s", "mfu")}
     statuses = [r["status"] for r in rounds]
     if len(set(statuses)) == 1:
         out["status"] = statuses[0]
@@ -684,6 +792,7 @@ def print_table(report: dict) -> None:
     )
     columns = (
         ("steps/s", "steps_per_s", "{:.2f}"),
+        ("MFU", "mfu", "{:.2%}"),
         ("compute ms", "compute_ms", "{:.0f}"),
         ("overhead ms", "overhead_ms", "{:.0f}"),
         ("step/compute", "step_vs_compute", "{:.2f}"),
@@ -711,11 +820,13 @@ def print_table(report: dict) -> None:
                 continue
             cells = [_cell(m[key], m["min_max"][key], fmt) for _, key, fmt in columns]
             if target is not None and 0 < m["target_reached_rounds"] < m["num_rounds"]:
-                cells[4] += f" {m['target_reached_rounds']}/{m['num_rounds']}"
+                to_target = [key for _, key, _ in columns].index("time_to_target_s")
+                cells[to_target] += f" {m['target_reached_rounds']}/{m['num_rounds']}"
             print(f"{LABELS[name]:<16}" + "".join(f"{c:>22}" for c in cells))
         tunix = s["tunix"]
         rate = _cell(tunix["steps_per_s"], tunix["min_max"]["steps_per_s"])
-        print(f"{'tunix GRPO':<16}{rate:>22}")
+        mfu = _cell(tunix.get("mfu"), tunix["min_max"].get("mfu"), "{:.2%}")
+        print(f"{'tunix GRPO':<16}{rate:>22}{mfu:>22}")
         on = s["on_policy"]
         if on is not None:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in on["step_ms"].items() if v is not None)
@@ -747,7 +858,10 @@ def print_table(report: dict) -> None:
         "step minus compute (negative when generation overlaps the update); overhead_fraction"
         "_on_policy = on-policy overhead / compute (target <= 0.2). Time to target: from the "
         "start of RL to the end of the first evaluation at or above the target, compiles and "
-        "every evaluation included."
+        "every evaluation included. MFU: a warm step's model FLOPs (the update's 6·N a "
+        "trained token, as the trainer counts them, and generation's 2·N + attention a "
+        "response token) x steps/s over this process's measured matmul peak (every device, "
+        "the model dtype); Tunix's: our on-policy step's FLOPs at its steps/s."
     )
 
 
@@ -755,7 +869,7 @@ def _progress(size: str, r: int, rounds: int, name: str, m: dict, seconds: float
     line = (
         f"[{size} round {r + 1}/{rounds}] {name}: {m['steps']} steps in {seconds:.0f}s, "
         f"{m['steps_per_s']:.2f} steps/s, compute {_show(m['compute_ms'], '{:.0f}')} ms, "
-        f"overhead {_show(m['overhead_ms'], '{:.0f}')} ms"
+        f"overhead {_show(m['overhead_ms'], '{:.0f}')} ms, MFU {_show(m['mfu'], '{:.2%}')}"
     )
     if m["final_accuracy"] is not None:
         line += (
@@ -787,6 +901,11 @@ def run_size(
     )
     warm, sft_s, reused = warm_start(config, work, root / "warm_start.log")
     print(f"warm start {'reused' if reused else 'ready'} in {sft_s:.0f}s: {warm}", flush=True)
+    from rlax_tpu.trainer import perf
+
+    # Measured once (cached per dtype), with no job running: what every mode's MFU is over.
+    peak_flops = perf.devices_peak_flops(config.model.dtype)
+    print(f"matmul peak: {peak_flops / 1e9:.1f} GFLOP/s ({config.model.dtype})", flush=True)
     mode_rounds: dict[str, list[dict]] = {name: [] for name in modes}
     tunix_rounds: list[dict] = []
     # A peer that failed once (its API drifts) fails again: later rounds skip it.
@@ -795,7 +914,7 @@ def run_size(
         for name in modes:
             t0 = time.perf_counter()
             log = root / f"round{r + 1}-{name}.log"
-            m = run_mode(config, name, warm, root, log, target)
+            m = run_mode(config, name, warm, root, log, target, peak_flops)
             mode_rounds[name].append(m)
             _progress(size, r, rounds, name, m, time.perf_counter() - t0)
         if skip is not None:
@@ -804,6 +923,8 @@ def run_size(
             peer = tunix_grpo(config, warm, ctl.num_steps, root / f"round{r + 1}-tunix.log")
             if peer["status"] != "ok":
                 skip = f"skipped (failed in round {r + 1})"
+        on_policy = mode_rounds["on_policy"][r] if "on_policy" in mode_rounds else None
+        peer.update(tunix_mfu(peer, on_policy, peak_flops))
         tunix_rounds.append(peer)
         print(
             f"[{size} round {r + 1}/{rounds}] tunix: {peer['status']}, "

@@ -43,7 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_e2e import WARMUP_STEPS, median, num_params, ratio, spread  # noqa: E402
+from bench_e2e import (  # noqa: E402
+    MFU_FIGURES,
+    WARMUP_STEPS,
+    median,
+    mode_mfu,
+    num_params,
+    ratio,
+    spread,
+)
 from bench_e2e import warm_start as sft_warm_start  # noqa: E402
 
 from rlax_tpu.config import DatasetConfig, RunConfig, load_config  # noqa: E402
@@ -129,6 +137,7 @@ MEDIAN_FIGURES = (
     "final_accuracy",
     "time_to_accuracy_s",
     "wall_s",
+    *MFU_FIGURES,
 )
 
 
@@ -195,9 +204,9 @@ def mode_config(config: RunConfig, mode: str, seed: int, run_dir: Path) -> RunCo
 
 
 # -- one run -------------------------------------------------------------------------------------
-def run_mode(config: RunConfig, warm: Path, log: Path) -> dict:
+def run_mode(config: RunConfig, warm: Path, log: Path, peak_flops: float | None = None) -> dict:
     """The whole job of `config` in a fresh run directory holding a copy of the warm start,
-    its output to `log`: its figures."""
+    its output to `log`: its figures (MFU against `peak_flops`)."""
     from rlax_tpu.launch import job
 
     run_dir = Path(config.storage.run_dir)
@@ -208,18 +217,26 @@ def run_mode(config: RunConfig, warm: Path, log: Path) -> dict:
     with open(log, "w") as out, contextlib.redirect_stdout(out):
         summary = job.run(config)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return figures(summary, rows, config.controller.global_batch_size)
+    return figures(summary, rows, config.controller.global_batch_size, config, peak_flops)
 
 
-def figures(summary: dict, rows: list[dict], batch_size: int) -> dict:
+def figures(
+    summary: dict,
+    rows: list[dict],
+    batch_size: int,
+    config: RunConfig | None = None,
+    peak_flops: float | None = None,
+) -> dict:
     """A run's figures from the controller's summary and its metrics.jsonl rows, of batches
-    of `batch_size` responses (a row's response_tokens is its batch's sum).
+    of `batch_size` responses (a row's response_tokens is its batch's sum), of `config`
+    (None: no MFU figures).
 
     Throughput is over the warm steps (after the first WARMUP_STEPS, whose compiles would
     dominate), held-out evaluations taken out: generated tokens (the trained batches'
     response tokens) per second of generation (the workers' Generate calls, summed) and per
     second of run wall time. Step s's row has elapsed_s taken before its evaluation; the
-    summary's eval_elapsed_s[s] is when that evaluation finished.
+    summary's eval_elapsed_s[s] is when that evaluation finished. MFU: bench_e2e's
+    (`mode_mfu`: a warm step's model FLOPs at steps/s over `peak_flops`).
     """
     rows = [r for r in rows if "reward_mean" in r]  # training steps (not the step-0 eval)
     elapsed = {r["step"]: r["elapsed_s"] for r in rows}
@@ -233,9 +250,10 @@ def figures(summary: dict, rows: list[dict], batch_size: int) -> dict:
     tokens = sum(r["response_tokens"] for r in warm_rows)
     generate_s = sum(r.get("time/worker_generate_s", 0.0) for r in warm_rows)
     spans = [r.get("rollout/version_span", 0) for r in rows]
+    steps_per_s = round((last - WARMUP_STEPS) / warm_s, 3)
     return {
         "steps": summary["end_step"] - summary["start_step"],
-        "steps_per_s": round((last - WARMUP_STEPS) / warm_s, 3),
+        "steps_per_s": steps_per_s,
         "generated_tokens": tokens,
         "generation_s": round(generate_s, 2),
         "generation_tokens_per_s": round(tokens / generate_s, 1) if generate_s else None,
@@ -258,6 +276,7 @@ def figures(summary: dict, rows: list[dict], batch_size: int) -> dict:
         "eval_finished_s": {str(s): round(finished[s], 1) for s in sorted(finished)},
         "initial_accuracy": evals.get(0),
         "final_accuracy": evals[max(evals)] if evals else None,
+        **mode_mfu(warm_rows, config, steps_per_s, peak_flops),
     }
 
 
@@ -382,7 +401,8 @@ def summarise(runs: list[dict], mode: str) -> dict:
     for key in MEDIAN_FIGURES:
         values = [r["figures"].get(key) for r in mine]
         slowest = key == "time_to_accuracy_s"  # a target not reached: slower than any
-        out[key] = median(values, missing_is_slowest=slowest)
+        digits = None if key in MFU_FIGURES else 4  # an MFU of a few per cent keeps its digits
+        out[key] = median(values, missing_is_slowest=slowest, digits=digits)
         ranges[key] = spread(values)
     out["version_span_max"] = max(r["figures"]["version_span_max"] for r in mine)
     out["target_reached"] = sum(r["figures"]["time_to_accuracy_s"] is not None for r in mine)
@@ -469,6 +489,7 @@ COLUMNS = (
     ("gen tok/s", "generation_tokens_per_s", "{:.0f}"),
     ("tok/s (wall)", "tokens_per_s", "{:.0f}"),
     ("steps/s", "steps_per_s", "{:.2f}"),
+    ("MFU", "mfu", "{:.2%}"),
     ("worker idle", "worker_idle_fraction", "{:.2f}"),
     ("partial", "partial_fraction", "{:.2f}"),
     ("span", "version_span_mean", "{:.2f}"),
@@ -533,7 +554,9 @@ def print_table(report: dict) -> None:
         "per second of run time; both over the warm steps, evaluations out. partial: rows of "
         "more than one version; span: newest − oldest token version in a batch. to acc s: "
         "RL start to the end of the first held-out evaluation at the target (off's final "
-        f"accuracy − {TARGET_MARGIN:.2f} in its round and seed, unless --target)."
+        f"accuracy − {TARGET_MARGIN:.2f} in its round and seed, unless --target). MFU: a "
+        "warm step's model FLOPs (update and generation, tools/bench_e2e.py's count) x "
+        "steps/s over this process's measured matmul peak."
     )
 
 
@@ -596,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     train, heldout = write_task(work, task)
     config = bench_config(args.quick, work, train, heldout, args.steps, args.set)
     configure_jax(config)  # before anything starts JAX: the SFT warm start runs here
+    from rlax_tpu.trainer import perf
+
+    peak_flops = perf.devices_peak_flops(config.model.dtype)  # before any job runs
     seeds = list(range(args.seeds))
     print(f"work dir {work}", flush=True)
     print(
@@ -617,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_dir = work / f"s{seed}-{mode}"
                     cfg = mode_config(config, mode, seed, run_dir)
                     log = work / f"round{r + 1}-s{seed}-{mode}.log"
-                    figs = run_mode(cfg, warm, log)
+                    figs = run_mode(cfg, warm, log, peak_flops)
                     if mode == "off" and r == 0:  # the policy's lengths, sampled
                         figs["lengths_warm_start"] = rollout_lengths(run_dir, version=0)
                         figs["lengths_final"] = rollout_lengths(run_dir, last=MAX_STALENESS)

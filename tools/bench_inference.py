@@ -93,6 +93,7 @@ from rlax_tpu.models import DenseKVCache, Transformer  # noqa: E402
 from rlax_tpu.param_server.trees import TreeClient  # noqa: E402
 from rlax_tpu.simulator import workloads as bench_workload  # noqa: E402
 from rlax_tpu.simulator.model import decode_flops_per_token  # noqa: E402
+from rlax_tpu.trainer import perf  # noqa: E402
 
 # The workload (model, engine config, lengths) is the simulator's calibration's too.
 MODEL, INFERENCE, SEED = bench_workload.MODEL, bench_workload.INFERENCE, bench_workload.SEED
@@ -591,11 +592,17 @@ def stopped_at_length(requests: list[GenerationRequest], probe: list) -> list[Ge
 
 
 def kv_budget_case(
-    params, num_requests: int, decode_steps: int, repeats: int, slots: int = KV_SLOTS
+    params,
+    num_requests: int,
+    decode_steps: int,
+    repeats: int,
+    slots: int = KV_SLOTS,
+    peak_flops: float | None = None,
 ) -> dict:
     """The heavy-tailed workload on `slots` decode slots, each system of KV_SYSTEMS at each
     pool size of KV_BUDGETS, timed warm (best of `repeats` interleaved rounds), with the
-    engine's own counters of the timed run and whether its rollouts equal the baseline's."""
+    engine's own counters of the timed run, whether its rollouts equal the baseline's, and
+    its MFU against `peak_flops`."""
     drawn = requests_for(make_workload(num_requests))
     engines = {}
     for budget, fraction in KV_BUDGETS.items():
@@ -645,8 +652,10 @@ def kv_budget_case(
 
     baseline = next(iter(KV_SYSTEMS))
     timed = last["constrained", baseline][0]
+    flops = rollouts_flops_per_token(timed)
     out: dict = {
         "requests": num_requests,
+        "model_flops_per_token": round(flops),
         "response_tokens": sum(len(r.tokens) for r in timed),
         "drawn_response_tokens": sum(len(r.tokens) for r in probe),
         # Each timed rollout is its probe's up to the stop token (the same work everywhere).
@@ -680,6 +689,7 @@ def kv_budget_case(
                 "tokens": tokens,
                 "seconds": round(seconds[budget, name], 3),
                 "tokens_per_s": round(tokens / seconds[budget, name], 1),
+                "mfu": token_mfu(tokens / seconds[budget, name], flops, peak_flops),
                 "decode_calls": calls,
                 "mean_live_sequences": round(live / max(1, calls), 1),
                 "preemptions_per_1k_tokens": round(1e3 * preemptions / tokens, 3),
@@ -743,12 +753,16 @@ def _group_runner(engine: Engine, requests: list, last: dict, name: str):
     return run
 
 
-def group_case(params, decode_steps: int, repeats: int, sizes=GROUP_SIZES) -> dict:
+def group_case(
+    params, decode_steps: int, repeats: int, sizes=GROUP_SIZES, peak_flops: float | None = None
+) -> dict:
     """Each group size k: the same batch through an engine that shares a group's prompt
     pages (inference.share_prompt_pages, the default) and one that prefills every sample
     (today's engine before it), both with 8 prefill rows and a pool holding every sample
     unshared; timed warm (best of `repeats` interleaved rounds). Per group: the prompt
-    tokens prefilled and their model FLOPs, and the most KV pages in use at once."""
+    tokens prefilled and their model FLOPs, and the most KV pages in use at once; each
+    engine's MFU against `peak_flops` counts the decoded tokens' FLOPs (the same for both:
+    the prompts' prefill, which sharing saves, is not counted)."""
     config = dataclasses.replace(
         INFERENCE,
         max_decode_slots=GROUP_SLOTS,
@@ -790,12 +804,19 @@ def group_case(params, decode_steps: int, repeats: int, sizes=GROUP_SIZES) -> di
         seconds = best_seconds(runs, repeats)
         groups = len(requests) // k
         tokens = sum(len(r.tokens) for r in last["shared"][0])
-        row: dict = {"groups": groups, "requests": len(requests), "new_tokens": tokens}
+        flops = rollouts_flops_per_token(last["shared"][0])
+        row: dict = {
+            "groups": groups,
+            "requests": len(requests),
+            "new_tokens": tokens,
+            "model_flops_per_token": round(flops),
+        }
         for name in engines:
             _, delta, peak = last[name]
             row[name] = {
                 "seconds": round(seconds[name], 4),
                 "tokens_per_s": round(tokens / seconds[name], 1),
+                "mfu": token_mfu(tokens / seconds[name], flops, peak_flops),
                 "prefill_tokens_per_group": delta["prefill_tokens"] / groups,
                 "prefill_flops_per_group": delta["prefill_tokens"] / groups * prefill_flops,
                 "peak_kv_pages": peak,
@@ -808,13 +829,17 @@ def group_case(params, decode_steps: int, repeats: int, sizes=GROUP_SIZES) -> di
     return out
 
 
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2%}"
+
+
 def print_group_case(group: dict) -> None:
     print(
         f"shared prompt pages: {GROUP_SLOTS} samples in flight, {group['prompt_tokens']}-token "
         f"prompts, {group['new_tokens']}, prefill_batch_size {group['prefill_batch_size']}"
     )
     print(
-        f"{'k':>4}{'system':>10}{'tokens/s':>11}{'ratio':>8}{'prefill tok/group':>19}"
+        f"{'k':>4}{'system':>10}{'tokens/s':>11}{'ratio':>8}{'MFU':>8}{'prefill tok/group':>19}"
         f"{'GFLOP/group':>13}{'KV pages/group':>16}{'bitwise':>9}"
     )
     for k, row in group["sizes"].items():
@@ -822,7 +847,7 @@ def print_group_case(group: dict) -> None:
             r = row[name]
             ratio = row["speedup_shared_prefix"] if name == "shared" else 1.0
             print(
-                f"{k:>4}{name:>10}{r['tokens_per_s']:>11.1f}{ratio:>7.2f}x"
+                f"{k:>4}{name:>10}{r['tokens_per_s']:>11.1f}{ratio:>7.2f}x{_percent(r['mfu']):>8}"
                 f"{r['prefill_tokens_per_group']:>19.0f}{r['prefill_flops_per_group'] / 1e9:>13.2f}"
                 f"{r['kv_pages_per_group']:>16.1f}{str(row['bitwise_equal']):>9}"
             )
@@ -845,13 +870,14 @@ def print_kv_budget(kv: dict) -> None:
             f"pages + padding, {b['kv_cache_bytes'] / 2**20:.1f} MiB"
         )
         print(
-            f"  {'system':<34}{'tokens/s':>10}{'vs today':>10}{'live/call':>11}"
+            f"  {'system':<34}{'tokens/s':>10}{'vs today':>10}{'MFU':>8}{'live/call':>11}"
             f"{'preempt/1k':>12}{'swap MiB/1k':>13}"
         )
         for name, r in b["rows"].items():
             print(
                 f"  {KV_SYSTEMS[name][0]:<34}{r['tokens_per_s']:>10.1f}{r['speedup']:>9.2f}x"
-                f"{r['mean_live_sequences']:>11.1f}{r['preemptions_per_1k_tokens']:>12.2f}"
+                f"{_percent(r['mfu']):>8}{r['mean_live_sequences']:>11.1f}"
+                f"{r['preemptions_per_1k_tokens']:>12.2f}"
                 f"{r['swap_bytes_per_1k_tokens'] / 2**20:>13.2f}"
             )
         if b["rollouts_equal"]:
@@ -918,13 +944,16 @@ def quantized_case(repeats: int, rows: int, new_tokens: int) -> dict:
     compiles the quantizers, and the median of later ones), generation tokens/s of `rows`
     requests of QUANT_PROMPT_TOKENS-token prompts and `new_tokens` new tokens each (no stop
     token; decode is most of it), best of `repeats` interleaved rounds, and the behaviour
-    log-probs' mismatch against the trainer's recompute from the unquantized weights."""
+    log-probs' mismatch against the trainer's recompute from the unquantized weights; MFU
+    against the measured bfloat16 matmul peak (the compute dtype)."""
+    peak = matmul_flops_per_s(dtype=jnp.bfloat16)
     out: dict = {
         "rows": rows,
         "prompt_tokens": QUANT_PROMPT_TOKENS,
         "new_tokens": new_tokens,
         "repeats": repeats,
         "compute_dtype": "bfloat16",
+        "matmul_flops_per_s": round(peak),
         "models": {},
     }
     inference = dataclasses.replace(
@@ -984,11 +1013,13 @@ def quantized_case(repeats: int, rows: int, new_tokens: int) -> dict:
         for weight_dtype, engine in engines.items():
             label = weight_dtype or "bf16"
             assert sum(len(r.tokens) for r in last[weight_dtype]) == tokens
+            flops = rollouts_flops_per_token(last[weight_dtype], model)
             row["by"][label] = {
                 "weight_bytes": int(sum(x.nbytes for x in engine.served_params())),
                 "first_load_s": round(loads[weight_dtype][0], 4),
                 "load_s": round(statistics.median(loads[weight_dtype][1:]), 4),
                 "tokens_per_s": round(tokens / seconds[weight_dtype], 1),
+                "mfu": token_mfu(tokens / seconds[weight_dtype], flops, peak),
                 "logprob_mismatch": _recompute_mismatch(
                     model, params, last[weight_dtype], QUANT_PROMPT_TOKENS + new_tokens
                 ),
@@ -1010,7 +1041,7 @@ def print_quantized_case(q: dict) -> None:
     )
     print(
         f"{'model':>6}{'weights':>8}{'MiB':>8}{'ratio':>7}{'load ms':>9}{'1st ms':>8}"
-        f"{'tokens/s':>10}{'ratio':>7}{'|dlogp| mean':>14}{'p95':>9}{'max':>9}"
+        f"{'tokens/s':>10}{'ratio':>7}{'MFU':>8}{'|dlogp| mean':>14}{'p95':>9}{'max':>9}"
     )
     for name, row in q["models"].items():
         for label, r in row["by"].items():
@@ -1019,14 +1050,16 @@ def print_quantized_case(q: dict) -> None:
                 f"{name:>6}{label:>8}{r['weight_bytes'] / 2**20:>8.2f}"
                 f"{r['weight_bytes_ratio']:>6.2f}x{r['load_s'] * 1e3:>9.1f}"
                 f"{r['first_load_s'] * 1e3:>8.0f}{r['tokens_per_s']:>10.1f}"
-                f"{r['tokens_per_s_ratio']:>6.2f}x{m['mean']:>14.2e}{m['p95']:>9.2e}{m['max']:>9.2e}"
+                f"{r['tokens_per_s_ratio']:>6.2f}x{_percent(r['mfu']):>8}"
+                f"{m['mean']:>14.2e}{m['p95']:>9.2e}{m['max']:>9.2e}"
             )
 
 
 # -- roofline ------------------------------------------------------------------------------------
-def matmul_flops_per_s(n: int = 1024, repeats: int = 10) -> float:
-    """The best float32 [n, n] x [n, n] rate jitted XLA reaches on this machine."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def matmul_flops_per_s(n: int = 1024, repeats: int = 10, dtype=jnp.float32) -> float:
+    """The best [n, n] x [n, n] rate (in `dtype`, float32 by default) jitted XLA reaches on
+    this machine: the peak every `mfu` here is against."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -1037,15 +1070,32 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def flops_per_token(workload: Workload) -> float:
-    """Matmul FLOPs of one decode token at the mean context of the workload's response
-    tokens: the simulator's count (`decode_flops_per_token`), so its calibration transfers."""
+def flops_per_token(workload: Workload, model: ModelConfig = MODEL) -> float:
+    """Matmul FLOPs of one decode token of `model` at the mean context of the workload's
+    response tokens: the simulator's count (`decode_flops_per_token`), so its calibration
+    transfers."""
     contexts = [
         len(p) + t
         for p, n in zip(workload.prompts, workload.output_lens, strict=True)
         for t in range(n)
     ]
-    return decode_flops_per_token(MODEL, float(np.mean(contexts)))
+    return decode_flops_per_token(model, float(np.mean(contexts)))
+
+
+def rollouts_flops_per_token(rollouts, model: ModelConfig = MODEL) -> float:
+    """`flops_per_token` of the work `rollouts` did: their prompts and response lengths."""
+    prompts = [r.prompt_tokens for r in rollouts]
+    return flops_per_token(Workload(prompts, [len(r.tokens) for r in rollouts]), model)
+
+
+def token_mfu(
+    tokens_per_s: float | None, flops_per_token: float, peak_flops: float | None
+) -> float | None:
+    """Model FLOPs utilisation of a generation rate: tokens/s x model FLOPs a token over the
+    measured matmul peak (`matmul_flops_per_s`); None without a rate or a peak."""
+    if tokens_per_s is None or not peak_flops:
+        return None
+    return round(perf.mfu(tokens_per_s * flops_per_token, 1.0, peak_flops), 6)
 
 
 def best_seconds(runs: dict, repeats: int) -> dict:
@@ -1113,11 +1163,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.group_only:
         params = nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(SEED)), nnx.Param))
-        group = group_case(params, args.decode_steps, args.repeats or 3)
+        matmul_rate = matmul_flops_per_s()
+        group = group_case(params, args.decode_steps, args.repeats or 3, peak_flops=matmul_rate)
         figures = {
             "device": f"{jax.device_count()} x {jax.devices()[0].platform}",
             "host": host_cpu(),
             "cpu_count": os.cpu_count(),
+            "matmul_flops_per_s": round(matmul_rate),
             "speedup_shared_prefix": group["speedup_shared_prefix"],
             "group": group,
         }
@@ -1148,8 +1200,12 @@ def main(argv: list[str] | None = None) -> int:
     flops = flops_per_token(workload)
     matmul_rate = matmul_flops_per_s()
     roofline = matmul_rate / flops
-    kv = kv_budget_case(params, kv_requests, args.decode_steps, args.kv_repeats, kv_slots)
-    group = group_case(params, args.decode_steps, repeats, (8,) if args.quick else GROUP_SIZES)
+    kv = kv_budget_case(
+        params, kv_requests, args.decode_steps, args.kv_repeats, kv_slots, matmul_rate
+    )
+    group = group_case(
+        params, args.decode_steps, repeats, (8,) if args.quick else GROUP_SIZES, matmul_rate
+    )
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a / b, 3)
@@ -1164,9 +1220,13 @@ def main(argv: list[str] | None = None) -> int:
         "decode_steps_per_call": args.decode_steps,
         "repeats": repeats,
         "tokens_per_s": round(ours, 1),
+        # Each rate's model FLOPs (model_flops_per_token a token) over matmul_flops_per_s.
+        "mfu": token_mfu(ours, flops, matmul_rate),
         "static_batch_tokens_per_s": round(static, 1),
+        "static_batch_mfu": token_mfu(static, flops, matmul_rate),
         "speedup_vs_static": ratio(ours, static),
         "tunix_tokens_per_s": None if tunix is None else round(tunix, 1),
+        "tunix_mfu": token_mfu(tunix, flops, matmul_rate),
         "speedup_vs_tunix": ratio(ours, tunix),
         "tunix_status": tunix_status,
         "prefill_batch_size": engine.prefill_rows,
@@ -1225,7 +1285,7 @@ def main(argv: list[str] | None = None) -> int:
         figures["worker_load"][name]["served_versions"] = r["versions"]
     figures["served_generate"] = {"model": "tiny", **served["tiny"]["generate"]}
     print(f"{num_requests} requests, {tokens} response tokens, {figures['device']}")
-    print(f"{'system':<32}{'tokens/s':>12}{'vs static':>12}")
+    print(f"{'system':<32}{'tokens/s':>12}{'vs static':>12}{'MFU':>9}")
     for name, value in [
         ("rlax_tpu engine (continuous)", ours),
         ("static batch, dense cache", static),
@@ -1233,7 +1293,7 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         shown = "n/a" if value is None else f"{value:.1f}"
         rel = "" if value is None else f"{value / static:.2f}x"
-        print(f"{name:<32}{shown:>12}{rel:>12}")
+        print(f"{name:<32}{shown:>12}{rel:>12}{_percent(token_mfu(value, flops, matmul_rate)):>9}")
     print(f"tunix: {tunix_status}")
     print(
         f"compiled shapes: {stats['compiled_shapes']} {stats['compiled']}; slot utilization "

@@ -25,7 +25,12 @@ every byte). Figures, medians over the versions:
 * `generate_tokens_per_s`: the worker generating a batch of 32-token responses from the
   last version (LoRA: the adapters unmerged in every adapted matmul; full: none);
 * `trainer_state_bytes`: params + optimizer state + reference copy held by the trainer;
-  `rl_step_temp_bytes`: the compiled rl_step's temporaries (XLA's memory analysis).
+  `rl_step_temp_bytes`: the compiled rl_step's temporaries (XLA's memory analysis);
+* `model_flops`, `model_flops_per_s`, `peak_flops`, `mfu`: the train step's model FLOPs as
+  the trainer counts them (6·N a token; LoRA 4·N + 2·adapters), over `step_s`, against the
+  measured matmul peak of this process's devices (the model dtype); `generate_*` the same
+  for generation (2·N + attention a response token, the base model's: LoRA's unmerged
+  adapters are not model work) at `generate_tokens_per_s`.
 
 The table prints LoRA / full for each figure (and full / LoRA for publish + load, the
 issue's "≥ 20× less time" at rank 8 on the 20M model), measured in the same run.
@@ -98,14 +103,18 @@ def synthetic_batch(config: RunConfig, step: int, seed: int) -> RolloutBatch:
     )
 
 
-def time_generation(worker, config: RunConfig, rounds: int = 3) -> float:
-    """Generated tokens per second over one batch of samples of the served version (prefill
-    and every decode step), the median of `rounds` after a warm-up round."""
+PROMPT_TOKENS = 24  # the prompts of the generation timed
+
+
+def time_generation(worker, config: RunConfig, rounds: int = 3) -> tuple[float, int, int]:
+    """(generated tokens per second over one batch of samples of the served version, prefill
+    and every decode step, the median of `rounds` after a warm-up round; the last batch's
+    response tokens; its requests)."""
     from rlax_tpu.api.inference import GenerationRequest
 
     rng = np.random.default_rng(0)
     rows = config.controller.prompts_per_batch * config.controller.samples_per_prompt
-    prompts = rng.integers(1, config.model.vocab_size, (rows, 24)).tolist()
+    prompts = rng.integers(1, config.model.vocab_size, (rows, PROMPT_TOKENS)).tolist()
     rates = []
     for k in range(rounds + 1):
         requests = [
@@ -115,7 +124,32 @@ def time_generation(worker, config: RunConfig, rounds: int = 3) -> float:
         rollouts = worker.generate(requests)
         tokens = sum(len(r.tokens) for r in rollouts)
         rates.append(tokens / (time.perf_counter() - t0))
-    return statistics.median(rates[1:])
+    return statistics.median(rates[1:]), tokens, rows
+
+
+def mfu_lines(trainer, results: list, generate: tuple[float, int, int]) -> dict:
+    """The MFU figures of a train step (the medians of `results`, StepResults) and of a
+    batch's generation (`generate`: `time_generation`'s), against the measured matmul peak
+    of this process's devices in the model's dtype."""
+    from rlax_tpu.simulator.model import decode_flops_per_token
+    from rlax_tpu.trainer import perf
+    from rlax_tpu.trainer.step import train_flops
+
+    model = trainer.config.model
+    peak = perf.devices_peak_flops(model.dtype)
+    metrics = [r.metrics for r in results]
+    trained = statistics.median(  # the tokens of a step, as the trainer counts them
+        m["tokens_per_s"] * (m["time/step_s"] - m["time/compile_s"]) for m in metrics
+    )
+    flops = train_flops(trainer.num_params, trained, trainer.programs.num_trainable)
+    step_s = statistics.median(m["time/step_s"] for m in metrics)
+    rate, tokens, rows = generate
+    per_token = decode_flops_per_token(model, PROMPT_TOKENS + tokens / rows / 2)
+    generation = perf.mfu_figures(per_token * tokens, tokens / rate, peak)
+    return {
+        **perf.mfu_figures(flops, step_s, peak),
+        **{f"generate_{key}": value for key, value in generation.items()},
+    }
 
 
 def nbytes(tree) -> int:
@@ -144,7 +178,7 @@ def run_mode(size: str, lora: str | None, rank: int, versions: int) -> dict:
             t0 = time.perf_counter()
             worker.load(0)
             first_load_s = time.perf_counter() - t0
-            publish, load, step, ready = [], [], [], []
+            publish, load, step, ready, timed = [], [], [], [], []
             for k in range(versions + 1):  # the first step compiles: not counted
                 result = trainer.train_step(k, synthetic_batch(config, k, seed=k))
                 # The same publish once every array of the step is ready, as another
@@ -162,7 +196,8 @@ def run_mode(size: str, lora: str | None, rank: int, versions: int) -> dict:
                 ready.append(ready_s)
                 load.append(load_s)
                 step.append(result.metrics["time/step_s"])
-            generate_tokens_per_s = time_generation(worker, config)
+                timed.append(result)
+            generate = time_generation(worker, config)
             held = nbytes(trainer._params) + nbytes(trainer._opt_state)
             held += nbytes(trainer._reference) if trainer._reference is not None else 0
             fn, args, _ = trainer.programs.lowerings()["rl_step"]
@@ -186,7 +221,8 @@ def run_mode(size: str, lora: str | None, rank: int, versions: int) -> dict:
                 "rl_step_temp_bytes": int(memory.temp_size_in_bytes) if memory else None,
                 "base_loads": worker.weights.base_loads,
                 # Generation with the adapters unmerged in every matmul, against the base alone.
-                "generate_tokens_per_s": generate_tokens_per_s,
+                "generate_tokens_per_s": generate[0],
+                **mfu_lines(trainer, timed, generate),
             }
         finally:
             worker.close()
@@ -204,6 +240,8 @@ RATIOS = (
     ("publish_load_bytes", "bytes of a version"),
     ("step_s", "train step time"),
     ("generate_tokens_per_s", "generated tokens/s"),
+    ("mfu", "train step MFU"),
+    ("generate_mfu", "generation MFU"),
     ("trainer_state_bytes", "params + opt + ref bytes"),
     ("rl_step_temp_bytes", "rl_step temporaries"),
 )

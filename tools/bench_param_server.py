@@ -439,6 +439,8 @@ def main() -> int:
     summary["small"] = small
     summary["demo"] = demo
     summary["publish_load_ms_small"] = demo["publish_load_ms"]
+    summary["mfu"] = None
+    summary["mfu_note"] = "no model compute: publishes and pulls of parameter bytes only"
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

@@ -125,7 +125,9 @@ def main() -> None:
                 f"{row['min_ms']:>7.1f}-{row['max_ms']:<8.1f} {row['ratio']:>6.3f}"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": args.runs, "rows": rows}, indent=1))
+        note = "no model compute: sandboxed program runs only"
+        figures = {"runs": args.runs, "rows": rows, "mfu": None, "mfu_note": note}
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,9 @@ def bench(limit: int, rows: int, seq: int, steps: int) -> dict:
             "worst_s": max(times),
             "server_mib": server_peak - float(server_base),
             "client_mib": _peak_rss_mib() - client_base,
+            # A stand-in trainer receives the batch: bytes moved, no model compute to hold
+            # against a peak.
+            "mfu": None,
         }
     finally:
         child.terminate()

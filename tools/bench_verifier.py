@@ -300,6 +300,8 @@ def main() -> int:
         f"-> ratio {results['cgroup_overhead_ratio']:.3f}"
     )
     if args.json:
+        results["mfu"] = None
+        results["mfu_note"] = "no model compute: verifications of given responses only"
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if results["unexpected_verdicts"]:
         print(f"UNEXPECTED VERDICTS: {results['unexpected_verdicts']}", file=sys.stderr)

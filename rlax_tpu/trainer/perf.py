@@ -44,9 +44,31 @@ def matmul_peak_flops(mesh: Mesh, dtype: str = "float32") -> float:
     return _measure(devices, dtype, size, 3 if devices[0].platform == "cpu" else 10)
 
 
+def devices_peak_flops(dtype: str = "float32") -> float:
+    """`matmul_peak_flops` over a mesh of every device of this process (cached): the peak a
+    benchmark holds the work of all its devices against."""
+    return matmul_peak_flops(Mesh(jax.devices(), ("all",)), dtype)
+
+
 def mfu(model_flops: float, seconds: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: (model_flops / seconds) / peak_flops."""
     return model_flops / max(seconds, 1e-12) / peak_flops
+
+
+def mfu_figures(
+    model_flops: float | None, seconds: float | None, peak_flops: float | None
+) -> dict[str, float | None]:
+    """A timed piece of work against the peak: `model_flops` (its analytic FLOPs),
+    `model_flops_per_s` (achieved: those over `seconds`, its time), `peak_flops` (the
+    measured peak it is held against) and `mfu` (achieved / peak); a figure whose inputs
+    are missing is None."""
+    rate = None if model_flops is None or not seconds else model_flops / seconds
+    return {
+        "model_flops": model_flops,
+        "model_flops_per_s": rate,
+        "peak_flops": peak_flops,
+        "mfu": None if rate is None or not peak_flops else mfu(model_flops, seconds, peak_flops),
+    }
 
 
 # JAX's own events (jax.monitoring) of compiling a program: tracing it, lowering it to MLIR,
