@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""Our GRPO update against Tunix's on the same model, batch and objective: time, compiled
+FLOPs and the work in each program.
+
+    .venv-peer/bin/python tools/profile_update.py [--size 20m|demo] [--steps N] [--json OUT]
+
+(`.venv-peer` is built by tools/peer_env.py: Tunix cannot share our environment.)
+
+Both sides update the same weights (configs/tiny_cpu.py's model at the size of
+tools/bench_e2e.py, random from the run seed) on the same global batch: 64 rows of a 60-token
+prompt and 4 response tokens (64 tokens, bench_e2e's lengths), group size 8, on-policy
+(π_old = π_θ, β = 0: the demo's GRPO), Adam with clipping by global norm.
+
+* ours: `Trainer.train_step` as a run's trainer calls it (its `time/step_s` is the jitted
+  `rl_step`; `behaviour_logprobs=cached`, as the demo), the program `programs.rl_step`;
+* Tunix: `tunix.sft.peft_trainer.PeftTrainer._train_step` with `grpo_loss_fn` (what
+  `GRPOLearner` installs), our model behind Tunix's interface (tools/bench_e2e.py's adapter),
+  jitted the way the PeftTrainer jits it.
+
+Per program: median wall time of N steps after a compile step (the two interleaved, ours
+then Tunix's; the ratio is the median of the per-pair ratios), XLA's cost analysis of the
+compiled program (FLOPs, transcendentals, bytes accessed), and its op counts (dots and their
+FLOPs, fusions, while loops, all-reduces, copies and transposes), which name where the two
+do different work. Printed as one table with the ratio ours / Tunix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_e2e import bench_config  # noqa: E402
+
+from rlax_tpu.runtime import configure_jax  # noqa: E402
+
+PROMPT, RESPONSE = 60, 4
+
+
+def _config(size: str):
+    config = bench_config(size, quick=False, workers=1, extra=[])
+    return config.apply_overrides(["trainer.behaviour_logprobs=cached"])
+
+
+def hlo_profile(compiled) -> dict:
+    """XLA's cost analysis of a compiled program and counts of its ops by kind."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    ops = Counter(op for line in text.splitlines() if (op := _opcode(line)))
+    return {
+        "flops": float(cost.get("flops", 0.0)),
+        "transcendentals": float(cost.get("transcendentals", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "ops": dict(sorted(ops.items())),
+        "instructions": sum(ops.values()),
+    }
+
+
+def _opcode(line: str) -> str | None:
+    """The opcode of an HLO instruction line (`%x = SHAPE opcode(...)`, SHAPE possibly a
+    tuple `(f32[], ...)`), None for other lines."""
+    head, eq, rest = line.partition(" = ")
+    if not eq or not head.strip().removeprefix("ROOT ").startswith("%"):
+        return None
+    rest = rest.lstrip()
+    if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            if depth == 0:
+                rest = rest[i + 1 :]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    m = re.match(r"\s*([a-z][a-z0-9-]*)\(", rest)
+    return m.group(1) if m else None
+
+
+def batch_arrays(config, seed: int = 0):
+    """The shared batch: tokens int32[64, 64] (prompt then response), per-row rewards,
+    and the advantages GRPO derives from them (per group of 8: (r − mean) / (std + 1e-4))."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = config.controller.global_batch_size
+    group = config.controller.samples_per_prompt
+    tokens = rng.integers(3, config.model.vocab_size, (rows, PROMPT + RESPONSE)).astype(np.int32)
+    rewards = rng.integers(0, 2, rows).astype(np.float32)
+    r = rewards.reshape(-1, group)
+    adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
+    return tokens, rewards, adv.astype(np.float32)
+
+
+def ours(config) -> tuple:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rlax_tpu.algorithms import RolloutBatch
+    from rlax_tpu.trainer import Trainer
+
+    tokens, rewards, _ = batch_arrays(config)
+    rows, seq = tokens.shape
+    mask = np.zeros((rows, seq), bool)
+    mask[:, PROMPT - 1 : seq - 1] = True  # targets tokens[PROMPT:]: the response
+
+    def batch(step: int) -> RolloutBatch:
+        return RolloutBatch(
+            tokens=jnp.asarray(tokens),
+            response_mask=jnp.asarray(mask),
+            group_ids=jnp.asarray(np.arange(rows) // config.controller.samples_per_prompt),
+            rewards=jnp.asarray(rewards),
+            behaviour_logprobs=jnp.zeros((rows, seq), jnp.float32),
+            versions=jnp.full((rows,), step, jnp.int32),
+        )
+
+    run_dir = tempfile.mkdtemp(prefix="profile-update-")
+    config = config.apply_overrides([f"storage.run_dir={run_dir}", "trainer.warm_start.steps=0"])
+    trainer = Trainer(config)
+    trainer.initialize()
+    trainer.train_step(0, batch(0))  # compiles
+    programs = trainer.programs
+    compiled = programs.rl_step.lower(*programs.abstract_rl_step_args(seq)).compile()
+    count = iter(range(1, 10**9))
+
+    def step() -> float:
+        """One update as a run's trainer takes it; the jitted rl_step's seconds."""
+        return trainer.train_step(s := next(count), batch(s)).metrics["time/step_s"]
+
+    def close() -> None:
+        trainer.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    return step, close, hlo_profile(compiled)
+
+
+def tunix(config) -> tuple:
+    import jax
+    import numpy as np
+    import optax
+    from bench_e2e import tunix_model
+    from flax import nnx
+    from tunix.rl import common as tunix_common
+    from tunix.rl.algo_core import grpo_loss_fn
+    from tunix.rl.grpo.grpo_learner import GRPOConfig
+    from tunix.sft import peft_trainer
+
+    from rlax_tpu.models import Transformer
+
+    tr = config.trainer.optimizer
+    model = tunix_model(Transformer(config.model, rngs=nnx.Rngs(config.seed)))
+    # Data parallel over the same devices as our trainer's mesh (data = all devices, the
+    # demo's layout): weights (and so Adam's moments) replicated, the batch split by rows.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    nnx.update(model, jax.device_put(nnx.state(model), replicated))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(tr.grad_clip_norm),
+        optax.adam(tr.learning_rate, b1=tr.adam_b1, b2=tr.adam_b2, eps=tr.adam_eps),
+    )
+    trainer = peft_trainer.PeftTrainer(
+        model, optimizer, peft_trainer.TrainingConfig(eval_every_n_steps=10**9, max_steps=10**9)
+    )
+    algo = GRPOConfig(num_generations=config.controller.samples_per_prompt, beta=0.0)
+    algo.temperature = config.inference.temperature  # as GRPOLearner sets it from its rollouts
+    trainer.with_loss_fn(
+        lambda model, train_example, algo_config: grpo_loss_fn(
+            model, train_example, algo_config=algo, pad_id=0, eos_id=1
+        ),
+        has_aux=True,
+    )
+    trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
+    tokens, _, adv = batch_arrays(config)
+    rows = tokens.shape[0]
+    example = tunix_common.TrainExample(
+        prompt_ids=jax.device_put(tokens[:, :PROMPT], by_rows),
+        prompt_mask=jax.device_put(np.ones((rows, PROMPT), np.int32), by_rows),
+        completion_ids=jax.device_put(tokens[:, PROMPT:], by_rows),
+        completion_mask=jax.device_put(np.ones((rows, RESPONSE), np.int32), by_rows),
+        advantages=jax.device_put(adv, by_rows),
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+    )
+    train_step, _ = trainer.jit_train_and_eval_step()
+    jax.block_until_ready(train_step(example))  # compiles
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(train_step(example))
+        return time.perf_counter() - t0
+
+    # The same body under jax.jit, for the compiled program's figures.
+    graphdef, state = nnx.split((trainer.model, trainer.optimizer))
+
+    def body(state, example):
+        m, o = nnx.merge(graphdef, state)
+        out = trainer._train_step(m, o, example)
+        return out, nnx.state((m, o))
+
+    compiled = jax.jit(body).lower(state, example).compile()
+    return step, lambda: None, hlo_profile(compiled)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=("demo", "20m"), default="20m")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = _config(args.size)
+    configure_jax(config)
+    from rlax_tpu.hardware import host_cpu
+
+    result = {"size": args.size, "host": host_cpu(), "steps": args.steps}
+    our_step, close, result["ours"] = ours(config)
+    tunix_step, _, result["tunix"] = tunix(config)
+    # Interleaved (ours, Tunix, ours, ...) so that a noisy host slows both alike.
+    times = [(our_step(), tunix_step()) for _ in range(args.steps)]
+    close()
+    o, t = result["ours"], result["tunix"]
+    o["step_s_all"], t["step_s_all"] = ([round(x[i], 4) for x in times] for i in (0, 1))
+    o["step_s"], t["step_s"] = (statistics.median(x[i] for x in times) for i in (0, 1))
+    result["step_ratio"] = statistics.median(a / b for a, b in times)
+    print(f"GRPO update, {args.size} model, 64x64 tokens, {result['host']}, median of {args.steps}")
+    print(f"{'':<18}{'ours':>14}{'Tunix':>14}{'ours/Tunix':>12}")
+    rows = [("step s", "step_s"), ("GFLOPs", "flops"), ("transcendentals M", "transcendentals")]
+    rows += [("MB accessed", "bytes_accessed"), ("instructions", "instructions")]
+    scale = {"flops": 1e9, "transcendentals": 1e6, "bytes_accessed": 1e6}
+    for label, key in rows:
+        a, b = o[key] / scale.get(key, 1), t[key] / scale.get(key, 1)
+        r = result["step_ratio"] if key == "step_s" else a / b if b else float("nan")
+        print(f"{label:<18}{a:>14.3f}{b:>14.3f}{r:>12.2f}")
+    print("ops whose counts differ (the rest are equal):")
+    for op in sorted(set(o["ops"]) | set(t["ops"])):
+        a, b = o["ops"].get(op, 0), t["ops"].get(op, 0)
+        if a != b:
+            print(f"  {op:<16}{a:>14}{b:>14}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
