@@ -48,9 +48,9 @@ from rlax_tpu.runtime import configure_jax  # noqa: E402
 PROMPT, RESPONSE = 60, 4
 
 
-def _config(size: str):
+def _config(size: str, overrides: list[str]):
     config = bench_config(size, quick=False, workers=1, extra=[])
-    return config.apply_overrides(["trainer.behaviour_logprobs=cached"])
+    return config.apply_overrides(["trainer.behaviour_logprobs=cached", *overrides])
 
 
 def hlo_profile(compiled) -> dict:
@@ -218,8 +218,15 @@ def main() -> int:
     parser.add_argument("--size", choices=("demo", "20m"), default="20m")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override of our side (e.g. trainer.mesh.data=1 trainer.mesh.fsdp=2)",
+    )
     args = parser.parse_args()
-    config = _config(args.size)
+    config = _config(args.size, args.set)
     configure_jax(config)
     from rlax_tpu.hardware import host_cpu
 
