@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from trainer_helpers import rollout_rows
 
 from rlax_tpu.config import InferenceConfig, LoraConfig, MeshConfig, ModelConfig
 from rlax_tpu.config.run import LORA_TARGETS
+from rlax_tpu.controller.assembly import rollout_rows
 from rlax_tpu.inference.engine import Engine, GenerationRequest
 from rlax_tpu.inference.sampling import SamplingParams
 from rlax_tpu.models import Transformer, quantization
@@ -63,7 +63,7 @@ def _generate(model: ModelConfig, weight_dtype: str, params: dict, **engine) -> 
 
 
 def _behaviour(rollouts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rollouts as the trainer's batch lays them out (trainer_helpers.rollout_rows)."""
+    """The rollouts as the trainer's batch lays them out (controller.assembly.rollout_rows)."""
     return rollout_rows(rollouts, PROMPT + NEW)
 
 

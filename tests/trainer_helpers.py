@@ -24,6 +24,7 @@ from rlax_tpu.config import (
     StorageConfig,
     TrainerConfig,
 )
+from rlax_tpu.controller.assembly import rollout_rows
 
 MODEL = ModelConfig(
     vocab_size=64,
@@ -118,24 +119,6 @@ ENGINE = InferenceConfig(
 ENGINE_KEY_SPAN = -(-(ENGINE.max_prompt_len + ENGINE.max_new_tokens) // ENGINE.page_size) * (
     ENGINE.page_size
 )
-
-
-def rollout_rows(rollouts, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens int32[rows, seq], response mask, behaviour log-probs float32[rows, seq]) of
-    engine rollouts as the trainer's batch lays them out: prompt + response right-padded,
-    the log-prob of response token j at position P - 1 + j (targets[t] = tokens[t + 1])."""
-    rows = len(rollouts)
-    tokens = np.zeros((rows, seq), np.int32)
-    mask = np.zeros((rows, seq), bool)
-    behaviour = np.zeros((rows, seq), np.float32)
-    for row, r in enumerate(rollouts):
-        full = list(r.prompt_tokens) + list(r.tokens)
-        assert len(full) <= seq, (len(full), seq)
-        tokens[row, : len(full)] = full
-        start = len(r.prompt_tokens) - 1
-        mask[row, start : start + len(r.tokens)] = True
-        behaviour[row, start : start + len(r.tokens)] = r.logprobs
-    return tokens, mask, behaviour
 
 
 def engine_batch(

@@ -912,18 +912,11 @@ def quantized_models() -> dict[str, ModelConfig]:
 def _recompute_mismatch(model: ModelConfig, params, rollouts, seq: int) -> dict:
     """|behaviour log-prob − the trainer's recompute from the unquantized weights| over the
     rollouts' response tokens (the trainer's mismatch metric; also max)."""
+    from rlax_tpu.controller.assembly import rollout_rows
     from rlax_tpu.trainer.step import mismatch_metrics, recompute_logprobs
 
     rows = len(rollouts)
-    tokens = np.zeros((rows, seq), np.int32)
-    mask = np.zeros((rows, seq), bool)
-    behaviour = np.zeros((rows, seq), np.float32)
-    for row, r in enumerate(rollouts):
-        full = list(r.prompt_tokens) + list(r.tokens)
-        tokens[row, : len(full)] = full
-        start = len(r.prompt_tokens) - 1
-        mask[row, start : start + len(r.tokens)] = True
-        behaviour[row, start : start + len(r.tokens)] = r.logprobs
+    tokens, mask, behaviour = rollout_rows(rollouts, seq)
     abstract = nnx.eval_shape(lambda: Transformer(model.served(), rngs=nnx.Rngs(0)))
     graphdef = nnx.split(abstract, nnx.Param)[0]
     recomputed = np.asarray(

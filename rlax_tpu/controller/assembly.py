@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -100,6 +101,27 @@ def on_sampled_tokens(token_rewards: Sequence[float], mask: Sequence[int]) -> li
         else:
             out[before] += float(x)
     return out
+
+
+def rollout_rows(rollouts: Sequence[Any], seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens int32[rows, seq], response mask, behaviour log-probs float32[rows, seq]) of
+    rollouts whose every response token was sampled (an engine's, with prompt_tokens,
+    tokens and logprobs), laid out as `assemble_batch` lays out a batch: prompt + response
+    right-padded, the log-prob of response token j at position P - 1 + j (targets[t] =
+    tokens[t + 1]). For benchmarks and tests that feed engine rollouts to the trainer."""
+    rows = len(rollouts)
+    tokens = np.zeros((rows, seq), np.int32)
+    mask = np.zeros((rows, seq), bool)
+    behaviour = np.zeros((rows, seq), np.float32)
+    for row, r in enumerate(rollouts):
+        full = list(r.prompt_tokens) + list(r.tokens)
+        if len(full) > seq:
+            raise ValueError(f"rollout {row} has {len(full)} tokens; the rows hold {seq}")
+        tokens[row, : len(full)] = full
+        at = slice(len(r.prompt_tokens) - 1, len(r.prompt_tokens) - 1 + len(r.tokens))
+        mask[row, at] = True
+        behaviour[row, at] = r.logprobs
+    return tokens, mask, behaviour
 
 
 def assemble_batch(
