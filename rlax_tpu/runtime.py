@@ -101,7 +101,7 @@ def cpu_devices_flags(xla_flags: str) -> str:
     """`xla_flags` with CPU_DEVICES_FLAGS added (unless already set, either way) when they
     ask for more than one virtual CPU device."""
     counts = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(f"{_FLAG}=")]
-    if not counts or int(counts[-1]) <= 1:
+    if not counts or not counts[-1].isdigit() or int(counts[-1]) <= 1:  # XLA names a bad count
         return xla_flags
     names = {f.split("=", 1)[0] for f in xla_flags.split()}
     extra = [f for f in CPU_DEVICES_FLAGS if f.split("=", 1)[0] not in names]
