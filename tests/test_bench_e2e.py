@@ -85,7 +85,19 @@ def test_compute_is_generation_plus_update_and_overhead_the_rest_of_the_step():
 
 def test_compute_is_unknown_when_a_part_was_not_measured():
     split = bench_e2e.compute_split({"controller_step": 200.0, "worker_generate": 50.0})
-    assert split == {"compute_ms": None, "overhead_ms": None, "step_vs_compute": None}
+    assert split == {
+        "compute_ms": None,
+        "overhead_ms": None,
+        "step_vs_compute": None,
+        "publish_load_ms": None,
+    }
+
+
+def test_the_version_hand_off_is_the_trainers_publish_plus_the_workers_load():
+    parts = {"controller_step": 200.0, "worker_generate": 50.0, "trainer_jitted_step": 100.0}
+    split = bench_e2e.compute_split({**parts, "trainer_publish": 1.5, "worker_load": 2.0})
+    assert split["publish_load_ms"] == pytest.approx(3.5)
+    assert bench_e2e.compute_split(parts)["publish_load_ms"] is None
 
 
 def test_without_a_target_or_evaluations_target_and_accuracy_figures_are_none():

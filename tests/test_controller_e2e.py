@@ -650,6 +650,38 @@ def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, ref
         assert {version for _, _, version in rows} == {batch}
 
 
+def test_a_colocated_run_killed_with_its_trainer_resumes_to_the_disaggregated_runs_weights(
+    workspace, reference
+):
+    """inference.colocated: the one worker runs inside the trainer's process and takes each
+    version from it, not from the parameter server. SIGKILLed with its trainer after 3 steps
+    and resumed (co-located again), the run trains bitwise the reference's rollouts and ends
+    with its weights: co-location changes where the worker runs, not what it generates."""
+    colocated = ("inference.colocated=true",)
+    job = start_run(workspace, "colocated", warm_from=reference, restarts=0, overrides=colocated)
+    try:
+        killed = kill_mid_run(job, "trainer-0")
+        children = job.children()
+        first = job.output()
+        job.cleanup()
+        job = Job(["resume", str(job.run_dir)], job.run_dir)
+        assert job.wait() == 0, job.output()[-5000:]
+        output = job.output()
+    finally:
+        job.cleanup()
+    # One process served both; no worker process was started.
+    assert children["inference_worker-0"] == children["trainer-0"] == killed
+    assert not (job.run_dir / "logs" / "inference_worker-0.log").exists()
+    handed = "loaded the weights of version 0 from the trainer in this process"
+    assert handed in first and "[trainer-0]" in first
+    assert "ComponentFailed: trainer-0 (pid " in first
+    result = summary(job.run_dir)
+    assert 0 < result["start_step"] < STEPS
+    assert result["final_digest"] == summary(reference)["final_digest"]
+    assert_same_rollouts(job.run_dir, reference)
+    assert "loaded the weights of version" in output
+
+
 def test_resume_refuses_a_changed_config_and_a_run_with_only_corrupt_snapshots(
     workspace, reference, tmp_path
 ):

@@ -130,6 +130,7 @@ class _RecordedChild:
     def __init__(self, name, args, *, env, log):
         self.name, self.args, self.env, self.log_path = name, args, env, log
         self.pid, self.address = 0, f"127.0.0.1:{1000 + len(self.started)}"
+        self.also = {}  # services announced besides its own (ALSO lines)
         self.started.append(self)
 
     def wait_ready(self, timeout_s):

@@ -51,11 +51,19 @@ from rlax_tpu.config.run import leave_out_added  # noqa: E402
 from rlax_tpu.runtime import configure_jax  # noqa: E402
 
 # name: (η = reload_every, N = max_staleness)
-MODES = {"on_policy": (1, 0), "one_step": (1, 1), "off_policy": (1, 4)}
+MODES = {
+    "on_policy": (1, 0),
+    "one_step": (1, 1),
+    "off_policy": (1, 4),
+    "on_policy_colocated": (1, 0),
+}
+# Modes run with inference.colocated: the worker inside the trainer's process.
+COLOCATED = ("on_policy_colocated",)
 LABELS = {
     "on_policy": "on-policy N=0",
     "one_step": "one-step N=1",
     "off_policy": "off-policy N=4",
+    "on_policy_colocated": "co-located N=0",
 }
 # Steps whose time counts as warm-up (compiles of the trainer and workers) in steps/s.
 WARMUP_STEPS = 2
@@ -140,6 +148,7 @@ MEDIAN_FIGURES = (
     "compute_ms",
     "overhead_ms",
     "step_vs_compute",
+    "publish_load_ms",
     *MFU_FIGURES,
 )
 TARGET_FIGURES = ("time_to_target_s", "time_to_target_excl_eval_s", "steps_to_target")
@@ -147,7 +156,10 @@ TARGET_FIGURES = ("time_to_target_s", "time_to_target_excl_eval_s", "steps_to_ta
 RATIOS = (
     "speedup_vs_tunix",
     "speedup_off_vs_tunix",
+    "speedup_colocated_vs_tunix",
+    "speedup_colocated_vs_on",
     "overhead_fraction_on_policy",
+    "overhead_fraction_colocated",
     "speedup_off_vs_on",
     "speedup_one_step_vs_on",
     "speedup_off_vs_on_excl_eval",
@@ -232,6 +244,7 @@ def run_mode(
         name=f"bench_e2e_{name}",
         staleness=StalenessConfig(reload_every=eta, max_staleness=n),
         storage=dataclasses.replace(config.storage, run_dir=str(run_dir)),
+        inference=dataclasses.replace(config.inference, colocated=name in COLOCATED),
     )
     with open(log, "w") as out, contextlib.redirect_stdout(out):
         summary = job.run(config)
@@ -241,16 +254,25 @@ def run_mode(
 
 def compute_split(step_ms: dict[str, float]) -> dict[str, float | None]:
     """A step's compute (generation + the jitted update) and the rest of the controller's
-    step (overhead), in ms, from the step_ms medians; None when a part was not measured."""
+    step (overhead), in ms, from the step_ms medians, and the version hand-off (the
+    trainer's publish + the worker's load); None when a part was not measured."""
+    handoff = [step_ms.get("trainer_publish"), step_ms.get("worker_load")]
+    publish_load = None if None in handoff else round(sum(handoff), 1)
     step = step_ms.get("controller_step")
     parts = [step_ms.get(p) for p in COMPUTE_PARTS]
     if step is None or None in parts or sum(parts) <= 0:
-        return {"compute_ms": None, "overhead_ms": None, "step_vs_compute": None}
+        return {
+            "compute_ms": None,
+            "overhead_ms": None,
+            "step_vs_compute": None,
+            "publish_load_ms": publish_load,
+        }
     compute = sum(parts)
     return {
         "compute_ms": round(compute, 1),
         "overhead_ms": round(step - compute, 1),
         "step_vs_compute": round(step / compute, 3),
+        "publish_load_ms": publish_load,
     }
 
 
@@ -642,7 +664,9 @@ def round_ratios(
 
     speedup_off_vs_on and speedup_one_step_vs_on: on-policy time to target over the other's
     when `by_time_to_target`, else the other's steps/s over on-policy's."""
-    on, one, off = (modes.get(name) for name in MODES)
+    on, one, off, co = (
+        modes.get(name) for name in ("on_policy", "one_step", "off_policy", "on_policy_colocated")
+    )
 
     def get(mode: dict | None, key: str) -> float | None:
         return None if mode is None else mode.get(key)
@@ -660,7 +684,10 @@ def round_ratios(
     return {
         "speedup_vs_tunix": ratio(get(on, "steps_per_s"), tunix_rate),
         "speedup_off_vs_tunix": ratio(get(off, "steps_per_s"), tunix_rate),
+        "speedup_colocated_vs_tunix": ratio(get(co, "steps_per_s"), tunix_rate),
+        "speedup_colocated_vs_on": ratio(get(co, "steps_per_s"), get(on, "steps_per_s")),
         "overhead_fraction_on_policy": ratio(get(on, "overhead_ms"), get(on, "compute_ms")),
+        "overhead_fraction_colocated": ratio(get(co, "overhead_ms"), get(co, "compute_ms")),
         "speedup_off_vs_on": off_vs_on,
         "speedup_one_step_vs_on": one_vs_on,
         "speedup_off_vs_on_excl_eval": excl,
@@ -795,6 +822,7 @@ def print_table(report: dict) -> None:
         ("MFU", "mfu", "{:.2%}"),
         ("compute ms", "compute_ms", "{:.0f}"),
         ("overhead ms", "overhead_ms", "{:.0f}"),
+        ("publish+load ms", "publish_load_ms", "{:.1f}"),
         ("step/compute", "step_vs_compute", "{:.2f}"),
         ("to target s", "time_to_target_s", "{:.1f}"),
         ("final acc", "final_accuracy", "{:.3f}"),
@@ -827,10 +855,11 @@ def print_table(report: dict) -> None:
         rate = _cell(tunix["steps_per_s"], tunix["min_max"]["steps_per_s"])
         mfu = _cell(tunix.get("mfu"), tunix["min_max"].get("mfu"), "{:.2%}")
         print(f"{'tunix GRPO':<16}{rate:>22}{mfu:>22}")
-        on = s["on_policy"]
-        if on is not None:
-            parts = ", ".join(f"{k} {v:.0f}" for k, v in on["step_ms"].items() if v is not None)
-            print(f"  on-policy step, median ms: {parts}")
+        for name in ("on_policy", "on_policy_colocated"):
+            if s[name] is not None:
+                step = s[name]["step_ms"]
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in step.items() if v is not None)
+                print(f"  {LABELS[name]} step, median ms: {parts}")
         if tunix.get("rollout_s") is not None:
             print(
                 f"  tunix step, median ms: rollouts {1e3 * tunix['rollout_s']:.0f}, "
@@ -840,7 +869,10 @@ def print_table(report: dict) -> None:
         for key, fmt in (
             ("speedup_vs_tunix", "{:.2f}x"),
             ("speedup_off_vs_tunix", "{:.2f}x"),
+            ("speedup_colocated_vs_tunix", "{:.2f}x"),
+            ("speedup_colocated_vs_on", "{:.2f}x"),
             ("overhead_fraction_on_policy", "{:.2f}"),
+            ("overhead_fraction_colocated", "{:.2f}"),
             ("speedup_off_vs_on", "{:.2f}x"),
             ("speedup_one_step_vs_on", "{:.2f}x"),
             ("accuracy_delta_off_vs_on", "{:+.3f}"),

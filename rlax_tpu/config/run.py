@@ -750,9 +750,22 @@ class InferenceConfig(ConfigBase):
     # trainer's: pair it with a rollout correction (trainer.algorithm.rollout_correction,
     # e.g. token-level TIS; docs/inference.md, "Quantized serving").
     weight_dtype: Literal["", "int8", "fp8"] = ""
+    # One host, one process: the local launcher runs the (one) inference worker inside the
+    # trainer's process, on the same devices, as Tunix and verl's hybrid engine do. The
+    # trainer hands each version to the worker as device arrays (no pull over gRPC) and
+    # sends it to the parameter server in the background; controller, staleness, snapshots
+    # and results are those of the disaggregated run (docs/controller.md, "Co-located").
+    colocated: bool = False
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
+        require(
+            not self.colocated or self.num_workers == 1,
+            "num_workers",
+            f"must be 1 with inference.colocated (the worker runs inside the trainer's "
+            f"process), got {self.num_workers}: set inference.num_workers=1 or "
+            "inference.colocated=false",
+        )
         _validate_gpu(self.gpu, self.gpu_memory_fraction, self.mesh)
         require(
             self.mesh.num_slices == 1,
@@ -1451,6 +1464,7 @@ RESUMABLE_FIELDS = (
     "inference.gpu",
     "inference.gpu_memory_fraction",
     "inference.prefetch_weights",  # when the weights move, not which
+    "inference.colocated",  # where the worker runs and how weights reach it, not which
     "inference.compiled_dir",
     "verifiers.address",
     "deploy",

@@ -177,6 +177,12 @@ def problems(config: RunConfig, name: str | None = None) -> list[str]:
             "host): GKE runs TPU multi-slice on multi-host slice node pools only; use a "
             "multi-host deploy.trainer_tpu, or one slice"
         )
+    if config.inference.colocated:
+        out.append(
+            "inference.colocated runs the inference worker inside the trainer's process on "
+            "one host (the local launcher, `rlax-tpu run`); a deploy runs the workers as their "
+            "own pods: set inference.colocated=false"
+        )
     if deploy.inference_tpu.hosts > 1:
         out.append(
             f"deploy.inference_tpu spans {deploy.inference_tpu.hosts} hosts: an inference worker "

@@ -1,6 +1,8 @@
 """An inference worker's side of the parameter server: the layout of the served params it
 pulls into, pulls, and the next loadable version fetched into host memory while the worker
-generates (`inference.prefetch_weights`), so that its load only places bytes on devices."""
+generates (`inference.prefetch_weights`), so that its load only places bytes on devices.
+A worker co-located with its trainer (`inference.colocated`) takes the versions the trainer
+handed it in this process (rlax_tpu.colocation) and pulls only those no longer held."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from rlax_tpu.api.inference import NoParamServerError, PullFailedError, UnknownVersionError
 from rlax_tpu.api.param_server import ParamServerCallError, PullMismatchError
+from rlax_tpu.colocation import SharedVersions
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models import Transformer, lora, lora_base, quantization
 from rlax_tpu.param_server.trees import TreeClient
@@ -46,8 +49,10 @@ class WeightFetcher:
         *,
         mesh: Mesh | None,
         stopped: Callable[[], bool],
+        shared: SharedVersions | None = None,
     ) -> None:
         self.config, self.param_server, self.mesh = config, param_server, mesh
+        self.shared = shared  # co-located: the versions the trainer in this process handed
         self._stopped = stopped
         self._like: Any = None  # the param tree's shapes and shardings, built on first use
         # LoRA (model.lora): versions hold the adapters and their base's digest; the base is
@@ -154,7 +159,11 @@ class WeightFetcher:
         """Fetch the next loadable version into host memory in the background; the
         parameter server sends it as it commits (a head start for the next load only: the
         load pulls as usual when this fails or the controller asks for another version)."""
-        if self.param_server is None or not self.config.inference.prefetch_weights:
+        if (
+            self.param_server is None
+            or not self.config.inference.prefetch_weights
+            or self.shared is not None  # co-located: the next version is handed, not fetched
+        ):
             return
         like = self.like()
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -194,7 +203,20 @@ class WeightFetcher:
         self.prefetched_loads += 1
         return self.complete(self.param_server.place(fetched, self.like()))
 
+    def wait_sent(self, version: int) -> None:
+        """Co-located: until the trainer's sends of versions <= `version` to the parameter
+        server have ended, so that what reads the server finds them."""
+        if self.shared is not None:
+            self.shared.wait_sent(version)
+
     def pull(self, version: int) -> Any:
+        """`version`'s whole params tree: handed by a co-located trainer if it holds it, else
+        pulled from the parameter server (placed as `like()` says)."""
+        if self.shared is not None:
+            handed = self.shared.take(version)
+            if handed is not None:
+                return self.complete(handed)
+            self.shared.wait_sent(version)
         if self.param_server is None:
             raise NoParamServerError(
                 "this worker has no parameter server to pull weights from (start it with "

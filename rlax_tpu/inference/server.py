@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
 
 from rlax_tpu.rpc import format_address
 from rlax_tpu.rpc.process import (
@@ -34,6 +37,64 @@ DEFAULT_WORKER_ID = "inference_worker-0"
 # Each Generate stream holds a server thread until its batch is done; many callers share
 # the engine, so allow many streams at once.
 _MAX_STREAMS = 64
+
+
+def serve_worker(
+    config: Any,
+    *,
+    token: str,
+    host: str,
+    port: int,
+    worker_id: str,
+    param_server: Sequence[str],
+    stop: threading.Event,
+    shared: Any = None,
+) -> tuple[Any, Any, Any, str] | None:
+    """Build an inference worker on the config's inference mesh, connected to the parameter
+    server replicas at `param_server` (none: it pulls nothing), and serve it (InferenceWorker
+    and Health) on host:port, started. Returns (gRPC server, worker, its parameter-server
+    client or None, address), or None after saying why the port cannot be bound. `shared`:
+    the versions a trainer in this process hands it (inference.colocated)."""
+    from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
+    from rlax_tpu.inference.worker import InferenceWorker
+    from rlax_tpu.param_server.trees import TreeClient
+    from rlax_tpu.rpc import HealthServicer
+    from rlax_tpu.sharding import build_mesh
+
+    client = (
+        TreeClient(
+            list(param_server),
+            auth_token=token,
+            chunk_bytes=config.param_server.chunk_bytes,
+            reconnect_s=config.controller.component_wait_s,  # a restarted server is waited for
+            on_retry=_log.warning,
+            stop=stop,  # but not by a stopping worker: it exits at once
+        )
+        if param_server
+        else None
+    )
+    worker = InferenceWorker(
+        config,
+        param_server=client,
+        consumer_id=worker_id,
+        mesh=build_mesh(config.inference.mesh),
+        progress=announce_progress,
+        shared=shared,
+    )
+    bound = bind_server("inference", config, host, port, auth_token=token, max_workers=_MAX_STREAMS)
+    if bound is None:
+        worker.close()
+        if client is not None:
+            client.close()
+        return None
+    server, bound_port = bound
+    InferenceWorkerServicer(worker).add_to_server(server)
+    digest = config.digest()
+    HealthServicer(
+        lambda: worker_status(worker, instance_id=worker_id, config_digest=digest)
+    ).add_to_server(server)
+    server.start()
+    return server, worker, client, format_address(host, bound_port)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -60,48 +121,21 @@ def main(args: argparse.Namespace) -> int:
             )
             return 2
 
-    from rlax_tpu.inference.service import InferenceWorkerServicer, worker_status
-    from rlax_tpu.inference.worker import InferenceWorker
-    from rlax_tpu.param_server.trees import TreeClient
-    from rlax_tpu.rpc import HealthServicer
-    from rlax_tpu.sharding import build_mesh
-
     worker_id = args.worker_id or DEFAULT_WORKER_ID
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
-    param_server = (
-        TreeClient(
-            args.param_server,
-            auth_token=token,
-            chunk_bytes=config.param_server.chunk_bytes,
-            reconnect_s=config.controller.component_wait_s,  # a restarted server is waited for
-            on_retry=_log.warning,
-            stop=stop,  # but not by a stopping worker: it exits at once
-        )
-        if args.param_server
-        else None
-    )
-    worker = InferenceWorker(
+    served = serve_worker(
         config,
-        param_server=param_server,
-        consumer_id=worker_id,
-        mesh=build_mesh(config.inference.mesh),
-        progress=announce_progress,
+        token=token,
+        host=host,
+        port=args.port,
+        worker_id=worker_id,
+        param_server=args.param_server,
+        stop=stop,
     )
-    bound = bind_server(
-        "inference", config, host, args.port, auth_token=token, max_workers=_MAX_STREAMS
-    )
-    if bound is None:
-        worker.close()
+    if served is None:
         return 2
-    server, port = bound
-    InferenceWorkerServicer(worker).add_to_server(server)
-    digest = config.digest()
-    HealthServicer(
-        lambda: worker_status(worker, instance_id=worker_id, config_digest=digest)
-    ).add_to_server(server)
-    server.start()
-    address = format_address(host, port)
+    server, worker, param_server, address = served
     announce_ready(
         address,
         f"inference worker {worker_id}: {config.model.architecture} on mesh "

@@ -169,6 +169,12 @@ class ServedWeights:
             if self._mesh is None:
                 leaves = zip(values, self._layout, strict=True)
                 return jax.device_put([jnp.asarray(v, leaf.dtype) for v, leaf in leaves])
+            if all(isinstance(v, jax.Array) for v in values):
+                # Device arrays (a co-located trainer's): cast where they lie, then moved in
+                # one call (one dispatch, not one a leaf; none where the sharding is ours).
+                layout = zip(values, self._layout, strict=True)
+                cast = [jnp.asarray(v, leaf.dtype) for v, leaf in layout]
+                return jax.device_put(cast, [leaf.sharding for leaf in self._layout])
             return [_on_mesh(v, leaf) for v, leaf in zip(values, self._layout, strict=True)]
         return self._place_quantized(values)
 

@@ -33,6 +33,7 @@ from rlax_tpu.api.inference import (
     WorkerClosedError,
 )
 from rlax_tpu.api.param_server import ParamServerCallError
+from rlax_tpu.colocation import SharedVersions
 from rlax_tpu.config import RunConfig
 from rlax_tpu.inference.engine import Engine
 from rlax_tpu.inference.fetch import WeightFetcher
@@ -114,6 +115,7 @@ class InferenceWorker:
         engine: Engine | None = None,
         max_recorded: int = DEFAULT_MAX_RECORDED,
         progress: Callable[[str], None] | None = None,
+        shared: SharedVersions | None = None,
     ) -> None:
         if not consumer_id:
             raise ValueError("consumer_id must name this worker (e.g. 'inference_worker-0')")
@@ -152,11 +154,15 @@ class InferenceWorker:
         self._confirmations = concurrent.futures.ThreadPoolExecutor(1, "inference-confirm")
         # Pulls, and the next version fetched while generating (inference.prefetch_weights).
         self.weights = WeightFetcher(
-            config, param_server, mesh=mesh, stopped=lambda: self._failure is not None
+            config,
+            param_server,
+            mesh=mesh,
+            stopped=lambda: self._failure is not None,
+            shared=shared,
         )
         # "keep": a continuation whose KV pages are lost replays them under the versions
         # that made them, pulled on the engine thread (Engine.weights_of).
-        if param_server is not None and self._engine.weights_of is None:
+        if (param_server is not None or shared is not None) and self._engine.weights_of is None:
             self._engine.weights_of = self.weights.pull
 
     # -- public API -------------------------------------------------------------------------
@@ -254,6 +260,8 @@ class InferenceWorker:
             self.weights.start_prefetch(version + self.policy.reload_every)
             if first and self._progress is not None:
                 source = "the parameter server" if self.param_server is not None else "the caller"
+                if self.weights.shared is not None:
+                    source = "the trainer in this process"
                 self._progress(
                     f"loaded the weights of version {version} from {source} in "
                     f"{time.perf_counter() - t0:.1f}s"
@@ -263,6 +271,7 @@ class InferenceWorker:
         return LoadResult(version, already_loaded=False, aborted=tuple(aborted))
 
     def _confirm(self, version: int) -> None:
+        self.weights.wait_sent(version)  # co-located: the server holds it before we confirm
         try:
             self.param_server.confirm(self.consumer_id, version)
         except ParamServerCallError as e:  # only delays garbage collection: not fatal

@@ -1,12 +1,13 @@
 """The local launcher: every component of a run as a subprocess on loopback.
 
 `LocalCluster` starts the parameter server, the trainer, N inference workers and the
-verifier service with a fresh auth token, each with its log file in the run directory
-(with `verifiers.address` set it starts no verifier: the run uses the services there, and
-their token, from the environment, is the run's), and watches them. A dead inference
-worker, verifier or parameter server is started again on its port (so every client finds
-it where it was), up to controller.component_restarts times each, after a backoff of 1 s
-doubling; meanwhile the controller moves its work to the others or waits for it
+verifier service with a fresh auth token (with inference.colocated, the one inference worker
+runs inside the trainer's process, which announces its address), each with its log file in
+the run directory (with `verifiers.address` set it starts no verifier: the run uses the
+services there, and their token, from the environment, is the run's), and watches them. A
+dead inference worker, verifier or parameter server is started again on its port (so every
+client finds it where it was), up to controller.component_restarts times each, after a
+backoff of 1 s doubling; meanwhile the controller moves its work to the others or waits for it
 (docs/controller.md, "Elastic recovery"). The death of the trainer, or of a component
 out of restarts, sets `failed`, which stops the controller (then `rlax-tpu resume`); a
 parameter server out of restarts also gets the trainer SIGTERM, which ends the wait of a
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from rlax_tpu.config import ConfigError, RunConfig, load_config
 from rlax_tpu.launch.remote import HealthProbe, wait_until_serving
-from rlax_tpu.rpc.process import CHILD_LAUNCHER, PARENT_PID_ENV, PROGRESS_PREFIX
+from rlax_tpu.rpc.process import ALSO_PREFIX, CHILD_LAUNCHER, PARENT_PID_ENV, PROGRESS_PREFIX
 
 # Components the launcher starts again when they die: passive, with nothing a restart loses
 # (the parameter server recovers its versions from storage).
@@ -82,11 +83,14 @@ def check_colocated_gpu_memory(
     inference.num_workers) on this machine, each process taking its `gpu_memory_fraction` of
     every GPU: where they share GPUs (`shares_gpus` under `environ`), refuse shares that
     overlap (they would sum to more than the GPU, and a process would fail at start or in
-    the middle of the run). On CPU and TPU the shares are read by nothing, so any pass."""
+    the middle of the run). On CPU and TPU the shares are read by nothing, so any pass.
+    With inference.colocated the worker is the trainer's process and has its share."""
     if not shares_gpus(config, environ):
         return
     trainer, inference = config.trainer, config.inference
     workers = inference.num_workers if num_workers is None else num_workers
+    if inference.colocated:
+        workers = 0
     total = trainer.gpu_memory_fraction + workers * inference.gpu_memory_fraction
     if total > 1 + 1e-9:
         room = (1 - trainer.gpu_memory_fraction) / max(workers, 1)
@@ -149,7 +153,8 @@ def last_lines(text: str, count: int = 8) -> str:
 
 
 class Child:
-    """One `rlax-tpu serve ...` process; `address` comes from its READY line. Its
+    """One `rlax-tpu serve ...` process; `address` comes from its READY line, `also` from its
+    `ALSO <name> host:port` lines (services it serves besides its own). Its
     `PROGRESS <text>` lines (rpc.process.announce_progress: checkpoint loads, first
     compiles) are echoed to this process's stdout as `[<name>] <text>`."""
 
@@ -169,6 +174,7 @@ class Child:
         )
         self.pid = self.process.pid
         self.address: str | None = None
+        self.also: dict[str, str] = {}
         self.ready_timeout_s = 60.0  # how long its start may take (the launcher sets it)
         self._ready = threading.Event()
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
@@ -178,6 +184,9 @@ class Child:
             if line.startswith("READY ") and self.address is None:
                 self.address = line.split(" ", 1)[1].strip()
                 self._ready.set()
+            elif line.startswith(ALSO_PREFIX):
+                name, _, address = line[len(ALSO_PREFIX) :].strip().partition(" ")
+                self.also[name] = address
             elif line.startswith(PROGRESS_PREFIX):
                 print(f"[{self.name}] {line[len(PROGRESS_PREFIX) :].strip()}", flush=True)
         self._ready.set()
@@ -230,6 +239,7 @@ class LocalCluster:
         # given): each child's GPU memory share comes from it (component_env).
         self.config = config if config is not None else load_config(config_path, list(overrides))
         check_colocated_gpu_memory(self.config, num_workers, {**os.environ, **(env or {})})
+        self.colocated = self.config.inference.colocated
         self.config_path = config_path
         self.num_workers = num_workers
         self.log_dir = Path(log_dir)
@@ -273,12 +283,17 @@ class LocalCluster:
         self.children.append(child)
         address = child.wait_ready(ready_timeout_s)
         self.addresses.setdefault(component, []).append(address)
+        for also, also_address in child.also.items():
+            self.addresses.setdefault(also.rsplit("-", 1)[0], []).append(also_address)
         return address
 
     def _write_processes(self) -> None:
         """Who is who, for operators (and tests that kill one component on purpose)."""
         with self._lock:
             entries = {c.name: {"pid": c.pid, "address": c.address} for c in self.children}
+            for child in self.children:  # co-located services: their host's process
+                for name, address in child.also.items():
+                    entries[name] = {"pid": child.pid, "address": address, "in": child.name}
         (self.log_dir / "processes.json").write_text(json.dumps(entries))
 
     def start(self) -> None:
@@ -303,10 +318,17 @@ class LocalCluster:
             cache = str(self.log_dir.parent / "test_data_cache")
             verifier = ["serve", "verifier", *common, f"--test-data-cache={cache}"]
             self._start("verifier-0", verifier, 60)
-        for i in range(self.num_workers):
+        for i in range(0 if self.colocated else self.num_workers):
             args = ["serve", "inference", *common, f"--param-server={ps}"]
             self._start(f"inference_worker-{i}", [*args, f"--worker-id=inference_worker-{i}"], 180)
-        self._start("trainer-0", ["serve", "trainer", *common, f"--param-server={ps}"], 300)
+        # Co-located, the trainer's process builds and serves the worker too (`ALSO`).
+        timeout = 300 + (180 if self.colocated else 0)
+        self._start("trainer-0", ["serve", "trainer", *common, f"--param-server={ps}"], timeout)
+        if self.colocated and "inference_worker" not in self.addresses:
+            raise ComponentFailed(
+                "inference.colocated: the trainer started without announcing its inference "
+                f"worker; its log {self.log_dir / 'trainer-0.log'} says why"
+            )
         self._write_processes()
         threading.Thread(target=self._watch, name="cluster-watch", daemon=True).start()
 

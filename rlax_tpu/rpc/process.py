@@ -1,5 +1,6 @@
 """The life of a component process: stop on SIGTERM/SIGINT (the preemption notice on GKE
-and TPU VMs), announce `READY host:port` once serving, report slow phases (checkpoint loads,
+and TPU VMs), announce `READY host:port` once serving (and `ALSO name host:port` for a
+second service in the same process), report slow phases (checkpoint loads,
 first compiles) as `PROGRESS <text>` lines, and wait for the stop signal."""
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ def announce_ready(address: str, banner: str) -> None:
     launchers and tests, which read it to learn the bound port."""
     print(banner, file=sys.stderr, flush=True)
     print(f"READY {address}", flush=True)
+
+
+ALSO_PREFIX = "ALSO "
+
+
+def announce_also(name: str, address: str) -> None:
+    """A second service this process serves (a co-located inference worker inside the
+    trainer's process), as one `ALSO <name> host:port` line on stdout; printed before the
+    process's `READY` line, so a launcher knows both once it is ready."""
+    print(f"{ALSO_PREFIX}{name} {address}", flush=True)
 
 
 PROGRESS_PREFIX = "PROGRESS "

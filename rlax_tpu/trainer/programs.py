@@ -268,6 +268,9 @@ class TrainerPrograms:
             self.publish_base = jax.jit(lambda p: served(self.split_trainable(p)[1]))
         else:
             self.publish = None if unchanged else jax.jit(served)
+        # A copy of the params on their devices (a co-located trainer hands its worker arrays
+        # the next step does not update in place; Trainer._handed_params).
+        self.copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=p_sh)
 
     # -- placement -----------------------------------------------------------------------
     @property

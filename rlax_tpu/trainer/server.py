@@ -12,6 +12,11 @@ devices): process 0 is the leader, the only one that serves gRPC. Each call that
 trainer is broadcast to the other processes (followers) before the leader runs it, so every
 process runs the same steps on the same batch in the same order; at shutdown the leader has
 them save with it, then tells them to stop.
+
+Co-located (`inference.colocated`): the process also builds the run's one inference worker
+on the same devices and serves it on a second gRPC server (announced as `ALSO
+inference_worker-0 host:port` before READY); the trainer hands it each version it publishes
+(rlax_tpu.colocation) and sends the version to the parameter server in the background.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ import jax
 
 from rlax_tpu.api.param_server import ReplicaPlan, split_dims_from_logical
 from rlax_tpu.api.trainer import SFT_STEP, TRAIN_STEP, BatchLimits, pack_batch, unpack_batch
+from rlax_tpu.colocation import SharedVersions
 from rlax_tpu.config import ModelConfig, RunConfig
 from rlax_tpu.distributed import broadcast_bytes
 from rlax_tpu.models.transformer import param_logical_axes
 from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.rpc import HealthServicer, format_address
 from rlax_tpu.rpc.process import (
+    announce_also,
     announce_progress,
     announce_ready,
     bind_server,
@@ -213,6 +220,16 @@ def main(args: argparse.Namespace) -> int:
     host = args.host or "127.0.0.1"
     stop = stop_on_signals()
     leader = jax.process_index() == 0
+    colocated = config.inference.colocated
+    if colocated and jax.process_count() > 1:
+        print(
+            f"rlax-tpu serve trainer: inference.colocated runs the inference worker inside "
+            f"the trainer's process, on one host, but this trainer is {distributed.describe()}: "
+            "set inference.colocated=false and run the workers as their own processes",
+            file=sys.stderr,
+        )
+        return 2
+    shared = SharedVersions() if colocated else None
     param_server = None
     if args.param_server:  # every process sends its share of each version
         param_server = connect_param_server(config, args.param_server, token, stop)
@@ -231,7 +248,9 @@ def main(args: argparse.Namespace) -> int:
             return 2
         server, port = bound
     mesh = build_mesh(config.trainer.mesh)
-    trainer = Trainer(config, param_server=param_server, mesh=mesh, progress=announce_progress)
+    trainer = Trainer(
+        config, param_server=param_server, mesh=mesh, progress=announce_progress, shared=shared
+    )
     step = trainer.initialize()
     if not leader:
         print(
@@ -255,14 +274,40 @@ def main(args: argparse.Namespace) -> int:
     ).add_to_server(server)
     server.start()
     address = format_address(host, port)
+    colocated_worker = None
+    if colocated:
+        from rlax_tpu.inference.server import DEFAULT_WORKER_ID, serve_worker
+
+        colocated_worker = serve_worker(
+            config,
+            token=token,
+            host=host,
+            port=0,
+            worker_id=DEFAULT_WORKER_ID,
+            param_server=args.param_server,
+            stop=stop,
+            shared=shared,
+        )
+        if colocated_worker is None:
+            server.stop(0)
+            trainer.close()
+            return 2
+        announce_also(DEFAULT_WORKER_ID, colocated_worker[3])
     processes = f", {distributed.describe()}" if distributed.is_multi_process else ""
     announce_ready(
         address,
         f"trainer: {config.model.architecture} on mesh {dict(mesh.shape)} at step "
         f"{step}, run dir {config.storage.run_dir}, parameter server "
-        f"{','.join(args.param_server) or '(none)'}{processes}, listening on {address}",
+        f"{','.join(args.param_server) or '(none)'}{processes}, listening on {address}"
+        + (f"; its inference worker on {colocated_worker[3]}" if colocated_worker else ""),
     )
     wait_for(stop)
+    if colocated_worker is not None:  # its streams get 5 s, as a worker process's do
+        worker_server, worker, worker_client, _ = colocated_worker
+        worker_server.stop(5.0).wait()
+        worker.close()
+        if worker_client is not None:
+            worker_client.close()
     server.stop(5.0).wait()
     with servicer.lock:  # a step still running in a handler thread finishes first
         saved = served.save(wait=True)

@@ -23,6 +23,7 @@ redone (a new run directory holding a copy of them starts RL from the same versi
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -40,6 +41,7 @@ from rlax_tpu import storage
 from rlax_tpu.algorithms import RolloutBatch, reference_reset_due
 from rlax_tpu.api.trainer import BatchFormatError, StepResult, batch_digest
 from rlax_tpu.checkpoints import CheckpointStore, NoValidCheckpointError
+from rlax_tpu.colocation import SharedVersions, sent_already
 from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.config.run import rollout_correction_conflict
 from rlax_tpu.failpoints import failpoint
@@ -104,6 +106,7 @@ class Trainer:
         param_server: Any | None = None,
         mesh: Mesh | None = None,
         progress: Callable[[str], None] | None = None,
+        shared: SharedVersions | None = None,
     ) -> None:
         self.config = config
         self.progress = progress or _log.info
@@ -133,6 +136,16 @@ class Trainer:
         self.policy = StalenessPolicy.from_config(config.staleness)
         self.param_server = param_server
         self._unpublished: int | None = None  # a version whose publish failed
+        # Co-located (inference.colocated): each published version is also handed to the
+        # worker in this process (`shared`), and an RL step's send to the parameter server
+        # runs in the background (`_sending`), ended before the trainer's next call.
+        self.shared = shared
+        self._sender = (
+            concurrent.futures.ThreadPoolExecutor(1, "trainer-publish")
+            if shared is not None
+            else None
+        )
+        self._sending: tuple[int, concurrent.futures.Future] | None = None
         self._trained_here = False  # an RL step trained since the last restore
         if config.controller.samples_per_prompt > 1 and (
             self.levels.mini_size % config.controller.samples_per_prompt
@@ -293,21 +306,65 @@ class Trainer:
         self.warm_start_step = self.warm_start_steps
         self._base_digest = None
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, version: int, *, background: bool = False) -> None:
         """Publish `version` if anything may read it (StalenessPolicy.publishes: a version
         workers may load, or the run's final one). The client waits for a parameter server
         that is down or restarting; one that stays down fails the call, and the version is
-        published again before the next step (or the repeat of this one) is answered."""
+        published again before the next step (or the repeat of this one) is answered.
+
+        Co-located (`shared`), the version is also handed to the worker in this process, and
+        with `background` (an RL step's version, not the run's last) the send to the
+        parameter server runs while the worker loads and generates; a send that fails is
+        made again as above, before the trainer's next call."""
+        self._wait_sent()
         final = self.config.controller.num_steps
-        if self.param_server is not None and self.policy.publishes(version, final):
-            self._unpublished = version
-            receipt = self.param_server.publish(version, self._published_params())
-            self._unpublished = None
-            _log.info(
-                "published version %d (%s)",
-                version,
-                "already present" if receipt.already_present else f"{receipt.bytes_sent} bytes",
-            )
+        if not self.policy.publishes(version, final):
+            return
+        if self.shared is None:
+            if self.param_server is not None:
+                self._send(version, self._published_params())
+            return
+        params = self._handed_params()
+        if self.param_server is None:
+            sent = sent_already()
+        elif background and version != final:
+            sent = self._sender.submit(self._send, version, params)
+            self._sending = (version, sent)
+        else:
+            self._send(version, params)
+            sent = sent_already()
+        self.shared.put(version, params, sent)
+
+    def _send(self, version: int, params: Any) -> None:
+        self._unpublished = version
+        receipt = self.param_server.publish(version, params)
+        self._unpublished = None
+        _log.info(
+            "published version %d (%s)",
+            version,
+            "already present" if receipt.already_present else f"{receipt.bytes_sent} bytes",
+        )
+
+    def _wait_sent(self) -> None:
+        """End the background send of the last version (co-located): a failure leaves the
+        version in `_unpublished`, published again before the next step is answered."""
+        sending, self._sending = self._sending, None
+        if sending is None:
+            return
+        version, future = sending
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - sent again (see _check_order)
+            _log.warning("publishing version %d failed (%s); publishing it again", version, e)
+
+    def _handed_params(self) -> Any:
+        """The published tree as handed to a co-located worker: arrays no later step
+        changes. The publish's cast makes new arrays; uncast params are copied, since the
+        next step updates them in place (donated)."""
+        params = self._published_params()
+        if params is self._params:
+            params = self.programs.copy(params)
+        return params
 
     def republish(self, version: int) -> None:
         """Publish `version` again: the one this trainer holds, which a restarted parameter
@@ -379,6 +436,7 @@ class Trainer:
         """None if `step` is the one to train; the recorded result of a step done before
         (`digest`: the repeat's batch, checked against the one trained); else an error."""
         self._require_state()
+        self._wait_sent()
         if self._unpublished is not None and self._unpublished == self.step:
             self._publish(self._unpublished)  # its publish failed: the server was down
         if self.warm_start_step < self.warm_start_steps:
@@ -665,7 +723,7 @@ class Trainer:
         self._trained_here = True
         self._last_metrics = metrics
         t_publish = time.perf_counter()
-        self._publish(self.step)
+        self._publish(self.step, background=True)
         metrics["time/publish_s"] = time.perf_counter() - t_publish
         if self.step % self.config.trainer.checkpoint_every == 0:
             self.save(wait=False)
@@ -688,6 +746,7 @@ class Trainer:
         """Checkpoint the current version (async unless `wait`); returns its step. During
         the SFT warm start it checkpoints the warm start instead (and returns 0)."""
         self._require_state()
+        self._wait_sent()  # co-located: a checkpoint's version is on the parameter server
         if self.warm_start_step < self.warm_start_steps:
             self._save_warm_start(wait=wait)
             return self.step
@@ -712,6 +771,7 @@ class Trainer:
         `step`, and the steps from there to this trainer's are answered from their records,
         as a repeated TrainStep is; retraining them from the checkpoint would give the same
         weights."""
+        self._wait_sent()
         if step is not None:
             failpoint("trainer.restore", step)  # the controller's Restore (chaos test)
         if step is not None and self._reattaches(step):
@@ -806,7 +866,10 @@ class Trainer:
         return True
 
     def close(self) -> None:
-        """Wait for pending checkpoint saves."""
+        """Wait for pending checkpoint saves and the last publish."""
+        self._wait_sent()
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
         self.checkpoints.close()
         if self.warm_start_checkpoints is not None:
             self.warm_start_checkpoints.close()
