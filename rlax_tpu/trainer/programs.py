@@ -113,7 +113,10 @@ class TrainerPrograms:
       init_opt(params), init_sft_opt(params), mismatch(recomputed, cached, mask),
       random_init() -> params
 
-    rl_step and sft_step donate params and optimizer state (updated in place). With
+    rl_step and sft_step donate params and optimizer state (updated in place); with
+    inference.colocated, rl_step donates the optimizer state only: the params of the last
+    version are also the co-located worker's weights (the trainer hands them over, no copy),
+    and the step writes the new ones beside them. With
     trainer.tokens_per_row > 0 (`tokens_per_row`) the recompute and the steps take the
     batch's packed `layout` (`layout(mask, chunks=...)`, placed by `layout_shardings`) and
     run packed rows.
@@ -229,7 +232,9 @@ class TrainerPrograms:
                 packed=packed,
                 trainable=self.trainable,
             ),
-            donate_argnums=(0, 1),
+            # Co-located, the params in stay valid: they are the worker's weights until it loads
+            # the new version (Trainer._publish).
+            donate_argnums=(1,) if self.config.inference.colocated else (0, 1),
             out_shardings=(p_sh, self.rl.shardings, replicated),
         )
         self.sft_step = jax.jit(
@@ -268,9 +273,6 @@ class TrainerPrograms:
             self.publish_base = jax.jit(lambda p: served(self.split_trainable(p)[1]))
         else:
             self.publish = None if unchanged else jax.jit(served)
-        # A copy of the params on their devices (a co-located trainer hands its worker arrays
-        # the next step does not update in place; Trainer._handed_params).
-        self.copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=p_sh)
 
     # -- placement -----------------------------------------------------------------------
     @property

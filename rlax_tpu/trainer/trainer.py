@@ -324,7 +324,10 @@ class Trainer:
             if self.param_server is not None:
                 self._send(version, self._published_params())
             return
-        params = self._handed_params()
+        # Handed as they are: a cast makes new arrays, and uncast they are the params, which
+        # a co-located trainer's RL step does not update in place (TrainerPrograms.rl_step
+        # donates only the optimizer state; no SFT step runs after version 0).
+        params = self._published_params()
         if self.param_server is None:
             sent = sent_already()
         elif background and version != final:
@@ -356,15 +359,6 @@ class Trainer:
             future.result()
         except Exception as e:  # noqa: BLE001 - sent again (see _check_order)
             _log.warning("publishing version %d failed (%s); publishing it again", version, e)
-
-    def _handed_params(self) -> Any:
-        """The published tree as handed to a co-located worker: arrays no later step
-        changes. The publish's cast makes new arrays; uncast params are copied, since the
-        next step updates them in place (donated)."""
-        params = self._published_params()
-        if params is self._params:
-            params = self.programs.copy(params)
-        return params
 
     def republish(self, version: int) -> None:
         """Publish `version` again: the one this trainer holds, which a restarted parameter
