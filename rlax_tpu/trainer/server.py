@@ -37,6 +37,7 @@ from rlax_tpu.api.trainer import SFT_STEP, TRAIN_STEP, BatchLimits, pack_batch, 
 from rlax_tpu.colocation import SharedVersions
 from rlax_tpu.config import ModelConfig, RunConfig
 from rlax_tpu.distributed import broadcast_bytes
+from rlax_tpu.inference.server import DEFAULT_WORKER_ID, serve_worker
 from rlax_tpu.models.transformer import param_logical_axes
 from rlax_tpu.param_server.trees import TreeClient
 from rlax_tpu.rpc import HealthServicer, format_address
@@ -276,8 +277,6 @@ def main(args: argparse.Namespace) -> int:
     address = format_address(host, port)
     colocated_worker = None
     if colocated:
-        from rlax_tpu.inference.server import DEFAULT_WORKER_ID, serve_worker
-
         colocated_worker = serve_worker(
             config,
             token=token,
