@@ -76,9 +76,25 @@ def _modules(layer: str) -> Iterator[Path]:
     yield from (sorted(root.rglob("*.py")) if root.is_dir() else [root.with_suffix(".py")])
 
 
+def _parse(path: Path) -> ast.Module:
+    """`path`'s syntax tree. CPython 3.11's AST constructor keeps its recursion depth in
+    interpreter-wide state, so a parse while another thread of the test process runs Python
+    (a component's gRPC or asyncio threads left by an earlier test) can fail with
+    "SystemError: AST constructor recursion depth mismatch" (seen once in the suite): a
+    parse that fails so is made again."""
+    text = path.read_text()
+    for attempt in range(5):
+        try:
+            return ast.parse(text, str(path))
+        except SystemError:
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _imports(path: Path, *, local_only: bool = False) -> Iterator[tuple[int, str]]:
     """(line, module) of every import in `path` (relative imports are not used here)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     if local_only:
         nodes = [
             sub
