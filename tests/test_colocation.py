@@ -45,14 +45,15 @@ class CountingClient(TreeClient):
         return super().publish(version, tree, *args, **kwargs)
 
 
-@pytest.fixture(params=["", "bfloat16"], ids=["params_as_published", "cast_to_bf16"])
+@pytest.fixture
 def colocated(request, tmp_path):
     """A trainer and a worker sharing SharedVersions, with a real parameter server; the
-    params published uncast (the trainer hands a copy) or cast to bf16."""
+    params published uncast (the trainer hands the params themselves, the default) or, with
+    the test parametrized indirectly, cast to bf16."""
     server = start_server(
         ServeOptions(storage_url=str(tmp_path / "params"), hot_versions=8), auth_token=TOKEN
     )
-    model = dataclasses.replace(MODEL, publish_dtype=request.param)
+    model = dataclasses.replace(MODEL, publish_dtype=getattr(request, "param", ""))
     inference = dataclasses.replace(ENGINE, colocated=True)
     config = run_config(str(tmp_path / "run"), model=model, inference=inference)
     shared = SharedVersions()
@@ -91,6 +92,9 @@ def _assert_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize(
+    "colocated", ["", "bfloat16"], ids=["params_as_published", "cast_to_bf16"], indirect=True
+)
 def test_the_worker_serves_each_version_the_trainer_hands_it_without_a_pull(colocated):
     trainer, worker, shared = colocated["trainer"], colocated["worker"], colocated["shared"]
     trainer.initialize()
