@@ -1,10 +1,11 @@
 """Co-location (`inference.colocated`): the trainer and one inference worker in one process,
 on the same devices, as Tunix and verl's hybrid engine run on one host.
 
-The trainer hands each version it publishes to the worker here: the device arrays it made
-for the publish (its params cast to the published dtype, or a copy of them: the next step
-updates the params in place). The worker's load places those arrays on its own mesh (no
-copy where the trainer's sharding is the worker's) instead of pulling bytes over gRPC. The
+The trainer hands each version it publishes to the worker here: the device arrays it
+publishes (its params cast to the published dtype, or, uncast, the params themselves, which
+a co-located trainer's RL step writes beside rather than over: TrainerPrograms.rl_step).
+The worker's load places those arrays on its own mesh (no copy where the trainer's sharding
+is the worker's) instead of pulling bytes over gRPC. The
 trainer still sends every version to the parameter server, in the background after an RL
 step, so the server holds what it holds in a disaggregated run: versions for recovery,
 snapshots, evaluation and replays. `wait_sent` orders what reads the server after a
@@ -44,7 +45,6 @@ class SharedVersions:
         self._held: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._sent: dict[int, concurrent.futures.Future] = {}
         self.handed = 0  # versions taken from here by a load
-        self.missed = 0  # versions asked for that were not held
 
     def put(self, version: int, params: Any, sent: concurrent.futures.Future) -> None:
         """Hold `params` (device arrays the trainer will not change) as `version`; `sent`
@@ -62,10 +62,7 @@ class SharedVersions:
         """The arrays of `version` if held here, else None (pull it: `wait_sent` first)."""
         with self._lock:
             params = self._held.get(version)
-            if params is None:
-                self.missed += 1
-            else:
-                self.handed += 1
+            self.handed += params is not None
             return params
 
     def versions(self) -> list[int]:

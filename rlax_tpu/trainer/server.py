@@ -290,6 +290,8 @@ def main(args: argparse.Namespace) -> int:
         if colocated_worker is None:
             server.stop(0)
             trainer.close()
+            if param_server is not None:
+                param_server.close()
             return 2
         announce_also(DEFAULT_WORKER_ID, colocated_worker[3])
     processes = f", {distributed.describe()}" if distributed.is_multi_process else ""
