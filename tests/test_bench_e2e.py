@@ -311,3 +311,13 @@ def test_unknown_sizes_are_refused_before_anything_runs(capsys):
     with pytest.raises(SystemExit):
         bench_e2e.main(["--sizes", "demo,huge", "--work-dir", "/nonexistent/x"])
     assert "huge" in capsys.readouterr().err
+
+
+def test_our_modes_do_tunix_s_work_no_diagnostic_recompute_and_no_checkpoint_mid_run():
+    config = bench_e2e.bench_config("20m", quick=False, workers=1, extra=[])
+    assert config.trainer.recompute_every and config.trainer.checkpoint_every <= 4  # the demo's
+    same = bench_e2e.same_work(config)
+    assert same.trainer.recompute_every == 0
+    steps = range(1, same.controller.num_steps + 1)
+    assert not [s for s in steps if s % same.trainer.checkpoint_every == 0]
+    assert same.digest() == config.digest()  # the same weights

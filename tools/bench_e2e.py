@@ -220,6 +220,16 @@ def warm_start(config: RunConfig, work: Path, log: Path) -> tuple[Path, float, b
 
 
 # -- one mode: the whole job, from the warm start ------------------------------------------------
+def same_work(config: RunConfig) -> RunConfig:
+    """`config` doing the work Tunix's loop does: no π_old recompute for the mismatch
+    diagnostic (trainer.recompute_every) and no checkpoint during the run (Tunix's saves
+    none; ours saves the final one, after the last measured step). Neither changes the
+    weights (both are resumable fields)."""
+    return config.apply_overrides(
+        ["trainer.recompute_every=0", f"trainer.checkpoint_every={config.controller.num_steps + 1}"]
+    )
+
+
 def run_mode(
     config: RunConfig,
     name: str,
@@ -240,7 +250,7 @@ def run_mode(
     for item in WARM_START_FILES:
         shutil.copytree(warm / item, run_dir / item)
     config = dataclasses.replace(
-        config,
+        same_work(config),
         name=f"bench_e2e_{name}",
         staleness=StalenessConfig(reload_every=eta, max_staleness=n),
         storage=dataclasses.replace(config.storage, run_dir=str(run_dir)),
