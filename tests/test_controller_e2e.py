@@ -648,6 +648,11 @@ def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, ref
         job.cleanup()
     for batch, rows in RolloutLog(str(job.run_dir)).consumed().items():
         assert {version for _, _, version in rows} == {batch}
+    # Each batch but the first started as soon as its version existed, before the previous
+    # step's bookkeeping, except where an evaluation of that version came first.
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {r["step"] for r in rows if "eval_accuracy" in r and 0 < r["step"] < STEPS}
+    assert summary(job.run_dir)["batches_launched_early"] == STEPS - 1 - len(evaluated)
 
 
 def test_a_colocated_run_killed_with_its_trainer_resumes_to_the_disaggregated_runs_weights(

@@ -82,6 +82,9 @@ def _fresh_stats() -> dict[str, int]:
         "groups_filtered": 0,
         "groups_generated": 0,
         "groups_dropped": 0,
+        # Batches launched as soon as their version existed, before the previous step's
+        # bookkeeping (Controller._launches_early).
+        "batches_launched_early": 0,
     }
 
 
@@ -268,6 +271,10 @@ class Controller:
                 result = self.c.trainer.train_step(step, assembled.batch)
                 t_trained = time.perf_counter()
                 trainer_busy += t_trained - t_train
+                if self._launches_early(step + 1):
+                    # The next batch's generation starts as soon as its version exists; this
+                    # step's bookkeeping below (rollout log, metrics, snapshot) overlaps it.
+                    self.stats["batches_launched_early"] += self._launch_ahead(step + 1)
                 self.log.record_consumed(step, assembled.keys)
                 extra = {
                     "filtered_fraction": selection.flat / len(batch.prompts),
@@ -433,13 +440,31 @@ class Controller:
         self._next_draw = b + 1
         return [Prompt(f"b{b}:{r.dataset}:{r.id}", self.encode(r), r) for r in records]
 
-    def _launch_ahead(self, step: int) -> None:
-        """Start every batch whose version is published (trainer at version `step`)."""
-        for b, version in self.schedule.to_launch(step, self._batches):
+    def _launches_early(self, step: int) -> bool:
+        """Whether the batches of `step` launch before step - 1's bookkeeping is done: not
+        when an evaluation at `step` comes first (its generation would queue behind the
+        batch's, and its time would include theirs), nor with continuations of partial
+        rollouts or episodes (whose jobs are queued in the order the loop reaches them)."""
+        evaluates = self.evaluator is not None and (
+            self.schedule.eval_due(step) or step == self.num_steps
+        )
+        return not (
+            evaluates
+            or self.stop.is_set()
+            or self.pool.in_flight is not None
+            or self.episodes is not None
+        )
+
+    def _launch_ahead(self, step: int) -> int:
+        """Start every batch whose version is published (trainer at version `step`); returns
+        how many started."""
+        launched = self.schedule.to_launch(step, self._batches)
+        for b, version in launched:
             batch = BatchState(b, version, self.samples, greedy=self.greedy_baseline)
             self._batches[b] = batch
             self.pool.submit(batch, self._draw(b))
             self.pool.open_tick(b, version)  # the continuations due with batch b's version
+        return len(launched)
 
     # -- replay pre-fill -----------------------------------------------------------------------
     def _prefill(self) -> None:
