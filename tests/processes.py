@@ -54,6 +54,7 @@ class ServerProcess:
         )
         self.pid = self.process.pid
         self.stdout_lines: list[str] = []
+        self._terminated = False
         self._ready = threading.Event()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         if not self._ready.wait(ready_timeout_s) or not self.address:
@@ -82,10 +83,17 @@ class ServerProcess:
     def running(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM to this pid only; SIGKILL if it has not exited after `timeout_s`."""
-        if self.running():
+    def terminate(self) -> None:
+        """SIGTERM to this pid only, once (`stop` then waits for it)."""
+        if self.running() and not self._terminated:
+            self._terminated = True
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM to this pid only (unless `terminate` sent it); SIGKILL if it has not
+        exited after `timeout_s`."""
+        self.terminate()
+        if self.running():
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -97,6 +105,12 @@ class ServerProcess:
         if self.running():
             self.process.kill()
         self.process.wait()
+
+
+def _stop_stage(process: ServerProcess) -> str:
+    args = process.args
+    component = args[1] if len(args) > 1 and args[0] == "serve" else ""
+    return component if component in ("trainer", "param-server") else "other"
 
 
 class ProcessGroup:
@@ -187,6 +201,12 @@ class ProcessGroup:
         return ps, trainer, self.start_inference_worker(config, **kwargs)
 
     def stop_all(self) -> None:
-        for process in self.processes:
-            process.stop()
+        """Trainers first (they save, and may still publish), then the other servers
+        together, parameter servers last (as rlax_tpu.launch.LocalCluster stops a run)."""
+        for stage in ("trainer", "other", "param-server"):
+            group = [p for p in self.processes if _stop_stage(p) == stage]
+            for process in group:
+                process.terminate()
+            for process in group:
+                process.stop()
         self.processes.clear()

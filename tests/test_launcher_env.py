@@ -123,24 +123,31 @@ def test_gpu_memory_fraction_outside_zero_one_is_refused(section, fraction):
 
 
 class _RecordedChild:
-    """Stands in for a component process: records the environment it was started with."""
+    """Stands in for a component process: records the environment it was started with, and
+    the order of the launcher's calls (`events`)."""
 
     started: list = []
+    events: list = []
 
     def __init__(self, name, args, *, env, log):
         self.name, self.args, self.env, self.log_path = name, args, env, log
         self.pid, self.address = 0, f"127.0.0.1:{1000 + len(self.started)}"
         self.also = {}  # services announced besides its own (ALSO lines)
         self.started.append(self)
+        self.events.append(("spawn", name))
 
     def wait_ready(self, timeout_s):
+        self.events.append(("ready", self.name))
         return self.address
 
     def running(self):
         return True
 
+    def terminate(self):
+        self.events.append(("terminate", self.name))
+
     def stop(self, timeout_s):
-        pass
+        self.events.append(("stop", self.name))
 
 
 def test_local_cluster_starts_each_child_with_its_share(tmp_path, monkeypatch):
@@ -170,6 +177,44 @@ def test_local_cluster_starts_each_child_with_its_share(tmp_path, monkeypatch):
         assert envs[cpu_only]["CUDA_VISIBLE_DEVICES"] == ""
     # Everything else is the launcher's environment, token included.
     assert all(env["RLAX_TPU_AUTH_TOKEN"] == cluster.token for env in envs.values())
+
+
+def test_local_cluster_starts_all_once_the_param_server_serves_and_stops_it_last(
+    tmp_path, monkeypatch
+):
+    """The components start together (only the parameter server's address is awaited
+    first); the trainer stops first (it saves), the parameter server last (a worker's pull
+    would otherwise hold its stop), the rest together in between."""
+    monkeypatch.setattr(launcher, "Child", _RecordedChild)
+    monkeypatch.setattr(_RecordedChild, "started", [])
+    monkeypatch.setattr(_RecordedChild, "events", [])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(shared_gpu_config(0.5, 0.2, workers=2).to_dict()))
+    with LocalCluster(
+        str(path), num_workers=2, log_dir=tmp_path / "logs", param_storage=str(tmp_path)
+    ) as cluster:
+        cluster.start()
+        assert _RecordedChild.events == [
+            ("spawn", "param_server-0"),
+            ("spawn", "verifier-0"),  # needs no address: spawned at once
+            ("ready", "param_server-0"),
+            ("spawn", "inference_worker-0"),
+            ("spawn", "inference_worker-1"),
+            ("spawn", "trainer-0"),
+            ("ready", "verifier-0"),
+            ("ready", "inference_worker-0"),
+            ("ready", "inference_worker-1"),
+            ("ready", "trainer-0"),
+        ]
+        assert cluster.addresses["inference_worker"] == ["127.0.0.1:1002", "127.0.0.1:1003"]
+        _RecordedChild.events.clear()
+    stops = _RecordedChild.events
+    assert stops[:2] == [("terminate", "trainer-0"), ("stop", "trainer-0")]
+    assert stops[-2:] == [("terminate", "param_server-0"), ("stop", "param_server-0")]
+    middle = stops[2:-2]
+    others = ["verifier-0", "inference_worker-0", "inference_worker-1"]
+    assert sorted(middle[: len(others)]) == sorted(("terminate", n) for n in others)
+    assert sorted(middle[len(others) :]) == sorted(("stop", n) for n in others)
 
 
 def test_local_cluster_refuses_overlapping_shares_before_starting_anything(tmp_path, monkeypatch):

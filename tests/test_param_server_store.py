@@ -622,3 +622,21 @@ def test_concurrent_publishes_and_reads():
     assert [v.version for v in store.versions()] == list(range(40))
     for v in range(40):
         assert_version(store, v, tree(v))
+
+
+def test_a_stopping_server_ends_the_waits_for_a_version_and_keeps_committed_ones():
+    """stop_waiting (the server is stopping): a pull waiting for a version that has not
+    committed returns at once as for a missing version, instead of holding the server's
+    stop for its grace period; later waits do not block, and committed versions still are."""
+    store = VersionStore(None, hot_versions=2)
+    publish_now(store, 0, tree(0))
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(store.wait_committed(1, 120.0)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # version 1 is not published: it waits
+    store.stop_waiting()
+    waiter.join(30)
+    assert not waiter.is_alive() and waited == [False]
+    assert store.wait_committed(2, 120.0) is False  # returns at once
+    assert store.wait_committed(0, 120.0) is True

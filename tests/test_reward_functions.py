@@ -572,17 +572,21 @@ def external_verifier(tmp_path):
 
 
 def stub_starts(monkeypatch) -> list[str]:
-    """LocalCluster._start records the component names and starts nothing."""
+    """LocalCluster._spawn records the component names and starts nothing; _ready gives
+    each a made-up address."""
     started: list[str] = []
 
-    def fake_start(self, name, args, ready_timeout_s):
+    def fake_spawn(self, name, args, ready_timeout_s):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         started.append(name)
-        address = f"127.0.0.1:{10_000 + len(started)}"
-        self.addresses.setdefault(name.rsplit("-", 1)[0], []).append(address)
-        return address
+        return types.SimpleNamespace(name=name, address=f"127.0.0.1:{10_000 + len(started)}")
 
-    monkeypatch.setattr(LocalCluster, "_start", fake_start)
+    def fake_ready(self, child):
+        self.addresses.setdefault(child.name.rsplit("-", 1)[0], []).append(child.address)
+        return child.address
+
+    monkeypatch.setattr(LocalCluster, "_spawn", fake_spawn)
+    monkeypatch.setattr(LocalCluster, "_ready", fake_ready)
     return started
 
 

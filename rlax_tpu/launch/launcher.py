@@ -1,7 +1,8 @@
 """The local launcher: every component of a run as a subprocess on loopback.
 
 `LocalCluster` starts the parameter server, the trainer, N inference workers and the
-verifier service with a fresh auth token (with inference.colocated, the one inference worker
+verifier service with a fresh auth token, together (only the parameter server's address is
+awaited before the workers and the trainer start, as they are given it) (with inference.colocated, the one inference worker
 runs inside the trainer's process, which announces its address), each with its log file in
 the run directory (with `verifiers.address` set it starts no verifier: the run uses the
 services there, and their token, from the environment, is the run's), and watches them. A
@@ -177,6 +178,7 @@ class Child:
         self.also: dict[str, str] = {}
         self.ready_timeout_s = 60.0  # how long its start may take (the launcher sets it)
         self._ready = threading.Event()
+        self._terminated = False  # SIGTERM sent (by terminate or stop)
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
 
     def _read_stdout(self) -> None:
@@ -208,16 +210,28 @@ class Child:
     def running(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout_s: float) -> None:
-        """SIGTERM to this pid; SIGKILL if it has not exited after `timeout_s`."""
-        if self.running():
+    def terminate(self) -> None:
+        """SIGTERM to this pid, once, if it runs (`stop` then waits for it)."""
+        if self.running() and not self._terminated:
+            self._terminated = True
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM to this pid (unless `terminate` sent it); SIGKILL if it has not exited
+        after `timeout_s`."""
+        self.terminate()
+        if self.running():
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
         self.process.wait()
         self._log.close()
+
+
+def _stop_stage(name: str) -> str:
+    component = name.rsplit("-", 1)[0]
+    return component if component in ("trainer", "param_server") else "other"
 
 
 class LocalCluster:
@@ -274,14 +288,20 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _start(self, name: str, args: Sequence[str], ready_timeout_s: float) -> str:
+    def _spawn(self, name: str, args: Sequence[str], ready_timeout_s: float) -> Child:
+        """Start child `name` (not waiting for it: see `_ready`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         component = name.rsplit("-", 1)[0]
         env = {**self.env, **component_env(self.config, component)}
         child = Child(name, args, env=env, log=self.log_dir / f"{name}.log")
         child.ready_timeout_s = ready_timeout_s
         self.children.append(child)
-        address = child.wait_ready(ready_timeout_s)
+        return child
+
+    def _ready(self, child: Child) -> str:
+        """Wait until `child` serves; its address (and its co-located services') recorded."""
+        address = child.wait_ready(child.ready_timeout_s)
+        component = child.name.rsplit("-", 1)[0]
         self.addresses.setdefault(component, []).append(address)
         for also, also_address in child.also.items():
             self.addresses.setdefault(also.rsplit("-", 1)[0], []).append(also_address)
@@ -309,21 +329,30 @@ class LocalCluster:
                 probe.close()
             self.addresses["verifier"] = list(self.verifier_addresses)
         common = [self.config_path, *self.overrides, "--host", "127.0.0.1", "--port", "0"]
-        ps = self._start(
+        # The components start at once, each importing JAX and building its part in
+        # parallel; only the parameter server's address is awaited first (the workers and the
+        # trainer are given it). Addresses are recorded in the children's order.
+        ps_child = self._spawn(
             "param_server-0",
             ["serve", "param-server", *common, "--storage", self.param_storage],
             60,
         )
+        starting = []
         if not self.verifier_addresses:
             cache = str(self.log_dir.parent / "test_data_cache")
             verifier = ["serve", "verifier", *common, f"--test-data-cache={cache}"]
-            self._start("verifier-0", verifier, 60)
+            starting.append(self._spawn("verifier-0", verifier, 60))
+        ps = self._ready(ps_child)
         for i in range(0 if self.colocated else self.num_workers):
             args = ["serve", "inference", *common, f"--param-server={ps}"]
-            self._start(f"inference_worker-{i}", [*args, f"--worker-id=inference_worker-{i}"], 180)
+            worker = [*args, f"--worker-id=inference_worker-{i}"]
+            starting.append(self._spawn(f"inference_worker-{i}", worker, 180))
         # Co-located, the trainer's process builds and serves the worker too (`ALSO`).
         timeout = 300 + (180 if self.colocated else 0)
-        self._start("trainer-0", ["serve", "trainer", *common, f"--param-server={ps}"], timeout)
+        trainer = ["serve", "trainer", *common, f"--param-server={ps}"]
+        starting.append(self._spawn("trainer-0", trainer, timeout))
+        for child in starting:
+            self._ready(child)
         if self.colocated and "inference_worker" not in self.addresses:
             raise ComponentFailed(
                 "inference.colocated: the trainer started without announcing its inference "
@@ -414,9 +443,16 @@ class LocalCluster:
         child.process.wait()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop every child, trainer first (it saves), then the rest."""
+        """Stop every child: the trainer first (it saves), then the workers and verifiers
+        together, the parameter servers last."""
         with self._lock:
             self._closing = True
             children, self.children = self.children, []
-        for child in sorted(children, key=lambda c: not c.name.startswith("trainer")):
-            child.stop(timeout_s)
+        # The trainer first (it saves, and may still publish), then the workers and
+        # verifiers together, the parameter servers last (what reads them is gone by then).
+        for stage in ("trainer", "other", "param_server"):
+            group = [c for c in children if _stop_stage(c.name) == stage]
+            for child in group:
+                child.terminate()
+            for child in group:
+                child.stop(timeout_s)

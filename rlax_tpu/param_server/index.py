@@ -43,6 +43,7 @@ class VersionIndex:
         self._in_flight: set[int] = set()
         self._layout = layout  # the first version's pieces without digests
         self._consumers: dict[str, int] = dict(consumers or {})
+        self._stopping = False  # stop_waiting: waits end at once, as if timed out
 
     # -- publish ---------------------------------------------------------------------------
     def begin(self, version: int, pieces: dict[str, Piece], version_digest: str) -> str:
@@ -91,10 +92,17 @@ class VersionIndex:
         with self._committed:
             while version not in self._versions:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._stopping:
                     return False
                 self._committed.wait(left)
             return True
+
+    def stop_waiting(self) -> None:
+        """End every `wait_committed`, now and later, as if its time were up (the server is
+        stopping: a pull waiting for a version must not hold its shutdown for the grace)."""
+        with self._committed:
+            self._stopping = True
+            self._committed.notify_all()
 
     def persisted(self, record: VersionRecord) -> None:
         """`record`'s persistent copy is committed: it may leave memory now."""

@@ -61,7 +61,10 @@ class RunningServer:
         return format_address(self.host, self.port)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop accepting calls, let running ones finish for up to `grace_s`, then cancel."""
+        """Stop accepting calls, let running ones finish for up to `grace_s`, then cancel.
+        Pulls waiting for a version that has not committed end at once (as a pull of a
+        missing version): a worker's prefetch of the next version must not hold the stop."""
+        self.servicer.store.stop_waiting()
         self.server.stop(grace_s).wait()
         self.servicer.close()
 

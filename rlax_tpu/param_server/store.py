@@ -183,6 +183,10 @@ class VersionStore:
         """Wait until `version` is committed here (at most `timeout_s`); True if it is."""
         return self._index.wait_committed(version, timeout_s)
 
+    def stop_waiting(self) -> None:
+        """End every wait for a version to commit, now and later (the server is stopping)."""
+        self._index.stop_waiting()
+
     def wait_persisted(self, version: int, timeout_s: float | None = None) -> bool:
         """Wait until `version`'s persistent copy is committed (or failed, or the version
         is gone); True if it is on storage. Without storage: False at once."""
