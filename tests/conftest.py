@@ -27,6 +27,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # The test processes themselves keep only programs that took a second or more to
+    # compile: writing an entry serializes the executable, which on XLA:CPU costs about as
+    # much as compiling it, and the in-process tests compile many programs that no later
+    # test asks for again (measured on tests/test_trainer.py: 134 s with every program kept,
+    # 112 s with this). The components they start (inheriting the variables above) keep
+    # every program: a restarted or later component compiles the same small ones again.
+    import jax  # noqa: E402 - after the variables above, which JAX reads when imported
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 # --- GCS emulator (tests/gcs_emulator.py) -----------------------------------------------

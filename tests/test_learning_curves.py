@@ -1,6 +1,6 @@
 """tools/learning_curves.py: its criteria, curves and table on synthetic runs, the held-out
-evaluation's 95 % interval, and `--quick` end to end (the real job, two seeds, a tiny
-model, off-policy): the curve file comes out with the mode's curve over one run per seed."""
+evaluation's 95 % interval, and `--quick` end to end (the real job, one seed, a tiny model,
+off-policy): the curve file comes out with the mode's curve over its run."""
 
 from __future__ import annotations
 
@@ -201,7 +201,9 @@ def test_quick_runs_the_job_per_seed_and_mode_and_writes_the_curves(tmp_path):
             str(ROOT / "tools" / "learning_curves.py"),
             "--quick",
             "--modes",
-            "off_policy",  # one mode (2 of the suite's minutes): the seeds make the band
+            "off_policy",  # one mode and one seed: the band over seeds is tested above
+            "--seeds",
+            "1",
             "--work-dir",
             str(tmp_path / "work"),
             "--json",
@@ -217,11 +219,9 @@ def test_quick_runs_the_job_per_seed_and_mode_and_writes_the_curves(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     steps = list(range(0, report["num_steps"] + 1, report["eval_every"]))
-    assert report["seeds"] == list(lc.QUICK_SEEDS)
+    assert report["seeds"] == [1]
     assert list(report["curves"]) == ["off_policy"]
-    assert {(r["mode"], r["seed"]) for r in report["runs"]} == {
-        ("off_policy", s) for s in lc.QUICK_SEEDS
-    }
+    assert [(r["mode"], r["seed"]) for r in report["runs"]] == [("off_policy", 1)]
     for r in report["runs"]:
         assert r["eval_steps"] == steps and len(r["accuracy"]) == len(steps)
         assert all(0.0 <= a <= 1.0 for a in r["accuracy"])
@@ -239,4 +239,4 @@ def test_quick_runs_the_job_per_seed_and_mode_and_writes_the_curves(tmp_path):
         np.testing.assert_allclose(curve["mean"], at.mean(0))
         np.testing.assert_allclose(curve["min"], at.min(0))
         np.testing.assert_allclose(curve["max"], at.max(0))
-    assert "| off-policy | 0 |" in done.stdout and "| off-policy | 1 |" in done.stdout
+    assert "| off-policy | 1 |" in done.stdout
