@@ -5,11 +5,16 @@ The trainer hands each version it publishes to the worker here: the device array
 publishes (its params cast to the published dtype, or, uncast, the params themselves, which
 a co-located trainer's RL step writes beside rather than over: TrainerPrograms.rl_step).
 The worker's load places those arrays on its own mesh (no copy where the trainer's sharding
-is the worker's) instead of pulling bytes over gRPC. The
-trainer still sends every version to the parameter server, in the background after an RL
-step, so the server holds what it holds in a disaggregated run: versions for recovery,
-snapshots, evaluation and replays. `wait_sent` orders what reads the server after a
-handed version (a worker's confirmation, a pull of a version no longer held here).
+is the worker's) instead of pulling bytes over gRPC.
+
+With inference.colocated_publish "every", the trainer also sends every version to the
+parameter server, in the background after an RL step, so the server holds what it holds in a
+disaggregated run. With "needed" (the default) it sends only what a reader of the server
+relies on: at each checkpoint the versions a resume from it generates with (those not sent
+yet are still held here), and the run's last version; a send in the background contends with
+the worker's load and generation for the host's cores (docs/controller.md, "Co-located").
+`wait_sent` orders what reads the server after a handed version (a worker's confirmation, a
+pull of a version no longer held here).
 
 Only the newest `keep` versions are held (each is one copy of the served weights on the
 devices); an older one is pulled from the parameter server as before.
@@ -64,6 +69,11 @@ class SharedVersions:
             params = self._held.get(version)
             self.handed += params is not None
             return params
+
+    def held(self, version: int) -> Any | None:
+        """The arrays of `version` if held here (for the trainer to send), else None."""
+        with self._lock:
+            return self._held.get(version)
 
     def versions(self) -> list[int]:
         """The versions held, oldest first."""

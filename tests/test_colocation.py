@@ -1,9 +1,12 @@
 """Co-location (inference.colocated): a trainer and an inference worker in one process. The
 worker serves each version the trainer hands it, bitwise what it would pull, without a pull;
-the parameter server still receives every version (in the background after a step); a send
-that fails is made again before the next step; a version no longer held is pulled. The
-launcher and a whole run are in test_controller_e2e.py (the kill-and-resume run)."""
+with colocated_publish "every" the parameter server receives every version (in the
+background after a step), with "needed" only those a checkpoint relies on (and a held one
+on request); a send that fails is made again before the next step; a version no longer held
+is pulled. The launcher and a whole run are in test_controller_e2e.py (the kill-and-resume
+run, with the default "needed")."""
 
+import contextlib
 import dataclasses
 import secrets
 import time
@@ -14,14 +17,15 @@ import pytest
 from trainer_helpers import ENGINE, MODEL, rollout_batch, run_config
 
 from rlax_tpu.api.param_server import ParamServerCallError
-from rlax_tpu.colocation import SharedVersions
-from rlax_tpu.config import ConfigError, InferenceConfig
+from rlax_tpu.colocation import DEFAULT_KEEP, SharedVersions
+from rlax_tpu.config import ConfigError, InferenceConfig, StalenessConfig
 from rlax_tpu.deploy import DeployError
 from rlax_tpu.deploy.plan import check_deployable
 from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.param_server import ServeOptions, start_server
 from rlax_tpu.param_server.trees import TreeClient
-from rlax_tpu.trainer import Trainer
+from rlax_tpu.staleness import StalenessPolicy
+from rlax_tpu.trainer import OutOfOrderStepError, Trainer
 
 TOKEN = secrets.token_hex(8)
 
@@ -46,36 +50,51 @@ class CountingClient(TreeClient):
         return super().publish(version, tree, *args, **kwargs)
 
 
-@pytest.fixture
-def colocated(request, tmp_path):
-    """A trainer and a worker sharing SharedVersions, with a real parameter server; the
-    params published uncast (the trainer hands the params themselves, the default) or, with
-    the test parametrized indirectly, cast to bf16."""
+@contextlib.contextmanager
+def _colocated(tmp_path, *, publish_dtype="", publish="every", staleness=None, **trainer):
+    """A trainer and a worker sharing SharedVersions (holding what trainer.server gives it),
+    with a real parameter server; `publish`: inference.colocated_publish."""
     server = start_server(
         ServeOptions(storage_url=str(tmp_path / "params"), hot_versions=8), auth_token=TOKEN
     )
-    model = dataclasses.replace(MODEL, publish_dtype=getattr(request, "param", ""))
-    inference = dataclasses.replace(ENGINE, colocated=True)
-    config = run_config(str(tmp_path / "run"), model=model, inference=inference)
-    shared = SharedVersions()
+    model = dataclasses.replace(MODEL, publish_dtype=publish_dtype)
+    inference = dataclasses.replace(ENGINE, colocated=True, colocated_publish=publish)
+    config = run_config(str(tmp_path / "run"), model=model, inference=inference, **trainer)
+    if staleness is not None:
+        config = dataclasses.replace(config, staleness=staleness)
+    keep = DEFAULT_KEEP
+    if publish == "needed":
+        keep = max(keep, StalenessPolicy.from_config(config.staleness).hot_versions())
+    shared = SharedVersions(keep)
     trainer_client = CountingClient([server.address], auth_token=TOKEN)
     worker_client = CountingClient([server.address], auth_token=TOKEN)
     trainer = Trainer(config, param_server=trainer_client, shared=shared)
     worker = InferenceWorker(
         config, param_server=worker_client, consumer_id="inference_worker-0", shared=shared
     )
-    yield dict(
-        trainer=trainer,
-        worker=worker,
-        shared=shared,
-        trainer_client=trainer_client,
-        worker_client=worker_client,
-    )
-    worker.close()
-    trainer.close()
-    worker_client.close()
-    trainer_client.close()
-    server.stop()
+    try:
+        yield dict(
+            trainer=trainer,
+            worker=worker,
+            shared=shared,
+            trainer_client=trainer_client,
+            worker_client=worker_client,
+        )
+    finally:
+        worker.close()
+        trainer.close()
+        worker_client.close()
+        trainer_client.close()
+        server.stop()
+
+
+@pytest.fixture
+def colocated(request, tmp_path):
+    """`_colocated` sending every version; the params published uncast (the trainer hands
+    the params themselves, the default) or, with the test parametrized indirectly, cast to
+    bf16."""
+    with _colocated(tmp_path, publish_dtype=getattr(request, "param", "")) as parts:
+        yield parts
 
 
 def _served(worker) -> list[np.ndarray]:
@@ -147,6 +166,35 @@ def test_a_send_that_failed_in_the_background_is_made_before_the_next_step(coloc
     trainer.train_step(1, rollout_batch(1))  # publishes version 1 again first
     trainer.save()
     assert client.versions() == [0, 1, 2]
+
+
+def test_needed_sends_only_what_a_checkpoint_relies_on_and_a_held_version_on_request(tmp_path):
+    """colocated_publish "needed", one step off-policy (N = 1), checkpoints every 3 steps:
+    the worker is handed every version; the server gets version 0, each checkpoint's
+    [oldest a resume generates with, checkpoint], the run's last, and a held version the
+    controller asks for (as after a parameter server restart lost it)."""
+    staleness = StalenessConfig(reload_every=1, max_staleness=1)
+    with _colocated(tmp_path, publish="needed", staleness=staleness, checkpoint_every=3) as parts:
+        trainer, worker, client = parts["trainer"], parts["worker"], parts["trainer_client"]
+        trainer.initialize()
+        placed = {0: _placed(worker, trainer.params())}
+        for step in range(5):
+            batch = rollout_batch(step)
+            batch = dataclasses.replace(batch, versions=batch.versions + max(0, step - 1))
+            trainer.train_step(step, batch)
+            worker.load(step + 1)
+            placed[step + 1] = _placed(worker, trainer.params())
+        assert parts["worker_client"].pulled == []
+        # Checkpoint 3 sent [g(3), 3] = [2, 3]; versions 1, 4 and 5 were only handed.
+        assert client.versions() == [0, 2, 3]
+        _assert_equal(_placed(worker, client.pull(2, worker.param_like())), placed[2])
+        trainer.republish(4)  # held (the window's 3 copies: 3, 4, 5)
+        assert client.versions() == [0, 2, 3, 4]
+        with pytest.raises(OutOfOrderStepError, match="an older version comes back only"):
+            trainer.republish(1)  # neither held nor the trainer's
+        trainer.save()  # a checkpoint at 5: [g(5), 5] = [4, 5]
+        assert client.versions() == [0, 2, 3, 4, 5]
+        _assert_equal(_placed(worker, client.pull(5, worker.param_like())), placed[5])
 
 
 def test_colocated_takes_one_worker_and_no_deploy():

@@ -219,6 +219,9 @@ def test_a_refusal_names_the_mesh_and_a_minus_one_axis_left_nothing():
     assert "resolved" not in text
 
 
+# ~13 s: `-m slow`. The default run builds the two-slice mesh (the DCN axis test below) and
+# compiles for one slice (above); this compiles the step over two.
+@pytest.mark.slow
 def test_tiny_model_compiles_for_two_slices_with_data_across_them(tmp_path):
     out = tmp_path / "report.json"
     # One --set at a time stays valid: fsdp takes the rest, data 2 on one slice, then two.

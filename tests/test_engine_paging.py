@@ -84,6 +84,9 @@ def test_swapping_holds_with_several_decode_steps_per_call_and_bfloat16():
     assert_clean(e)
 
 
+# ~20 s: `-m slow`. The default run swaps on one device (above) and serves on a tensor-
+# parallel mesh (tests/test_engine.py); this is the two together.
+@pytest.mark.slow
 def test_swapping_on_a_tensor_parallel_mesh_gives_the_large_pools_rollouts():
     """Swapped pages leave and return sharded over kv heads, as the pool holds them."""
     mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=jax.devices()[:2])

@@ -756,6 +756,13 @@ class InferenceConfig(ConfigBase):
     # sends it to the parameter server in the background; controller, staleness, snapshots
     # and results are those of the disaggregated run (docs/controller.md, "Co-located").
     colocated: bool = False
+    # Co-located, which versions the trainer sends to the parameter server: "needed" = only
+    # those a snapshot relies on (each checkpoint's [oldest a resume generates with,
+    # checkpoint]) and the run's last; the worker is handed the rest, and the trainer holds
+    # the staleness window's versions (staleness.hot_versions() copies of the served
+    # weights) so a reader can still be sent one. "every" = each version, in the background
+    # while the worker generates, as a disaggregated run does. Same weights either way.
+    colocated_publish: Literal["needed", "every"] = "needed"
 
     def validate(self) -> None:
         require(self.max_decode_slots >= 1, "max_decode_slots", "must be >= 1")
@@ -1465,6 +1472,7 @@ RESUMABLE_FIELDS = (
     "inference.gpu_memory_fraction",
     "inference.prefetch_weights",  # when the weights move, not which
     "inference.colocated",  # where the worker runs and how weights reach it, not which
+    "inference.colocated_publish",  # which versions the server also gets, not the weights
     "inference.compiled_dir",
     "verifiers.address",
     "deploy",

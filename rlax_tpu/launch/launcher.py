@@ -2,8 +2,9 @@
 
 `LocalCluster` starts the parameter server, the trainer, N inference workers and the
 verifier service with a fresh auth token, together (only the parameter server's address is
-awaited before the workers and the trainer start, as they are given it) (with inference.colocated, the one inference worker
-runs inside the trainer's process, which announces its address), each with its log file in
+awaited before the workers and the trainer start, as they are given it; with
+inference.colocated, the one inference worker runs inside the trainer's process, which
+announces its address), each with its log file in
 the run directory (with `verifiers.address` set it starts no verifier: the run uses the
 services there, and their token, from the environment, is the run's), and watches them. A
 dead inference worker, verifier or parameter server is started again on its port (so every

@@ -16,7 +16,8 @@ them save with it, then tells them to stop.
 Co-located (`inference.colocated`): the process also builds the run's one inference worker
 on the same devices and serves it on a second gRPC server (announced as `ALSO
 inference_worker-0 host:port` before READY); the trainer hands it each version it publishes
-(rlax_tpu.colocation) and sends the version to the parameter server in the background.
+(rlax_tpu.colocation) and sends it to the parameter server in the background, or, with
+inference.colocated_publish "needed", when a checkpoint needs it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax
 
 from rlax_tpu.api.param_server import ReplicaPlan, split_dims_from_logical
 from rlax_tpu.api.trainer import SFT_STEP, TRAIN_STEP, BatchLimits, pack_batch, unpack_batch
-from rlax_tpu.colocation import SharedVersions
+from rlax_tpu.colocation import DEFAULT_KEEP, SharedVersions
 from rlax_tpu.config import ModelConfig, RunConfig
 from rlax_tpu.distributed import broadcast_bytes
 from rlax_tpu.inference.server import DEFAULT_WORKER_ID, serve_worker
@@ -52,6 +53,7 @@ from rlax_tpu.rpc.process import (
     wait_for,
 )
 from rlax_tpu.sharding import build_mesh
+from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import (
     BatchSizeError,
     NotInitializedError,
@@ -230,7 +232,14 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    shared = SharedVersions() if colocated else None
+    shared = None
+    if colocated:
+        # "needed": the staleness window's versions stay held, to be sent when a checkpoint
+        # needs them (Trainer.save).
+        keep = DEFAULT_KEEP
+        if config.inference.colocated_publish == "needed":
+            keep = max(keep, StalenessPolicy.from_config(config.staleness).hot_versions())
+        shared = SharedVersions(keep)
     param_server = None
     if args.param_server:  # every process sends its share of each version
         param_server = connect_param_server(config, args.param_server, token, stop)

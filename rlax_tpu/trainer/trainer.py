@@ -146,6 +146,10 @@ class Trainer:
             else None
         )
         self._sending: tuple[int, concurrent.futures.Future] | None = None
+        # inference.colocated_publish "needed": RL-step versions handed to the worker but not
+        # sent to the parameter server; a checkpoint sends those it needs (`_send_needed`).
+        self._sends_every = config.inference.colocated_publish == "every"
+        self._unsent: set[int] = set()
         self._trained_here = False  # an RL step trained since the last restore
         if config.controller.samples_per_prompt > 1 and (
             self.levels.mini_size % config.controller.samples_per_prompt
@@ -315,7 +319,9 @@ class Trainer:
         Co-located (`shared`), the version is also handed to the worker in this process, and
         with `background` (an RL step's version, not the run's last) the send to the
         parameter server runs while the worker loads and generates; a send that fails is
-        made again as above, before the trainer's next call."""
+        made again as above, before the trainer's next call. With colocated_publish
+        "needed", such a version is not sent here: a checkpoint that needs it sends it
+        (`save`)."""
         self._wait_sent()
         final = self.config.controller.num_steps
         if not self.policy.publishes(version, final):
@@ -330,6 +336,9 @@ class Trainer:
         params = self._published_params()
         if self.param_server is None:
             sent = sent_already()
+        elif background and version != final and not self._sends_every:
+            sent = sent_already()  # what the server must hold, a checkpoint sends
+            self._unsent.add(version)
         elif background and version != final:
             sent = self._sender.submit(self._send, version, params)
             self._sending = (version, sent)
@@ -342,6 +351,7 @@ class Trainer:
         self._unpublished = version
         receipt = self.param_server.publish(version, params)
         self._unpublished = None
+        self._unsent.discard(version)
         _log.info(
             "published version %d (%s)",
             version,
@@ -360,12 +370,36 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - sent again (see _check_order)
             _log.warning("publishing version %d failed (%s); publishing it again", version, e)
 
+    def _send_needed(self) -> None:
+        """colocated_publish "needed": before a checkpoint of the current step, send the
+        versions a resume from it generates with ([oldest needed, step], as the controller's
+        snapshot waits for them) that were only handed to the worker. Each is still held
+        (the worker's SharedVersions keeps the staleness window)."""
+        if not self._unsent or self.param_server is None:
+            return
+        final = self.config.controller.num_steps
+        low = self.policy.oldest_needed(self.step)
+        for version in self.policy.published(low, self.step, final):
+            if version not in self._unsent:
+                continue
+            params = self.shared.held(version)
+            if params is None:  # pragma: no cover - keep covers the window (trainer.server)
+                _log.warning("version %d is no longer held: a snapshot cannot rely on it", version)
+                continue
+            self._send(version, params)
+        self._unsent = {v for v in self._unsent if v > low}
+
     def republish(self, version: int) -> None:
         """Publish `version` again: the one this trainer holds, which a restarted parameter
-        server lost (committed, not yet on storage). Already held there: nothing is sent.
-        OutOfOrderStepError for any other version (an older one can only come back from its
-        checkpoint: a resume)."""
+        server lost (committed, not yet on storage), or, co-located, one still held for the
+        worker. Already held there: nothing is sent. OutOfOrderStepError for any other
+        version (an older one can only come back from its checkpoint: a resume)."""
         self._require_state()
+        held = None if self.shared is None or version == self.step else self.shared.held(version)
+        if held is not None and self.param_server is not None:
+            self._wait_sent()
+            self._send(version, held)
+            return
         if version != self.step or self.warm_start_step < self.warm_start_steps:
             raise OutOfOrderStepError(
                 f"asked to publish version {version} again, but this trainer holds version "
@@ -744,6 +778,7 @@ class Trainer:
         if self.warm_start_step < self.warm_start_steps:
             self._save_warm_start(wait=wait)
             return self.step
+        self._send_needed()
         if self.step in self.checkpoints.steps():
             if wait:
                 self.checkpoints.wait()
