@@ -10,9 +10,11 @@ is the worker's) instead of pulling bytes over gRPC.
 With inference.colocated_publish "every", the trainer also sends every version to the
 parameter server, in the background after an RL step, so the server holds what it holds in a
 disaggregated run. With "needed" (the default) it sends only what a reader of the server
-relies on: at each checkpoint the versions a resume from it generates with (those not sent
-yet are still held here), and the run's last version; a send in the background contends with
-the worker's load and generation for the host's cores (docs/controller.md, "Co-located").
+may rely on: at each checkpoint the versions a resume from it generates with (those not sent
+yet are still held here), a version a resume may still generate with after it is no longer
+held (max_staleness >= 2 * reload_every: sent in the background at its publish), and the
+run's last version; a send in the background contends with the worker's load and generation
+for the host's cores (docs/controller.md, "Co-located").
 `wait_sent` orders what reads the server after a handed version (a worker's confirmation, a
 pull of a version no longer held here).
 

@@ -62,10 +62,7 @@ def _colocated(tmp_path, *, publish_dtype="", publish="every", staleness=None, *
     config = run_config(str(tmp_path / "run"), model=model, inference=inference, **trainer)
     if staleness is not None:
         config = dataclasses.replace(config, staleness=staleness)
-    keep = DEFAULT_KEEP
-    if publish == "needed":
-        keep = max(keep, StalenessPolicy.from_config(config.staleness).hot_versions())
-    shared = SharedVersions(keep)
+    shared = SharedVersions(DEFAULT_KEEP)
     trainer_client = CountingClient([server.address], auth_token=TOKEN)
     worker_client = CountingClient([server.address], auth_token=TOKEN)
     trainer = Trainer(config, param_server=trainer_client, shared=shared)
@@ -188,13 +185,51 @@ def test_needed_sends_only_what_a_checkpoint_relies_on_and_a_held_version_on_req
         # Checkpoint 3 sent [g(3), 3] = [2, 3]; versions 1, 4 and 5 were only handed.
         assert client.versions() == [0, 2, 3]
         _assert_equal(_placed(worker, client.pull(2, worker.param_like())), placed[2])
-        trainer.republish(4)  # held (the window's 3 copies: 3, 4, 5)
+        trainer.republish(4)  # held (the 2 copies: 4, 5)
         assert client.versions() == [0, 2, 3, 4]
         with pytest.raises(OutOfOrderStepError, match="an older version comes back only"):
             trainer.republish(1)  # neither held nor the trainer's
         trainer.save()  # a checkpoint at 5: [g(5), 5] = [4, 5]
         assert client.versions() == [0, 2, 3, 4, 5]
         _assert_equal(_placed(worker, client.pull(5, worker.param_like())), placed[5])
+
+
+@pytest.mark.parametrize(
+    ("reload_every", "max_staleness", "on_server"),
+    [
+        (2, 2, [0, 4, 6]),  # never needed once dropped: the save sends [g(6), 6]
+        (1, 4, [0, 1, 2, 3, 4, 5, 6]),  # each still needed once dropped: sent at publish
+        (2, 4, [0, 2, 4, 6]),
+    ],
+)
+def test_needed_holds_two_copies_and_sends_what_a_resume_needs_once_dropped(
+    tmp_path, reload_every, max_staleness, on_server
+):
+    """colocated_publish "needed" holds 2 copies of the served weights whatever N is: a
+    version a resume may generate with after the second newer one is published (N >= 2η)
+    is sent at its publish; the others only by a checkpoint that needs them. A save at an
+    unscheduled step then finds all of [g(step), step] on the server."""
+    staleness = StalenessConfig(reload_every=reload_every, max_staleness=max_staleness)
+    policy = StalenessPolicy.from_config(staleness)
+    with _colocated(tmp_path, publish="needed", staleness=staleness, checkpoint_every=50) as parts:
+        trainer, worker, shared = parts["trainer"], parts["worker"], parts["shared"]
+        client = parts["trainer_client"]
+        trainer.initialize()
+        placed = {0: _placed(worker, trainer.params())}
+        for step in range(6):
+            batch = rollout_batch(step)
+            batch = dataclasses.replace(
+                batch, versions=batch.versions + policy.scheduled_version(step)
+            )
+            trainer.train_step(step, batch)
+            placed[step + 1] = _placed(worker, trainer.params())
+            assert len(shared.versions()) <= DEFAULT_KEEP
+        trainer.save()  # step 6, no scheduled checkpoint before it
+        assert client.versions() == on_server
+        assert set(policy.published(policy.oldest_needed(6), 6, 6)) <= set(on_server)
+        for version in on_server:
+            pulled = client.pull(version, worker.param_like())
+            _assert_equal(_placed(worker, pulled), placed[version])
 
 
 def test_colocated_takes_one_worker_and_no_deploy():

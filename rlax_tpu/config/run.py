@@ -757,11 +757,12 @@ class InferenceConfig(ConfigBase):
     # and results are those of the disaggregated run (docs/controller.md, "Co-located").
     colocated: bool = False
     # Co-located, which versions the trainer sends to the parameter server: "needed" = only
-    # those a snapshot relies on (each checkpoint's [oldest a resume generates with,
-    # checkpoint]) and the run's last; the worker is handed the rest, and the trainer holds
-    # the staleness window's versions (staleness.hot_versions() copies of the served
-    # weights) so a reader can still be sent one. "every" = each version, in the background
-    # while the worker generates, as a disaggregated run does. Same weights either way.
+    # those a snapshot may rely on (each checkpoint's [oldest a resume generates with,
+    # checkpoint]) and the run's last: on-policy and one step off-policy, only at
+    # checkpoints; with max_staleness >= 2 * reload_every each version is still needed after
+    # the worker drops it, so it is sent in the background. "every" = each version, in the
+    # background while the worker generates, as a disaggregated run does. Either way the
+    # process holds 2 copies of the served weights, and the run's weights are the same.
     colocated_publish: Literal["needed", "every"] = "needed"
 
     def validate(self) -> None:

@@ -17,7 +17,7 @@ Co-located (`inference.colocated`): the process also builds the run's one infere
 on the same devices and serves it on a second gRPC server (announced as `ALSO
 inference_worker-0 host:port` before READY); the trainer hands it each version it publishes
 (rlax_tpu.colocation) and sends it to the parameter server in the background, or, with
-inference.colocated_publish "needed", when a checkpoint needs it.
+inference.colocated_publish "needed", only when a snapshot may rely on it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from rlax_tpu.rpc.process import (
     wait_for,
 )
 from rlax_tpu.sharding import build_mesh
-from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import (
     BatchSizeError,
     NotInitializedError,
@@ -234,12 +233,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     shared = None
     if colocated:
-        # "needed": the staleness window's versions stay held, to be sent when a checkpoint
-        # needs them (Trainer.save).
-        keep = DEFAULT_KEEP
-        if config.inference.colocated_publish == "needed":
-            keep = max(keep, StalenessPolicy.from_config(config.staleness).hot_versions())
-        shared = SharedVersions(keep)
+        shared = SharedVersions(DEFAULT_KEEP)
     param_server = None
     if args.param_server:  # every process sends its share of each version
         param_server = connect_param_server(config, args.param_server, token, stop)

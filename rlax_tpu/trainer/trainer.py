@@ -320,8 +320,8 @@ class Trainer:
         with `background` (an RL step's version, not the run's last) the send to the
         parameter server runs while the worker loads and generates; a send that fails is
         made again as above, before the trainer's next call. With colocated_publish
-        "needed", such a version is not sent here: a checkpoint that needs it sends it
-        (`save`)."""
+        "needed", such a version is sent only if it may be needed after it stops being held
+        (`_outlives_hold`); otherwise a checkpoint that needs it sends it (`save`)."""
         self._wait_sent()
         final = self.config.controller.num_steps
         if not self.policy.publishes(version, final):
@@ -337,8 +337,13 @@ class Trainer:
         if self.param_server is None:
             sent = sent_already()
         elif background and version != final and not self._sends_every:
-            sent = sent_already()  # what the server must hold, a checkpoint sends
-            self._unsent.add(version)
+            self._unsent = {v for v in self._unsent if v >= self.policy.oldest_needed(version)}
+            if self._outlives_hold(version):
+                sent = self._sender.submit(self._send, version, params)
+                self._sending = (version, sent)
+            else:
+                sent = sent_already()  # while held, a checkpoint that needs it sends it
+                self._unsent.add(version)
         elif background and version != final:
             sent = self._sender.submit(self._send, version, params)
             self._sending = (version, sent)
@@ -346,6 +351,16 @@ class Trainer:
             self._send(version, params)
             sent = sent_already()
         self.shared.put(version, params, sent)
+
+    def _outlives_hold(self, version: int) -> bool:
+        """colocated_publish "needed": whether a resume may still generate with `version`
+        after the worker's SharedVersions drops it, when the `keep`-th newer version is
+        published (η apart): then a snapshot relies on the server's copy, sent now. On
+        policy and one step off it never does (N < 2η with the default keep of 2), so only
+        checkpoints send; further off-policy, each RL step's version goes in the background
+        as with "every", and the process still holds only `keep` copies."""
+        dropped_at = version + self.shared.keep * self.policy.reload_every
+        return version >= self.policy.oldest_needed(dropped_at)
 
     def _send(self, version: int, params: Any) -> None:
         self._unpublished = version
@@ -373,8 +388,9 @@ class Trainer:
     def _send_needed(self) -> None:
         """colocated_publish "needed": before a checkpoint of the current step, send the
         versions a resume from it generates with ([oldest needed, step], as the controller's
-        snapshot waits for them) that were only handed to the worker. Each is still held
-        (the worker's SharedVersions keeps the staleness window)."""
+        snapshot waits for them) that were only handed to the worker. Each is still held:
+        one that may be needed after the worker drops it was sent at its publish
+        (`_outlives_hold`)."""
         if not self._unsent or self.param_server is None:
             return
         final = self.config.controller.num_steps
@@ -383,7 +399,7 @@ class Trainer:
             if version not in self._unsent:
                 continue
             params = self.shared.held(version)
-            if params is None:  # pragma: no cover - keep covers the window (trainer.server)
+            if params is None:  # pragma: no cover - _outlives_hold sent it
                 _log.warning("version %d is no longer held: a snapshot cannot rely on it", version)
                 continue
             self._send(version, params)
