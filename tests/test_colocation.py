@@ -14,16 +14,20 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from trainer_helpers import ENGINE, MODEL, rollout_batch, run_config
 
 from rlax_tpu.api.param_server import ParamServerCallError
 from rlax_tpu.colocation import DEFAULT_KEEP, SharedVersions
-from rlax_tpu.config import ConfigError, InferenceConfig, StalenessConfig
+from rlax_tpu.config import ConfigError, InferenceConfig, MeshConfig, StalenessConfig
 from rlax_tpu.deploy import DeployError
 from rlax_tpu.deploy.plan import check_deployable
+from rlax_tpu.inference.weights import ServedWeights
 from rlax_tpu.inference.worker import InferenceWorker
+from rlax_tpu.models import Transformer
 from rlax_tpu.param_server import ServeOptions, start_server
 from rlax_tpu.param_server.trees import TreeClient
+from rlax_tpu.sharding import build_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import OutOfOrderStepError, Trainer
 
@@ -230,6 +234,27 @@ def test_needed_holds_two_copies_and_sends_what_a_resume_needs_once_dropped(
         for version in on_server:
             pulled = client.pull(version, worker.param_like())
             _assert_equal(_placed(worker, pulled), placed[version])
+
+
+def test_device_arrays_of_another_mesh_are_resharded_bitwise_and_ours_are_not_copied():
+    """What a co-located worker does with the trainer's arrays (ServedWeights.place): a
+    tree replicated on the trainer's data-parallel mesh lands on the worker's tensor-parallel
+    one with the same values, each leaf sharded as the worker's programs take it; arrays
+    already in the worker's shardings are served as they are."""
+    devices = np.array(jax.devices()[:2])
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=list(devices))
+    weights = ServedWeights(MODEL, ENGINE, mesh)
+    host = nnx.to_pure_dict(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(0))))
+    trainer_mesh = jax.sharding.Mesh(devices.reshape(2, 1, 1), ("data", "fsdp", "tensor"))
+    replicated = jax.sharding.NamedSharding(trainer_mesh, jax.sharding.PartitionSpec())
+    handed = jax.tree.map(lambda x: jax.device_put(np.asarray(x), replicated), host)
+    placed = weights.place(handed)
+    expected = weights.place(host)  # host arrays: sliced per device on the host
+    assert [x.sharding for x in placed] == [leaf.sharding for leaf in weights._layout]
+    assert any(len(x.sharding.device_set) == 2 and not x.is_fully_replicated for x in placed)
+    _assert_equal([np.asarray(x) for x in placed], [np.asarray(x) for x in expected])
+    ours = weights.place(nnx.to_pure_dict(jax.tree.unflatten(weights.treedef, placed)))
+    assert all(a is b for a, b in zip(ours, placed, strict=True))
 
 
 def test_colocated_takes_one_worker_and_no_deploy():
