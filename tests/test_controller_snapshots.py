@@ -1,6 +1,7 @@
 """Controller snapshots and the rollout log: atomic, verified, never silently wrong."""
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -89,6 +90,7 @@ def test_rollout_log_keeps_each_rollout_once_by_key_and_skips_torn_entries(tmp_p
         ],
     )
     log.append(0, [])  # nothing to write
+    log.flush()
     batch_dir = tmp_path / "rollouts" / "batch_000000000"
     assert len(list(batch_dir.iterdir())) == 2  # one file per write of distinct rollouts
     (batch_dir / "rollouts-torn.jsonl").write_text('{"prompt_id": "b0:arith:1", "sample_index": 3')
@@ -97,6 +99,49 @@ def test_rollout_log_keeps_each_rollout_once_by_key_and_skips_torn_entries(tmp_p
     assert logged[("b0:arith:1", 1, 0)]["tokens"] == [5, 6]
     assert logged[("b0:arith:1", 2, 0)]["tokens"] == [7]
     assert log.read_batch(1) == {}
+
+
+def test_rollout_log_writes_in_the_background_in_order_until_a_flush(tmp_path, monkeypatch):
+    """An append returns before its write (a local file's fsyncs, an upload) is done; the
+    writes land in order; flush (what a snapshot waits for) and a read of the batch wait for
+    them; a write that failed raises there."""
+    record = RolloutRecord(
+        batch=0, prompt_id="b0:arith:1", sample_index=0, version=0, prompt_tokens=(1,),
+        tokens=(5, 6), logprobs=(-0.5, -0.5), finish_reason="stop",
+    )  # fmt: skip
+    gate, landed, real = threading.Event(), [], storage.write_text
+
+    def held(url, text):
+        gate.wait(30)
+        real(url, text)
+        landed.append(url.split("/")[-2])
+
+    monkeypatch.setattr(storage, "write_text", held)
+    log = RolloutLog(str(tmp_path))
+    log.append(0, [record])
+    log.append(1, [dataclasses.replace(record, batch=1)])
+    log.record_consumed(0, [("b0:arith:1", 0, 0)])
+    assert landed == [] and not (tmp_path / "rollouts").exists()
+    flusher = threading.Thread(target=log.flush)
+    flusher.start()
+    flusher.join(0.3)
+    assert flusher.is_alive()  # waiting for the held writes
+    gate.set()
+    flusher.join(30)
+    assert landed == ["batch_000000000", "batch_000000001", "consumed"]
+    assert sorted(log.read_batch(1)) == [("b0:arith:1", 0, 0)]
+
+    def broken(url, text):
+        raise OSError(f"no space left writing {url}")
+
+    monkeypatch.setattr(storage, "write_text", broken)
+    log.append(2, [dataclasses.replace(record, batch=2)])
+    with pytest.raises(OSError, match="no space left"):
+        log.flush()
+    log.append(3, [dataclasses.replace(record, batch=3)])
+    with pytest.raises(OSError, match="batch_000000003"):
+        log.read_batch(3)
+    log.close()
 
 
 def test_consumed_rows_are_recorded_per_batch(tmp_path):

@@ -121,7 +121,8 @@ def run_batch(
     threads = WorkerThreads(
         [LocalClient(worker, params)], sampling=sampling, counters={}, merge_jobs=True
     )
-    pool = GenerationPool(threads, RolloutLog(str(run_dir)), samples=2, episodes=episodes)
+    log = RolloutLog(str(run_dir))
+    pool = GenerationPool(threads, log, samples=2, episodes=episodes)
     batch = BatchState(0, 0, 2)
     records = [
         PromptRecord(dataset="d", id=str(i), prompt=p, reference="0") for i, p in enumerate(prompts)
@@ -140,6 +141,7 @@ def run_batch(
         assert pool.wait(batch, threading.Event())
     finally:
         pool.stop()
+        log.close()  # its writes on storage, as a controller's stop leaves them
         worker.close()
     return batch, {"engine": engine.stats(), "counters": threads.counters}
 

@@ -70,6 +70,7 @@ def test_the_rollout_log_writes_the_old_lines_byte_for_byte(tmp_path):
     log.append(3, [RECORD])
     dense = Judgement(0.5, "accepted", token_rewards=(0.1, 1 / 3, 0.0))
     log.append_verdicts(3, [(RECORD.key, Judgement(1.0, "correct", "ok", response="42"))])
+    log.flush()
     batch_dir = tmp_path / "rollouts" / "batch_000000003"
     assert _only_file(batch_dir, "rollouts-") == OLD_ROLLOUT_LINE
     assert _only_file(batch_dir, "verdicts-") == OLD_VERDICT_LINE
@@ -93,6 +94,7 @@ def test_a_log_written_in_the_old_format_loads_as_records(tmp_path):
     # Read back and written again: the same bytes (what a resumed run logs).
     again = RolloutLog(str(tmp_path / "again"))
     again.append(3, list(log.rollouts(3).values()))
+    again.flush()
     assert _only_file(tmp_path / "again" / "rollouts" / "batch_000000003", "rollouts-") == (
         OLD_ROLLOUT_LINE
     )
@@ -139,7 +141,9 @@ def test_a_group_holds_only_judged_samples():
 
 def test_the_prompts_of_a_batch_are_logged_as_before(tmp_path):
     record = PromptRecord(dataset="gsm8k", id="17", prompt="What is 6*7?", reference="42")
-    RolloutLog(str(tmp_path)).append_prompts(3, {"b3:gsm8k:17": record})
+    log = RolloutLog(str(tmp_path))
+    log.append_prompts(3, {"b3:gsm8k:17": record})
+    log.flush()
     assert _only_file(tmp_path / "rollouts" / "batch_000000003", "prompts-") == (
         '{"prompt_id": "b3:gsm8k:17", "record": {"dataset": "gsm8k", "id": "17", "problem": "", '
         '"prompt": "What is 6*7?", "reference": "42", "verifier": "math"}}\n'

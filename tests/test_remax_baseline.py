@@ -157,6 +157,7 @@ def run_batch(tmp_path, verifier, worker=None):
         return builder.assemble(batch, selection), batch, groups, worker
     finally:
         pool.stop()
+        log.close()  # its writes on storage, as a controller's stop leaves them
 
 
 def test_remax_is_the_config_that_asks_for_a_greedy_baseline_and_refuses_replay():

@@ -233,6 +233,7 @@ def test_samples_shows_an_episode_turn_by_turn_with_its_masks_and_tool_messages(
         0, [(RolloutKey("b0:m:7", 0, 0), Judgement(1.0, "accepted", response="15846"))]
     )
     TurnLog(log.directory).append(0, turn)
+    log.flush()
 
     (sample,) = read_samples(str(tmp_path), step=0)["prompts"][0]["samples"]
     roles = [(t["role"], t["tokens"]) for t in sample["turns"]]

@@ -219,6 +219,7 @@ class Controller:
             worker_versions=lambda: list(self.pool.worker_versions),
             wait_s=ctl.component_wait_s,
             stop=self.stop,
+            flush_log=self.log.flush,
         )
         self.evaluator = None
         if eval_prompts:
@@ -299,6 +300,7 @@ class Controller:
         finally:
             self.pool.stop()
             self.recovery.close()
+            self.log.close()
         return self._summary(start, step, time.perf_counter() - t0, trainer_busy)
 
     def _episode_metrics(self, batch: Any, keys: Sequence[Any]) -> dict[str, float]:

@@ -550,7 +550,7 @@ class GenerationPool:
         prompts = {pid: record for pid, record in prompts.items() if pid not in known}
         if prompts:
             self.log.append_prompts(batch.index, prompts)  # for people: `rlax-tpu samples`
-        self.log.append(batch.index, records)  # persisted before they can be trained on
+        self.log.append(batch.index, records)  # on storage before the next snapshot
         with self._lock:
             for record in records:
                 batch.rollouts[(record.prompt_id, record.sample_index)] = record

@@ -49,6 +49,7 @@ class Recovery:
         worker_versions: Callable[[], Sequence[int]],
         wait_s: float = 300.0,
         stop: threading.Event | None = None,
+        flush_log: Callable[[], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.snapshots = snapshots
@@ -59,6 +60,8 @@ class Recovery:
         self._worker_versions = worker_versions
         # For a trainer that does not answer during the restore; `stop`: the run stops.
         self.wait_s, self.stop = wait_s, stop
+        # The rollout log's writes run in the background: on storage before a snapshot.
+        self._flush_log = flush_log
         self._main_at: dict[int, dict[str, Any]] = {}
         self._step_at: dict[int, dict[str, Any]] = {}
         # The checkpoint whose versions were last found on the server's storage: snapshots
@@ -186,6 +189,8 @@ class Recovery:
             final = self.schedule.num_steps
             self._wait_persisted(self.schedule.policy.published(oldest, checkpoint, final))
             self._persisted_for = checkpoint
+        if self._flush_log is not None:  # the rollouts, verdicts and consumed records
+            self._flush_log()
         failpoint("controller.snapshot", step)  # all ready, not yet written (chaos test)
         self.snapshots.write(snapshot)
         # Then the server may delete what no consumer needs (memory and persisted copies).

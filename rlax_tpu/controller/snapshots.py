@@ -13,10 +13,12 @@ people can read a batch (`rlax-tpu samples`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -145,11 +147,64 @@ class RolloutLog:
     per write (a worker job's rollouts, written as the job finishes); their final verdicts
     (verdicts-*.jsonl, written once each scoring round's retries are over); the dataset
     records of the batch's prompts (prompts-*.jsonl, for people: nothing reads them back
-    to train); and per batch, what the trainer consumed."""
+    to train); and per batch, what the trainer consumed.
+
+    Writes go to storage in the background, in order, each atomic as before: a local
+    file's fsyncs or an object store's upload are off the loop's path (a job's rollouts
+    are in the batch the moment they arrive). What a snapshot relies on must be on storage
+    before it: `flush()` waits for every write so far (the controller's Recovery calls it
+    before each snapshot), and raises the first that failed; a read of a batch waits for
+    that batch's writes. A write that failed also raises at the next append."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self.directory = storage.join(run_dir, ROLLOUTS)
+        self._lock = threading.Lock()
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[tuple[int | None, concurrent.futures.Future]] = []
+
+    # -- writes in the background, in order -------------------------------------------------------
+    def _put(self, batch: int | None, url: str, text: str) -> None:
+        """Write `text` to `url` after every earlier write (`batch`: whose files it is; None
+        for the consumed records)."""
+        self._raise_failed()
+        with self._lock:
+            if self._writer is None:
+                self._writer = concurrent.futures.ThreadPoolExecutor(1, "rollout-log")
+            self._pending.append((batch, self._writer.submit(storage.write_text, url, text)))
+
+    def _raise_failed(self) -> None:
+        """Forget the writes that are done; raise the first that failed."""
+        with self._lock:
+            done = [f for _, f in self._pending if f.done()]
+            self._pending = [(b, f) for b, f in self._pending if not f.done()]
+        for future in done:
+            future.result()
+
+    def _settle(self, batch: int | None = None) -> None:
+        """Until the writes so far (of `batch` only, if given) are on storage; the first that
+        failed raises."""
+        with self._lock:
+            waiting = [f for b, f in self._pending if batch is None or b == batch]
+        concurrent.futures.wait(waiting)
+        self._raise_failed()
+
+    def flush(self) -> None:
+        """Until every write so far is on storage (before a snapshot relies on them); raises
+        the first that failed."""
+        self._settle()
+
+    def close(self) -> None:
+        """Finish the writes (a failure is logged: no snapshot relies on a write after the
+        last `flush`) and stop the writer thread."""
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 - the loop's own error, if any, is the one to see
+            _log.warning("a rollout log write failed after the last snapshot: %s", e)
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
 
     def _batch_dir(self, batch: int) -> str:
         return storage.join(self.directory, f"batch_{batch:09d}")
@@ -176,7 +231,7 @@ class RolloutLog:
         )
         name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:24]
         lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-        storage.write_text(storage.join(self._batch_dir(batch), f"{prefix}{name}.jsonl"), lines)
+        self._put(batch, storage.join(self._batch_dir(batch), f"{prefix}{name}.jsonl"), lines)
 
     def read_batch(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
         """The logged rollout lines of `batch`, as written, by (prompt_id, sample_index,
@@ -230,13 +285,13 @@ class RolloutLog:
             json.dumps({"prompt_id": i, "record": records[i].to_json()}, sort_keys=True) + "\n"
             for i in ids
         )
-        storage.write_text(
-            storage.join(self._batch_dir(batch), f"{PROMPTS_PREFIX}{name}.jsonl"), lines
-        )
+        url = storage.join(self._batch_dir(batch), f"{PROMPTS_PREFIX}{name}.jsonl")
+        self._put(batch, url, lines)
 
     def read_prompts(self, batch: int) -> dict[str, dict[str, Any]]:
         """The logged dataset records of `batch`'s prompts by prompt id ({} for batches
         logged before prompts were); an unreadable line is skipped."""
+        self._settle(batch)
         directory = self._batch_dir(batch)
         if not storage.exists(directory):
             return {}
@@ -254,6 +309,7 @@ class RolloutLog:
 
     def batches(self) -> list[int]:
         """The batches the log holds anything of, in order."""
+        self._settle()
         if not storage.exists(self.directory):
             return []
         out = []
@@ -268,6 +324,7 @@ class RolloutLog:
 
     def has_verdicts(self, batch: int) -> bool:
         """Whether any verdict of `batch` is logged (its judging finished a round)."""
+        self._settle(batch)
         directory = self._batch_dir(batch)
         return storage.exists(directory) and any(
             name.startswith(VERDICTS_PREFIX) for name in storage.listdir(directory)
@@ -290,6 +347,7 @@ class RolloutLog:
     ) -> dict[tuple[str, int, int], dict]:
         """The lines of `batch`'s files named `prefix`*, by key; the last read wins, or with
         `longest` the one with the most tokens."""
+        self._settle(batch)
         directory = self._batch_dir(batch)
         if not storage.exists(directory):
             return {}
@@ -314,12 +372,14 @@ class RolloutLog:
 
     def record_consumed(self, batch: int, keys: list[tuple[str, int, int]]) -> None:
         """What train step `batch` consumed (prompt id, sample index, version per row)."""
-        storage.write_text(
+        self._put(
+            None,
             storage.join(self.run_dir, CONSUMED_DIR, f"batch_{batch:09d}.json"),
             json.dumps([list(k) for k in keys]),
         )
 
     def consumed(self) -> dict[int, list[tuple[str, int, int]]]:
+        self._settle()
         directory = storage.join(self.run_dir, CONSUMED_DIR)
         if not storage.exists(directory):
             return {}

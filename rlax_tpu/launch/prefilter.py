@@ -298,12 +298,14 @@ def _judge_samples(
             for a in cluster.addresses["inference_worker"]
         ]
         threads = WorkerThreads(workers, sampling=sampling, counters=counters)
-        pool = GenerationPool(threads, RolloutLog(str(work)), samples=samples)
+        log = RolloutLog(str(work))
+        pool = GenerationPool(threads, log, samples=samples)
         pool.start()
         try:
             rollouts = pool.generate(requests, VERSION)
         finally:
             pool.stop()
+            log.close()
         if cluster.failure:
             raise PrefilterError(cluster.failure)
         verifier = ServiceVerifier(
