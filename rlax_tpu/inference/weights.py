@@ -181,8 +181,9 @@ class ServedWeights:
         """Device arrays in the served dtypes, in this mesh's shardings. Those whose data must
         move (another layout over the devices) are resharded by one jitted identity,
         compiled once per set of moved leaves: XLA slices or gathers them all in one program,
-        where `jax.device_put` to the new shardings took 2-3x as long on the demo model
-        (docs/controller.md, "Co-located"). The rest are only relabelled (no copy)."""
+        where `jax.device_put` to the new shardings took 1.3-1.5x as long on the demo model
+        (tools/bench_colocated_load.py; docs/controller.md, "Co-located"). The rest are only
+        relabelled (no copy)."""
         shardings = [leaf.sharding for leaf in self._layout]
         moving = tuple(
             i
