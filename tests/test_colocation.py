@@ -203,7 +203,6 @@ def test_needed_sends_only_what_a_checkpoint_relies_on_and_a_held_version_on_req
     [
         (2, 2, [0, 4, 6]),  # never needed once dropped: the save sends [g(6), 6]
         (1, 4, [0, 1, 2, 3, 4, 5, 6]),  # each still needed once dropped: sent at publish
-        (2, 4, [0, 2, 4, 6]),
     ],
 )
 def test_needed_holds_two_copies_and_sends_what_a_resume_needs_once_dropped(
