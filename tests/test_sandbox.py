@@ -6,6 +6,9 @@ import ast
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -310,3 +313,25 @@ def test_workdir_is_removed_afterwards(sandbox):
     with sandbox.workdir(writable=True) as work:
         sandbox.run([*PY, "open('f', 'w').write('x')"], workdir=work, limits=LIMITS, writable=True)
     assert not os.path.exists(work)
+
+
+def test_the_work_directories_of_a_killed_process_are_removed_by_the_next_one(tmp_path):
+    """A verifier SIGKILLed mid-run leaves its work directory (its cleanup never ran): the
+    next sandbox to make one there removes it, once it is older than any run; a live
+    process's, a young one and directories named otherwise stay."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"rlax-sandbox-{gone.pid}-k1ll3d"
+    young = tmp_path / f"rlax-sandbox-{gone.pid}-y0ung"
+    live = tmp_path / f"rlax-sandbox-{os.getpid()}-l1ve"
+    other = tmp_path / "rlax-sandbox-probe-x"
+    for directory in (orphan, young, live, other):
+        directory.mkdir()
+        (directory / "main.py").write_text("print(1)\n")
+    hours_ago = time.time() - 2 * 3600
+    for directory in (orphan, live, other):
+        os.utime(directory, (hours_ago, hours_ago))
+    with Sandbox(work_root=tmp_path, allow_unsandboxed=True).workdir() as path:
+        assert path.name.startswith(f"rlax-sandbox-{os.getpid()}-")
+    assert not orphan.exists()
+    assert young.exists() and live.exists() and other.exists()

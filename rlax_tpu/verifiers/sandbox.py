@@ -50,6 +50,14 @@ LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
 _INIT_ARGV = ["python3", "-I", "-S", "-c", Path(__file__).with_name("sandbox_init.py").read_text()]
 
 _STDERR_TAIL_BYTES = 8192
+# Work directories are named rlax-sandbox-<pid of the process that made it>-<random>. One
+# whose process is gone (SIGKILLed: its cleanup never ran) and that is older than any run
+# (so not another PID namespace's live one, on a shared temp dir) is removed by the next
+# process that makes one there.
+_WORKDIR_PREFIX = "rlax-sandbox-"
+_ORPHAN_AGE_S = 3600.0
+_swept: set[str] = set()
+_swept_lock = threading.Lock()
 _READ_CHUNK = 65536
 # After the program exits (or is killed), how long to wait for its pipes and pid namespace
 # to drain before giving up on them.
@@ -202,6 +210,42 @@ _FATAL_SIGNALS = frozenset(
 )
 
 
+def remove_orphaned_workdirs(root: str, *, min_age_s: float = _ORPHAN_AGE_S) -> list[str]:
+    """Remove the work directories under `root` left by a process that is gone (a verifier
+    SIGKILLed mid-run never ran its cleanup) and untouched for `min_age_s`; returns their
+    paths. A directory of a live process, a young one, or one not named by this module is
+    left alone."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        rest = entry.name[len(_WORKDIR_PREFIX) :] if entry.name.startswith(_WORKDIR_PREFIX) else ""
+        pid_text, _, _ = rest.partition("-")
+        if not pid_text.isdigit() or _process_exists(int(pid_text)):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or now - entry.stat().st_mtime < min_age_s:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def _is_root() -> bool:
     return os.geteuid() == 0
 
@@ -300,7 +344,13 @@ class Sandbox:
         """A fresh host directory for one run (or one compile), deleted afterwards.
 
         `writable`: the sandboxed program may write into it (a compile's output)."""
-        path = Path(tempfile.mkdtemp(prefix="rlax-sandbox-", dir=self.work_root))
+        root = str(self.work_root) if self.work_root is not None else tempfile.gettempdir()
+        with _swept_lock:
+            first = root not in _swept
+            _swept.add(root)
+        if first:
+            remove_orphaned_workdirs(root)
+        path = Path(tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-", dir=root))
         try:
             os.chmod(path, 0o755)
             if writable:
