@@ -252,6 +252,11 @@ def test_device_arrays_of_another_mesh_are_resharded_bitwise_and_ours_are_not_co
     assert [x.sharding for x in placed] == [leaf.sharding for leaf in weights._layout]
     assert any(len(x.sharding.device_set) == 2 and not x.is_fully_replicated for x in placed)
     _assert_equal([np.asarray(x) for x in placed], [np.asarray(x) for x in expected])
+    # The moved leaves go through one compiled reshard, reused by the next load.
+    programs = dict(weights._reshards)
+    assert programs
+    weights.place(handed)
+    assert weights._reshards == programs
     ours = weights.place(nnx.to_pure_dict(jax.tree.unflatten(weights.treedef, placed)))
     assert all(a is b for a, b in zip(ours, placed, strict=True))
 

@@ -190,7 +190,8 @@ class ServedWeights:
             for i, (array, sharding) in enumerate(zip(arrays, shardings, strict=True))
             if not array.sharding.is_equivalent_to(sharding, array.ndim)
         )
-        staying = [i for i in range(len(arrays)) if i not in moving]
+        moved = set(moving)
+        staying = [i for i in range(len(arrays)) if i not in moved]
         out = list(arrays)
         relabelled = jax.device_put([arrays[i] for i in staying], [shardings[i] for i in staying])
         for i, array in zip(staying, relabelled, strict=True):
