@@ -17,6 +17,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+# XLA:CPU's quick code generation (no LLVM optimisation, the classic emitters) for every
+# process of the suite: the tests' programs are tiny, so compiling is most of their cost
+# (2 cores, beside other load: tests/test_trainer.py + tests/test_engine_paging.py 225 s ->
+# 77 s, tests/test_controller_e2e.py 208 s -> 172 s). Both sides of every comparison are
+# compiled alike, so what a test compares (a resumed run with an uninterrupted one, a sharded
+# step with an unsharded one) is the same comparison; a user's runs get XLA's defaults, and
+# RLAX_TPU_TEST_CODEGEN=default runs the whole suite with them. Processes a test starts as a
+# user would (a job, a tool) get these flags and no others (tests/jobenv.py).
+FAST_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+if os.environ.get("RLAX_TPU_TEST_CODEGEN", "fast") == "fast":
+    _names = {f.split("=", 1)[0] for f in _flags.split()}
+    _flags = " ".join(
+        [*_flags.split(), *(f for f in FAST_CODEGEN if f.split("=")[0] not in _names)]
+    )
+    # What tests/jobenv.py hands the processes tests start as a user would.
+    os.environ.setdefault("RLAX_TPU_TEST_XLA_CODEGEN", " ".join(FAST_CODEGEN))
 # Several CPU devices need single-threaded ops per device (rlax_tpu.runtime.CPU_DEVICES_FLAGS:
 # else a program with collectives can deadlock XLA:CPU's thread pool); the components the
 # tests start inherit these flags.

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from jobenv import user_env
 from tiny_job import tiny_job_config
 
 from rlax_tpu import failpoints
@@ -95,8 +96,8 @@ class Job:
     def __init__(self, args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> None:
         self.args, self.run_dir, self.extra_env = list(args), run_dir, dict(env or {})
         self.log = open(run_dir.parent / f"{run_dir.name}.job.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", **self.extra_env}
-        env.pop("XLA_FLAGS", None)  # the job sets its own device count (cpu_devices)
+        # The job sets its own device count (cpu_devices); the suite's code generation kept.
+        env = user_env(JAX_PLATFORMS="cpu", **self.extra_env)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rlax_tpu", *args],
             stdout=self.log,

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from jobenv import codegen_flags
 from processes import ProcessGroup
 from tiny_job import tiny_job_config, write_config
 
@@ -45,7 +46,7 @@ def workspace(tmp_path_factory):
     data = root / "sums.jsonl"
     rows = arithmetic_problems(11, 64, max_operand=4, ops=("+",))
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = {"XLA_FLAGS": ""}  # each process sets its own device count (cpu_devices)
+    env = {"XLA_FLAGS": codegen_flags()}  # each process sets its own device count (cpu_devices)
     return root, data, env
 
 

@@ -9,7 +9,6 @@ loads in transformers with the same logits."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 import transformers
 from hf_fixtures import save_qwen_checkpoint
+from jobenv import user_env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "qwen2_5_0_5b_gsm8k_gpu.py"
@@ -37,7 +37,7 @@ TEST_ROWS = [
 
 
 def _rlax(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+    env = user_env()  # one CPU device, as a user
     return subprocess.run(
         [sys.executable, "-m", "rlax_tpu", *args],
         cwd=REPO,
@@ -151,7 +151,7 @@ def _rlax_logits(directory: Path, ids: list[int]) -> np.ndarray:
         "np.save(sys.argv[3], np.asarray(out, np.float32)[0])\n"
     )
     out = directory.parent / "ours.npy"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     subprocess.run(
         [sys.executable, "-c", code, str(directory), json.dumps(ids), str(out)],
         check=True,

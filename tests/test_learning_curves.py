@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import learning_curves as lc  # noqa: E402
+from jobenv import user_env  # noqa: E402
 
 STEPS = [0, 20, 40, 60, 80, 100, 120]
 # The demo's held-out accuracy as issue 24 reported it: +16 points, but a 20-point late drop.
@@ -194,7 +194,7 @@ def test_a_problem_asked_twice_counts_once_by_its_mean():
 
 def test_quick_runs_the_job_per_seed_and_mode_and_writes_the_curves(tmp_path):
     out = tmp_path / "curves.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the config's 2 devices
+    env = user_env()  # the config's 2 devices
     done = subprocess.run(
         [
             sys.executable,

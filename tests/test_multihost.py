@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jobenv import with_codegen
 from multihost_worker import config_for
 from processes import ProcessGroup
 from trainer_helpers import rollout_batch
@@ -45,6 +46,7 @@ WORKER = Path(__file__).with_name("multihost_worker.py")
 MESH = MeshConfig(data=1, fsdp=4, tensor=2)
 STEPS = 2
 PROCESSES = 2
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4"  # each process's devices
 WORKER_TIMEOUT_S = 240.0
 # Another process layout reduces in another order (gloo across processes, XLA's in-process
 # collectives within one): results agree to float32 rounding, not bit for bit.
@@ -240,7 +242,9 @@ class Cluster:
             env = {
                 **base,
                 "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": cpu_devices_flags("--xla_force_host_platform_device_count=4"),
+                "XLA_FLAGS": cpu_devices_flags(
+                    with_codegen("--xla_force_host_platform_device_count=4")
+                ),
                 "RLAX_TPU_AUTH_TOKEN": self.token,
                 "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
                 "RLAX_TPU_NUM_PROCESSES": str(PROCESSES),
@@ -402,7 +406,9 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
 
         def env(p: int) -> dict[str, str]:
             return {
-                "XLA_FLAGS": cpu_devices_flags("--xla_force_host_platform_device_count=4"),
+                "XLA_FLAGS": cpu_devices_flags(
+                    with_codegen("--xla_force_host_platform_device_count=4")
+                ),
                 "RLAX_TPU_AUTH_TOKEN": token,
                 "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
                 "RLAX_TPU_NUM_PROCESSES": "2",
@@ -490,7 +496,7 @@ def test_two_slices_form_one_job_with_the_data_axis_across_them(tmp_path):
         env = {
             **base,
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "XLA_FLAGS": with_codegen(FOUR_DEVICES),
             # As a Job per slice gives them: the index within the slice, and the slice.
             "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
             "RLAX_TPU_NUM_PROCESSES": "2",

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobenv import user_env
 from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu.config import ControllerConfig, DatasetConfig, RunConfig
@@ -72,8 +72,7 @@ def fixed_distribution_checkpoint(config: RunConfig, path: Path) -> None:
 
 def run_prefilter(workspace: Path, name: str) -> Path:
     out = workspace / name
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # the components set their own device count (cpu_devices)
+    env = user_env(JAX_PLATFORMS="cpu")  # the components set their own device count
     result = subprocess.run(
         [
             sys.executable,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from jobenv import user_env
 from processes import ProcessGroup
 
 from rlax_tpu.api.records import RolloutRecord
@@ -681,8 +682,8 @@ def test_a_run_scores_with_a_reward_function_on_the_verifier_at_verifiers_addres
         config,
         verifiers=dataclasses.replace(config.verifiers, address=external_verifier.address),
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLAX_TPU_AUTH_TOKEN": TOKEN}
-    env.pop("XLA_FLAGS", None)  # the job sets its own device count (cpu_devices)
+    # The job sets its own device count (cpu_devices).
+    env = user_env(JAX_PLATFORMS="cpu", RLAX_TPU_AUTH_TOKEN=TOKEN)
     done = subprocess.run(
         [sys.executable, "-m", "rlax_tpu", "run", str(write_config(config, tmp_path / "c.json"))],
         cwd=ROOT,

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from jobenv import user_env
 
 from rlax_tpu.api.inference import Rollout
 from rlax_tpu.config import EnvironmentConfig, load_config
@@ -141,7 +141,7 @@ def test_the_tool_demo_runs_with_rlax_tpu_run(tmp_path):
     """configs/tiny_cpu_tools.py on a tiny model, a few SFT and RL steps: the warm start
     trains on demonstrations, the RL steps run episodes with the calculator, and the run
     logs its tool use and held-out accuracy (measured with the tools)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the config's 2 devices
+    env = user_env()  # the config's 2 devices
     run_dir = tmp_path / "run"
     sets = [
         "model.hidden_size=64",

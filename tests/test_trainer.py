@@ -459,5 +459,7 @@ def test_log_reference_kl_reports_the_kl_to_the_reference_without_training_on_it
     first, second = (r.metrics["kl"] for r in results[True])
     assert 0 <= first <= 1e-9 and second > 1e-6, (first, second)
     for with_kl, without in zip(results[True], results[False], strict=True):
-        assert with_kl.metrics["loss"] == pytest.approx(without.metrics["loss"], rel=1e-5)
+        # GRPO's loss at the first steps is ~1e-8 (advantages sum to zero per group): its
+        # last digits are rounding, which differs by CPU and code generation.
+        assert with_kl.metrics["loss"] == pytest.approx(without.metrics["loss"], rel=1e-5, abs=1e-6)
     assert_trees_close(params[True], params[False])

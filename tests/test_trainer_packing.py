@@ -44,13 +44,12 @@ MODEL = ModelConfig(
 SEQ = 16  # the padded length T, and the packed rows' tokens_per_row
 LEVELS = BatchLevels(global_size=16, mini_size=8, micro_size=2)  # 2 updates of 4 micro-batches
 PROMPT = 3
-# XLA:CPU options that compile these small programs ~4x faster (both sides of every
-# comparison are compiled alike): the per-preset test compiles two steps per preset.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 def compiled(fn, *args):
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
+    # The suite compiles with XLA:CPU's quick code generation (tests/conftest.py), which
+    # matters here: the per-preset test compiles two steps per preset.
+    return jax.jit(fn)(*args)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from jobenv import user_env
 from tiny_job import tiny_job_config, write_config
 
 from rlax_tpu import cli
@@ -173,8 +174,8 @@ def tiny_run(tmp_path_factory):
         logging = LoggingConfig(wandb_project="watching", wandb_mode="offline")
         config = dataclasses.replace(config, logging=logging)
     path = write_config(config, root / "watching.json")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_SILENT": "true"}
-    env.pop("XLA_FLAGS", None)  # the job sets its own device count (cpu_devices)
+    # The job sets its own device count (cpu_devices).
+    env = user_env(JAX_PLATFORMS="cpu", WANDB_SILENT="true")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         env[var] = str(root / "wandb_home")
     try:
