@@ -259,6 +259,34 @@ def test_device_arrays_of_another_mesh_are_resharded_bitwise_and_ours_are_not_co
     assert weights._reshards == programs
     ours = weights.place(nnx.to_pure_dict(jax.tree.unflatten(weights.treedef, placed)))
     assert all(a is b for a, b in zip(ours, placed, strict=True))
+    # An FSDP trainer's tree (each leaf split along its first axis) lands bitwise too; its
+    # leaves move between devices by device_put, not by another compiled program.
+    fsdp = jax.tree.map(
+        lambda x: jax.device_put(
+            np.asarray(x),
+            jax.sharding.NamedSharding(
+                trainer_mesh,
+                jax.sharding.PartitionSpec("data")
+                if np.ndim(x) and np.shape(x)[0] % 2 == 0
+                else jax.sharding.PartitionSpec(),
+            ),
+        ),
+        host,
+    )
+    assert any(not x.is_fully_replicated for x in jax.tree.leaves(fsdp))
+    placed = weights.place(fsdp)
+    assert [x.sharding for x in placed] == [leaf.sharding for leaf in weights._layout]
+    _assert_equal([np.asarray(x) for x in placed], [np.asarray(x) for x in expected])
+
+    # Only replicated leaves go through a compiled reshard (sliced where they lie).
+    def handed_leaf(i):
+        node = fsdp
+        for key in weights._layout[i].keys:
+            node = node[key] if key in node else node[str(key)]
+        return node
+
+    new = set(weights._reshards) - set(programs)
+    assert all(handed_leaf(i).is_fully_replicated for key in new for i in key)
 
 
 def test_colocated_takes_one_worker_and_no_deploy():

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """A co-located worker's placement of the trainer's arrays, against jax.device_put.
 
-    python tools/bench_colocated_load.py [--size demo|20m] [--rounds 60] [--json OUT]
+    python tools/bench_colocated_load.py [--size demo|20m] [--rounds 60] [--set K=V] [--json OUT]
 
 In one process, on the bench config's devices (tools/bench_e2e.py's, inference.colocated):
 initialise the trainer, take the arrays it hands a co-located worker (its published
 params, on the trainer's mesh), and time, interleaved round by round,
 
 * `place_ms`: `ServedWeights.place` of them onto the worker's mesh, as a co-located load
-  does (leaves whose data must move resharded by one jitted identity, the rest
-  relabelled), and
+  does (replicated leaves sliced by one jitted identity, sharded ones moved by one
+  device_put, the rest relabelled; `--set trainer.mesh.data=1 --set trainer.mesh.fsdp=2`
+  for an FSDP trainer's), and
 * `device_put_ms`: `jax.device_put` of the same cast arrays to the same shardings (the
   baseline: what place did before),
 
@@ -36,13 +37,16 @@ def main() -> int:
     parser.add_argument("--size", choices=("demo", "20m"), default="demo")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="a config override"
+    )
     args = parser.parse_args()
 
     from bench_e2e import bench_config
 
     from rlax_tpu.runtime import configure_jax
 
-    config = bench_config(args.size, False, 1, ["inference.colocated=true"])
+    config = bench_config(args.size, False, 1, ["inference.colocated=true", *args.overrides])
     configure_jax(config)  # the config's virtual CPU devices, as a component starts
 
     import tempfile

@@ -178,30 +178,37 @@ class ServedWeights:
         return self._place_quantized(values)
 
     def _moved(self, arrays: list[jax.Array]) -> list[jax.Array]:
-        """Device arrays in the served dtypes, in this mesh's shardings. Those whose data must
-        move (another layout over the devices) are resharded by one jitted identity,
-        compiled once per set of moved leaves: XLA slices or gathers them all in one program,
-        where `jax.device_put` to the new shardings took 1.3-1.5x as long on the demo model
-        (tools/bench_colocated_load.py; docs/controller.md, "Co-located"). The rest are only
-        relabelled (no copy)."""
+        """Device arrays in the served dtypes, in this mesh's shardings. A leaf replicated on
+        its devices (a data-parallel trainer's) is sliced where it lies, all such leaves by one
+        jitted identity compiled once per set of them; a leaf sharded another way (an FSDP
+        trainer's) is moved with the rest by one `jax.device_put`, which copies the shards
+        between devices, where XLA:CPU's all-to-all took 2.5-2.8x as long at 20M; a leaf
+        already laid out as served is relabelled (no copy). tools/bench_colocated_load.py
+        measures both layouts (docs/controller.md, "Co-located")."""
         shardings = [leaf.sharding for leaf in self._layout]
-        moving = tuple(
+        moving = {
             i
             for i, (array, sharding) in enumerate(zip(arrays, shardings, strict=True))
             if not array.sharding.is_equivalent_to(sharding, array.ndim)
+        }
+        sliced = tuple(
+            i
+            for i in sorted(moving)
+            if arrays[i].is_fully_replicated
+            and arrays[i].sharding.device_set == shardings[i].device_set
         )
-        moved = set(moving)
-        staying = [i for i in range(len(arrays)) if i not in moved]
+        put = [i for i in range(len(arrays)) if i not in sliced]
         out = list(arrays)
-        relabelled = jax.device_put([arrays[i] for i in staying], [shardings[i] for i in staying])
-        for i, array in zip(staying, relabelled, strict=True):
+        for i, array in zip(
+            put, jax.device_put([arrays[i] for i in put], [shardings[i] for i in put]), strict=True
+        ):
             out[i] = array
-        if moving:
-            program = self._reshards.get(moving)
+        if sliced:
+            program = self._reshards.get(sliced)
             if program is None:
-                program = jax.jit(lambda xs: xs, out_shardings=[shardings[i] for i in moving])
-                self._reshards[moving] = program
-            for i, array in zip(moving, program([arrays[i] for i in moving]), strict=True):
+                program = jax.jit(lambda xs: xs, out_shardings=[shardings[i] for i in sliced])
+                self._reshards[sliced] = program
+            for i, array in zip(sliced, program([arrays[i] for i in sliced]), strict=True):
                 out[i] = array
         return out
 
