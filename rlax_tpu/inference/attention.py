@@ -165,8 +165,10 @@ def paged_decode_attention_jax(
     head_dim]; page_table: int32[rows, pages_per_seq]; lengths: int32[rows], keys
     0..length-1 are attended (0: the row outputs zeros). Returns [rows, q_heads, head_dim]
     in q's dtype. chunk_pages: pages per chunk (default: DECODE_CHUNK_KEYS keys' worth).
-    Scores, softmax and the accumulator are float32. A row's output is bitwise independent
-    of the other rows and of the table's width: chunks past its length change nothing.
+    Scores, softmax and the accumulator are float32; each chunk's probabilities are
+    normalised before the cast to the values' dtype, so a row within one chunk rounds as
+    the trainer's attention does. A row's output is bitwise independent of the other rows
+    and of the table's width: chunks past its length change nothing.
     """
     kv_heads, _, page_size, head_dim = k_pages.shape
     rows, q_heads, _ = q.shape
@@ -185,28 +187,46 @@ def paged_decode_attention_jax(
         return constrain(gathered.astype(q.dtype), ("act_kv_heads", "batch", None, "head_dim"))
 
     def step(i, carry):
-        top, total, acc = carry  # [rows, kv_heads, group] (x head_dim for acc), float32
+        top, total, out = carry  # [rows, kv_heads, group] (x head_dim for out), float32
         columns = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)
         keys, values = gather(k_pages, columns), gather(v_pages, columns)
         scores = jnp.einsum("rkgd,krsd->rkgs", qg, keys, preferred_element_type=jnp.float32)
         scores = scores * (head_dim**-0.5)
         seen = (i * chunk_keys + jnp.arange(chunk_keys) < lengths[:, None])[:, None, None]
         scores = jnp.where(seen, scores, MASK_VALUE)
-        new_top = jnp.maximum(top, scores.max(axis=-1))
-        # A chunk past a row's length must leave its state bitwise unchanged: its
-        # probabilities are 0 and its rescale 1 by `where`, not by exp's rounding. The
-        # state starts at top = -inf, which the row's first chunk (holding key 0) rescales
-        # by exp(-inf) = 0.
-        probs = jnp.where(seen, jnp.exp(scores - new_top[..., None]), 0.0)
-        rescale = jnp.where(top == new_top, 1.0, jnp.exp(top - new_top))
-        total = total * rescale + probs.sum(axis=-1)
-        update = jnp.einsum(
+        # The chunk's own softmax, normalised before it is cast to the values' dtype, as
+        # the trainer's attention (grouped_attention) rounds its probabilities: a row within
+        # one chunk gets the trainer's rounding also in bfloat16 (an unnormalised cast
+        # differed from it by ~1e-3 in a bf16 log-prob).
+        chunk_top = scores.max(axis=-1)
+        probs = jnp.where(seen, jnp.exp(scores - chunk_top[..., None]), 0.0)
+        chunk_total = probs.sum(axis=-1)
+        weights = probs / jnp.where(chunk_total > 0, chunk_total, 1.0)[..., None]
+        chunk_out = jnp.einsum(
             "rkgs,krsd->rkgd",
-            probs.astype(values.dtype),
+            weights.astype(values.dtype),
             values,
             preferred_element_type=jnp.float32,
         )
-        return new_top, total, acc * rescale[..., None] + update
+        # Chunks combine by their share of the row's softmax mass. The state is left
+        # bitwise as it was by a chunk past the row's length (no mass), and a row's first
+        # chunk is taken as it is (no mass before it), by `where`, not by rounding: the
+        # state starts at top = -inf and total = 0.
+        new_top = jnp.maximum(top, chunk_top)
+        old_mass = total * jnp.where(top == new_top, 1.0, jnp.exp(top - new_top))
+        new_mass = chunk_total * jnp.where(chunk_top == new_top, 1.0, jnp.exp(chunk_top - new_top))
+        new_total = old_mass + new_mass
+        mixed = (old_mass[..., None] * out + new_mass[..., None] * chunk_out) / jnp.where(
+            new_total > 0, new_total, 1.0
+        )[..., None]
+        out = jnp.where(
+            (new_mass == 0)[..., None],
+            out,
+            jnp.where((old_mass == 0)[..., None], chunk_out, mixed),
+        )
+        top = jnp.where(new_mass == 0, top, new_top)
+        total = jnp.where(new_mass == 0, total, new_total)
+        return top, total, out
 
     state = qg.shape[:3]
     init = (
@@ -214,8 +234,7 @@ def paged_decode_attention_jax(
         jnp.zeros(state, jnp.float32),
         jnp.zeros(qg.shape, jnp.float32),
     )
-    _, total, acc = jax.lax.fori_loop(0, trips, step, init)
-    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    _, _, out = jax.lax.fori_loop(0, trips, step, init)
     return out.reshape(q.shape).astype(q.dtype)
 
 
