@@ -37,6 +37,7 @@ from e2e_job import (
     wait_gone,
     write_data,
 )
+from jobenv import codegen_flags
 from processes import ProcessGroup
 from tiny_job import write_config
 
@@ -517,7 +518,9 @@ def test_a_restarted_controller_reattaches_to_the_components_still_running(works
         shutil.copytree(reference / part, run_dir / part)
     config = e2e_config(run_dir, data, reload_every=2, max_staleness=3)
     path = str(write_config(config, root / "reattach.json"))
-    token, env = "reattach-token", {"XLA_FLAGS": ""}
+    # The components set their own device count; the suite's code generation, as the
+    # reference run's (tests/jobenv.py).
+    token, env = "reattach-token", {"XLA_FLAGS": codegen_flags()}
     group = ProcessGroup()
     try:
         ps, trainer, worker = group.start_run_components(path, str(run_dir), token=token, env=env)

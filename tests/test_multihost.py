@@ -379,6 +379,8 @@ SERVE_OVERRIDES = [
     "model.num_layers=1",
     "trainer.checkpoint_every=1000",
     "trainer.max_seq_len=32",
+    "inference.max_prompt_len=16",  # a prompt and a response fit the trainer's 32 tokens
+    "inference.max_new_tokens=16",
 ]
 
 
