@@ -297,7 +297,7 @@ def test_a_lost_component_costs_a_restart_of_it_alone_and_the_same_weights(
     assert not alive(killed)
     result = summary(job.run_dir)
     assert result["start_step"] == 0 and result["end_step"] == STEPS  # it never resumed
-    assert f"{victim} (pid {killed}) exited" in output
+    assert f"{victim} (pid {killed}) was killed by SIGKILL; starting it again" in output
     if victim.startswith("inference_worker"):  # its work moved: the run did not wait for it
         assert "inference worker 1 (" in output and "its requests go to the other" in output
     else:  # the run waited for the restarted component
