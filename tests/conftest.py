@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+from jobenv import CODEGEN_VARIABLE
+
 from rlax_tpu.runtime import cpu_devices_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,7 +34,7 @@ if os.environ.get("RLAX_TPU_TEST_CODEGEN", "fast") == "fast":
         [*_flags.split(), *(f for f in FAST_CODEGEN if f.split("=")[0] not in _names)]
     )
     # What tests/jobenv.py hands the processes tests start as a user would.
-    os.environ.setdefault("RLAX_TPU_TEST_XLA_CODEGEN", " ".join(FAST_CODEGEN))
+    os.environ.setdefault(CODEGEN_VARIABLE, " ".join(FAST_CODEGEN))
 # Several CPU devices need single-threaded ops per device (rlax_tpu.runtime.CPU_DEVICES_FLAGS:
 # else a program with collectives can deadlock XLA:CPU's thread pool); the components the
 # tests start inherit these flags.

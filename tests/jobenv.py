@@ -15,13 +15,11 @@ def codegen_flags() -> str:
     return os.environ.get(CODEGEN_VARIABLE, "")
 
 
-def user_env(
-    base: dict[str, str] | None = None, *, quick_codegen: bool = True, **extra: str
-) -> dict[str, str]:
-    """`base` (default os.environ) with XLA_FLAGS holding only the code-generation flags
-    (none with `quick_codegen=False`: XLA's defaults, for a job whose running time outweighs
-    its compiles), then `extra`."""
-    env = dict(os.environ if base is None else base)
+def user_env(*, quick_codegen: bool = True, **extra: str) -> dict[str, str]:
+    """os.environ with XLA_FLAGS holding only the code-generation flags (none with
+    `quick_codegen=False`: XLA's defaults, for a job whose running time outweighs its
+    compiles), then `extra`."""
+    env = dict(os.environ)
     flags = codegen_flags() if quick_codegen else ""
     if flags:
         env["XLA_FLAGS"] = flags

@@ -242,9 +242,7 @@ class Cluster:
             env = {
                 **base,
                 "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": cpu_devices_flags(
-                    with_codegen("--xla_force_host_platform_device_count=4")
-                ),
+                "XLA_FLAGS": cpu_devices_flags(with_codegen(FOUR_DEVICES)),
                 "RLAX_TPU_AUTH_TOKEN": self.token,
                 "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
                 "RLAX_TPU_NUM_PROCESSES": str(PROCESSES),
@@ -408,9 +406,7 @@ def test_served_trainer_on_two_processes_equals_one_process(tmp_path):
 
         def env(p: int) -> dict[str, str]:
             return {
-                "XLA_FLAGS": cpu_devices_flags(
-                    with_codegen("--xla_force_host_platform_device_count=4")
-                ),
+                "XLA_FLAGS": cpu_devices_flags(with_codegen(FOUR_DEVICES)),
                 "RLAX_TPU_AUTH_TOKEN": token,
                 "RLAX_TPU_COORDINATOR_ADDRESS": coordinator,
                 "RLAX_TPU_NUM_PROCESSES": "2",
