@@ -124,6 +124,11 @@ SIZE_20M = [
     # 12 KiB of keys and values a token: 64 MiB holds a batch's 64 sequences of 64 tokens.
     "inference.kv_cache_bytes=67108864",
     "trainer.warm_start.steps=1",
+    # Shared prompts (docs/trainer.md): each group's prompt runs once in the update, its 8
+    # samples' responses in packed rows of 128 tokens beside it, 8 rows a micro-batch.
+    "trainer.tokens_per_row=128",
+    "trainer.share_prefixes=true",
+    "trainer.micro_batch_size=8",
     f"controller.num_steps={WARMUP_STEPS + MEASURED_STEPS_20M}",
     "controller.eval_dataset=",
 ]
@@ -194,7 +199,8 @@ def warm_start_key(config: RunConfig) -> str:
         "eval_dataset": c.eval_dataset,
         "sft": [w.steps, w.learning_rate, c.prompts_per_batch, c.samples_per_prompt],
     }
-    for rl_only in ("algorithm", "behaviour_logprobs", "checkpoint_every", "warm_start"):
+    rl_fields = ("algorithm", "behaviour_logprobs", "checkpoint_every", "warm_start")
+    for rl_only in (*rl_fields, "share_prefixes"):
         parts["trainer"].pop(rl_only)  # SFT has its own rate and checkpoint interval
     parts["trainer"]["optimizer"].pop("learning_rate")
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
@@ -347,16 +353,18 @@ def figures(
 
 # -- model FLOPs utilisation ---------------------------------------------------------------------
 def update_flops(row: dict, config: RunConfig) -> float | None:
-    """The jitted update's model FLOPs in a metrics row, as the trainer counts them: its
-    tokens (train/tokens_per_s × the step's time less its compile) through `train_flops`
-    with the model's parameters (LoRA: its adapters trained); None without those figures."""
+    """The jitted update's model FLOPs in a metrics row, as the trainer counts them: the
+    tokens the model runs for the sequences (train/model_tokens: packed rows count no
+    padding and a shared prompt once; in rows without it, train/tokens_per_s × the step's
+    time less its compile) through `train_flops` with the model's parameters (LoRA: its
+    adapters trained); None without those figures."""
     from rlax_tpu.simulator.model import lora_params
     from rlax_tpu.trainer.step import train_flops
 
     keys = ("train/tokens_per_s", "train/time/step_s", "train/time/compile_s")
     if any(key not in row for key in keys):
         return None
-    tokens = row[keys[0]] * (row[keys[1]] - row[keys[2]])
+    tokens = row.get("train/model_tokens", row[keys[0]] * (row[keys[1]] - row[keys[2]]))
     trained = lora_params(config.model) if config.model.lora is not None else None
     return train_flops(num_params(config), tokens, trained)
 

@@ -89,18 +89,35 @@ def _opcode(line: str) -> str | None:
 
 
 def batch_arrays(config, seed: int = 0):
-    """The shared batch: tokens int32[64, 64] (prompt then response), per-row rewards,
-    and the advantages GRPO derives from them (per group of 8: (r − mean) / (std + 1e-4))."""
+    """The shared batch: tokens int32[64, 64] (prompt then response; a group's 8 rows share
+    their prompt, as a GRPO batch's samples do), per-row rewards, and the advantages GRPO
+    derives from them (per group of 8: (r − mean) / (std + 1e-4))."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     rows = config.controller.global_batch_size
     group = config.controller.samples_per_prompt
     tokens = rng.integers(3, config.model.vocab_size, (rows, PROMPT + RESPONSE)).astype(np.int32)
+    tokens[:, :PROMPT] = np.repeat(tokens[::group, :PROMPT], group, axis=0)
     rewards = rng.integers(0, 2, rows).astype(np.float32)
     r = rewards.reshape(-1, group)
     adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
     return tokens, rewards, adv.astype(np.float32)
+
+
+def token_passes(trainer, tokens, mask) -> dict:
+    """Token slots one update runs through the model, forward and backward: the padded
+    batch's rows once each way; packed rows (trainer.tokens_per_row) only the used packed
+    micro-batches', forward twice when a mini-batch spans several micro-batches (pass 1
+    without gradient, pass 2 with). XLA's cost analysis counts a scan's body once, so for
+    a packed program these, not its FLOPs, say the work run."""
+    programs, levels = trainer.programs, trainer.programs.levels
+    if not programs.tokens_per_row:
+        return {"forward_tokens": tokens.size, "backward_tokens": tokens.size}
+    layout = programs.layout(mask, chunks=levels.num_updates, tokens=tokens)
+    slots = layout.packed_tokens
+    twice = levels.micro_per_mini > 1
+    return {"forward_tokens": slots * (2 if twice else 1), "backward_tokens": slots}
 
 
 def ours(config) -> tuple:
@@ -142,7 +159,8 @@ def ours(config) -> tuple:
         trainer.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    return step, close, hlo_profile(compiled)
+    profile = hlo_profile(compiled) | token_passes(trainer, tokens, mask)
+    return step, close, profile
 
 
 def tunix(config) -> tuple:
@@ -210,7 +228,8 @@ def tunix(config) -> tuple:
         return out, nnx.state((m, o))
 
     compiled = jax.jit(body).lower(state, example).compile()
-    return step, lambda: None, hlo_profile(compiled)
+    tokens_run = {"forward_tokens": tokens.size, "backward_tokens": tokens.size}
+    return step, lambda: None, hlo_profile(compiled) | tokens_run
 
 
 def main() -> int:
@@ -225,31 +244,65 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="config override of our side (e.g. trainer.mesh.data=1 trainer.mesh.fsdp=2)",
     )
+    parser.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides (on top of --set) of a second of our updates, 'ours after', timed "
+        "in the same rounds (e.g. trainer.tokens_per_row=128 trainer.share_prefixes=true "
+        "trainer.micro_batch_size=8)",
+    )
     args = parser.parse_args()
     config = _config(args.size, args.set)
     configure_jax(config)
     from rlax_tpu.hardware import host_cpu
 
-    result = {"size": args.size, "host": host_cpu(), "steps": args.steps}
-    our_step, close, result["ours"] = ours(config)
-    tunix_step, _, result["tunix"] = tunix(config)
-    # Interleaved (ours, Tunix, ours, ...) so that a noisy host slows both alike.
-    times = [(our_step(), tunix_step()) for _ in range(args.steps)]
-    close()
-    o, t = result["ours"], result["tunix"]
-    o["step_s_all"], t["step_s_all"] = ([round(x[i], 4) for x in times] for i in (0, 1))
-    o["step_s"], t["step_s"] = (statistics.median(x[i] for x in times) for i in (0, 1))
-    result["step_ratio"] = statistics.median(a / b for a, b in times)
+    result = {"size": args.size, "host": host_cpu(), "steps": args.steps, "after_set": args.after}
+    sides = {"ours": ours(config)}
+    if args.after:
+        sides["ours_after"] = ours(config.apply_overrides(args.after))
+    sides["tunix"] = tunix(config)
+    # Interleaved (ours, [ours after,] Tunix, ours, ...) so that a noisy host slows all alike.
+    times = [{name: side[0]() for name, side in sides.items()} for _ in range(args.steps)]
+    for name, (_, close, profile) in sides.items():
+        close()
+        result[name] = profile
+        profile["step_s_all"] = [round(t[name], 4) for t in times]
+        profile["step_s"] = statistics.median(t[name] for t in times)
+        profile["step_ratio"] = statistics.median(t[name] / t["tunix"] for t in times)
+    names = list(sides)
     print(f"GRPO update, {args.size} model, 64x64 tokens, {result['host']}, median of {args.steps}")
-    print(f"{'':<18}{'ours':>14}{'Tunix':>14}{'ours/Tunix':>12}")
-    rows = [("step s", "step_s"), ("GFLOPs", "flops"), ("transcendentals M", "transcendentals")]
-    rows += [("MB accessed", "bytes_accessed"), ("instructions", "instructions")]
+    if args.after:
+        print(f"ours after: {' '.join(args.after)}")
+    print(
+        f"{'':<20}"
+        + "".join(f"{n:>14}" for n in names)
+        + "".join(f"{n + '/Tunix':>18}" for n in names[:-1])
+    )
+    rows = [("step s", "step_s"), ("tokens forward", "forward_tokens")]
+    rows += [("tokens backward", "backward_tokens"), ("GFLOPs (XLA)", "flops")]
+    rows += [("transcendentals M", "transcendentals"), ("MB accessed", "bytes_accessed")]
+    rows += [("instructions", "instructions")]
     scale = {"flops": 1e9, "transcendentals": 1e6, "bytes_accessed": 1e6}
+    t = result["tunix"]
     for label, key in rows:
-        a, b = o[key] / scale.get(key, 1), t[key] / scale.get(key, 1)
-        r = result["step_ratio"] if key == "step_s" else a / b if b else float("nan")
-        print(f"{label:<18}{a:>14.3f}{b:>14.3f}{r:>12.2f}")
-    print("ops whose counts differ (the rest are equal):")
+        values = [result[n][key] / scale.get(key, 1) for n in names]
+        ratios = [
+            result[n]["step_ratio"]
+            if key == "step_s"
+            else result[n][key] / t[key]
+            if t[key]
+            else float("nan")
+            for n in names[:-1]
+        ]
+        print(
+            f"{label:<20}"
+            + "".join(f"{v:>14.3f}" for v in values)
+            + "".join(f"{r:>18.2f}" for r in ratios)
+        )
+    print("ops whose counts differ between ours and Tunix's (the rest are equal):")
+    o = result["ours"]
     for op in sorted(set(o["ops"]) | set(t["ops"])):
         a, b = o["ops"].get(op, 0), t["ops"].get(op, 0)
         if a != b:

@@ -563,6 +563,12 @@ class TrainerConfig(ConfigBase):
     # tokens). 0 = off: every sequence padded to the batch's length in a row of its own.
     # At least max_seq_len (a sequence never spans rows).
     tokens_per_row: int = 0
+    # Shared prompts (docs/trainer.md, "Shared prompts"): with packed rows, the samples of a
+    # mini-batch that share a prompt (a GRPO group) hold it once in a packed row and attend
+    # to it there, so the update runs the prompt's tokens once per group, not once per
+    # sample; the same objective within float rounding. Needs tokens_per_row > 0 and an
+    # attention that takes a prompt's segment (jax on every platform, auto off TPU).
+    share_prefixes: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     # Memory of the training forward (docs/trainer.md, "Memory"). remat_policy: what each
@@ -633,6 +639,20 @@ class TrainerConfig(ConfigBase):
             f"row holds whole sequences, got {self.tokens_per_row}; set "
             f"trainer.tokens_per_row={self.max_seq_len} or more (the same activation memory "
             "per micro-batch as padded rows at that value), or 0",
+        )
+        require(
+            not self.share_prefixes or self.tokens_per_row > 0,
+            "share_prefixes",
+            "shares prompts within packed rows: set trainer.tokens_per_row (at least "
+            f"max_seq_len, {self.max_seq_len}; room for a group's prompt and its samples' "
+            "responses is what it saves), or trainer.share_prefixes=false",
+        )
+        require(
+            not (self.share_prefixes and self.attention_backend == "pallas"),
+            "share_prefixes",
+            "needs an attention that takes a shared prompt's segment, and splash attention "
+            "(attention_backend=pallas) compares segment ids for equality only: set "
+            "trainer.attention_backend=jax, or trainer.share_prefixes=false",
         )
         require(
             self.logprob_chunk_size >= 0,
@@ -1407,6 +1427,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "controller.datasets[].sft_field": "",
     "data.sft_field": "",
     "trainer.tokens_per_row": 0,  # padded batches, as every run before packing
+    "trainer.share_prefixes": False,  # every sample's prompt its own, as before sharing
     # Sharing a group's prompt pages gives bitwise the rollouts of prefilling each sample:
     # what every run before it generated.
     "inference.share_prompt_pages": True,

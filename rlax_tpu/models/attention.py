@@ -5,7 +5,9 @@ numbers the others are tested against). "splash": Pallas splash attention (TPU; 
 elsewhere), blockwise, so no [s, s] array exists, with its own backward kernels. "dot_product":
 `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPU). All take q: [b, s, q_heads, d]
 (RoPE applied), k, v: [b, s, kv_heads, d] and optional segment_ids: int32[b, s] (tokens attend
-only within their segment; 0 = padding) and return [b, s, q_heads, d] in q's dtype.
+only within their segment; 0 = padding) and return [b, s, q_heads, d] in q's dtype. The
+reference and dot_product also take prefix_ids: int32[b, s], the segment a token attends to
+besides its own (a shared prompt, rlax_tpu.trainer.packing; 0 = none); splash does not.
 """
 
 from __future__ import annotations
@@ -29,26 +31,31 @@ SPLASH_LANES = 128
 SPLASH_MAX_BLOCK = 512
 
 
-def causal_mask(batch: int, seq: int, segment_ids: jax.Array | None) -> jax.Array:
-    """bool[b, s, s]: query t sees key u <= t of its own (non-padding) segment."""
+def causal_mask(
+    batch: int, seq: int, segment_ids: jax.Array | None, prefix_ids: jax.Array | None = None
+) -> jax.Array:
+    """bool[b, s, s]: query t sees key u <= t of its own (non-padding) segment, and of the
+    segment `prefix_ids` names for it (a shared prompt laid out before it)."""
     causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))[None]
     if segment_ids is None:
         return jnp.broadcast_to(causal, (batch, seq, seq))
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_ids is not None:
+        same = same | (prefix_ids[:, :, None] == segment_ids[:, None, :])
     return causal & same & (segment_ids[:, None, :] != 0)
 
 
-def reference_attention(q, k, v, segment_ids=None):
+def reference_attention(q, k, v, segment_ids=None, prefix_ids=None):
     batch, seq = q.shape[:2]
-    return grouped_attention(q, k, v, causal_mask(batch, seq, segment_ids))
+    return grouped_attention(q, k, v, causal_mask(batch, seq, segment_ids, prefix_ids))
 
 
-def dot_product_attention(q, k, v, segment_ids=None):
+def dot_product_attention(q, k, v, segment_ids=None, prefix_ids=None):
     """jax.nn.dot_product_attention, causal (grouped-query heads taken as they are). With
     segment ids a boolean mask is passed, which cuDNN takes as a bias."""
     mask = None
     if segment_ids is not None:
-        mask = causal_mask(q.shape[0], q.shape[1], segment_ids)[:, None]
+        mask = causal_mask(q.shape[0], q.shape[1], segment_ids, prefix_ids)[:, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
 
 
@@ -96,15 +103,22 @@ def _splash_kernel(group: int, seq: int, interpret: bool):
     )
 
 
-def splash_attention(q, k, v, segment_ids=None):
+def splash_attention(q, k, v, segment_ids=None, prefix_ids=None):
     """Splash attention: vmapped over batch rows and kv heads (each kv head serves its group
     of query heads as one MQA kernel call), under shard_map when a mesh is active so that
     every device runs the kernel on its own rows and heads.
 
     The sequence is padded to a multiple of 128 with segment id 0 keys after every real
     token (causality hides them); q is scaled by d**-0.5 before the kernel, which does not
-    scale scores.
+    scale scores. Its masks compare segment ids for equality only: shared prompts
+    (`prefix_ids`) are refused.
     """
+    if prefix_ids is not None:
+        raise ValueError(
+            "splash attention cannot attend to a shared prompt's segment "
+            "(trainer.share_prefixes): set trainer.attention_backend=jax, or "
+            "trainer.share_prefixes=false"
+        )
     batch, seq, q_heads, d = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads

@@ -326,12 +326,14 @@ class Transformer(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        prefix_ids: jax.Array | None = None,
         options: ForwardOptions = REFERENCE,
     ) -> jax.Array:
         """Final-normed hidden states [batch, seq, embed] of whole sequences.
 
         tokens: int32[batch, seq]; positions: int32[batch, seq] (default 0..seq-1);
-        segment_ids: int32[batch, seq], tokens attend only within their segment (0 = padding).
+        segment_ids: int32[batch, seq], tokens attend only within their segment (0 = padding);
+        prefix_ids: int32[batch, seq], and to the segment it names (a shared prompt; 0 = none).
         """
         batch, seq = tokens.shape
         if positions is None:
@@ -340,7 +342,7 @@ class Transformer(nnx.Module):
         attention = train_attention(options.attention)
 
         def apply(layer, x):
-            attend = lambda q, k, v: attention(q, k, v, segment_ids)  # noqa: E731
+            attend = lambda q, k, v: attention(q, k, v, segment_ids, prefix_ids)  # noqa: E731
             return self._layer(layer, x, positions, inv_freq, attend)
 
         x = self._run_layers(self._embed(tokens), apply, options.remat_policy)
@@ -353,6 +355,7 @@ class Transformer(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        prefix_ids: jax.Array | None = None,
         return_logits: bool = False,
         return_entropy: bool = False,
         logprob_formula: LogprobFormula = "policy",
@@ -374,7 +377,11 @@ class Transformer(nnx.Module):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         h = self.hidden_states(
-            tokens, positions=positions, segment_ids=segment_ids, options=options
+            tokens,
+            positions=positions,
+            segment_ids=segment_ids,
+            prefix_ids=prefix_ids,
+            options=options,
         )
         values = self._values(h) if self.config.value_head else None
         if return_logits:

@@ -10,7 +10,17 @@ before.
 
 The layout is a deterministic first fit over the sequences in batch order: each goes into
 the first row with room for it (a function of the lengths alone, so a resumed step packs
-the same way). The trainer packs each mini-batch (and the recompute's whole batch) on its
+the same way).
+
+Shared prompts (trainer.share_prefixes): the rows of a chunk whose tokens agree up to their
+first response target (a GRPO group's samples of one prompt) hold that prompt once. A
+*unit* is laid out as the prompt up to its last token, a segment of its own, then each
+sample from the prompt's last token on, a segment whose tokens also attend to the prompt's
+(`prefix_ids`: the prompt segment's id) with positions continuing the prompt's. Every
+padded position still has one packed slot (the prompt's positions that of the shared
+prompt), so log-probs read back as padded; the gradient sums over the samples, as it does
+over the padded copies. A function of the lengths and the tokens before each row's first
+response target. The trainer packs each mini-batch (and the recompute's whole batch) on its
 own: `packed_layout` gives the static-shaped index arrays its jitted steps gather with
 (rlax_tpu/trainer/step.py), `sequence_lengths` the tokens of each row to keep. Host code
 only (numpy).
@@ -75,6 +85,14 @@ def first_fit(lengths: Sequence[int], tokens_per_row: int) -> Packing:
     )
 
 
+def response_starts(mask: np.ndarray) -> np.ndarray:
+    """int64[batch]: the first position where `mask` (the loss / response mask, aligned with
+    the targets) is nonzero: the prompt's last token, whose target is the first response
+    token; 0 for a row without one."""
+    on = np.asarray(mask) != 0
+    return np.where(on.any(axis=1), np.argmax(on, axis=1), 0).astype(np.int64)
+
+
 def sequence_lengths(mask: np.ndarray) -> np.ndarray:
     """int64[batch]: the tokens of each row a packed layout must keep, the last position
     where `mask` (float|bool[batch, seq], the loss / response mask) is nonzero plus one; 0
@@ -100,7 +118,12 @@ class PackedLayout(NamedTuple):
     unpack: int32[U, B, T], each padded position's index into its chunk's packed outputs
         flattened ([M·R·P]), M·R·P (a padding slot) past its sequence's length;
     used: int32[U], the packed micro-batches of each chunk that hold tokens (the rest are
-        all padding and are skipped).
+        all padding and are skipped);
+    prefix_ids: int32[U, M, R, P] with shared prompts, on a sample's slots the segment id
+        of the prompt its tokens also attend to (0 elsewhere); None without.
+
+    With shared prompts a prompt segment's id is B + 1 + its unit's index, and `unpack`
+    maps every sample's prompt positions to the prompt's one set of slots.
     """
 
     source: np.ndarray
@@ -108,6 +131,7 @@ class PackedLayout(NamedTuple):
     positions: np.ndarray
     unpack: np.ndarray
     used: np.ndarray
+    prefix_ids: np.ndarray | None = None
 
     @property
     def padded_tokens(self) -> int:
@@ -121,39 +145,119 @@ class PackedLayout(NamedTuple):
 
     @property
     def sequence_tokens(self) -> int:
-        """Tokens of the sequences themselves."""
+        """Tokens of the sequences themselves, as packed (a shared prompt once)."""
         return int((self.segment_ids > 0).sum())
+
+    @property
+    def padded_sequence_tokens(self) -> int:
+        """Tokens of the sequences in the padded layout (a shared prompt once per sample)."""
+        return int((self.unpack < np.prod(self.source.shape[1:])).sum())
+
+
+def _units(
+    lengths: np.ndarray, starts: np.ndarray | None, tokens: np.ndarray | None, width: int
+) -> list[tuple[int, list[int]]]:
+    """A chunk's packing units, in the order of their first row: (shared prompt tokens, rows).
+    Without `tokens` every row is a unit of its own (0, [b]). With them, rows whose tokens
+    agree up to and including their first response start (`response_starts`) share a unit
+    of f = that start tokens of prompt, as many of them as fit a row of `width` tokens
+    beside it (f + Σ (n - f) <= width; the rest open further units with their own copy);
+    a unit of one row shares nothing."""
+    if tokens is None:
+        return [(0, [b]) for b in range(len(lengths))]
+    groups: dict[bytes, list[int]] = {}
+    keys: list[bytes | None] = []
+    for b, n in enumerate(lengths):
+        f = int(starts[b])
+        key = None if n == 0 or f < 1 else np.asarray(tokens[b, : f + 1]).tobytes()
+        keys.append(key)
+        if key is not None:
+            groups.setdefault(key, []).append(b)
+    units: list[tuple[int, list[int]]] = []
+    for b, key in enumerate(keys):
+        if key is None:
+            units.append((0, [b]))
+            continue
+        members = groups[key]
+        if members[0] != b:
+            continue  # laid out with the group's first row
+        f = int(starts[b])
+        open_rows, used = [], f
+        for m in members:
+            grow = int(lengths[m]) - f
+            if open_rows and used + grow > width:
+                units.append((f if len(open_rows) > 1 else 0, open_rows))
+                open_rows, used = [], f
+            open_rows.append(m)
+            used += grow
+        units.append((f if len(open_rows) > 1 else 0, open_rows))
+    return units
 
 
 def packed_layout(
-    lengths: Sequence[int], *, chunks: int, micro_size: int, tokens_per_row: int, seq: int
+    lengths: Sequence[int],
+    *,
+    chunks: int,
+    micro_size: int,
+    tokens_per_row: int,
+    seq: int,
+    starts: Sequence[int] | None = None,
+    tokens: np.ndarray | None = None,
 ) -> PackedLayout:
     """The `PackedLayout` of a batch of rows with `lengths` (`sequence_lengths`; in batch
     order, `chunks` consecutive chunks of equal size), each chunk packed by `first_fit` into
     rows of `tokens_per_row` tokens, `micro_size` rows per packed micro-batch. A function of
-    the lengths alone. PackingError when a sequence is longer than a row."""
+    the lengths alone. PackingError when a sequence is longer than a row.
+
+    With `tokens` (int[batch, seq]) and `starts` (`response_starts`) the rows of a chunk that
+    share a prompt hold it once (the module's "Shared prompts"); the layout then carries
+    `prefix_ids`."""
     lengths = np.asarray(lengths, np.int64).reshape(chunks, -1)
     rows = lengths.shape[1]
     if rows % micro_size:
         raise PackingError(f"{rows} rows per chunk are not a multiple of micro_size {micro_size}")
+    shared = tokens is not None
+    if shared:
+        tokens = np.asarray(tokens).reshape(chunks, rows, -1)
+        starts = np.asarray(starts, np.int64).reshape(chunks, rows)
     micro_per_chunk, width = rows // micro_size, tokens_per_row
     flat_padded, flat_packed = rows * seq, rows * width
     source = np.full((chunks, rows, width), flat_padded, np.int32)
     segment_ids = np.zeros((chunks, rows, width), np.int32)
     positions = np.zeros((chunks, rows, width), np.int32)
+    prefix_ids = np.zeros((chunks, rows, width), np.int32)
     unpack = np.full((chunks, rows, seq), flat_packed, np.int32)
     used = np.zeros(chunks, np.int32)
     for u, chunk in enumerate(lengths):
-        packing = first_fit(chunk, tokens_per_row)
-        for b, row, start, n in packing.spans():
-            if n == 0:
-                continue
-            source[u, row, start : start + n] = b * seq + np.arange(n)
-            segment_ids[u, row, start : start + n] = b + 1
-            positions[u, row, start : start + n] = np.arange(n)
-            unpack[u, b, :n] = row * width + start + np.arange(n)
-        if chunk.any():  # first fit opens a row only for a sequence, and never more than B
-            used[u] = -(-packing.num_rows // micro_size)
+        first_fit(chunk, tokens_per_row)  # names a sequence longer than a row
+        units = _units(chunk, starts[u] if shared else None, tokens[u] if shared else None, width)
+        sizes = [f + sum(int(chunk[b]) - f for b in members) for f, members in units]
+        unit_rows, unit_offsets, num_rows = shapes.first_fit(sizes, width)
+        for i, ((f, members), row, start) in enumerate(
+            zip(units, unit_rows, unit_offsets, strict=True)
+        ):
+            at = start
+            if f:  # the shared prompt, up to its last token: a segment of its own
+                prompt_id = rows + 1 + i
+                source[u, row, at : at + f] = members[0] * seq + np.arange(f)
+                segment_ids[u, row, at : at + f] = prompt_id
+                positions[u, row, at : at + f] = np.arange(f)
+                at += f
+            for b in members:
+                n = int(chunk[b])
+                if n == 0:
+                    continue
+                span = np.arange(f, n)
+                source[u, row, at : at + n - f] = b * seq + span
+                segment_ids[u, row, at : at + n - f] = b + 1
+                positions[u, row, at : at + n - f] = span
+                unpack[u, b, f:n] = row * width + at + np.arange(n - f)
+                if f:
+                    prefix_ids[u, row, at : at + n - f] = prompt_id
+                    unpack[u, b, :f] = row * width + start + np.arange(f)
+                at += n - f
+        if chunk.any():  # first fit opens a row only for a unit, and never more than B
+            used[u] = -(-num_rows // micro_size)
     shape = (chunks, micro_per_chunk, micro_size, width)
     return PackedLayout(
         source.reshape(shape),
@@ -161,4 +265,5 @@ def packed_layout(
         positions.reshape(shape),
         unpack,
         used,
+        prefix_ids.reshape(shape) if shared else None,
     )

@@ -25,7 +25,12 @@ from rlax_tpu.models import Transformer, lora
 from rlax_tpu.models.options import ForwardOptions
 from rlax_tpu.models.transformer import unstack_layers
 from rlax_tpu.sharding import logical_to_spec, state_shardings
-from rlax_tpu.trainer.packing import PackedLayout, packed_layout, sequence_lengths
+from rlax_tpu.trainer.packing import (
+    PackedLayout,
+    packed_layout,
+    response_starts,
+    sequence_lengths,
+)
 from rlax_tpu.trainer.step import (
     BatchLevels,
     Optimizer,
@@ -130,6 +135,9 @@ class TrainerPrograms:
         # Packed batches (issue 42): > 0 packs each chunk's sequences into rows of this many
         # tokens; 0 runs the padded rows.
         self.tokens_per_row = config.trainer.tokens_per_row
+        # Shared prompts (trainer.share_prefixes): the RL programs' packed rows hold each
+        # prompt its samples share once; SFT's do not.
+        self.share_prefixes = bool(self.tokens_per_row) and config.trainer.share_prefixes
         self.objective = build_objective(config.trainer.algorithm)
         self.inputs = objective_inputs(self.objective)  # optional batch fields it reads
         # π_θ, π_old and the reference at the rollouts' sampling temperature (greedy: 1),
@@ -139,6 +147,12 @@ class TrainerPrograms:
         # for the mesh's platform (TPU for abstract TPU devices on any host).
         self.platform = mesh.devices.flat[0].platform
         self.forward_options = ForwardOptions.from_trainer(config.trainer, platform=self.platform)
+        if self.share_prefixes and self.forward_options.attention == "splash":
+            raise ValueError(
+                "trainer.share_prefixes: attention_backend=auto runs splash attention on "
+                f"{self.platform}, whose masks cannot attend to a shared prompt's segment; set "
+                "trainer.attention_backend=jax, or trainer.share_prefixes=false"
+            )
 
         abstract_model = nnx.eval_shape(lambda: train_model(config, nnx.Rngs(0)))
         self.graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
@@ -288,18 +302,24 @@ class TrainerPrograms:
         return self.sharding(("batch", "length")[: len(shape)], shape)
 
     # -- packed layouts (trainer.tokens_per_row > 0) ----------------------------------------
-    def layout(self, mask: Any, *, chunks: int) -> PackedLayout:
+    def layout(self, mask: Any, *, chunks: int, tokens: Any = None) -> PackedLayout:
         """The host `PackedLayout` of a global batch whose loss / response mask is `mask`
         (bool|float[G, T]) split into `chunks` chunks: the mini-batches of a train step
-        (`levels.num_updates`), or 1 for the recompute. A function of the mask alone, so a
-        resumed step packs as the uninterrupted one did."""
+        (`levels.num_updates`), or 1 for the recompute. With `tokens` (an RL batch's) and
+        trainer.share_prefixes, the rows of a chunk sharing a prompt hold it once. A
+        function of the mask (and the tokens), so a resumed step packs as the uninterrupted
+        one did."""
         mask = np.asarray(mask)
+        shared = {}
+        if self.share_prefixes and tokens is not None:
+            shared = dict(starts=response_starts(mask), tokens=np.asarray(tokens))
         return packed_layout(
             sequence_lengths(mask),
             chunks=chunks,
             micro_size=self.levels.micro_size,
             tokens_per_row=self.tokens_per_row,
             seq=mask.shape[1],
+            **shared,
         )
 
     def layout_shardings(self, layout: PackedLayout) -> PackedLayout:
@@ -308,19 +328,23 @@ class TrainerPrograms:
         axes, scanned over, are not sharded); the used counts replicated. `layout` may hold
         arrays or shapes."""
         packed = (None, None, "batch", "length")
+        prefix_ids = layout.prefix_ids
         return PackedLayout(
             *(self.sharding(packed, np.shape(x)) for x in layout[:3]),
             unpack=self.sharding((None, "batch", "length"), np.shape(layout.unpack)),
             used=self.replicated,
+            prefix_ids=None if prefix_ids is None else self.sharding(packed, np.shape(prefix_ids)),
         )
 
-    def abstract_layout(self, chunks: int, seq_len: int) -> PackedLayout:
+    def abstract_layout(self, chunks: int, seq_len: int, *, shared: bool = False) -> PackedLayout:
         """A `PackedLayout` of the global batch of `seq_len` tokens in `chunks` chunks, as
-        abstract arrays placed as `Trainer` places one."""
+        abstract arrays placed as `Trainer` places one; `shared`: with prefix_ids (an RL
+        program's layout under trainer.share_prefixes)."""
         rows = self.levels.global_size // chunks
         micro = self.levels.micro_size
         packed = (chunks, rows // micro, micro, self.tokens_per_row)
         shapes = (packed, packed, packed, (chunks, rows, seq_len), (chunks,))
+        shapes += (packed,) if shared and self.share_prefixes else ()
         layout = PackedLayout(*(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes))
         return jax.tree.map(
             lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
@@ -365,7 +389,7 @@ class TrainerPrograms:
         batch = self.abstract_rollout_batch(seq_len)
         args = (self.abstract_params, self.rl.abstract, batch, step, behaviour)
         if self.tokens_per_row:
-            args += (self.abstract_layout(self.levels.num_updates, seq_len),)
+            args += (self.abstract_layout(self.levels.num_updates, seq_len, shared=True),)
         return args
 
     def lowerings(self) -> dict[str, tuple[Any, tuple, tuple[int, ...]]]:
@@ -382,7 +406,7 @@ class TrainerPrograms:
             "recompute": (
                 self.recompute,
                 (self.abstract_params, self.abstract_tokens(seq), values)
-                + ((self.abstract_layout(1, seq),) if self.tokens_per_row else ()),
+                + ((self.abstract_layout(1, seq, shared=True),) if self.tokens_per_row else ()),
                 (2,),
             ),
         }

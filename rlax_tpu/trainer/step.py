@@ -185,10 +185,12 @@ def policy_outputs(
     options: ForwardOptions = REFERENCE,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    prefix_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """log π(targets) float32[b, s], and the value head and entropies when asked; π (and
-    its entropy) is softmax(logits / temperature). positions, segment_ids: int32[b, s] of
-    packed rows (`Transformer.forward_train`); None for padded rows."""
+    its entropy) is softmax(logits / temperature). positions, segment_ids (and with shared
+    prompts prefix_ids): int32[b, s] of packed rows (`Transformer.forward_train`); None for
+    padded rows."""
     tokens = constrain(tokens, ("batch", "length"))
     targets = constrain(targets, ("batch", "length"))
     model = nnx.merge(graphdef, params)
@@ -197,6 +199,7 @@ def policy_outputs(
         targets,
         positions=positions,
         segment_ids=segment_ids,
+        prefix_ids=prefix_ids,
         return_entropy=entropy,
         temperature=temperature,
         options=options,
@@ -233,12 +236,32 @@ def _unpack(x: jax.Array, unpack: jax.Array) -> jax.Array:
     return flat[unpack]
 
 
+def _pack_cotangent(c: jax.Array, layout: PackedLayout) -> jax.Array:
+    """Cotangents of a chunk's padded outputs c[B, T, ...] in its packed layout (pass 2 of a
+    packed step): the transpose of `_unpack`, which with shared prompts sums the samples'
+    cotangents on the prompt's slots; without, a gather suffices (each slot has one padded
+    position)."""
+    if layout.prefix_ids is None:
+        return _pack(c, layout.source)
+    shape, size = layout.source.shape, layout.source.size
+    flat = jnp.zeros((size + 1, *c.shape[2:]), c.dtype)
+    flat = flat.at[layout.unpack.reshape(-1)].add(c.reshape((-1, *c.shape[2:])))
+    return flat[:size].reshape((*shape, *c.shape[2:]))
+
+
 def _packed_inputs(tokens: jax.Array, targets: jax.Array, layout: PackedLayout) -> tuple:
-    """(tokens, targets, positions, segment_ids), each int32[M, R, P], of one chunk. The
-    targets are the padded rows' (tokens shifted left), so a sequence's last target is its
-    own next token, never the next segment's first."""
+    """(tokens, targets, positions, segment_ids, prefix_ids), each int32[M, R, P] (prefix_ids
+    None without shared prompts), of one chunk. The targets are the padded rows' (tokens
+    shifted left), so a sequence's last target is its own next token, never the next
+    segment's first."""
     source = layout.source
-    return _pack(tokens, source), _pack(targets, source), layout.positions, layout.segment_ids
+    return (
+        _pack(tokens, source),
+        _pack(targets, source),
+        layout.positions,
+        layout.segment_ids,
+        layout.prefix_ids,
+    )
 
 
 def _over_used(fn: Callable, xs: Any, used: jax.Array) -> Any:
@@ -289,7 +312,7 @@ def recompute(
     the results are 0 past each row's sequence length (`packing.sequence_lengths`).
     """
 
-    def forward(p, t, targets=None, positions=None, segment_ids=None):
+    def forward(p, t, targets=None, positions=None, segment_ids=None, prefix_ids=None):
         t = constrain(t, ("batch", "length"))
         if targets is None:
             targets = _targets(t)
@@ -298,6 +321,7 @@ def recompute(
             targets,
             positions=positions,
             segment_ids=segment_ids,
+            prefix_ids=prefix_ids,
             logprob_formula="inference",
             temperature=temperature,
             options=options,
@@ -444,7 +468,7 @@ def make_rl_step(
     need_entropy = objective.needs_entropy
     m = levels.micro_per_mini
 
-    def outputs(params, tokens, targets=None, positions=None, segment_ids=None):
+    def outputs(params, tokens, targets=None, positions=None, segment_ids=None, prefix_ids=None):
         return policy_outputs(
             graphdef,
             params,
@@ -456,6 +480,7 @@ def make_rl_step(
             options=options,
             positions=positions,
             segment_ids=segment_ids,
+            prefix_ids=prefix_ids,
         )
 
     def loss_of(mini: RolloutBatch, step, lp, values, entropy):
@@ -510,7 +535,7 @@ def make_rl_step(
         (loss, metrics), cotangents = jax.value_and_grad(
             lambda o: loss_of(mini, step, *o), has_aux=True
         )((lp, values, entropy))
-        cot_packed = jax.tree.map(lambda c: _pack(c, layout.source), cotangents)
+        cot_packed = jax.tree.map(lambda c: _pack_cotangent(c, layout), cotangents)
 
         # Pass 2: back-propagate the packed cotangents through each used micro-batch.
         def micro(grads, ys):
@@ -660,7 +685,7 @@ def make_sft_step(
         def micro(acc, ys):
             grads, nll = acc
             if packed:
-                k, (t, y, positions, segment_ids), w = ys
+                k, (t, y, positions, segment_ids, _), w = ys  # SFT shares no prompts
             else:
                 (t, y, w), positions, segment_ids = ys, None, None
 

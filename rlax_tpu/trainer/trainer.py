@@ -217,21 +217,31 @@ class Trainer:
             return jax.device_put(x, sharding)
         return _from_host(np.asarray(x, dtype), sharding)
 
-    def _layout(self, mask: Any, *, chunks: int) -> tuple[tuple, dict[str, float]]:
+    def _layout(
+        self, mask: Any, *, chunks: int, tokens: Any = None
+    ) -> tuple[tuple, dict[str, float]]:
         """The packed layout of a batch with loss / response `mask` in `chunks` chunks,
         placed on the mesh, as the extra argument of a packed program, and its padding
         figures (`packing/*`); no argument and no figures when packing is off."""
         if not self.programs.tokens_per_row:
             return (), {}
-        layout = self.programs.layout(mask, chunks=chunks)
+        layout = self.programs.layout(mask, chunks=chunks, tokens=tokens)
         shardings = self.programs.layout_shardings(layout)
         placed = type(layout)(
-            *(self._place_rows(x, sharding=sh) for x, sh in zip(layout, shardings, strict=True))
+            *(
+                None if x is None else self._place_rows(x, sharding=sh)
+                for x, sh in zip(layout, shardings, strict=True)
+            )
         )
+        tokens_padded = layout.padded_sequence_tokens
         figures = {
             # The share of the token slots that run which are padding, packed and padded.
             "packing/padding_fraction": 1 - layout.sequence_tokens / max(layout.packed_tokens, 1),
-            "packing/padding_fraction_padded": 1 - layout.sequence_tokens / layout.padded_tokens,
+            "packing/padding_fraction_padded": 1 - tokens_padded / layout.padded_tokens,
+            # The share of the sequences' tokens that shared prompts left out (0 unshared).
+            "packing/shared_prompt_fraction": 1 - layout.sequence_tokens / max(tokens_padded, 1),
+            # The tokens the model runs for the sequences (a shared prompt once): `mfu`'s.
+            "model_tokens": layout.sequence_tokens,
         }
         return (placed,), figures
 
@@ -525,9 +535,13 @@ class Trainer:
         self._check_inputs(batch)
         batch = batch.replace(token_versions=None)  # checked; no objective part reads it
         # Packed rows (trainer.tokens_per_row): the layouts of the update's mini-batches and
-        # of the recompute's whole batch, from the response mask alone.
-        packed, packing = self._layout(batch.response_mask, chunks=self.levels.num_updates)
-        packed_recompute, _ = self._layout(batch.response_mask, chunks=1)
+        # of the recompute's whole batch, from the response mask (and, sharing prompts, the
+        # tokens).
+        tokens = batch.tokens
+        packed, packing = self._layout(
+            batch.response_mask, chunks=self.levels.num_updates, tokens=tokens
+        )
+        packed_recompute, _ = self._layout(batch.response_mask, chunks=1, tokens=tokens)
         batch = jax.tree.map(self._place_rows, batch)
         first = self._first_of_shape("train step", rows, seq)
         start, compiled = time.perf_counter(), perf.compile_seconds()
@@ -704,7 +718,8 @@ class Trainer:
             seconds = time.perf_counter() - start
             self.progress(f"SFT step {rows}x{seq}: compiled and ran in {seconds:.1f}s")
         compile_s = perf.compile_seconds() - compiled
-        metrics.update(self._speed(rows * seq, time.perf_counter() - start, compile_s))
+        step_s = time.perf_counter() - start
+        metrics.update(self._speed(rows * seq, step_s, compile_s, metrics.get("model_tokens")))
         self.warm_start_step = step + 1
         last = self.warm_start_step == total
         every = self.config.trainer.warm_start.checkpoint_every
@@ -730,18 +745,24 @@ class Trainer:
         self.progress(f"compiling the {program} for batches of {rows}x{seq} tokens ...")
         return True
 
-    def _speed(self, tokens: int, step_s: float, compile_s: float) -> dict[str, float]:
+    def _speed(
+        self, tokens: int, step_s: float, compile_s: float, model_tokens: float | None = None
+    ) -> dict[str, float]:
         """The step's figures: its wall time, the part of it spent compiling, and throughput
-        and MFU over the rest (a first step's compile is not its speed)."""
+        (the batch's padded tokens) and MFU (of `model_tokens`, the tokens the model runs for
+        the sequences: packed rows count no padding and a shared prompt once; default
+        `tokens`) over the rest (a first step's compile is not its speed)."""
         if self._peak_flops is None:
             self._peak_flops = perf.matmul_peak_flops(self.mesh, self.config.model.dtype)
         run_s = max(step_s - compile_s, 1e-9)
+        model_tokens = tokens if model_tokens is None else model_tokens
         return {
             "time/step_s": step_s,
             "time/compile_s": compile_s,
             "tokens_per_s": tokens / run_s,
+            "model_tokens": model_tokens,
             "mfu": perf.mfu(
-                train_flops(self.num_params, tokens, self.programs.num_trainable),
+                train_flops(self.num_params, model_tokens, self.programs.num_trainable),
                 run_s,
                 self._peak_flops,
             ),
@@ -757,7 +778,7 @@ class Trainer:
         compile_s: float,
         digest: str,
     ):
-        metrics.update(self._speed(tokens, step_s, compile_s))
+        metrics.update(self._speed(tokens, step_s, compile_s, metrics.get("model_tokens")))
         self.step = step + 1
         if self._keeps_reference and reference_reset_due(self.config.trainer.algorithm, self.step):
             _log.info("resetting the reference policy to version %d", self.step)
