@@ -8,14 +8,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_trainer_packing import MODEL, assert_metrics_close, compiled, model  # noqa: F401
+from test_trainer_packing import (  # noqa: F401 (model: the fixture)
+    MODEL,
+    assert_metrics_close,
+    compiled,
+    model,
+    objective_batch,
+)
 from trainer_helpers import assert_trees_close, run_config
 
 from rlax_tpu.algorithms import PRESETS, RolloutBatch, build_objective
 from rlax_tpu.config import ConfigError, OptimizerConfig
 from rlax_tpu.models.attention import causal_mask
 from rlax_tpu.trainer.packing import packed_layout, response_starts, sequence_lengths
-from rlax_tpu.trainer.programs import objective_inputs
 from rlax_tpu.trainer.step import BatchLevels, build_optimizer, make_rl_step, recompute
 
 SEQ = 16
@@ -114,26 +119,7 @@ def test_a_sample_attends_to_its_prompt_and_never_to_a_sibling():
 
 def grouped_batch(objective, seed: int = 0) -> RolloutBatch:
     tokens, mask = grouped(seed)
-    rng = np.random.default_rng(seed + 100)
-    per_token = lambda lo, hi: jnp.asarray(rng.uniform(lo, hi, (ROWS, SEQ)), jnp.float32)  # noqa: E731
-    optional = {
-        "reference_logprobs": per_token(-4.0, -3.0),
-        "values": per_token(-0.5, 0.5),
-        "rollout_logprobs": per_token(-4.0, -3.0),
-        "token_rewards": per_token(-0.1, 0.1),
-        "token_advantages": per_token(-1.0, 1.0),
-        "returns": per_token(-1.0, 1.0),
-        "baseline_rewards": jnp.asarray(rng.normal(size=ROWS), jnp.float32),
-    }
-    return RolloutBatch(
-        tokens=jnp.asarray(tokens),
-        response_mask=jnp.asarray(mask),
-        group_ids=jnp.asarray(np.arange(ROWS) // GROUP, jnp.int32),
-        rewards=jnp.asarray(rng.normal(size=ROWS), jnp.float32),
-        behaviour_logprobs=per_token(-4.0, -3.0),
-        versions=jnp.zeros((ROWS,), jnp.int32),
-        **{name: optional[name] for name in objective_inputs(objective)},
-    )
+    return objective_batch(objective, np.random.default_rng(seed + 100), tokens, mask, GROUP)
 
 
 @pytest.mark.parametrize("preset, micro", [("grpo", 2), ("ppo", 8)])

@@ -73,11 +73,10 @@ def heavy_tailed_mask(
     return mask
 
 
-def rollout_batch(objective, seed: int = 0) -> RolloutBatch:
-    """A global batch with every optional field `objective` reads."""
-    rng = np.random.default_rng(seed)
-    rows = LEVELS.global_size
-    mask = heavy_tailed_mask(rng)
+def objective_batch(objective, rng: np.random.Generator, tokens, mask, group: int) -> RolloutBatch:
+    """A batch of `tokens` and response `mask` ([rows, SEQ]) in groups of `group` rows, with
+    random rewards, behaviour log-probs and every optional field `objective` reads."""
+    rows = np.shape(tokens)[0]
     per_token = lambda lo, hi: jnp.asarray(rng.uniform(lo, hi, (rows, SEQ)), jnp.float32)  # noqa: E731
     optional = {
         "reference_logprobs": per_token(-4.0, -3.0),
@@ -89,14 +88,22 @@ def rollout_batch(objective, seed: int = 0) -> RolloutBatch:
         "baseline_rewards": jnp.asarray(rng.normal(size=rows), jnp.float32),
     }
     return RolloutBatch(
-        tokens=jnp.asarray(rng.integers(1, MODEL.vocab_size, (rows, SEQ)), jnp.int32),
+        tokens=jnp.asarray(tokens, jnp.int32),
         response_mask=jnp.asarray(mask),
-        group_ids=jnp.asarray(np.arange(rows) // 2, jnp.int32),
+        group_ids=jnp.asarray(np.arange(rows) // group, jnp.int32),
         rewards=jnp.asarray(rng.normal(size=rows), jnp.float32),
         behaviour_logprobs=per_token(-4.0, -3.0),
         versions=jnp.zeros((rows,), jnp.int32),
         **{name: optional[name] for name in objective_inputs(objective)},
     )
+
+
+def rollout_batch(objective, seed: int = 0) -> RolloutBatch:
+    """A global batch with every optional field `objective` reads."""
+    rng = np.random.default_rng(seed)
+    mask = heavy_tailed_mask(rng)
+    tokens = rng.integers(1, MODEL.vocab_size, mask.shape)
+    return objective_batch(objective, rng, tokens, mask, group=2)
 
 
 def layout_of(mask, chunks: int, tokens_per_row: int = SEQ, micro_size: int = LEVELS.micro_size):
