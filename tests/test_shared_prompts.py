@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_trainer_packing import (  # noqa: F401 (model: the fixture)
     MODEL,
-    assert_metrics_close,
+    assert_packed_step_equals_padded,
     compiled,
     model,
     objective_batch,
@@ -18,10 +18,10 @@ from test_trainer_packing import (  # noqa: F401 (model: the fixture)
 from trainer_helpers import assert_trees_close, run_config
 
 from rlax_tpu.algorithms import PRESETS, RolloutBatch, build_objective
-from rlax_tpu.config import ConfigError, OptimizerConfig
+from rlax_tpu.config import ConfigError
 from rlax_tpu.models.attention import causal_mask
 from rlax_tpu.trainer.packing import packed_layout, response_starts, sequence_lengths
-from rlax_tpu.trainer.step import BatchLevels, build_optimizer, make_rl_step, recompute
+from rlax_tpu.trainer.step import BatchLevels, recompute
 
 SEQ = 16
 ROWS, GROUP = 16, 4
@@ -126,12 +126,8 @@ def grouped_batch(objective, seed: int = 0) -> RolloutBatch:
 def test_a_step_sharing_prompts_equals_the_padded_one(model, preset, micro):  # noqa: F811
     """Two passes (micro < mini: the samples' cotangents sum on their prompt's slots) and
     one (micro == mini: through the unpacking gather); PPO reads values and entropies."""
-    graphdef, params = model
     levels = BatchLevels(global_size=ROWS, mini_size=8, micro_size=micro)
     objective = build_objective(PRESETS[preset]())
-    optimizer = build_optimizer(
-        OptimizerConfig(learning_rate=1e-2, adam_eps=1e-4), num_steps=10, updates_per_step=2
-    )
     batch = grouped_batch(objective)
     tokens, mask = np.asarray(batch.tokens), np.asarray(batch.response_mask)
     width = 32
@@ -139,15 +135,7 @@ def test_a_step_sharing_prompts_equals_the_padded_one(model, preset, micro):  # 
     if micro < 8:
         unshared = layout_of(tokens, mask, chunks=2, micro_size=micro, width=width, shared=False)
         assert layout.used.sum() < unshared.used.sum()  # sharing runs fewer micro-batches
-    step, behaviour = jnp.asarray(3, jnp.int32), {"cached": batch.behaviour_logprobs}
-    opt_state = optimizer.transform.init(params)
-    padded = make_rl_step(graphdef, objective, optimizer, levels)
-    packed = make_rl_step(graphdef, objective, optimizer, levels, packed=True)
-    want_params, _, want = compiled(padded, params, opt_state, batch, step, behaviour)
-    got_params, _, got = compiled(packed, params, opt_state, batch, step, behaviour, layout)
-    assert np.isfinite(float(want["loss"])) and float(want["grad_norm"]) > 0
-    assert_metrics_close(got, want)
-    assert_trees_close(got_params, want_params, rtol=1e-5, atol=1e-6)
+    assert_packed_step_equals_padded(model, objective, levels, batch, layout)
 
 
 def test_the_recompute_sharing_prompts_equals_the_padded_one(model):  # noqa: F811

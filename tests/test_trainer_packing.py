@@ -124,53 +124,43 @@ def assert_metrics_close(got: dict, want: dict) -> None:
         )
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_a_packed_rl_step_equals_the_padded_one(model, preset):
+def assert_packed_step_equals_padded(model, objective, levels, batch, layout) -> None:
+    """One RL step of `batch`, padded and packed by `layout`: loss, metrics and the updated
+    parameters within float rounding. adam_eps well above the gradients' rounding noise, so
+    the parameters compare tightly (with eps = 1e-8 a 1e-9 gradient is a ±lr update)."""
     graphdef, params = model
-    objective = build_objective(PRESETS[preset]())
-    # adam_eps well above the gradients' rounding noise, so the updated parameters compare
-    # tightly (with eps = 1e-8 a 1e-9 gradient is a ±lr update).
     optimizer = build_optimizer(
         OptimizerConfig(learning_rate=1e-2, adam_eps=1e-4), num_steps=10, updates_per_step=2
     )
-    batch = rollout_batch(objective)
-    layout = layout_of(batch.response_mask, LEVELS.num_updates)
-    assert (layout.used < LEVELS.micro_per_mini).all()  # packing saves micro-batches
-    step = jnp.asarray(3, jnp.int32)
-    behaviour = {"cached": batch.behaviour_logprobs}
-    opt_state = optimizer.transform.init(params)
-
-    padded = make_rl_step(graphdef, objective, optimizer, LEVELS)
-    packed = make_rl_step(graphdef, objective, optimizer, LEVELS, packed=True)
-    want_params, _, want = compiled(padded, params, opt_state, batch, step, behaviour)
-    got_params, _, got = compiled(packed, params, opt_state, batch, step, behaviour, layout)
-
-    assert np.isfinite(float(want["loss"])) and float(want["grad_norm"]) > 0
-    assert_metrics_close(got, want)
-    assert_trees_close(got_params, want_params, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("preset", ["ppo", "grpo"])
-def test_a_packed_step_of_one_micro_batch_per_update_equals_the_padded_one(model, preset):
-    """micro == mini: the one packed micro-batch is differentiated directly through the
-    unpacking gather (values and entropies too, for PPO)."""
-    graphdef, params = model
-    levels = BatchLevels(global_size=16, mini_size=8, micro_size=8)
-    objective = build_objective(PRESETS[preset]())
-    optimizer = build_optimizer(
-        OptimizerConfig(learning_rate=1e-2, adam_eps=1e-4), num_steps=10, updates_per_step=2
-    )
-    batch = rollout_batch(objective)
-    layout = layout_of(batch.response_mask, levels.num_updates, micro_size=levels.micro_size)
     step, behaviour = jnp.asarray(3, jnp.int32), {"cached": batch.behaviour_logprobs}
     opt_state = optimizer.transform.init(params)
     padded = make_rl_step(graphdef, objective, optimizer, levels)
     packed = make_rl_step(graphdef, objective, optimizer, levels, packed=True)
     want_params, _, want = compiled(padded, params, opt_state, batch, step, behaviour)
     got_params, _, got = compiled(packed, params, opt_state, batch, step, behaviour, layout)
-    assert float(want["grad_norm"]) > 0
+    assert np.isfinite(float(want["loss"])) and float(want["grad_norm"]) > 0
     assert_metrics_close(got, want)
     assert_trees_close(got_params, want_params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_packed_rl_step_equals_the_padded_one(model, preset):
+    objective = build_objective(PRESETS[preset]())
+    batch = rollout_batch(objective)
+    layout = layout_of(batch.response_mask, LEVELS.num_updates)
+    assert (layout.used < LEVELS.micro_per_mini).all()  # packing saves micro-batches
+    assert_packed_step_equals_padded(model, objective, LEVELS, batch, layout)
+
+
+@pytest.mark.parametrize("preset", ["ppo", "grpo"])
+def test_a_packed_step_of_one_micro_batch_per_update_equals_the_padded_one(model, preset):
+    """micro == mini: the one packed micro-batch is differentiated directly through the
+    unpacking gather (values and entropies too, for PPO)."""
+    levels = BatchLevels(global_size=16, mini_size=8, micro_size=8)
+    objective = build_objective(PRESETS[preset]())
+    batch = rollout_batch(objective)
+    layout = layout_of(batch.response_mask, levels.num_updates, micro_size=levels.micro_size)
+    assert_packed_step_equals_padded(model, objective, levels, batch, layout)
 
 
 def test_the_packed_recompute_equals_the_padded_one(model):
