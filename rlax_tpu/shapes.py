@@ -46,3 +46,31 @@ def first_fit(lengths: Sequence[int], tokens_per_row: int) -> tuple[list[int], l
         rows[b], offsets[b] = row, used[row]
         used[row] += n
     return rows, offsets, max(1, len(used))
+
+
+def shared_prompt_units(prompt: int, lengths: Sequence[int], width: int) -> list[list[int]]:
+    """The rows of a group that share their first `prompt` tokens (`lengths`: each row's
+    tokens, prompt included, in batch order) split into packing units (indices into
+    `lengths`): each unit holds the prompt once and its rows' tokens past it,
+    prompt + Σ (n − prompt) <= width, a unit closed when the next row would not fit. The
+    trainer's shared-prompt layouts (rlax_tpu.trainer.packing) and the simulator's count
+    of them."""
+    units: list[list[int]] = []
+    used = prompt
+    for i, n in enumerate(lengths):
+        grow = n - prompt
+        if units and units[-1] and used + grow > width:
+            units.append([])
+            used = prompt
+        if not units:
+            units.append([])
+        units[-1].append(i)
+        used += grow
+    return units
+
+
+def shared_unit_size(prompt: int, lengths: Sequence[int]) -> int:
+    """Tokens of a unit of rows of `lengths` sharing `prompt` tokens (one row: its own)."""
+    if len(lengths) == 1:
+        return int(lengths[0])
+    return prompt + sum(int(n) - prompt for n in lengths)

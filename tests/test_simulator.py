@@ -243,6 +243,20 @@ def test_a_packed_step_trains_only_its_used_packed_micro_batches():
     assert train_s(timing, packed, prompts, responses) == pytest.approx(0.5 + 2560 * 1e-4)
 
 
+def test_shared_prompts_count_a_groups_prompt_once_in_the_simulated_step():
+    """Groups of 4 sharing a 100-token prompt: 99 of its tokens once per unit, each
+    sample's from the prompt's last token on."""
+    workload = dataclasses.replace(packed_workload(256), samples_per_prompt=4)
+    shared = dataclasses.replace(workload, share_prefixes=True)
+    prompts, responses = [100] * 16, [20] * 7 + [150] + [20] * 8
+    # Unshared: the 120-token sequences two to a row, the 250 alone: 5 rows, then 4 rows:
+    # 3 + 2 micro-batches of 2 rows.
+    assert train_tokens(workload, prompts, responses) == 5 * 2 * 256
+    # Shared: a group of four 120s is one unit of 99 + 4 × 21 = 183 tokens, a row; the group
+    # with the 250 splits into 99 + 3 × 21 = 162 and the 250 alone: 3 rows, then 2 rows.
+    assert train_tokens(shared, prompts, responses) == 3 * 2 * 256
+
+
 def test_packing_shortens_the_simulated_train_step_of_heavy_tailed_lengths():
     timing = TimingModel(train_fixed_s=0.0, train_s_per_token=1e-3, decode_step_s=0.0)
     tail = Distribution(kind="lognormal", median=16, sigma=1.5, maximum=240)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Hashable, Sequence
@@ -19,7 +20,7 @@ from collections.abc import Hashable, Sequence
 from rlax_tpu.config import ConfigBase, Distribution, ModelConfig, RunConfig
 from rlax_tpu.config.base import require
 from rlax_tpu.hardware import STATED_EFFICIENCY
-from rlax_tpu.shapes import first_fit, padded_seq_len
+from rlax_tpu.shapes import first_fit, padded_seq_len, shared_prompt_units, shared_unit_size
 from rlax_tpu.staleness import InFlightPlan, StalenessPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -330,6 +331,8 @@ class Workload:
     uses_code_verifier: bool = False
     page_size: int = 16  # tokens per KV page (what a "keep" continuation swaps in)
     in_flight: InFlightPlan | None = None  # the ticks of in-flight updates (None: "off")
+    # Packed rows hold a group's prompt once (trainer.share_prefixes with tokens_per_row).
+    share_prefixes: bool = False
 
     @classmethod
     def from_config(cls, config: RunConfig, sim: SimulatorConfig | None = None) -> Workload:
@@ -357,6 +360,7 @@ class Workload:
             mini_batch_size=config.trainer.mini_batch_size,
             micro_batch_size=config.trainer.micro_batch_size,
             tokens_per_row=config.trainer.tokens_per_row,
+            share_prefixes=config.trainer.share_prefixes and config.trainer.tokens_per_row > 0,
             policy=policy,
             checkpoint_every=config.trainer.checkpoint_every,
             eval_every=ctl.eval_every,
@@ -501,7 +505,9 @@ def train_tokens(workload: Workload, prompt_tokens, response_tokens) -> int:
     (prompt + response) packed by first fit into rows of tokens_per_row tokens, and only
     the micro-batches of micro_batch_size rows that hold them run. The per-token cost is
     that of the whole step, so its recompute (the trainer packs the whole batch as one
-    chunk for it: about as many rows) scales alike."""
+    chunk for it: about as many rows) scales alike. With shared prompts
+    (`workload.share_prefixes`) a group's rows in a mini-batch (consecutive, as the
+    controller lays them) are units holding their prompt once (`shared_prompt_units`)."""
     if not workload.tokens_per_row:
         return len(response_tokens) * train_seq_len(workload, prompt_tokens, response_tokens)
     lengths = [
@@ -513,8 +519,25 @@ def train_tokens(workload: Workload, prompt_tokens, response_tokens) -> int:
         workload.micro_batch_size,
         workload.tokens_per_row,
     )
+
+    def sizes(start: int) -> list[int]:
+        chunk = range(start, min(start + mini, len(lengths)))
+        if not workload.share_prefixes:
+            return [lengths[i] for i in chunk]
+        out = []
+        for group in itertools.groupby(chunk, key=lambda i: i // workload.samples_per_prompt):
+            rows = list(group[1])
+            shared = min(prompt_tokens[rows[0]], workload.max_seq_len) - 1  # up to its last
+            group_lengths = [lengths[i] for i in rows]
+            if shared < 1:  # nothing before the first response target: no row shares
+                out += group_lengths
+                continue
+            for unit in shared_prompt_units(shared, group_lengths, width):
+                out.append(shared_unit_size(shared, [group_lengths[i] for i in unit]))
+        return out
+
     micro_batches = sum(
-        math.ceil(first_fit(lengths[start : start + mini], width)[2] / micro)
+        math.ceil(first_fit(sizes(start), width)[2] / micro)
         for start in range(0, len(lengths), mini)
     )
     return micro_batches * micro * width

@@ -182,15 +182,9 @@ def _units(
         if members[0] != b:
             continue  # laid out with the group's first row
         f = int(starts[b])
-        open_rows, used = [], f
-        for m in members:
-            grow = int(lengths[m]) - f
-            if open_rows and used + grow > width:
-                units.append((f if len(open_rows) > 1 else 0, open_rows))
-                open_rows, used = [], f
-            open_rows.append(m)
-            used += grow
-        units.append((f if len(open_rows) > 1 else 0, open_rows))
+        for unit in shapes.shared_prompt_units(f, [int(lengths[m]) for m in members], width):
+            rows = [members[i] for i in unit]
+            units.append((f if len(rows) > 1 else 0, rows))
     return units
 
 
@@ -231,7 +225,7 @@ def packed_layout(
     for u, chunk in enumerate(lengths):
         first_fit(chunk, tokens_per_row)  # names a sequence longer than a row
         units = _units(chunk, starts[u] if shared else None, tokens[u] if shared else None, width)
-        sizes = [f + sum(int(chunk[b]) - f for b in members) for f, members in units]
+        sizes = [shapes.shared_unit_size(f, [chunk[b] for b in members]) for f, members in units]
         unit_rows, unit_offsets, num_rows = shapes.first_fit(sizes, width)
         for i, ((f, members), row, start) in enumerate(
             zip(units, unit_rows, unit_offsets, strict=True)
