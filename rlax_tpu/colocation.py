@@ -20,11 +20,6 @@ pull of a version no longer held here).
 
 Only the newest `keep` versions are held (each is one copy of the served weights on the
 devices); an older one is pulled from the parameter server as before.
-
-`placements` is where the worker serves each published leaf (by its dotted key path), set
-by the worker once it is built: a trainer that knows them hands each version placed there
-(one jitted cast-and-place after the step, `TrainerPrograms.handover`), so the worker's
-load finds its arrays already placed and only relabels them.
 """
 
 from __future__ import annotations
@@ -57,13 +52,6 @@ class SharedVersions:
         self._held: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._sent: dict[int, concurrent.futures.Future] = {}
         self.handed = 0  # versions taken from here by a load
-        # The worker's placement of each published leaf, by dotted key path; None until the
-        # worker sets it, or when its load must do more than place (quantized serving).
-        self.placements: dict[str, Any] | None = None
-
-    def set_placements(self, placements: dict[str, Any] | None) -> None:
-        """Where the worker serves each published leaf (`ServedWeights.placements`)."""
-        self.placements = placements
 
     def put(self, version: int, params: Any, sent: concurrent.futures.Future) -> None:
         """Hold `params` (device arrays the trainer will not change) as `version`; `sent`

@@ -71,11 +71,7 @@ def _colocated(tmp_path, *, publish_dtype="", publish="every", staleness=None, *
     worker_client = CountingClient([server.address], auth_token=TOKEN)
     trainer = Trainer(config, param_server=trainer_client, shared=shared)
     worker = InferenceWorker(
-        config,
-        param_server=worker_client,
-        consumer_id="inference_worker-0",
-        shared=shared,
-        mesh=build_mesh(config.inference.mesh),  # as serve_worker builds it
+        config, param_server=worker_client, consumer_id="inference_worker-0", shared=shared
     )
     try:
         yield dict(
@@ -143,35 +139,6 @@ def test_the_worker_serves_each_version_the_trainer_hands_it_without_a_pull(colo
     for version in (1, 3):
         pulled = client.pull(version, worker.param_like())
         _assert_equal(_placed(worker, pulled), held[version])
-
-
-def _buffers(arrays) -> set[int]:
-    return {s.data.unsafe_buffer_pointer() for x in arrays for s in x.addressable_shards}
-
-
-@pytest.mark.parametrize(
-    "colocated", ["", "bfloat16"], ids=["params_as_published", "cast_to_bf16"], indirect=True
-)
-def test_a_handed_version_comes_placed_as_served_and_loads_without_a_copy(colocated):
-    """The worker says where it serves each leaf; the trainer hands each version placed
-    there (its own jitted copy after the step), so the load relabels the handed arrays
-    (the same buffers) instead of copying."""
-    trainer, worker, shared = colocated["trainer"], colocated["worker"], colocated["shared"]
-    placements = shared.placements
-    assert placements, "the worker gave no placements"
-    trainer.initialize()
-    worker.load(0)
-    trainer.train_step(0, rollout_batch(0))
-    handed = shared.held(1)
-    flat = jax.tree_util.tree_flatten_with_path(handed)[0]
-    assert len(flat) == len(placements)
-    for path, array in flat:
-        key = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        assert array.sharding.is_equivalent_to(placements[key], array.ndim), key
-    worker.load(1)
-    served = worker.engine.served_params()
-    assert _buffers(served) == _buffers(jax.tree.leaves(handed))
-    _assert_equal(_served(worker), _placed(worker, trainer.params()))
 
 
 def test_a_version_no_longer_handed_is_pulled_from_the_parameter_server(colocated):

@@ -237,10 +237,6 @@ class Engine:
             finished.update((r.request_id, r) for r in self.step())
         return [finished[r.request_id] for r in requests]
 
-    def weight_placements(self) -> dict[str, Any] | None:
-        """Where each published leaf is served (`ServedWeights.placements`)."""
-        return self._weights.placements()
-
     def stats(self) -> dict[str, Any]:
         """Counters since construction; compiled_shapes = distinct jitted signatures traced."""
         compiled = sorted(self._steps.shapes)

@@ -94,15 +94,6 @@ class ServedWeights:
         self.version = -1
         self.leaves: list[jax.Array] | None = None
 
-    def placements(self) -> dict[str, Any] | None:
-        """The sharding each published leaf is served in, by its dotted key path
-        (`layers.0.attn.q_proj`...): a tree given in these (and the served dtype) is loaded
-        without a copy (`_moved` relabels it). None without a mesh, or with quantized
-        projections (their leaves are made at load, not placed)."""
-        if self._mesh is None or any(leaf.scale >= 0 for leaf in self._layout):
-            return None
-        return {".".join(map(str, leaf.keys)): leaf.sharding for leaf in self._layout}
-
     def load(self, version: int, params: Mapping[str, Any]) -> None:
         """Serve `version` with `params` (`place`: a bad tree raises and changes nothing)."""
         leaves = self.place(params)

@@ -160,8 +160,6 @@ class InferenceWorker:
             stopped=lambda: self._failure is not None,
             shared=shared,
         )
-        if shared is not None:  # the co-located trainer writes its versions placed as served
-            shared.set_placements(self._engine.weight_placements())
         # "keep": a continuation whose KV pages are lost replays them under the versions
         # that made them, pulled on the engine thread (Engine.weights_of).
         if (param_server is not None or shared is not None) and self._engine.weights_of is None:

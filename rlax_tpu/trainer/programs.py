@@ -103,11 +103,6 @@ class OptimizerLayout:
     split: Any  # params -> (what it trains, what stays frozen): `trainable_parts`
 
 
-def _dotted(path: tuple) -> str:
-    """A tree path's keys joined by dots (`layers.0.attn.q_proj.kernel`)."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 class TrainerPrograms:
     """Model layout, optimizers and jitted functions of a trainer over `mesh`.
 
@@ -283,8 +278,6 @@ class TrainerPrograms:
             x.dtype == dtype for x in jax.tree.leaves(self.abstract_params)
         )
         served = lambda p: cast_floats(unstack_layers(p), dtype)  # noqa: E731
-        self._served = served
-        self._handover: tuple[dict, Any] | None = None  # (placements, program): `handover`
         self.publish_base = None
         if self.lora:
             self.publish = jax.jit(
@@ -294,35 +287,6 @@ class TrainerPrograms:
             self.publish_base = jax.jit(lambda p: served(self.split_trainable(p)[1]))
         else:
             self.publish = None if unchanged else jax.jit(served)
-
-    # -- co-located hand-over ----------------------------------------------------------------
-    def handover(self, placements: dict[str, Any] | None) -> Any:
-        """The params as published (cast to the publish dtype, per layer) and placed as a
-        co-located worker serves each leaf (`placements`: `SharedVersions.placements`, by
-        dotted key path), in one jitted call: the worker's load then relabels them (no copy).
-        A program of its own, so that the RL step compiles (and rounds) as everywhere else.
-        None with LoRA (the adapters are handed packed), without placements, when a published
-        leaf has none, or when the params are published uncast and already laid out as
-        served (handed as they are, no copy). Built once per placements."""
-        if self.lora or not placements:
-            return None
-        if self._handover is not None and self._handover[0] is placements:
-            return self._handover[1]
-        abstract = jax.eval_shape(self._served, self.abstract_params)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        placed = [placements.get(_dotted(path)) for path, _ in flat]
-        fn = None
-        if all(p is not None for p in placed):
-            laid_out = self.publish is None and all(
-                p.is_equivalent_to(s, len(x.shape))
-                for p, (_, x), s in zip(
-                    placed, flat, jax.tree.leaves(self.param_shardings), strict=True
-                )
-            )
-            if not laid_out:
-                fn = jax.jit(self._served, out_shardings=jax.tree.unflatten(treedef, placed))
-        self._handover = (placements, fn)
-        return fn
 
     # -- placement -----------------------------------------------------------------------
     @property

@@ -340,13 +340,10 @@ class Trainer:
             if self.param_server is not None:
                 self._send(version, self._published_params())
             return
-        # Handed placed as the worker serves them, once it has said where (a copy its load
-        # relabels: TrainerPrograms.handover); else as they are: a cast makes new arrays, and
-        # uncast they are the params, which a co-located trainer's RL step does not update
-        # in place (TrainerPrograms.rl_step donates only the optimizer state; no SFT step
-        # runs after version 0).
-        handover = self.programs.handover(self.shared.placements)
-        params = self._published_params() if handover is None else handover(self._params)
+        # Handed as they are: a cast makes new arrays, and uncast they are the params, which
+        # a co-located trainer's RL step does not update in place (TrainerPrograms.rl_step
+        # donates only the optimizer state; no SFT step runs after version 0).
+        params = self._published_params()
         if self.param_server is None:
             sent = sent_already()
         elif background and version != final and not self._sends_every:
