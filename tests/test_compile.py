@@ -376,6 +376,19 @@ def test_convolution_taps_skip_padding_and_dilation_holes():
     assert mean_taps(2, 1, 2, {"size": 2}) == 2.0
 
 
+def test_shared_prompts_are_refused_where_auto_resolves_to_splash_attention():
+    """On TPU, attention_backend=auto is splash, whose masks cannot express a shared prompt:
+    the compile stops before compiling anything, naming the knob to set."""
+    proc = _compile(
+        TINY, "--set", "trainer.tokens_per_row=128", "--set", "trainer.share_prefixes=true"
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trainer.share_prefixes: attention_backend=auto runs splash attention on tpu" in (
+        proc.stderr
+    )
+    assert "set trainer.attention_backend=jax" in proc.stderr
+
+
 def test_hlo_walk_reads_kernel_cost_estimates():
     cost = analyze(KERNEL_HLO)
     assert cost.flops == 4294967296 and cost.kernels_without_cost == 0

@@ -117,6 +117,27 @@ def test_a_sample_attends_to_its_prompt_and_never_to_a_sibling():
     assert not mask[:, 6].any()
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_pass_two_cotangents_are_the_transpose_of_reading_outputs_back(shared):
+    """Pass 2 of a packed step takes the cotangents of the padded outputs to the packed
+    slots: the transpose of the unpacking gather, so a shared prompt's slot gets the sum of
+    its samples' (an objective reading prompt positions would train them all)."""
+    from rlax_tpu.trainer.step import _pack_cotangent, _unpack
+
+    tokens, mask = grouped()
+    layout = layout_of(tokens, mask, chunks=1, width=32, shared=shared)
+    one = jax.tree.map(lambda x: None if x is None else jnp.asarray(x[0]), layout)
+    packed = jnp.zeros(one.source.shape, jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(0).normal(size=mask.shape), jnp.float32)
+    _, transpose = jax.vjp(lambda x: _unpack(x, one.unpack), packed)
+    want = np.asarray(transpose(cot)[0])
+    np.testing.assert_allclose(np.asarray(_pack_cotangent(cot, one)), want, rtol=1e-6)
+    if shared:  # a prompt slot sums several samples' cotangents
+        prompt_slot = int(one.unpack[0, 0])
+        rows_reading_it = int((np.asarray(one.unpack) == prompt_slot).sum())
+        assert rows_reading_it > 1
+
+
 def grouped_batch(objective, seed: int = 0) -> RolloutBatch:
     tokens, mask = grouped(seed)
     return objective_batch(objective, np.random.default_rng(seed + 100), tokens, mask, GROUP)

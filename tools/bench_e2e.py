@@ -199,9 +199,15 @@ def warm_start_key(config: RunConfig) -> str:
         "eval_dataset": c.eval_dataset,
         "sft": [w.steps, w.learning_rate, c.prompts_per_batch, c.samples_per_prompt],
     }
-    rl_fields = ("algorithm", "behaviour_logprobs", "checkpoint_every", "warm_start")
-    for rl_only in (*rl_fields, "share_prefixes"):
-        parts["trainer"].pop(rl_only)  # SFT has its own rate and checkpoint interval
+    rl_only = (
+        "algorithm",
+        "behaviour_logprobs",
+        "checkpoint_every",
+        "warm_start",
+        "share_prefixes",
+    )
+    for field in rl_only:
+        parts["trainer"].pop(field)  # SFT has its own rate and checkpoint interval
     parts["trainer"]["optimizer"].pop("learning_rate")
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 

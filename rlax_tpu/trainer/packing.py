@@ -63,12 +63,8 @@ class Packing:
         ]
 
 
-def first_fit(lengths: Sequence[int], tokens_per_row: int) -> Packing:
-    """Pack sequences of `lengths` (in batch order) into rows of `tokens_per_row` tokens by
-    first fit: each goes into the first row with room left, else a new row. Zero-length
-    sequences take no room (row 0, offset 0). PackingError names a sequence longer than a
-    row."""
-    lengths = np.asarray(lengths, np.int64)
+def _check_fits(lengths: np.ndarray, tokens_per_row: int) -> None:
+    """PackingError naming the first sequence longer than a packed row, and the fix."""
     if tokens_per_row < 1:
         raise PackingError(f"tokens_per_row must be >= 1, got {tokens_per_row}")
     too_long = np.flatnonzero(lengths > tokens_per_row)
@@ -79,6 +75,15 @@ def first_fit(lengths: Sequence[int], tokens_per_row: int) -> Packing:
             f"(trainer.tokens_per_row={tokens_per_row}): raise tokens_per_row to at least "
             f"{int(lengths.max())}"
         )
+
+
+def first_fit(lengths: Sequence[int], tokens_per_row: int) -> Packing:
+    """Pack sequences of `lengths` (in batch order) into rows of `tokens_per_row` tokens by
+    first fit: each goes into the first row with room left, else a new row. Zero-length
+    sequences take no room (row 0, offset 0). PackingError names a sequence longer than a
+    row."""
+    lengths = np.asarray(lengths, np.int64)
+    _check_fits(lengths, tokens_per_row)
     rows, offsets, num_rows = shapes.first_fit(lengths.tolist(), tokens_per_row)
     return Packing(
         lengths, np.asarray(rows, np.int64), np.asarray(offsets, np.int64), num_rows, tokens_per_row
@@ -223,7 +228,7 @@ def packed_layout(
     unpack = np.full((chunks, rows, seq), flat_packed, np.int32)
     used = np.zeros(chunks, np.int32)
     for u, chunk in enumerate(lengths):
-        first_fit(chunk, tokens_per_row)  # names a sequence longer than a row
+        _check_fits(chunk, tokens_per_row)
         units = _units(chunk, starts[u] if shared else None, tokens[u] if shared else None, width)
         sizes = [shapes.shared_unit_size(f, [chunk[b] for b in members]) for f, members in units]
         unit_rows, unit_offsets, num_rows = shapes.first_fit(sizes, width)

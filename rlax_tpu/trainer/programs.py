@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.algorithms import RolloutBatch, build_objective
-from rlax_tpu.config import RunConfig
+from rlax_tpu.config import ConfigError, RunConfig
 from rlax_tpu.models import Transformer, lora
 from rlax_tpu.models.options import ForwardOptions
 from rlax_tpu.models.transformer import unstack_layers
@@ -148,10 +148,11 @@ class TrainerPrograms:
         self.platform = mesh.devices.flat[0].platform
         self.forward_options = ForwardOptions.from_trainer(config.trainer, platform=self.platform)
         if self.share_prefixes and self.forward_options.attention == "splash":
-            raise ValueError(
-                "trainer.share_prefixes: attention_backend=auto runs splash attention on "
-                f"{self.platform}, whose masks cannot attend to a shared prompt's segment; set "
-                "trainer.attention_backend=jax, or trainer.share_prefixes=false"
+            raise ConfigError(
+                f"attention_backend=auto runs splash attention on {self.platform}, whose masks "
+                "cannot attend to a shared prompt's segment; set trainer.attention_backend=jax, "
+                "or trainer.share_prefixes=false",
+                field="trainer.share_prefixes",
             )
 
         abstract_model = nnx.eval_shape(lambda: train_model(config, nnx.Rngs(0)))

@@ -534,19 +534,21 @@ class Trainer:
         self._check_staleness(step, batch)
         self._check_inputs(batch)
         batch = batch.replace(token_versions=None)  # checked; no objective part reads it
-        # Packed rows (trainer.tokens_per_row): the layouts of the update's mini-batches and
-        # of the recompute's whole batch, from the response mask (and, sharing prompts, the
-        # tokens).
+        # Packed rows (trainer.tokens_per_row): the layouts of the update's mini-batches and,
+        # on a step that runs a recompute, of the recompute's whole batch, from the response
+        # mask (and, sharing prompts, the tokens).
+        needs_values = self.objective.needs_rollout_values
+        recompute = self._recompute_due(step)
         tokens = batch.tokens
         packed, packing = self._layout(
             batch.response_mask, chunks=self.levels.num_updates, tokens=tokens
         )
-        packed_recompute, _ = self._layout(batch.response_mask, chunks=1, tokens=tokens)
+        packed_recompute = ()
+        if recompute or self.objective.needs_reference_logprobs:
+            packed_recompute, _ = self._layout(batch.response_mask, chunks=1, tokens=tokens)
         batch = jax.tree.map(self._place_rows, batch)
         first = self._first_of_shape("train step", rows, seq)
         start, compiled = time.perf_counter(), perf.compile_seconds()
-        needs_values = self.objective.needs_rollout_values
-        recompute = self._recompute_due(step)
         with use_mesh(self.mesh, self.rules):
             cached = batch.behaviour_logprobs
             recomputed, extra, recompute_s = cached, {}, 0.0
