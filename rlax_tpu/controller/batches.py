@@ -73,7 +73,9 @@ class BatchBuilder:
         todo = batch.unjudged()
         if not todo:
             return
-        logged = self.log.judgements(batch.index)
+        logged = batch.logged_judgements
+        if logged is None:
+            logged = self.log.judgements(batch.index)
         fresh = []
         for p, i in todo:
             judgement = logged.get(batch.rollouts[(p.key, i)].key)

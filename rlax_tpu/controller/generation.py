@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlax_tpu.api.inference import GenerationRequest, Partial, Rollout
-from rlax_tpu.api.records import Group, Judgement, RolloutRecord, ScoredRollout
+from rlax_tpu.api.records import Group, Judgement, RolloutKey, RolloutRecord, ScoredRollout
 from rlax_tpu.controller.episodes import Episodes, Turn, TurnLog
 from rlax_tpu.controller.errors import ControllerError
 from rlax_tpu.controller.snapshots import RolloutLog
@@ -85,6 +85,10 @@ class BatchState:
         default_factory=lambda: dict.fromkeys(TIMINGS, 0.0)
     )
     greedy: bool = False
+    # The verdicts the rollout log held for this batch when it was first submitted (an
+    # earlier process's, on resume), read then, before this process writes any of the
+    # batch's files; None: not submitted yet (read when judging).
+    logged_judgements: dict[RolloutKey, Judgement] | None = None
 
     @property
     def sample_indices(self) -> list[int]:
@@ -318,6 +322,8 @@ class GenerationPool:
             batch.prompts.extend(prompts)
             batch.done.clear()
         logged = self.log.rollouts(b)
+        if batch.logged_judgements is None:
+            batch.logged_judgements = self.log.judgements(b)
         partials = self.log.partials(b) if self.in_flight is not None else {}
         stepped = self.turn_log.turns(b) if self.episodes is not None else {}
         if self.episodes is not None:

@@ -167,11 +167,15 @@ class RolloutLog:
     def _put(self, batch: int | None, url: str, text: str) -> None:
         """Write `text` to `url` after every earlier write (`batch`: whose files it is; None
         for the consumed records)."""
+        self._in_order(batch, storage.write_text, url, text)
+
+    def _in_order(self, batch: int | None, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the writer thread after every earlier write."""
         self._raise_failed()
         with self._lock:
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(1, "rollout-log")
-            self._pending.append((batch, self._writer.submit(storage.write_text, url, text)))
+            self._pending.append((batch, self._writer.submit(fn, *args)))
 
     def _raise_failed(self) -> None:
         """Forget the writes that are done; raise the first that failed."""
@@ -212,18 +216,31 @@ class RolloutLog:
     def append(self, batch: int, rollouts: Sequence[RolloutRecord]) -> None:
         """Persist rollouts in one atomic write. The file is named by the rollouts' keys, so
         writing the same rollouts again replaces the file instead of duplicating them."""
-        self._write(batch, ROLLOUTS_PREFIX, [r.to_json() for r in rollouts])
+        self._write(batch, ROLLOUTS_PREFIX, rollouts, lambda r: r.to_json())
 
     def _write(
         self,
         batch: int,
         prefix: str,
-        records: Sequence[dict[str, Any]],
+        items: Sequence[Any],
+        to_json: Callable[[Any], dict[str, Any]],
         salt: Sequence[int] | None = None,
     ) -> None:
-        """`salt`: per record, a number that tells its writes apart (a partial's length)."""
-        if not records:
-            return
+        """Write to_json(item) of each of `items` (immutable: made into lines and written on
+        the writer thread, off the loop's path) as one file of `batch`'s. `salt`: per item, a
+        number that tells its writes apart (a partial's length)."""
+        if items:
+            self._in_order(batch, self._write_now, batch, prefix, list(items), to_json, salt)
+
+    def _write_now(
+        self,
+        batch: int,
+        prefix: str,
+        items: Sequence[Any],
+        to_json: Callable[[Any], dict[str, Any]],
+        salt: Sequence[int] | None,
+    ) -> None:
+        records = [to_json(item) for item in items]
         keys = sorted(
             rollout_key(batch, r["prompt_id"], r["sample_index"], r["version"])
             + ("" if salt is None else f"-n{salt[k]}")
@@ -231,7 +248,7 @@ class RolloutLog:
         )
         name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:24]
         lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-        self._put(batch, storage.join(self._batch_dir(batch), f"{prefix}{name}.jsonl"), lines)
+        storage.write_text(storage.join(self._batch_dir(batch), f"{prefix}{name}.jsonl"), lines)
 
     def read_batch(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
         """The logged rollout lines of `batch`, as written, by (prompt_id, sample_index,
@@ -246,7 +263,7 @@ class RolloutLog:
     def append_verdicts(self, batch: int, verdicts: Sequence[tuple[RolloutKey, Judgement]]) -> None:
         """Persist final verdicts (the rollout's key, its judgement) of `batch`'s rollouts,
         in one atomic write."""
-        self._write(batch, VERDICTS_PREFIX, [j.to_json(key) for key, j in verdicts])
+        self._write(batch, VERDICTS_PREFIX, verdicts, lambda kj: kj[1].to_json(kj[0]))
 
     def read_verdicts(self, batch: int) -> dict[tuple[str, int, int], dict[str, Any]]:
         """The logged verdict lines of `batch`, as written, by (prompt_id, sample_index,
@@ -334,8 +351,8 @@ class RolloutLog:
         """Persist rollouts paused at a tick's token budget (mixed-version rollouts, finish
         reason "paused"), in one atomic write; a resumed run carries each on from its
         longest logged partial instead of generating it again."""
-        records = [r.to_json() for r in rollouts]
-        self._write(batch, PARTIALS_PREFIX, records, salt=[len(r.tokens) for r in rollouts])
+        salt = [len(r.tokens) for r in rollouts]
+        self._write(batch, PARTIALS_PREFIX, rollouts, lambda r: r.to_json(), salt=salt)
 
     def partials(self, batch: int) -> dict[RolloutKey, RolloutRecord]:
         """The longest logged partial of each of `batch`'s unfinished rollouts, by key."""
