@@ -17,7 +17,16 @@ import pytest
 from flax import nnx
 from trainer_helpers import ENGINE, MODEL, rollout_batch, run_config
 
+from rlax_tpu.api.inference import GenerationRequest
 from rlax_tpu.api.param_server import ParamServerCallError
+from rlax_tpu.api.trainer import (
+    SFT_STEP,
+    BatchFormatError,
+    BatchLimits,
+    BatchReceiver,
+    TrainerClient,
+    batch_stream,
+)
 from rlax_tpu.colocation import DEFAULT_KEEP, SharedVersions
 from rlax_tpu.config import ConfigError, InferenceConfig, MeshConfig, StalenessConfig
 from rlax_tpu.deploy import DeployError
@@ -27,9 +36,11 @@ from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.models import Transformer
 from rlax_tpu.param_server import ServeOptions, start_server
 from rlax_tpu.param_server.trees import TreeClient
+from rlax_tpu.rpc.channels import make_server
 from rlax_tpu.sharding import build_mesh
 from rlax_tpu.staleness import StalenessPolicy
 from rlax_tpu.trainer import OutOfOrderStepError, Trainer
+from rlax_tpu.trainer.service import TrainerServicer
 
 TOKEN = secrets.token_hex(8)
 
@@ -167,6 +178,52 @@ def test_a_send_that_failed_in_the_background_is_made_before_the_next_step(coloc
     trainer.train_step(1, rollout_batch(1))  # publishes version 1 again first
     trainer.save()
     assert client.versions() == [0, 1, 2]
+
+
+def test_a_step_call_has_the_worker_load_the_version_it_makes(colocated):
+    """TrainStep's load_colocated, over real gRPC: when the reply comes, the worker in the
+    trainer's process runs every request with the step's version (its swap queued first),
+    serving what a Load of it would have; without the flag, or for a version no longer held,
+    it loads nothing; SftStep refuses the flag."""
+    trainer, worker = colocated["trainer"], colocated["worker"]
+    trainer.initialize()
+    worker.load(0)
+    servicer = TrainerServicer(trainer, limits=BatchLimits.from_config(trainer.config))
+    servicer.load_colocated = worker.load_handed
+    server, port = make_server("127.0.0.1", 0, auth_token=TOKEN, max_workers=2)
+    servicer.add_to_server(server)
+    server.start()
+    client = TrainerClient(f"127.0.0.1:{port}", auth_token=TOKEN)
+    try:
+        result = client.train_step(0, rollout_batch(0), load_colocated=True)
+        assert result.colocated_loaded and "time/colocated_handover_s" in result.metrics
+        # A request made at once runs with version 1 (the swap was queued before it).
+        prompt = GenerationRequest("r-0", "p-0", 0, (1, 2, 3))
+        (rollout,) = list(worker.generate([prompt], version=1))
+        assert rollout.version == 1 and rollout.finish_reason in ("stop", "length")
+        assert worker.load(1).already_loaded
+        _assert_equal(_served(worker), _placed(worker, trainer.params()))
+        loads = worker.stats()["loads"]
+        result = client.train_step(1, rollout_batch(1))  # not asked: the worker keeps 1
+        assert not result.colocated_loaded and worker.stats()["version"] == 1
+        # The repeat of a step no longer held here (3 and 4 are): nothing to hand, so the
+        # caller loads it as usual.
+        client.train_step(2, rollout_batch(2))
+        client.train_step(3, rollout_batch(3))
+        result = client.train_step(1, rollout_batch(1), load_colocated=True)
+        assert result.already_done and not result.colocated_loaded
+        assert worker.stats()["version"] == 1 and worker.stats()["loads"] == loads
+        # Asked again for a version it holds: done, and it loads nothing new.
+        result = client.train_step(3, rollout_batch(3), load_colocated=True)
+        assert result.colocated_loaded and worker.load(4).already_loaded
+    finally:
+        client.close()
+        server.stop(0)
+    assert colocated["worker_client"].pulled == []
+    sft = {name: np.ones((2, 8), np.int32) for name in ("tokens", "targets", "loss_mask")}
+    header = next(batch_stream(0, sft, load_colocated=True)).header
+    with pytest.raises(BatchFormatError, match="load_colocated, which only TrainStep"):
+        BatchReceiver(SFT_STEP).header(header)
 
 
 def test_needed_sends_only_what_a_checkpoint_relies_on_and_a_held_version_on_request(tmp_path):

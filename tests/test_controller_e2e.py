@@ -644,7 +644,16 @@ def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(wor
 
 
 def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, reference):
-    job = start_run(workspace, "on_policy", warm_from=reference, reload_every=1, max_staleness=0)
+    """On policy, co-located: each batch generates with the version of the step before it,
+    which the worker loads within the trainer's step call."""
+    job = start_run(
+        workspace,
+        "on_policy",
+        warm_from=reference,
+        reload_every=1,
+        max_staleness=0,
+        overrides=("inference.colocated=true",),
+    )
     try:
         assert job.wait() == 0, job.output()[-5000:]
     finally:
@@ -655,7 +664,13 @@ def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, ref
     # step's bookkeeping, except where an evaluation of that version came first.
     rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = {r["step"] for r in rows if "eval_accuracy" in r and 0 < r["step"] < STEPS}
-    assert summary(job.run_dir)["batches_launched_early"] == STEPS - 1 - len(evaluated)
+    result = summary(job.run_dir)
+    assert result["batches_launched_early"] == STEPS - 1 - len(evaluated)
+    # Each of those batches' version was loaded within the trainer's step call (TrainStep's
+    # load_colocated), so the controller made no Load call for it.
+    assert result["loads_with_step"] == result["batches_launched_early"]
+    loaded_with_step = [r for r in rows if "train/time/colocated_handover_s" in r]
+    assert len(loaded_with_step) == result["loads_with_step"]
 
 
 def test_a_colocated_run_killed_with_its_trainer_resumes_to_the_disaggregated_runs_weights(
@@ -684,6 +699,9 @@ def test_a_colocated_run_killed_with_its_trainer_resumes_to_the_disaggregated_ru
     assert handed in first and "[trainer-0]" in first
     assert "ComponentFailed: trainer-0 (pid " in first
     result = summary(job.run_dir)
+    # Off policy the next batch is already generating when a step ends: the worker loads
+    # each version when its job comes, never within the trainer's step call.
+    assert result["loads_with_step"] == 0
     assert 0 < result["start_step"] < STEPS
     assert result["final_digest"] == summary(reference)["final_digest"]
     assert_same_rollouts(job.run_dir, reference)

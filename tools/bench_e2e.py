@@ -80,6 +80,10 @@ STEP_PARTS = {
     "trainer_jitted_step": "train/time/step_s",
     "trainer_recompute": "train/time/recompute_s",
     "trainer_publish": "train/time/publish_s",
+    # Co-located: the hand-over of the step's version to the worker within the trainer's
+    # step call (TrainStep's load_colocated; the swap itself runs after the reply, before
+    # the worker's next request), in the steps that had it; the controller loads nothing.
+    "trainer_colocated_handover": "train/time/colocated_handover_s",
 }
 # A step's compute: generation and the jitted update; the rest of controller_step is overhead.
 COMPUTE_PARTS = ("worker_generate", "trainer_jitted_step")
@@ -277,9 +281,12 @@ def run_mode(
 def compute_split(step_ms: dict[str, float]) -> dict[str, float | None]:
     """A step's compute (generation + the jitted update) and the rest of the controller's
     step (overhead), in ms, from the step_ms medians, and the version hand-off (the
-    trainer's publish + the worker's load); None when a part was not measured."""
+    trainer's publish + the worker's load, by the controller's call or, co-located, within the
+    trainer's step call); None when a part was not measured."""
     handoff = [step_ms.get("trainer_publish"), step_ms.get("worker_load")]
-    publish_load = None if None in handoff else round(sum(handoff), 1)
+    publish_load = None
+    if None not in handoff:
+        publish_load = round(sum(handoff) + step_ms.get("trainer_colocated_handover", 0.0), 1)
     step = step_ms.get("controller_step")
     parts = [step_ms.get(p) for p in COMPUTE_PARTS]
     if step is None or None in parts or sum(parts) <= 0:

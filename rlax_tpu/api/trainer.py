@@ -44,6 +44,9 @@ class StepResult:
     already_done: bool = False
     # The trained batch's content (`batch_digest`): a repeat of the step must send the same.
     batch_digest: str = ""
+    # The call's, not the step's (not recorded): the co-located worker's requests run with
+    # `version` from the reply on (TrainerClient.train_step's load_colocated).
+    colocated_loaded: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = {"step": self.step, "version": self.version, "metrics": self.metrics}
@@ -226,12 +229,15 @@ def batch_stream(
     arrays: Mapping[str, Any],
     *,
     max_message_bytes: int = TrainerConfig.max_message_bytes,
+    load_colocated: bool = False,
 ) -> Iterator[pb.BatchChunk]:
     """The messages of one TrainStep / SftStep call: the header, data chunks of at most
     `max_message_bytes` each, the end mark. `arrays`: name -> numpy (or JAX) array; None
     values are left out. The header is built here, the chunks as they are sent: at most one
-    chunk's bytes are copied at a time (none of an array already C-order little-endian)."""
+    chunk's bytes are copied at a time (none of an array already C-order little-endian).
+    `load_colocated`: the header's flag (TrainStep only)."""
     header, buffers = _header_and_buffers(step, arrays)
+    header.load_colocated = load_colocated
     if header.ByteSize() + CHUNK_OVERHEAD_BYTES > max_message_bytes:
         raise ValueError(
             f"the header alone ({header.ByteSize()} bytes) does not fit max_message_bytes = "
@@ -302,6 +308,7 @@ class BatchReceiver:
     def __init__(self, schema: StreamSchema, limits: BatchLimits | None = None) -> None:
         self.schema, self.limits = schema, limits or BatchLimits()
         self.step: int | None = None
+        self.load_colocated = False  # the header's (TrainStep only)
         self._arrays: dict[str, np.ndarray] = {}
         self._targets: list[tuple[str, np.ndarray]] = []  # (field, flat uint8 view), in order
         self._index = self._offset = 0  # where the next byte goes: target, byte in it
@@ -344,6 +351,11 @@ class BatchReceiver:
             self._arrays[name] = array
             self._targets.append((f"{self.schema.prefix}{name}", array.reshape(-1).view(np.uint8)))
         self.declared_bytes = sum(target.size for _, target in self._targets)
+        if header.load_colocated and self.schema is not TRAIN_STEP:
+            raise BatchFormatError(
+                self._stream, "asks for load_colocated, which only TrainStep makes a version for"
+            )
+        self.load_colocated = header.load_colocated
         self.step = header.step
 
     def data(self, data: bytes | memoryview) -> None:
@@ -503,6 +515,7 @@ def result_to_proto(result: StepResult) -> pb.TrainStepReply:
         version=result.version,
         already_done=result.already_done,
         metrics={str(k): float(v) for k, v in result.metrics.items()},
+        colocated_loaded=result.colocated_loaded,
     )
 
 
@@ -512,6 +525,7 @@ def result_from_proto(reply: pb.TrainStepReply) -> StepResult:
         version=reply.version,
         metrics=dict(reply.metrics),
         already_done=reply.already_done,
+        colocated_loaded=reply.colocated_loaded,
     )
 
 
@@ -533,10 +547,16 @@ class TrainerClient(ComponentClient):
         self.max_message_bytes = max_message_bytes or TrainerConfig.max_message_bytes
         self._stub = pb_grpc.TrainerStub(self._channel)
 
-    def train_step(self, step: int, batch: RolloutArrays | Any) -> StepResult:
+    def train_step(
+        self, step: int, batch: RolloutArrays | Any, *, load_colocated: bool = False
+    ) -> StepResult:
         """Train step `step` on `batch` (making version step + 1, published only if workers
-        may load it or it is the run's last), or its recorded result."""
-        return self._stream("TrainStep", step, TRAIN_STEP.arrays_of(batch))
+        may load it or it is the run's last), or its recorded result. `load_colocated`
+        (inference.colocated): the worker in the trainer's process queues its load of the
+        new version before the reply, so every request after it runs with that version
+        (`StepResult.colocated_loaded` says whether it did)."""
+        arrays = TRAIN_STEP.arrays_of(batch)
+        return self._stream("TrainStep", step, arrays, load_colocated=load_colocated)
 
     def sft_step(self, step: int, tokens: Any, targets: Any, loss_mask: Any) -> StepResult:
         """tokens, targets: int32[batch, seq]; loss_mask: bool|float32[batch, seq]."""
@@ -568,8 +588,12 @@ class TrainerClient(ComponentClient):
         except grpc.RpcError as e:
             raise _call_error(e, f"GetStatus on {self.address}") from None
 
-    def _stream(self, method: str, step: int, arrays: Mapping[str, Any]) -> StepResult:
-        chunks = batch_stream(step, arrays, max_message_bytes=self.max_message_bytes)
+    def _stream(
+        self, method: str, step: int, arrays: Mapping[str, Any], load_colocated: bool = False
+    ) -> StepResult:
+        chunks = batch_stream(
+            step, arrays, max_message_bytes=self.max_message_bytes, load_colocated=load_colocated
+        )
         try:
             reply = getattr(self._stub, method)(chunks, timeout=self.timeout_s)
         except grpc.RpcError as e:

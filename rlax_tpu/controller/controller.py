@@ -85,6 +85,9 @@ def _fresh_stats() -> dict[str, int]:
         # Batches launched as soon as their version existed, before the previous step's
         # bookkeeping (Controller._launches_early).
         "batches_launched_early": 0,
+        # Co-located: versions the worker loaded within the trainer's step call, so the
+        # controller made no Load call for them (Controller._loads_with_step).
+        "loads_with_step": 0,
     }
 
 
@@ -269,8 +272,12 @@ class Controller:
                 t_assemble = time.perf_counter()
                 assembled = self.builder.assemble(batch, selection)
                 t_train = time.perf_counter()
-                result = self.c.trainer.train_step(step, assembled.batch)
+                hand_over = self._loads_with_step(step)
+                result = self.c.trainer.train_step(step, assembled.batch, load_colocated=hand_over)
                 t_trained = time.perf_counter()
+                if result.colocated_loaded:  # the worker's next job loads nothing
+                    self.pool.loaded(0, result.version)
+                    self.stats["loads_with_step"] += 1
                 trainer_busy += t_trained - t_train
                 if self._launches_early(step + 1):
                     # The next batch's generation starts as soon as its version exists; this
@@ -456,6 +463,19 @@ class Controller:
             or self.pool.in_flight is not None
             or self.episodes is not None
         )
+
+    def _loads_with_step(self, step: int) -> bool:
+        """Whether the co-located worker (inference.colocated) loads version step + 1 within
+        the trainer's step call, saving a Load call on the step's path: only when the batches
+        launched next generate with that version at once (`_launches_early`) and no other
+        batch is generating, so the worker would load it next anyway and the load aborts
+        nothing. A function of the config and the step, not of timing."""
+        if not self.config.inference.colocated or not self._launches_early(step + 1):
+            return False
+        if set(self._batches) != {step}:
+            return False
+        launched = self.schedule.to_launch(step + 1, self._batches)
+        return bool(launched) and all(version == step + 1 for _, version in launched)
 
     def _launch_ahead(self, step: int) -> int:
         """Start every batch whose version is published (trainer at version `step`); returns

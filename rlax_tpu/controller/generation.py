@@ -262,6 +262,10 @@ class GenerationPool:
         """The version each worker loaded last (-1: none, or lost)."""
         return self.threads.worker_versions
 
+    def loaded(self, i: int, version: int) -> None:
+        """Worker i holds `version` (WorkerThreads.loaded)."""
+        self.threads.loaded(i, version)
+
     @property
     def busy_s(self) -> list[float]:
         """Seconds each worker's thread spent on jobs."""

@@ -271,6 +271,12 @@ class WorkerThreads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._threads = []
 
+    def loaded(self, i: int, version: int) -> None:
+        """Worker i holds `version`, loaded outside its thread (co-located: by the trainer's
+        step call), so its next job of that version loads nothing. Only while worker i has
+        no job: its thread reads this when it takes one."""
+        self.worker_versions[i] = version
+
     def _work(self, i: int) -> None:
         client = self.workers[i]
         while True:

@@ -140,6 +140,9 @@ class InferenceWorker:
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load at a time: pulls must not interleave
         self._version = self._engine.version
+        # A handed version's swap queued on the engine thread and not yet run (`load_handed`):
+        # (version, its future); requests submitted meanwhile run with that version.
+        self._handing: tuple[int, concurrent.futures.Future] | None = None
         self._in_flight: dict[str, _Pending] = {}
         self._recorded: collections.OrderedDict[str, tuple[tuple, Rollout]] = (
             collections.OrderedDict()
@@ -196,14 +199,16 @@ class InferenceWorker:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._check_open()
-            if self._version < 0:
+            # A request queued now runs after a handed version's swap (`load_handed`).
+            serving = self._version if self._handing is None else self._handing[0]
+            if serving < 0:
                 raise NotLoadedError(
                     "the worker holds no weights yet: Load a version before Generate"
                 )
-            if version is not None and version != self._version:
+            if version is not None and version != serving:
                 raise VersionMismatchError(
                     f"the batch asks for version {version} but the worker holds version "
-                    f"{self._version}; Load {version} first"
+                    f"{serving}; Load {version} first"
                 )
             keys = [_request_key(r, self.default_sampling) for r in requests]
             for request, key in zip(requests, keys, strict=True):  # check all before changing any
@@ -249,6 +254,9 @@ class InferenceWorker:
             )
         with self._load_lock:
             self._check_open()
+            handing = self._handing
+            if handing is not None:  # a handed version's swap runs first (its error is logged)
+                concurrent.futures.wait([handing[1]])
             if version == self._version:
                 return LoadResult(version, already_loaded=True, aborted=())
             first, t0 = self._version < 0, time.perf_counter()
@@ -269,6 +277,49 @@ class InferenceWorker:
         if self.param_server is not None:  # off the load's path, in order
             self._confirmations.submit(self._confirm, version)
         return LoadResult(version, already_loaded=False, aborted=tuple(aborted))
+
+    def load_handed(self, version: int) -> bool:
+        """Co-located (inference.colocated): load `version`, which the trainer in this
+        process has just published and handed to this worker, as the trainer's step call
+        asks (TrainStep's load_colocated), saving the caller a Load call. Returns at once:
+        the swap is queued on the engine thread, so every request submitted from now on runs
+        with `version` (as after a Load), and the swap's device work overlaps the caller's
+        next steps. False, loading nothing, when `version` is not a multiple of η, the
+        worker is closed, or the version is not held here (the caller then Loads it); a
+        swap that fails is logged, and the caller's next Generate of `version` is refused,
+        so it Loads it and sees the error."""
+        shared = self.weights.shared
+        if shared is None or not self.policy.is_loadable(version):
+            return False
+        with self._load_lock:
+            with self._lock:
+                if self._failure is not None:
+                    return False
+                serving = self._version if self._handing is None else self._handing[0]
+            if version == serving:
+                return True
+            params = shared.take(version)
+            if params is None:
+                return False
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            with self._lock:  # queued and announced at once: no Generate sees neither
+                if self._failure is not None:
+                    return False
+                self._handing = (version, future)
+                self._commands.put((lambda: self._swap(version, params), future))
+        future.add_done_callback(lambda done: self._handed(version, done))
+        return True
+
+    def _handed(self, version: int, done: concurrent.futures.Future) -> None:
+        """After a handed version's swap: what `load` does after its own."""
+        with self._lock:
+            if self._handing is not None and self._handing[1] is done:
+                self._handing = None
+        if done.exception() is not None:
+            _log.warning("the co-located load of version %d failed: %s", version, done.exception())
+            return
+        if self.param_server is not None:
+            self._confirmations.submit(self._confirm, version)
 
     def _confirm(self, version: int) -> None:
         self.weights.wait_sent(version)  # co-located: the server holds it before we confirm
@@ -425,6 +476,8 @@ class InferenceWorker:
         aborted = self._engine.load(version, params)
         with self._lock:
             self._version = self._engine.version
+            if self._handing is not None and self._handing[0] == version:
+                self._handing = None  # (its future's callback clears it too, on failure)
             self._recorded.clear()  # results of the old version must not answer new calls
             self._counters["loads"] += 1
         self._deliver(aborted)

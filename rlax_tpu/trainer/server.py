@@ -17,7 +17,9 @@ Co-located (`inference.colocated`): the process also builds the run's one infere
 on the same devices and serves it on a second gRPC server (announced as `ALSO
 inference_worker-0 host:port` before READY); the trainer hands it each version it publishes
 (rlax_tpu.colocation) and sends it to the parameter server in the background, or, with
-inference.colocated_publish "needed", only when a snapshot may rely on it.
+inference.colocated_publish "needed", only when a snapshot may rely on it. A step call that
+asks for it (load_colocated) has the worker queue its load of the new version before the
+reply.
 """
 
 from __future__ import annotations
@@ -297,6 +299,9 @@ def main(args: argparse.Namespace) -> int:
                 param_server.close()
             return 2
         announce_also(DEFAULT_WORKER_ID, colocated_worker[3])
+        # A step call may have the worker load the version it makes (TrainStep's
+        # load_colocated): the controller then makes no Load call of its own.
+        servicer.load_colocated = colocated_worker[1].load_handed
     processes = f", {distributed.describe()}" if distributed.is_multi_process else ""
     announce_ready(
         address,

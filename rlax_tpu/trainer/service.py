@@ -9,9 +9,10 @@ INVALID_ARGUMENT naming the field or the problem, and trainer errors map to stat
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -59,9 +60,9 @@ def status_code(error: BaseException) -> grpc.StatusCode:
 
 def receive(
     chunks: Iterable[pb.BatchChunk], schema: StreamSchema, limits: BatchLimits
-) -> tuple[int, dict[str, np.ndarray | None]]:
-    """(step, arrays) of a whole stream, or BatchFormatError at its first fault (the rest of
-    the stream is then not read)."""
+) -> tuple[int, dict[str, np.ndarray | None], BatchReceiver]:
+    """(step, arrays, the receiver: its header's options) of a whole stream, or
+    BatchFormatError at its first fault (the rest of the stream is then not read)."""
     receiver = BatchReceiver(schema, limits)
     try:
         for chunk in chunks:
@@ -72,7 +73,7 @@ def receive(
             f"was cut off after {receiver.received_bytes} of {receiver.declared_bytes} bytes "
             "(the client cancelled the call, or its deadline passed)",
         ) from None
-    return receiver.finish()
+    return (*receiver.finish(), receiver)
 
 
 def batch_from_arrays(
@@ -110,6 +111,10 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.trainer = trainer
         self.limits = limits or BatchLimits()
         self.lock = threading.Lock()
+        # inference.colocated: the worker in this process loads a version the trainer has
+        # just handed it (True: its requests from then on run with it); set once that
+        # worker exists.
+        self.load_colocated: Callable[[int], bool] | None = None
 
     def add_to_server(self, server: grpc.Server) -> None:
         pb_grpc.add_TrainerServicer_to_server(self, server)
@@ -119,15 +124,23 @@ class TrainerServicer(pb_grpc.TrainerServicer):
     ) -> pb.TrainStepReply:
         start = time.perf_counter()
         try:
-            step, arrays = receive(request_iterator, TRAIN_STEP, self.limits)
+            step, arrays, receiver = receive(request_iterator, TRAIN_STEP, self.limits)
             batch = batch_from_arrays(arrays, vocab_size=self.limits.vocab_size)
             received = time.perf_counter()
             with self.lock:
                 result = self.trainer.train_step(step, batch)
+                trained = time.perf_counter()
+                if receiver.load_colocated and self.load_colocated is not None:
+                    # Under the lock: the next step cannot replace what the worker takes.
+                    # The worker queues the swap and returns; its requests run after it.
+                    loaded = self.load_colocated(result.version)
+                    result = dataclasses.replace(result, colocated_loaded=loaded)
         except Exception as e:
             _abort(context, e)
         if not result.already_done:  # the handler's own time, around the trainer's figures
             result.metrics["time/receive_batch_s"] = received - start
+            if result.colocated_loaded:
+                result.metrics["time/colocated_handover_s"] = time.perf_counter() - trained
             result.metrics["time/handler_s"] = time.perf_counter() - start
         return result_to_proto(result)
 
@@ -135,7 +148,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self, request_iterator: Iterable[pb.BatchChunk], context: grpc.ServicerContext
     ) -> pb.TrainStepReply:
         try:
-            step, arrays = receive(request_iterator, SFT_STEP, self.limits)
+            step, arrays, _ = receive(request_iterator, SFT_STEP, self.limits)
             arrays = sft_arrays(arrays, vocab_size=self.limits.vocab_size)
             with self.lock:
                 result = self.trainer.sft_step(step, **arrays)
