@@ -9,6 +9,7 @@ run, with the default "needed")."""
 import contextlib
 import dataclasses
 import secrets
+import threading
 import time
 
 import jax
@@ -195,11 +196,15 @@ def test_a_step_call_has_the_worker_load_the_version_it_makes(colocated):
     server.start()
     client = TrainerClient(f"127.0.0.1:{port}", auth_token=TOKEN)
     try:
+        gate = threading.Event()
+        worker._on_engine(gate.wait)  # the engine thread waits: the swap below stays queued
         result = client.train_step(0, rollout_batch(0), load_colocated=True)
         assert result.colocated_loaded and "time/colocated_handover_s" in result.metrics
-        # A request made at once runs with version 1 (the swap was queued before it).
-        prompt = GenerationRequest("r-0", "p-0", 0, (1, 2, 3))
-        (rollout,) = list(worker.generate([prompt], version=1))
+        assert worker.version == 0  # not swapped yet...
+        # ... but a request made now is for version 1: it runs after the queued swap.
+        stream = worker.generate([GenerationRequest("r-0", "p-0", 0, (1, 2, 3))], version=1)
+        gate.set()
+        (rollout,) = list(stream)
         assert rollout.version == 1 and rollout.finish_reason in ("stop", "length")
         assert worker.load(1).already_loaded
         _assert_equal(_served(worker), _placed(worker, trainer.params()))

@@ -533,3 +533,64 @@ def test_an_episode_turns_id_leads_back_to_its_first_request_whatever_the_datase
     assert episode_root("eval:d:a/turn1/v3") == "eval:d:a/turn1/v3"  # the first turn itself
     assert episode_root("eval:d:a/turn1/v3/turn4") == "eval:d:a/turn1/v3"
     assert episode_root("b0:d:x/turnstile/s0/v0") == "b0:d:x/turnstile/s0/v0"
+
+
+def test_a_resumed_batch_keeps_the_verdicts_an_earlier_process_logged(tmp_path):
+    """A batch whose rollouts an earlier process logged with their verdicts (a run resumed
+    after it) is judged by those verdicts, not again (a judge need not answer the same
+    twice); only the rollouts it had not judged go to the verifier."""
+    import threading
+
+    from rlax_tpu.api.inference import LoadResult, Rollout
+    from rlax_tpu.api.records import Judgement
+    from rlax_tpu.config import RunConfig
+    from rlax_tpu.controller.batches import BatchBuilder
+    from rlax_tpu.controller.generation import BatchState, Prompt
+    from rlax_tpu.controller.snapshots import RolloutLog
+    from rlax_tpu.data.datasets import PromptRecord
+
+    class Worker:  # answers "5" to every request
+        address = "worker"
+
+        def load(self, version, *, evaluation=False):
+            return LoadResult(version=version, already_loaded=False, aborted=())
+
+        def generate(self, requests, version):
+            for r in requests:
+                yield Rollout(
+                    r.request_id, r.prompt_id, r.sample_index, version, (1,), (53,), (0.0,), "stop"
+                )
+
+    earlier = RolloutLog(str(tmp_path))  # the process before the resume: judged b0:d:0 only
+    logged = rollout("b0:d:0", 0, 0, [1], [53])
+    earlier.append(0, [logged])
+    earlier.append_verdicts(0, [(logged.key, Judgement(0.25, "graded", "the earlier judge"))])
+    earlier.close()
+    pool = one_sample_pool([Worker()], tmp_path)
+    service = FaultyService()
+    builder = BatchBuilder(
+        RunConfig(),
+        pool=pool,
+        scorer=scorer(service, {}),
+        log=pool.log,
+        refill=None,
+        replay=None,
+        policy=StalenessPolicy(1, 0),
+        encode=lambda record: (1,),
+        counters={},
+    )
+    try:
+        batch = BatchState(0, 0, samples=1)
+        records = [
+            PromptRecord(dataset="d", id=str(i), prompt="2+3", reference="5", verifier="arithmetic")
+            for i in range(2)
+        ]
+        pool.submit(batch, [Prompt(f"b0:d:{i}", (1,), r) for i, r in enumerate(records)])
+        assert pool.wait(batch, threading.Event())
+        builder.judge(batch)
+    finally:
+        pool.stop()
+        service.service.close()
+    judged = {p: (j.reward, j.verdict) for (p, _), j in batch.judgements.items()}
+    assert judged == {"b0:d:0": (0.25, "graded"), "b0:d:1": (1.0, "accepted")}
+    assert service.calls == [["b0:d:1/s0/v0"]]
