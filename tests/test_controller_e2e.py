@@ -645,32 +645,35 @@ def test_the_off_policy_preset_evaluates_the_newest_version_workers_may_load(wor
 
 def test_on_policy_trains_only_on_rollouts_of_the_current_version(workspace, reference):
     """On policy, co-located: each batch generates with the version of the step before it,
-    which the worker loads within the trainer's step call."""
-    job = start_run(
-        workspace,
-        "on_policy",
-        warm_from=reference,
-        reload_every=1,
-        max_staleness=0,
-        overrides=("inference.colocated=true",),
-    )
-    try:
-        assert job.wait() == 0, job.output()[-5000:]
-    finally:
-        job.cleanup()
-    for batch, rows in RolloutLog(str(job.run_dir)).consumed().items():
+    which the worker loads within the trainer's step call; the same run disaggregated (the
+    worker Loads each version from the parameter server) trains bitwise the same rollouts
+    to the same weights."""
+    runs = {}
+    for name, overrides in (("on_policy", ("inference.colocated=true",)), ("apart", ())):
+        staleness = {"reload_every": 1, "max_staleness": 0}
+        job = start_run(workspace, name, warm_from=reference, overrides=overrides, **staleness)
+        try:
+            assert job.wait() == 0, job.output()[-5000:]
+        finally:
+            job.cleanup()
+        runs[name] = job.run_dir
+    run_dir = runs["on_policy"]
+    for batch, rows in RolloutLog(str(run_dir)).consumed().items():
         assert {version for _, _, version in rows} == {batch}
     # Each batch but the first started as soon as its version existed, before the previous
     # step's bookkeeping, except where an evaluation of that version came first.
-    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = {r["step"] for r in rows if "eval_accuracy" in r and 0 < r["step"] < STEPS}
-    result = summary(job.run_dir)
+    result = summary(run_dir)
     assert result["batches_launched_early"] == STEPS - 1 - len(evaluated)
     # Each of those batches' version was loaded within the trainer's step call (TrainStep's
     # load_colocated), so the controller made no Load call for it.
     assert result["loads_with_step"] == result["batches_launched_early"]
     loaded_with_step = [r for r in rows if "train/time/colocated_handover_s" in r]
     assert len(loaded_with_step) == result["loads_with_step"]
+    apart = summary(runs["apart"])
+    assert apart["loads_with_step"] == 0 and apart["final_digest"] == result["final_digest"]
+    assert_same_rollouts(runs["apart"], run_dir)
 
 
 def test_a_colocated_run_killed_with_its_trainer_resumes_to_the_disaggregated_runs_weights(
