@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from trainer_helpers import ENGINE, MODEL, rollout_batch, run_config
 
-from rlax_tpu.api.inference import GenerationRequest
+from rlax_tpu.api.inference import GenerationRequest, VersionMismatchError
 from rlax_tpu.api.param_server import ParamServerCallError
 from rlax_tpu.api.trainer import (
     SFT_STEP,
@@ -229,6 +229,29 @@ def test_a_step_call_has_the_worker_load_the_version_it_makes(colocated):
     header = next(batch_stream(0, sft, load_colocated=True)).header
     with pytest.raises(BatchFormatError, match="load_colocated, which only TrainStep"):
         BatchReceiver(SFT_STEP).header(header)
+
+
+def test_a_handed_swap_that_fails_leaves_the_worker_serving_what_it_served(colocated, monkeypatch):
+    """A handed version whose swap fails: the worker keeps serving the version before it,
+    a Generate of the handed version is refused (so the controller's pool Loads it and sees
+    the error), and a later Load of it works."""
+    trainer, worker = colocated["trainer"], colocated["worker"]
+    trainer.initialize()
+    worker.load(0)
+    trainer.train_step(0, rollout_batch(0))
+    real_load = worker.engine.load
+
+    def broken(version, params):
+        raise RuntimeError("the swap failed (test)")
+
+    monkeypatch.setattr(worker.engine, "load", broken)
+    assert worker.load_handed(1)  # queued: its failure comes on the engine thread
+    worker._on_engine(lambda: None).result()  # the engine thread has run the swap
+    assert worker.version == 0
+    with pytest.raises(VersionMismatchError, match="holds version 0; Load 1 first"):
+        worker.generate([GenerationRequest("r-0", "p-0", 0, (1, 2, 3))], version=1)
+    monkeypatch.setattr(worker.engine, "load", real_load)
+    assert not worker.load(1).already_loaded and worker.version == 1
 
 
 def test_needed_sends_only_what_a_checkpoint_relies_on_and_a_held_version_on_request(tmp_path):

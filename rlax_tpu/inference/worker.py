@@ -200,7 +200,7 @@ class InferenceWorker:
         with self._lock:
             self._check_open()
             # A request queued now runs after a handed version's swap (`load_handed`).
-            serving = self._version if self._handing is None else self._handing[0]
+            serving = self._serving()
             if serving < 0:
                 raise NotLoadedError(
                     "the worker holds no weights yet: Load a version before Generate"
@@ -295,7 +295,7 @@ class InferenceWorker:
             with self._lock:
                 if self._failure is not None:
                     return False
-                serving = self._version if self._handing is None else self._handing[0]
+                serving = self._serving()
             if version == serving:
                 return True
             params = shared.take(version)
@@ -312,9 +312,6 @@ class InferenceWorker:
 
     def _handed(self, version: int, done: concurrent.futures.Future) -> None:
         """After a handed version's swap: what `load` does after its own."""
-        with self._lock:
-            if self._handing is not None and self._handing[1] is done:
-                self._handing = None
         if done.exception() is not None:
             _log.warning("the co-located load of version %d failed: %s", version, done.exception())
             return
@@ -472,16 +469,32 @@ class InferenceWorker:
             self._deliver([self._stub_rollout(rid, entry.key, finish_reason, error)])
 
     def _swap(self, version: int, params: Any) -> list[Rollout]:
-        """(engine thread) Load the weights; aborted requests go back to their callers."""
-        aborted = self._engine.load(version, params)
+        """(engine thread) Load the weights; aborted requests go back to their callers. A
+        handed version's swap ends its pending state here, whether it loads or fails."""
+        try:
+            aborted = self._engine.load(version, params)
+        except Exception:
+            with self._lock:
+                self._end_handing(version)
+            raise
         with self._lock:
             self._version = self._engine.version
-            if self._handing is not None and self._handing[0] == version:
-                self._handing = None  # (its future's callback clears it too, on failure)
+            self._end_handing(version)
             self._recorded.clear()  # results of the old version must not answer new calls
             self._counters["loads"] += 1
         self._deliver(aborted)
         return aborted
+
+    def _end_handing(self, version: int) -> None:
+        """(under _lock) The swap to `version` ran: if it was the last handed one, requests
+        now check against the version served."""
+        if self._handing is not None and self._handing[0] == version:
+            self._handing = None
+
+    def _serving(self) -> int:
+        """(under _lock) The version a request submitted now runs with: the served one, or
+        a handed version whose swap is queued ahead of it."""
+        return self._version if self._handing is None else self._handing[0]
 
     def _deliver(self, rollouts: Sequence[Rollout]) -> None:
         """Send finished rollouts to every caller waiting on them; record the final ones."""
